@@ -1,0 +1,33 @@
+# radixserve: `make serve` runs the server (demo model unless MODEL=dir), `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch goes in first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+MODEL ?=
+HOST ?= 127.0.0.1
+PORT ?= 30000
+PYTEST_ARGS ?=
+
+.PHONY: setup test serve lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: setup
+	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
+
+lint: setup
+	$(VENV)/bin/ruff check engine radix scheduler tokenizer_worker tests scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

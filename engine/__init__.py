@@ -1,0 +1,24 @@
+"""radixserve engine: front doors, launcher, protocol, GPU worker.
+
+Heavy names (``Engine``) are imported lazily so that ``engine.protocol`` stays importable
+without torch by the scheduler and tokenizer processes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.api import Engine, RequestOutput
+
+__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Engine", "RequestOutput"):
+        from engine import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
