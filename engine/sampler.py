@@ -1,0 +1,218 @@
+"""Token sampling on the logits' device, vectorised over the batch.
+
+Pipeline for one step (the order vLLM uses)::
+
+    raw logits ──▶ logprobs / top-N logprobs (reported from the *raw* logits)
+        │
+        ├─ penalties: repetition (prompt + output), frequency, presence
+        ├─ greedy rows (temperature 0 or top_k 1): argmax, no random draw at all
+        └─ random rows: / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race
+
+Sampling is an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` per token, which
+picks token i with probability ``probs[i]``. A seeded row draws ``E`` from a generator seeded
+only by ``(seed, len(output_ids))``, so its token depends on nothing but its seed, its step and
+its logits: the same seed gives the same text whatever else is in the batch and however often
+the request was preempted and resumed. Unseeded rows draw from torch's default generator for the
+device (``torch.manual_seed`` makes them reproducible in tests).
+
+Per-request Python work builds the small parameter tensors; everything per token is torch ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.protocol import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's sampling state for this step.
+
+    ``params.logprobs`` sets how many top logprobs the row wants; beam search asks for
+    ``2 * beam_width`` (up to 64) by passing a copy of its params with that value.
+    """
+
+    params: SamplingParams
+    prompt_ids: np.ndarray  # int32; the repetition penalty covers prompt tokens too
+    output_ids: np.ndarray  # int32; tokens generated so far; len() is the seeded step index
+
+
+@dataclass
+class SampleOutput:
+    """Per-row results; logprobs are log-softmax of the raw logits (before penalties)."""
+
+    token_ids: np.ndarray  # int32 [B]
+    logprobs: np.ndarray  # float32 [B], at the chosen token
+    top_ids: np.ndarray | None  # int32 [B, N], N = max requested over the batch; None if none asked
+    top_logprobs: np.ndarray | None  # float32 [B, N]
+
+
+def _row_index_and_ids(
+    id_arrays: list[np.ndarray], row_numbers: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate ragged id arrays into (row index, token id) tensors on ``device``."""
+    lengths = np.array([len(ids) for ids in id_arrays], dtype=np.int64)
+    rows = np.repeat(np.asarray(row_numbers, dtype=np.int64), lengths)
+    ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in id_arrays])
+    return torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device)
+
+
+def _token_counts(
+    id_arrays: list[np.ndarray],
+    row_numbers: list[int],
+    shape: tuple[int, int],
+    device: torch.device,
+) -> torch.Tensor:
+    """[B, V] float32 counts of each token in the given rows' ids (zero for other rows)."""
+    counts = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)
+    if row_numbers:
+        rows, ids = _row_index_and_ids(id_arrays, row_numbers, device)
+        counts.scatter_add_(0, rows * shape[1] + ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts.view(shape)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Return float32 logits with each row's repetition, frequency and presence penalties.
+
+    - repetition (HF/CTRL): for tokens seen in the prompt or the output, positive logits are
+      divided by the penalty and negative ones multiplied by it;
+    - frequency: subtract ``penalty * count`` of the token in the output;
+    - presence: subtract ``penalty`` if the token occurs in the output at all.
+    """
+    logits = logits.float()
+    device, shape = logits.device, tuple(logits.shape)
+    repetition = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    additive = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
+    ]
+    if not repetition and not additive:
+        return logits
+    output_rows = sorted(set(repetition) | set(additive))
+    output_counts = _token_counts(
+        [rows[i].output_ids for i in output_rows], output_rows, shape, device
+    )
+    logits = logits.clone()
+    if repetition:
+        prompt_counts = _token_counts(
+            [rows[i].prompt_ids for i in repetition], repetition, shape, device
+        )
+        seen = (prompt_counts > 0) | (output_counts > 0)
+        penalty = torch.tensor(
+            [r.params.repetition_penalty for r in rows], dtype=torch.float32, device=device
+        ).unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if additive:
+        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
+        presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+        logits -= frequency.unsqueeze(1) * output_counts
+        logits -= presence.unsqueeze(1) * (output_counts > 0).float()
+    return logits
+
+
+def apply_filters(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set every token outside a row's top-k / top-p / min-p set to -inf.
+
+    ``logits`` [B, V] (already temperature-scaled); per-row ``top_k`` (<= 0: off), ``top_p``
+    (1: off) and ``min_p`` (0: off), each of shape [B]. Applied in that order:
+
+    - top-k keeps the k highest logits;
+    - top-p keeps the smallest prefix of the remaining tokens, by descending probability,
+      whose probability mass reaches ``top_p`` (a token is kept while the mass *before* it is
+      below ``top_p``, so the most likely token always survives);
+    - min-p drops tokens whose probability is below ``min_p`` times the highest probability.
+      That ratio does not change when the survivors are renormalised, so it is taken over the
+      top-k set.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab_size, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    drop = positions.unsqueeze(0) >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1)
+    mass_before = torch.cat([torch.zeros_like(mass_before[:, :1]), mass_before[:, :-1]], dim=-1)
+    top_p = top_p.to(probs.dtype).unsqueeze(1)
+    # Rows at top_p == 1 skip the test: rounding can push the running sum to 1 before the tail.
+    drop |= (mass_before >= top_p) & (top_p < 1.0)
+    drop |= probs < min_p.to(probs.dtype).unsqueeze(1) * probs[:, :1]
+    filtered = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, filtered)
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """A 64-bit generator seed from (seed, step): splitmix64 so nearby pairs are unrelated."""
+    value = (seed * 0x9E3779B97F4A7C15 + step) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _exponential_noise(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[len(rows), V] Exp(1) draws: per-(seed, step) generators for seeded rows, else global."""
+    noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+    unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
+    for i, row in enumerate(rows):
+        if row.params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(_mix_seed(row.params.seed, len(row.output_ids)))
+            noise[i].exponential_(generator=generator)
+    # Exp(1) can round to exactly 0, which would turn a filtered token's 0 / 0 into NaN.
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, filters and an exponential race for non-greedy rows; returns ids [R]."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=device)
+    if bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()):
+        logits = apply_filters(logits, top_k, top_p, min_p)
+    probs = logits.softmax(dim=-1)
+    return (probs / _exponential_noise(rows, logits.shape[-1], device)).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+    """Pick one token per row of ``logits`` [B, V] following each row's ``SamplingParams``."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    penalised = apply_penalties(logits, rows)
+
+    token_ids = penalised.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        token_ids[index] = _sample_random(penalised[index], [rows[i] for i in random_rows])
+
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_ids = top_logprobs = None
+    requested = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    if requested:
+        top_n = min(max(requested), logits.shape[-1])
+        values, indices = raw_logprobs.topk(top_n, dim=-1)
+        top_ids = indices.to(torch.int32).cpu().numpy()
+        top_logprobs = values.cpu().numpy()
+    return SampleOutput(
+        token_ids=token_ids.to(torch.int32).cpu().numpy(),
+        logprobs=chosen.cpu().numpy(),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )
