@@ -1,0 +1,382 @@
+"""Radix tree over token ids whose nodes hold refcounted KV pages.
+
+A node holds a run of tokens at absolute positions ``[start, end)`` and the pages that cover it:
+page indices ``start // P .. (end - 1) // P``. Splitting a node inside a page leaves that page
+in both halves (each half holds its own reference). Where a child starts inside a page, its
+first page is its own copy of that page (it holds the parent's slots too), so the page of index
+``k`` on a path is always taken from the deepest node that covers ``k``::
+
+    positions   0 ............ 16 .......... 32 ..... 40 | 41 ..... 50
+    parent      [ page 7      ][ page 3     ][ page 9 .. )              (tokens 0..40)
+    child                                   [ page 12 ..............)   (tokens 41..50,
+                                                                         page 12 = copy of 9's
+                                                                         slots 32..40 + its own)
+
+References: every node holds one reference per page it lists (taken at insert or split,
+dropped at eviction). Running sequences hold their own references to their page tables, so
+inserting a duplicate prefix never invalidates a sequence's pages. ``lock`` pins a matched path
+(each node on it counts lockers); locked nodes are never evicted, and their page references
+stop counting as evictable. Unlocked leaves are evicted least-recently-used first, through a
+heap with lazy invalidation (no scan over all leaves per eviction).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radix.pages import OutOfPages, PageAllocator
+
+TokenIds = Sequence[int] | np.ndarray
+
+
+def _as_key(tokens: TokenIds) -> bytes:
+    return np.asarray(tokens, dtype=np.int32).tobytes()
+
+
+def _common_tokens(key: bytes, query: bytes, offset: int, limit: int) -> int:
+    """Tokens shared by ``key`` and ``query[offset:]``, at most ``limit``."""
+    n = 4 * limit
+    if key[:n] == query[offset : offset + n]:
+        return limit
+    a = np.frombuffer(key, dtype=np.int32, count=limit)
+    b = np.frombuffer(query, dtype=np.int32, count=limit, offset=offset)
+    return int(np.argmax(a != b))
+
+
+class Node:
+    __slots__ = ("key", "start", "num_tokens", "pages", "parent", "children", "lock_ref",
+                 "last_access", "evicted")
+
+    def __init__(self, key: bytes, start: int, pages: list[int], parent: Node | None) -> None:
+        self.key = key  # int32 token ids, packed
+        self.start = start
+        self.num_tokens = len(key) // 4
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        self.evicted = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def __repr__(self) -> str:
+        return f"Node([{self.start}, {self.end}), pages={self.pages}, lock={self.lock_ref})"
+
+
+@dataclass
+class PrefixMatch:
+    """The longest cached prefix of a query.
+
+    ``pages`` covers positions ``[0, length)``: the fully shared pages, then, when the match ends
+    inside a page, that page (``partial_page``) whose first ``partial_len`` slots the caller
+    copies into a fresh page of its own before writing (copy-on-write).
+    """
+
+    length: int
+    pages: list[int]
+    node: Node
+    page_size: int
+
+    @property
+    def full_pages(self) -> list[int]:
+        return self.pages[: self.length // self.page_size]
+
+    @property
+    def partial_len(self) -> int:
+        return self.length % self.page_size
+
+    @property
+    def partial_page(self) -> int | None:
+        return self.pages[self.length // self.page_size] if self.partial_len else None
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    inserted_tokens: int = 0
+    evicted_pages: int = 0
+    evicted_nodes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
+class _Lru:
+    heap: list[tuple[int, int, Node]] = field(default_factory=list)
+    counter: itertools.count = field(default_factory=itertools.count)
+
+
+class RadixTree:
+    """Longest-prefix matching at token granularity over paged KV, with LRU eviction.
+
+    ``namespace`` (tenant, LoRA, cache salt) selects a separate tree: different namespaces never
+    share pages.
+    """
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.stats = CacheStats()
+        self._roots: dict[Hashable, Node] = {}
+        self._lru = _Lru()
+        self._clock = 0
+        self._num_nodes = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free_pages
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.allocator.num_evictable_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an allocation could get now: free ones plus those eviction would free."""
+        return self.allocator.num_free_pages + self.allocator.num_evictable_pages
+
+    def match_prefix(self, tokens: TokenIds, namespace: Hashable = None,
+                     max_len: int | None = None) -> PrefixMatch:
+        """Longest cached prefix of ``tokens`` (at most ``max_len`` tokens).
+
+        Splits the last matched node where the match ends inside it, so ``node`` covers exactly
+        the match and ``lock(node)`` pins exactly it. Touches the path for LRU.
+        """
+        query = _as_key(tokens)
+        total = len(query) // 4
+        limit = total if max_len is None else max(0, min(total, max_len))
+        node, length, pages = self._walk(self._root(namespace), query, limit, collect=True)
+        self._touch(node)
+        self.stats.queries += 1
+        self.stats.queried_tokens += total
+        self.stats.hit_tokens += length
+        return PrefixMatch(length, pages, node, self.page_size)
+
+    # -------------------------------------------------------------- mutations
+    def insert(self, tokens: TokenIds, pages: Sequence[int] | np.ndarray,
+               namespace: Hashable = None) -> int:
+        """Cache ``tokens`` whose KV sits in ``pages`` (position-aligned, from position 0).
+
+        Returns how many leading tokens were already cached: the tree keeps its own pages for
+        those and takes references only on the pages of the new suffix. The caller keeps its own
+        references either way.
+        """
+        query = _as_key(tokens)
+        total = len(query) // 4
+        needed = self.allocator.pages_for(total)
+        if len(pages) < needed:
+            raise ValueError(f"{total} tokens need {needed} pages, got {len(pages)}")
+        node, cached, _ = self._walk(self._root(namespace), query, total, collect=False)
+        if cached < total:
+            new_pages = [int(p) for p in pages[cached // self.page_size : needed]]
+            self.allocator.incref(new_pages, evictable=True)
+            leaf = Node(query[4 * cached :], cached, new_pages, node)
+            node.children[query[4 * cached : 4 * cached + 4]] = leaf
+            self._num_nodes += 1
+            node = leaf
+            self.stats.inserted_tokens += total - cached
+        self._touch(node)
+        if not node.children and node.parent is not None:
+            self._push_lru(node)
+        return cached
+
+    def lock(self, node: Node) -> None:
+        """Pin the path from ``node`` to its root against eviction."""
+        newly_locked: list[int] = []
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                newly_locked.extend(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+        self.allocator.set_evictable(newly_locked, False)
+
+    def unlock(self, node: Node) -> None:
+        newly_unlocked: list[int] = []
+        leaf = node
+        while node.parent is not None:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                newly_unlocked.extend(node.pages)
+            node = node.parent
+        self.allocator.set_evictable(newly_unlocked, True)
+        if leaf.parent is not None and leaf.lock_ref == 0 and not leaf.children:
+            self._push_lru(leaf)
+
+    def evict(self, num_pages: int) -> int:
+        """Evict unlocked leaves, least recently used first, until ``num_pages`` pages are freed
+        or nothing evictable is left. Returns the pages freed."""
+        freed = 0
+        heap = self._lru.heap
+        while freed < num_pages and heap:
+            stamp, _, node = heapq.heappop(heap)
+            if node.evicted or node.children or node.lock_ref or node.parent is None:
+                continue
+            if stamp != node.last_access:
+                self._push_lru(node)  # touched since it was queued: requeue at its real age
+                continue
+            freed += self._remove_leaf(node)
+        self.stats.evicted_pages += freed
+        return freed
+
+    def alloc_pages(self, n: int) -> np.ndarray:
+        """Allocate ``n`` pages, evicting LRU leaves when free pages run short."""
+        short = n - self.allocator.num_free_pages
+        if short > 0:
+            self.evict(short)
+        if n > self.allocator.num_free_pages:
+            raise OutOfPages(
+                f"asked for {n} pages: {self.allocator.num_free_pages} free and nothing more "
+                f"evictable ({self.allocator.num_pinned_pages} pinned by running requests)"
+            )
+        return self.allocator.alloc(n)
+
+    def reset(self) -> None:
+        """Drop every unlocked node (all of them when nothing runs)."""
+        self.evict(self.allocator.num_pages)
+
+    # -------------------------------------------------------------- internals
+    def _root(self, namespace: Hashable) -> Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = Node(b"", 0, [], None)
+        return root
+
+    def _walk(self, node: Node, query: bytes, limit: int,
+              collect: bool) -> tuple[Node, int, list[int]]:
+        page_size = self.page_size
+        pages: list[int] = []
+        pos = 0
+        while pos < limit:
+            child = node.children.get(query[4 * pos : 4 * pos + 4])
+            if child is None:
+                break
+            matched = _common_tokens(child.key, query, 4 * pos, min(child.num_tokens, limit - pos))
+            if collect:
+                first = pos // page_size
+                del pages[first:]  # the deeper node's copy of a shared boundary page wins
+                pages.extend(child.pages[: (pos + matched - 1) // page_size - first + 1])
+            pos += matched
+            if matched < child.num_tokens:
+                node = self._split(child, matched)
+                break
+            node = child
+        return node, pos, pages
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Split ``node`` after ``at`` tokens; returns the new upper node."""
+        page_size = self.page_size
+        split_pos = node.start + at
+        first_page = node.start // page_size
+        upper_pages = node.pages[: (split_pos - 1) // page_size - first_page + 1]
+        lower_pages = node.pages[split_pos // page_size - first_page :]
+        upper = Node(node.key[: 4 * at], node.start, upper_pages, node.parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        if split_pos % page_size:
+            # The page holding the split point now has two holders.
+            self.allocator.incref([lower_pages[0]], evictable=node.lock_ref == 0)
+        node.parent.children[node.key[:4]] = upper
+        node.key = node.key[4 * at :]
+        node.start = split_pos
+        node.num_tokens -= at
+        node.pages = lower_pages
+        node.parent = upper
+        upper.children[node.key[:4]] = node
+        self._num_nodes += 1
+        return upper
+
+    def _remove_leaf(self, node: Node) -> int:
+        freed = self.allocator.decref(node.pages, evictable=True)
+        parent = node.parent
+        del parent.children[node.key[:4]]
+        node.evicted = True
+        self._num_nodes -= 1
+        self.stats.evicted_nodes += 1
+        if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+            self._push_lru(parent)
+        return freed
+
+    def _touch(self, node: Node) -> None:
+        self._clock += 1
+        while node.parent is not None:
+            node.last_access = self._clock
+            node = node.parent
+
+    def _push_lru(self, node: Node) -> None:
+        lru = self._lru
+        heapq.heappush(lru.heap, (node.last_access, next(lru.counter), node))
+        if len(lru.heap) > 4 * self._num_nodes + 64:
+            # Lazy invalidation leaves stale entries behind; rebuild before they dominate.
+            live = [e for e in lru.heap
+                    if not e[2].evicted and not e[2].children and e[0] == e[2].last_access]
+            heapq.heapify(live)
+            lru.heap = live
+
+    # --------------------------------------------------------------- checking
+    def iter_nodes(self):
+        stack = [root for root in self._roots.values()]
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            stack.extend(node.children.values())
+
+    def check(self, external_refs: np.ndarray | None = None) -> None:
+        """Assert the accounting invariant from scratch.
+
+        ``external_refs[p]``, when given, is how many references running sequences hold on page
+        ``p``; then every page's refcount must equal its tree holders plus those exactly.
+        """
+        alloc = self.allocator
+        alloc.check()
+        page_size = self.page_size
+        tree_refs = np.zeros(alloc.num_pages, dtype=np.int64)
+        unlocked_refs = np.zeros(alloc.num_pages, dtype=np.int64)
+        count = 0
+        for node in self.iter_nodes():
+            count += 1
+            assert not node.evicted, f"evicted node still linked: {node!r}"
+            parent = node.parent
+            assert parent.children.get(node.key[:4]) is node, f"child key mismatch at {node!r}"
+            assert node.start == parent.end, f"{node!r} does not start where its parent ends"
+            assert node.num_tokens > 0, f"empty node {node!r}"
+            expected = (node.end - 1) // page_size - node.start // page_size + 1
+            assert len(node.pages) == expected, f"{node!r} should hold {expected} pages"
+            assert node.lock_ref >= 0 and (parent.parent is None or parent.lock_ref >= node.lock_ref)
+            np.add.at(tree_refs, node.pages, 1)
+            if node.lock_ref == 0:
+                np.add.at(unlocked_refs, node.pages, 1)
+        assert count == self._num_nodes, f"node count drifted: {count} vs {self._num_nodes}"
+        rc = alloc.refcount.astype(np.int64)
+        assert (alloc.evictable_refs == unlocked_refs).all(), (
+            "evictable references differ from the references unlocked nodes hold"
+        )
+        outside = rc - tree_refs
+        assert (outside >= 0).all(), "the tree holds references the refcount does not count"
+        if external_refs is not None:
+            bad = np.flatnonzero(outside != external_refs)
+            assert bad.size == 0, (
+                f"pages {bad[:8].tolist()} have refcounts that differ from their holders"
+            )
+        assert alloc.num_free_pages + alloc.num_evictable_pages + alloc.num_pinned_pages == (
+            alloc.num_pages
+        )

@@ -1,0 +1,245 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from radix import OutOfPages, PageAllocator, PageError, RadixTree
+from tests.radix_sim import Sim
+
+
+def make(num_pages: int = 64, page_size: int = 4) -> tuple[PageAllocator, RadixTree]:
+    alloc = PageAllocator(num_pages, page_size)
+    return alloc, RadixTree(alloc)
+
+
+def cache(tree: RadixTree, tokens: list[int], namespace=None) -> list[int]:
+    """Insert ``tokens`` on fresh pages and drop the inserting sequence's references."""
+    pages = tree.alloc_pages(tree.allocator.pages_for(len(tokens))).tolist()
+    tree.insert(tokens, pages, namespace)
+    tree.allocator.decref(pages)
+    return pages
+
+
+# ----------------------------------------------------------------- allocator
+def test_alloc_and_free_roundtrip():
+    alloc = PageAllocator(8, 16)
+    pages = alloc.alloc(3)
+    assert sorted(pages.tolist()) == [0, 1, 2]
+    assert alloc.num_free_pages == 5 and alloc.num_pinned_pages == 3
+    alloc.incref(pages[:1])
+    assert alloc.decref(pages) == 2
+    assert alloc.decref(pages[:1]) == 1
+    assert alloc.num_free_pages == 8
+    alloc.check()
+
+
+def test_alloc_more_than_free_raises():
+    alloc = PageAllocator(4, 1)
+    alloc.alloc(3)
+    with pytest.raises(OutOfPages, match="asked for 2 pages but only 1"):
+        alloc.alloc(2)
+
+
+def test_misuse_is_loud():
+    alloc = PageAllocator(4, 1)
+    pages = alloc.alloc(1)
+    alloc.decref(pages)
+    with pytest.raises(PageError, match="below zero"):
+        alloc.decref(pages)
+    with pytest.raises(PageError, match="free page"):
+        alloc.incref([2])
+    with pytest.raises(ValueError):
+        PageAllocator(0, 16)
+
+
+def test_repeated_page_in_one_call_counts_twice():
+    alloc = PageAllocator(4, 1)
+    page = alloc.alloc(1)
+    alloc.incref([page[0], page[0]])
+    assert alloc.refcount[page[0]] == 3
+    assert alloc.decref([page[0], page[0], page[0]]) == 1
+    alloc.check()
+
+
+# ---------------------------------------------------------------- matching
+def test_match_at_token_granularity_inside_a_page():
+    alloc, tree = make(page_size=4)
+    pages = cache(tree, list(range(10)))  # pages cover 0-3, 4-7, 8-9
+    m = tree.match_prefix(list(range(7)) + [99])
+    assert m.length == 7
+    assert m.full_pages == pages[:1]
+    assert m.partial_page == pages[1] and m.partial_len == 3
+    assert m.pages == pages[:2]
+    tree.check()
+
+
+def test_match_respects_max_len_and_returns_exact_node():
+    alloc, tree = make(page_size=4)
+    cache(tree, list(range(8)))
+    m = tree.match_prefix(list(range(8)), max_len=7)
+    assert m.length == 7 and m.node.end == 7
+    assert tree.match_prefix([5, 6]).length == 0
+    assert tree.match_prefix([]).length == 0
+    tree.check()
+
+
+def test_split_inside_page_shares_the_page():
+    alloc, tree = make(page_size=4)
+    pages = cache(tree, list(range(8)))
+    tree.match_prefix(list(range(6)) + [50])  # splits at 6, inside page pages[1]
+    assert tree.num_nodes == 2
+    assert alloc.refcount[pages[1]] == 2  # both halves hold it
+    assert alloc.num_evictable_pages == 2  # counted once
+    tree.check()
+    assert tree.evict(100) == 2
+    assert alloc.num_free_pages == 64
+    tree.check()
+
+
+def test_insert_returns_cached_length_and_keeps_tree_pages():
+    alloc, tree = make(page_size=4)
+    first = cache(tree, list(range(6)))
+    seq_pages = tree.alloc_pages(3).tolist()
+    tokens = list(range(6)) + [40, 41, 42, 43]
+    assert tree.insert(tokens, seq_pages) == 6
+    # The tree keeps its own pages for 0..5 and references the sequence's page for 4..9.
+    m = tree.match_prefix(tokens)
+    assert m.length == 10
+    assert m.pages == [first[0], seq_pages[1], seq_pages[2]]
+    assert alloc.refcount[seq_pages[0]] == 1  # only the sequence: the tree took no reference
+    alloc.decref(seq_pages)
+    tree.check()
+
+
+def test_duplicate_insert_never_invalidates_running_sequence():
+    sim = Sim(num_pages=32, page_size=4)
+    a = sim.admit([1, 2, 3, 4, 5, 6, 7])
+    b = sim.admit([1, 2, 3, 4, 5, 6, 7])  # nothing cached yet: its own pages
+    sim.finish(a)
+    sim.check()
+    assert sim.tree.insert(b.tokens, b.pages) == 7  # already cached: tree keeps a's pages
+    sim.tree.evict(100)
+    sim.verify_match(b.tokens, type(b.match)(7, b.pages, b.match.node, 4))  # b's pages intact
+    sim.finish(b)
+    sim.check()
+
+
+def test_full_hit_recomputes_last_token_and_copies_partial_page():
+    sim = Sim(num_pages=32, page_size=4)
+    tokens = list(range(10))
+    sim.finish(sim.admit(tokens))
+    seq = sim.admit(tokens)
+    assert seq.match.length == 9 and seq.match.partial_len == 1
+    assert seq.pages[2] != seq.match.partial_page  # a fresh page, copied into
+    sim.check()
+    sim.finish(seq)
+    sim.check()
+
+
+# ---------------------------------------------------------------- eviction
+def test_eviction_is_lru_over_leaves():
+    alloc, tree = make(num_pages=16, page_size=4)
+    cache(tree, [1] * 4)
+    cache(tree, [2] * 4)
+    cache(tree, [3] * 4)
+    tree.match_prefix([1] * 4)  # touch: now 2 is least recent
+    assert tree.evict(1) == 1
+    assert tree.match_prefix([2] * 4).length == 0
+    assert tree.match_prefix([1] * 4).length == 4
+    assert tree.match_prefix([3] * 4).length == 4
+    tree.check()
+
+
+def test_evicting_a_leaf_makes_its_parent_evictable():
+    alloc, tree = make(num_pages=16, page_size=4)
+    cache(tree, [1, 2, 3, 4, 5, 6, 7, 8])
+    cache(tree, [1, 2, 3, 4, 9, 9, 9, 9])  # splits at 4: parent [1..4], two leaves
+    assert tree.num_nodes == 3
+    assert tree.evict(16) == 3
+    assert tree.num_nodes == 0 and alloc.num_free_pages == 16
+    tree.check()
+
+
+def test_locks_block_eviction():
+    alloc, tree = make(num_pages=16, page_size=4)
+    cache(tree, list(range(8)))
+    m = tree.match_prefix(list(range(8)))
+    tree.lock(m.node)
+    assert alloc.num_evictable_pages == 0
+    assert tree.evict(10) == 0
+    tree.check()
+    tree.unlock(m.node)
+    assert alloc.num_evictable_pages == 2
+    assert tree.evict(10) == 2
+    tree.check()
+    with pytest.raises(RuntimeError, match="unlock of an unlocked"):
+        tree.unlock(m.node)
+
+
+def test_alloc_pages_evicts_on_demand_and_reports_shortfall():
+    alloc, tree = make(num_pages=4, page_size=4)
+    cache(tree, list(range(16)))  # all 4 pages cached, none free
+    assert alloc.num_free_pages == 0 and alloc.num_evictable_pages == 4
+    pages = tree.alloc_pages(2)
+    assert len(pages) == 2
+    with pytest.raises(OutOfPages, match="pinned by running requests"):
+        tree.alloc_pages(3)
+    alloc.decref(pages)
+    tree.check()
+
+
+def test_pages_shared_with_running_sequence_are_not_evictable():
+    sim = Sim(num_pages=16, page_size=4)
+    sim.finish(sim.admit(list(range(12))))
+    seq = sim.admit(list(range(12)) + [7, 7])  # shares 2 full pages, copies into a third
+    # Shared pages are pinned (locked node and running sequence); nothing else is cached.
+    assert sim.alloc.num_evictable_pages == 0
+    sim.check()
+    sim.finish(seq)
+    sim.check()
+
+
+# --------------------------------------------------------------- namespaces
+def test_namespaces_never_share():
+    alloc, tree = make()
+    cache(tree, [1, 2, 3, 4, 5], namespace="tenant-a")
+    assert tree.match_prefix([1, 2, 3, 4, 5], namespace="tenant-b").length == 0
+    assert tree.match_prefix([1, 2, 3, 4, 5]).length == 0
+    assert tree.match_prefix([1, 2, 3, 4, 5], namespace="tenant-a").length == 5
+    tree.check()
+
+
+# ------------------------------------------------------------ stats & check
+def test_stats_count_queries_hits_inserts_evictions():
+    alloc, tree = make(page_size=4)
+    cache(tree, list(range(8)))
+    tree.match_prefix(list(range(8)) + [1, 1])
+    tree.evict(1)
+    s = tree.stats
+    assert (s.queries, s.queried_tokens, s.hit_tokens, s.inserted_tokens) == (1, 10, 8, 8)
+    assert s.evicted_pages == 2 and s.hit_rate == pytest.approx(0.8)
+
+
+def test_check_catches_a_leaked_reference():
+    alloc, tree = make()
+    cache(tree, [1, 2, 3])
+    leaked = alloc.alloc(1)
+    tree.check()  # without holders given, the extra reference counts as external
+    with pytest.raises(AssertionError, match="differ from their holders"):
+        tree.check(np.zeros(alloc.num_pages, dtype=np.int64))
+    alloc.decref(leaked)
+
+
+def test_insert_needs_enough_pages():
+    alloc, tree = make(page_size=4)
+    with pytest.raises(ValueError, match="need 2 pages"):
+        tree.insert(list(range(5)), [0])
+
+
+def test_radix_does_not_import_torch():
+    code = "import sys, radix; assert 'torch' not in sys.modules; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,108 @@
+"""Random operation sequences against the radix tree and allocator (hypothesis).
+
+After every step: the accounting invariant (``check`` with the running sequences' references)
+and, on every match, that each matched slot holds the queried token at that position.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from radix import OutOfPages, PageAllocator, RadixTree
+from tests.radix_sim import Sim
+
+# A small alphabet makes shared prefixes, splits and divergences common.
+token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=40)
+
+
+class RadixMachine(RuleBasedStateMachine):
+    @initialize(page_size=st.sampled_from([1, 16, 4]), num_pages=st.integers(4, 48))
+    def setup(self, page_size: int, num_pages: int) -> None:
+        self.sim = Sim(num_pages * (16 // page_size), page_size)  # same slot budget
+        self.external: list[list[int]] = []  # pages held by something other than sequences
+
+    @rule(tokens=token_lists, namespace=st.sampled_from([None, None, "b"]))
+    def admit(self, tokens: list[int], namespace) -> None:
+        try:
+            self.sim.admit(tokens, namespace)
+        except OutOfPages:
+            pass  # admission failure must leave everything as it was: the invariant checks it
+
+    @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000))
+    def finish(self, index: int) -> None:
+        seq = self.sim.running[index % len(self.sim.running)]
+        # The namespace the sequence was admitted under is the one its match node's root is for.
+        namespace = next(ns for ns, root in self.sim.tree._roots.items() if _root(seq.match.node) is root)
+        self.sim.finish(seq, namespace)
+
+    @rule(tokens=token_lists, max_len=st.integers(0, 40))
+    def match(self, tokens: list[int], max_len: int) -> None:
+        m = self.sim.tree.match_prefix(tokens, max_len=max_len)
+        assert m.length <= min(max_len, len(tokens))
+        self.sim.verify_match(tokens, m)
+
+    @rule(num_pages=st.integers(0, 20))
+    def evict(self, num_pages: int) -> None:
+        before = self.sim.alloc.num_free_pages
+        freed = self.sim.tree.evict(num_pages)
+        assert self.sim.alloc.num_free_pages == before + freed
+        if freed < num_pages:
+            assert self.sim.alloc.num_evictable_pages == 0
+
+    @rule(n=st.integers(1, 6))
+    def alloc_external(self, n: int) -> None:
+        try:
+            self.external.append(self.sim.tree.alloc_pages(n).tolist())
+        except OutOfPages:
+            assert self.sim.alloc.num_free_pages + self.sim.alloc.num_evictable_pages < n
+
+    @precondition(lambda self: self.external)
+    @rule()
+    def free_external(self) -> None:
+        self.sim.alloc.decref(self.external.pop())
+
+    @invariant()
+    def accounting(self) -> None:
+        refs = self.sim.external_refs()
+        for pages in getattr(self, "external", []):
+            for p in pages:
+                refs[p] += 1
+        self.sim.tree.check(refs)
+
+
+def _root(node):
+    while node.parent is not None:
+        node = node.parent
+    return node
+
+
+TestRadixMachine = RadixMachine.TestCase
+TestRadixMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), token_lists), min_size=1, max_size=25))
+def test_page_size_16_matches_exactly_like_page_size_1(ops):
+    """Token granularity: the same inserts and queries match the same token counts."""
+    trees = {}
+    for page_size in (1, 16):
+        alloc = PageAllocator(4096, page_size)
+        trees[page_size] = RadixTree(alloc)
+    for is_insert, tokens in ops:
+        lengths = []
+        for tree in trees.values():
+            if is_insert:
+                pages = tree.alloc_pages(tree.allocator.pages_for(len(tokens))).tolist()
+                lengths.append(tree.insert(tokens, pages))
+                tree.allocator.decref(pages)
+            else:
+                lengths.append(tree.match_prefix(tokens).length)
+        assert lengths[0] == lengths[1]
+    for tree in trees.values():
+        tree.check()
