@@ -55,7 +55,7 @@ BYTE_LEVEL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 METASPACE_SPECIALS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     """GPT-2 style byte-level BPE with ChatML specials; no BOS is added on encode."""
     backend = Tokenizer(models.BPE())
@@ -78,7 +78,7 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def metaspace_tokenizer() -> PreTrainedTokenizerFast:
     """Llama 2 style "▁" BPE with byte fallback, a BOS on encode, and ChatML specials."""
     # The trainer cannot learn byte-fallback tokens, so train plain BPE first and rebuild the
@@ -101,7 +101,12 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
     )
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
     backend.add_special_tokens(list(METASPACE_SPECIALS))
     backend.post_processor = processors.TemplateProcessing(
