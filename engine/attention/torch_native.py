@@ -1,0 +1,126 @@
+"""Attention over paged KV with plain torch (any device): gather pages, mask, one SDPA call.
+
+A step's sequences split into at most two groups, each served by one SDPA call per layer:
+
+- decode group (sequences adding one token): q is laid out [B, kv_heads, group, head_dim] so
+  the query heads sharing a KV head attend together without repeating K/V, and the mask
+  [B, 1, 1, S] broadcasts over them;
+- extend group (the rest): queries padded to [B, max_extend], K/V gathered to
+  [B, max_pages * page_size] and a boolean mask [B, 1, max_extend, S] (causal at absolute
+  positions, sliding window where the layer has one).
+
+Gathering whole pages keeps indices few; the mask hides the unused tail of the last page.
+Padded query rows get the position of their sequence's last token so no row is fully masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.batch import BatchInput
+
+
+@dataclass
+class _Group:
+    rows: torch.Tensor | None  # token rows of [T] in this group; None: all rows, in order
+    pad_index: torch.Tensor | None  # row of [B * max_extend] for each token; None: no padding
+    page_table: torch.Tensor  # int64 [B * max_pages] flattened page ids
+    num_seqs: int
+    max_extend: int
+    kv_len: int  # max_pages * page_size
+    masks: dict[int | None, torch.Tensor]  # by sliding window
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch"
+
+    def _plan(self, batch: BatchInput) -> None:
+        decode = batch.extend_lens == 1
+        groups = [np.nonzero(decode)[0], np.nonzero(~decode)[0]]
+        groups = [g for g in groups if len(g)]
+        whole = len(groups) == 1
+        self._groups = [self._plan_group(batch, seqs, whole) for seqs in groups]
+
+    def _plan_group(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group:
+        page_size, device = self.pool.page_size, self.device
+        extend = batch.extend_lens[seqs].astype(np.int64)
+        num_seqs, max_extend = len(seqs), int(extend.max())
+        num_tokens = int(extend.sum())
+        seq_of_token = np.repeat(np.arange(num_seqs), extend)
+        offset = np.arange(num_tokens) - np.repeat(np.cumsum(extend) - extend, extend)
+        first_row = (np.cumsum(batch.extend_lens) - batch.extend_lens)[seqs]
+        rows = first_row[seq_of_token] + offset
+
+        page_start = batch.page_indptr[seqs].astype(np.int64)
+        num_pages = batch.page_indptr[seqs + 1] - page_start
+        max_pages = int(num_pages.max())
+        # Pad each page list by repeating its last page: real memory, hidden by the mask.
+        take = page_start[:, None] + np.minimum(np.arange(max_pages), num_pages[:, None] - 1)
+        page_table = batch.page_indices[take].reshape(-1).astype(np.int64)
+        kv_len = max_pages * page_size
+
+        pad_index = seq_of_token * max_extend + offset
+        query_pos = np.repeat(batch.seq_lens[seqs].astype(np.int64) - 1, max_extend)
+        query_pos[pad_index] = batch.positions[rows]
+        query_pos_t = torch.from_numpy(query_pos.reshape(num_seqs, max_extend, 1)).to(device)
+        key_pos = torch.arange(kv_len, device=device)
+        masks: dict[int | None, torch.Tensor] = {}
+        for window in set(self.sliding_windows):
+            allowed = key_pos <= query_pos_t
+            if window is not None:
+                allowed &= key_pos > query_pos_t - window
+            if max_extend == 1:
+                # Additive float mask: the faster SDPA path for single-row queries.
+                mask = torch.zeros(allowed.shape, dtype=self.pool.kv.dtype, device=device)
+                allowed = mask.masked_fill_(~allowed, float("-inf"))
+            masks[window] = allowed.unsqueeze(1)
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return _Group(
+            rows=None if whole else to_device(rows),
+            pad_index=None if num_seqs * max_extend == num_tokens else to_device(pad_index),
+            page_table=to_device(page_table),
+            num_seqs=num_seqs,
+            max_extend=max_extend,
+            kv_len=kv_len,
+            masks=masks,
+        )
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if len(self._groups) == 1:
+            return self._attend_group(layer, q, self._groups[0])
+        out = torch.empty_like(q)
+        for group in self._groups:
+            out.index_copy_(
+                0, group.rows, self._attend_group(layer, q.index_select(0, group.rows), group)
+            )
+        return out
+
+    def _attend_group(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
+        num_kv, head_dim = self.num_kv_heads, self.head_dim
+        k_pages, v_pages = self.pool.layer(layer)
+        k = k_pages.index_select(0, g.page_table).view(g.num_seqs, g.kv_len, num_kv, head_dim)
+        v = v_pages.index_select(0, g.page_table).view(g.num_seqs, g.kv_len, num_kv, head_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        mask = g.masks[self.sliding_windows[layer]]
+        if g.max_extend == 1:
+            # [B, H, D] -> [B, kv_heads, group, D]: heads h = kv * group + i share KV head kv.
+            q4 = q.view(g.num_seqs, num_kv, -1, head_dim)
+            out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=self.scale)
+            return out.reshape(q.shape)
+        if g.pad_index is not None:
+            padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
+            q = padded.index_copy_(0, g.pad_index, q)
+        q4 = q.view(g.num_seqs, g.max_extend, self.num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q4, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != num_kv
+        )
+        out = out.transpose(1, 2).reshape(-1, self.num_heads, head_dim)
+        return out if g.pad_index is None else out.index_select(0, g.pad_index)

@@ -1,0 +1,108 @@
+"""Physical KV memory: the device page pool and the host swap pool.
+
+Contract: the scheduler owns page *numbers* (which pages exist, who holds them, when they are
+free); this pool owns page *contents* and decides nothing. Every method does exactly the writes,
+copies or swaps it is told, vectorised (one indexed op per call, across all layers where the
+layout allows).
+
+Layout, one tensor for everything (a layer's K and V are contiguous, which is what FlashInfer's
+paged kernels take as ``(k_cache, v_cache)`` in NHD layout)::
+
+    kv   [num_layers, 2 (K, V), num_pages,      page_size, num_kv_heads, head_dim]  device
+    host [num_layers, 2 (K, V), num_host_pages, page_size, num_kv_heads, head_dim]  cpu, pinned
+                                                                                    when on CUDA
+    slot s of a layer = page s // page_size, offset s % page_size
+
+The device pool starts zeroed: attention kernels may read (and mask) slots no token was ever
+written to, and zeros keep those reads finite.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_host_pages: int = 0,
+    ) -> None:
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_host_pages = num_host_pages
+        self.device = torch.device(device)
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        pin = self.device.type == "cuda" and num_host_pages > 0
+        self.host = torch.zeros(
+            (num_layers, 2, num_host_pages, page_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            pin_memory=pin,
+        )
+        # Per-layer slot-major views [num_pages * page_size, heads, head_dim] for token writes.
+        self._slot_views = [
+            (
+                self.kv[i, 0].view(-1, num_kv_heads, head_dim),
+                self.kv[i, 1].view(-1, num_kv_heads, head_dim),
+            )
+            for i in range(num_layers)
+        ]
+        # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, head_dim].
+        self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, head_dim)
+
+    @staticmethod
+    def bytes_per_page(
+        *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K and V ([T, num_kv_heads, head_dim]) at ``slots`` (int64, device)."""
+        k_slots, v_slots = self._slot_views[layer]
+        k_slots.index_copy_(0, slots, k)
+        v_slots.index_copy_(0, slots, v)
+
+    def copy_pages(self, copies: np.ndarray) -> None:
+        """For each (src_page, dst_page, num_slots): copy the first num_slots slots of src into
+        dst, in every layer (copy-on-write of a partially matched page)."""
+        if len(copies) == 0:
+            return
+        copies = np.asarray(copies, dtype=np.int64)
+        counts = copies[:, 2]
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        src = np.repeat(copies[:, 0] * self.page_size, counts) + offsets
+        dst = np.repeat(copies[:, 1] * self.page_size, counts) + offsets
+        src_t, dst_t = (torch.from_numpy(a).to(self.device) for a in (src, dst))
+        self._all_slots.index_copy_(2, dst_t, self._all_slots.index_select(2, src_t))
+
+    def swap_out(self, pairs: np.ndarray) -> None:
+        """Copy whole device pages to host pages, (device_page, host_page) per row. Synchronous:
+        when it returns the device pages may be reused."""
+        if len(pairs) == 0:
+            return
+        pairs = np.asarray(pairs, dtype=np.int64)
+        device_pages = torch.from_numpy(pairs[:, 0]).to(self.device)
+        staged = self.kv.index_select(2, device_pages).to("cpu")
+        self.host.index_copy_(2, torch.from_numpy(pairs[:, 1]), staged)
+
+    def swap_in(self, pairs: np.ndarray) -> None:
+        """Copy whole host pages back to device pages, (host_page, device_page) per row."""
+        if len(pairs) == 0:
+            return
+        pairs = np.asarray(pairs, dtype=np.int64)
+        staged = self.host.index_select(2, torch.from_numpy(pairs[:, 0]))
+        device_pages = torch.from_numpy(pairs[:, 1]).to(self.device)
+        self.kv.index_copy_(2, device_pages, staged.to(self.device))

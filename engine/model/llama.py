@@ -1,0 +1,237 @@
+"""The Llama family in plain torch over a flat batch of tokens and paged KV.
+
+Covers LlamaForCausalLM (Llama 2/3, with llama3 / linear / yarn RoPE scaling),
+MistralForCausalLM (optional sliding window), Qwen2ForCausalLM (q/k/v bias) and
+Qwen3ForCausalLM (per-head q/k RMSNorm, explicit head_dim). The math follows transformers'
+implementations of the same checkpoints (the parity oracle); only the data layout differs:
+
+- tokens of all sequences are one flat [T, hidden] batch, no padding;
+- q/k/v and gate/up projections are fused into one matmul each (the loader fills the slices);
+- attention reads and writes the paged KV pool through an ``AttentionBackend``;
+- the final norm and lm_head run only on the rows whose logits are wanted.
+
+Weights are created directly on the target device and dtype and owned by the model; the loader
+copies checkpoint tensors into the views ``weight_targets`` names.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and scale in the model dtype, as transformers' RMSNorm does.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] (float32) and the cos/sin scale for the RoPE type."""
+    dim, theta = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    params = config.rope_scaling
+    if params is None:
+        return inv_freq, 1.0
+    rope_type, factor = params["rope_type"], params.get("factor")
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "llama3":
+        old_context = params["original_max_position_embeddings"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    return _yarn(inv_freq, params, dim, theta, config.max_context_len)
+
+
+def _yarn(
+    inv_freq: torch.Tensor, params: dict, dim: int, theta: float, max_context: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between (arXiv:2309.00071)."""
+    old_context = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_context / old_context
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] for absolute positions [T] (computed in float32)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Weights(nn.Module):
+    """Holds uninitialised, gradient-free parameters; the loader fills every one of them."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._factory = dict(device=device, dtype=dtype)
+
+    def _new(self, *shape: int) -> nn.Parameter:
+        return nn.Parameter(torch.empty(shape, **self._factory), requires_grad=False)
+
+
+class DecoderLayer(_Weights):
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        c = config
+        self.eps = c.rms_norm_eps
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.input_norm = self._new(c.hidden_size)
+        self.qkv = self._new(qkv_rows, c.hidden_size)
+        self.qkv_bias = self._new(qkv_rows) if c.qkv_bias else None
+        self.q_norm = self._new(c.head_dim) if c.qk_norm else None
+        self.k_norm = self._new(c.head_dim) if c.qk_norm else None
+        self.o = self._new(c.hidden_size, self.q_size)
+        self.o_bias = self._new(c.hidden_size) if c.o_bias else None
+        self.post_norm = self._new(c.hidden_size)
+        self.gate_up = self._new(2 * c.intermediate_size, c.hidden_size)
+        self.gate_up_bias = self._new(2 * c.intermediate_size) if c.mlp_bias else None
+        self.down = self._new(c.hidden_size, c.intermediate_size)
+        self.down_bias = self._new(c.hidden_size) if c.mlp_bias else None
+
+    def weight_targets(self, prefix: str, c: ModelConfig) -> dict[str, torch.Tensor]:
+        q, kv, inter = self.q_size, self.kv_size, c.intermediate_size
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        targets = {
+            prefix + "input_layernorm.weight": self.input_norm,
+            prefix + "post_attention_layernorm.weight": self.post_norm,
+            attn + "q_proj.weight": self.qkv[:q],
+            attn + "k_proj.weight": self.qkv[q : q + kv],
+            attn + "v_proj.weight": self.qkv[q + kv :],
+            attn + "o_proj.weight": self.o,
+            mlp + "gate_proj.weight": self.gate_up[:inter],
+            mlp + "up_proj.weight": self.gate_up[inter:],
+            mlp + "down_proj.weight": self.down,
+        }
+        if self.qkv_bias is not None:
+            targets[attn + "q_proj.bias"] = self.qkv_bias[:q]
+            targets[attn + "k_proj.bias"] = self.qkv_bias[q : q + kv]
+            targets[attn + "v_proj.bias"] = self.qkv_bias[q + kv :]
+        if self.o_bias is not None:
+            targets[attn + "o_proj.bias"] = self.o_bias
+        if self.q_norm is not None:
+            targets[attn + "q_norm.weight"] = self.q_norm
+            targets[attn + "k_norm.weight"] = self.k_norm
+        if self.gate_up_bias is not None:
+            targets[mlp + "gate_proj.bias"] = self.gate_up_bias[:inter]
+            targets[mlp + "up_proj.bias"] = self.gate_up_bias[inter:]
+            targets[mlp + "down_proj.bias"] = self.down_bias
+        return targets
+
+    def forward(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention.forward(index, q, k, v)
+        hidden = hidden + F.linear(out.reshape(num_tokens, self.q_size), self.o, self.o_bias)
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+
+
+class LlamaForCausalLM(_Weights):
+    """Every supported architecture: their differences are flags in ``ModelConfig``."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.config = config
+        self.embed = self._new(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, device, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = self._new(config.hidden_size)
+        self.lm_head = (
+            self.embed
+            if config.tie_word_embeddings
+            else self._new(config.vocab_size, config.hidden_size)
+        )
+        self.rope = RotaryEmbedding(config, device)
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> the tensor (or slice of a fused one) it is copied into."""
+        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.weight_targets(f"model.layers.{i}.", self.config))
+        return targets
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope(positions, hidden.dtype)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(index, hidden, cos, sin, attention)
+        hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,95 @@
+"""Load a Hugging Face checkpoint directory into ``LlamaForCausalLM``.
+
+Reads ``config.json`` (+ ``generation_config.json``) and the safetensors weights: one
+``model.safetensors``, a sharded set listed by ``model.safetensors.index.json``, or any
+``*.safetensors`` files. Tensors are read one at a time and copied straight into the model's
+(fused) parameters on the target device and dtype, so peak host memory is one tensor.
+
+Every failure is a sentence naming the file and key: missing config or weights, unsupported
+architecture (from ``ModelConfig``), a key the model does not have, a missing key, a shape
+mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+
+# Checkpoint entries that carry nothing the model needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in load order."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} lists {file.name}, which is not in {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+        p.name for p in model_dir.glob("*.pt")
+    )
+    hint = f" (found {', '.join(others)}; only safetensors weights are supported)" if others else ""
+    raise FileNotFoundError(f"{model_dir} has no *.safetensors weights{hint}")
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: ModelConfig | None = None,
+) -> LlamaForCausalLM:
+    """Build the model for ``model_dir``'s config on ``device`` and fill every weight."""
+    model_dir = Path(model_dir)
+    config = config or ModelConfig.from_dir(model_dir)
+    files = weight_files(model_dir)
+    model = LlamaForCausalLM(config, device, dtype)
+    targets = model.weight_targets()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    target = targets.get(name)
+                    if target is None:
+                        if name.endswith(_IGNORED_SUFFIXES) or (
+                            name == "lm_head.weight" and config.tie_word_embeddings
+                        ):
+                            continue
+                        raise ValueError(
+                            f"{file.name} has tensor {name!r}, which {config.architecture} with this "
+                            "config.json does not have; is config.json from the same checkpoint?"
+                        )
+                    tensor = reader.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ValueError(
+                            f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)} but "
+                            f"config.json implies {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor)
+                    loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        names = ", ".join(f.name for f in files)
+        raise ValueError(f"weights missing from {names}: {shown}")
+    return model

@@ -1,0 +1,146 @@
+"""The model runner: weights, the KV pool and an attention backend, one ``forward`` per step.
+
+Memory contract: the runner owns the device KV pages (``pool.kv``) and the host swap pages
+(``pool.host``) but decides nothing about them. Each ``BatchInput`` says which pages to swap
+out / in and which partial pages to copy (done first, in that order), which slot each new
+token's KV goes to, and which pages every sequence reads. A page's contents stay until a later
+batch overwrites them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.attention import make_backend
+from engine.batch import BatchInput
+from engine.kv_pool import KVPool
+from engine.model.config import ModelConfig
+from engine.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` means float32 on CPU and bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_gb: float | None = None,
+        mem_fraction: float = 0.85,
+        num_host_pages: int = 0,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        attention_backend: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        torch.manual_seed(seed)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = ModelConfig.from_dir(model_dir)
+        self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config)
+        self.page_size, self.num_host_pages = page_size, num_host_pages
+        c = self.config
+        page_bytes = KVPool.bytes_per_page(
+            num_layers=c.num_layers,
+            page_size=page_size,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+        )
+        self.num_pages, how = self._size_pool(page_bytes, num_pages, kv_cache_gb, mem_fraction)
+        self.kv_cache_bytes = self.num_pages * page_bytes
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB, %s) on %s, %d host pages",
+            self.num_pages,
+            page_size,
+            self.kv_cache_bytes / 2**30,
+            how,
+            self.device,
+            num_host_pages,
+        )
+        self.pool = KVPool(
+            num_layers=c.num_layers,
+            num_pages=self.num_pages,
+            page_size=page_size,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            num_host_pages=num_host_pages,
+        )
+        self.attention = make_backend(
+            attention_backend,
+            self.pool,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            sliding_windows=c.sliding_windows,
+        )
+        self.attention_backend = self.attention.name
+
+    def _size_pool(
+        self, page_bytes: int, num_pages: int | None, kv_cache_gb: float | None, mem_fraction: float
+    ) -> tuple[int, str]:
+        if num_pages is not None:
+            chosen, how = num_pages, "num_pages"
+        elif kv_cache_gb is not None:
+            chosen, how = int(kv_cache_gb * 2**30) // page_bytes, f"kv_cache_gb={kv_cache_gb}"
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # mem_fraction bounds weights + KV together; what is left stays for activations.
+            budget = free - int(total * (1.0 - mem_fraction))
+            chosen, how = (
+                max(budget, 0) // page_bytes,
+                f"mem_fraction={mem_fraction} of device memory",
+            )
+        else:
+            chosen, how = _CPU_DEFAULT_KV_BYTES // page_bytes, "CPU default of 1 GiB"
+        if chosen < 1:
+            raise ValueError(
+                f"the KV cache gets no pages ({how}, {page_bytes} bytes per page); "
+                "give num_pages, a larger kv_cache_gb or a larger mem_fraction"
+            )
+        return chosen, how
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInput) -> torch.Tensor:
+        """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
+        ``batch.logits_rows`` (default: each sequence's last new token)."""
+        batch.validate(self.page_size, self.num_pages, self.num_host_pages)
+        self.pool.swap_out(batch.swap_out)
+        self.pool.swap_in(batch.swap_in)
+        self.pool.copy_pages(batch.copies)
+        self.attention.plan(batch)
+        input_ids = torch.from_numpy(batch.input_ids.astype("int64")).to(self.device)
+        positions = torch.from_numpy(batch.positions.astype("int64")).to(self.device)
+        rows = torch.from_numpy(batch.resolved_logits_rows()).to(self.device)
+        return self.model(input_ids, positions, self.attention, rows)

@@ -1,0 +1,100 @@
+"""Tiny random Hugging Face checkpoints for runner tests, written with transformers itself.
+
+Each kind stresses a different part of the model code: GQA, an explicit head_dim that differs
+from hidden / heads, per-head q/k norms, qkv bias, sliding windows, scaled RoPE, tied
+embeddings, sharded safetensors. Weights are drawn with a fixed seed and a larger spread than
+transformers' init (and non-trivial norm weights and biases) so logits are peaked and every
+weight matters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    # GQA 4 query heads over 2 KV heads, head_dim 16
+    "llama": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    # Llama 3 style RoPE scaling
+    "llama3_rope": (
+        "LlamaForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    # explicit head_dim 24 != 64 / 4, per-head q/k RMSNorm, tied embeddings
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),
+    ),
+    # q/k/v bias, 4 query heads per KV head
+    "qwen2": ("Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
+    # every layer attends to the last 8 positions only
+    "mistral": (
+        "MistralForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    ),
+}
+
+
+def write_checkpoint(
+    path: str | Path,
+    kind: str = "llama",
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Save a random ``kind`` checkpoint (see KINDS) into ``path`` and return it.
+
+    ``max_shard_size`` (e.g. "20KB") writes sharded safetensors with an index file;
+    ``overrides`` replace config fields.
+    """
+    path = Path(path)
+    architecture, fields = KINDS[kind]
+    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_cls(**{**_COMMON, **fields, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 0.15)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def load_reference(path: str | Path) -> torch.nn.Module:
+    """transformers' own float32 model for a checkpoint: the parity oracle."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
