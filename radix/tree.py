@@ -189,6 +189,13 @@ class RadixTree:
             self.allocator.incref(new_pages, evictable=True)
             leaf = Node(query[4 * cached :], cached, new_pages, node)
             node.children[query[4 * cached : 4 * cached + 4]] = leaf
+            if cached % self.page_size and node.pages[-1] != new_pages[0]:
+                # The leaf's first page holds the parent's slots of that page too: let the parent
+                # use it and drop its own copy, so a chain of turns costs no extra page per turn.
+                evictable = node.lock_ref == 0
+                self.allocator.incref(new_pages[:1], evictable=evictable)
+                self.allocator.decref(node.pages[-1:], evictable=evictable)
+                node.pages[-1] = new_pages[0]
             self._num_nodes += 1
             node = leaf
             self.stats.inserted_tokens += total - cached
@@ -237,7 +244,7 @@ class RadixTree:
         self.stats.evicted_pages += freed
         return freed
 
-    def alloc_pages(self, n: int) -> np.ndarray:
+    def alloc_pages(self, n: int) -> list[int]:
         """Allocate ``n`` pages, evicting LRU leaves when free pages run short."""
         short = n - self.allocator.num_free_pages
         if short > 0:

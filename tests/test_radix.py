@@ -17,7 +17,7 @@ def make(num_pages: int = 64, page_size: int = 4) -> tuple[PageAllocator, RadixT
 
 def cache(tree: RadixTree, tokens: list[int], namespace=None) -> list[int]:
     """Insert ``tokens`` on fresh pages and drop the inserting sequence's references."""
-    pages = tree.alloc_pages(tree.allocator.pages_for(len(tokens))).tolist()
+    pages = tree.alloc_pages(tree.allocator.pages_for(len(tokens)))
     tree.insert(tokens, pages, namespace)
     tree.allocator.decref(pages)
     return pages
@@ -27,7 +27,7 @@ def cache(tree: RadixTree, tokens: list[int], namespace=None) -> list[int]:
 def test_alloc_and_free_roundtrip():
     alloc = PageAllocator(8, 16)
     pages = alloc.alloc(3)
-    assert sorted(pages.tolist()) == [0, 1, 2]
+    assert sorted(pages) == [0, 1, 2]
     assert alloc.num_free_pages == 5 and alloc.num_pinned_pages == 3
     alloc.incref(pages[:1])
     assert alloc.decref(pages) == 2
@@ -102,7 +102,7 @@ def test_split_inside_page_shares_the_page():
 def test_insert_returns_cached_length_and_keeps_tree_pages():
     alloc, tree = make(page_size=4)
     first = cache(tree, list(range(6)))
-    seq_pages = tree.alloc_pages(3).tolist()
+    seq_pages = tree.alloc_pages(3)
     tokens = list(range(6)) + [40, 41, 42, 43]
     assert tree.insert(tokens, seq_pages) == 6
     # The tree keeps its own pages for 0..5 and references the sequence's page for 4..9.
@@ -243,3 +243,19 @@ def test_radix_does_not_import_torch():
     code = "import sys, radix; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_chained_insert_gives_parent_the_childs_boundary_page():
+    sim = Sim(num_pages=16, page_size=4)
+    tree, alloc = sim.tree, sim.alloc
+    first = sim.admit(list(range(6)))
+    sim.finish(first)  # node [0, 6) on pages a0, a1 (a1 half full)
+    a1 = first.pages[1]
+    seq = sim.admit(list(range(10)))  # matches 6 inside a1: copies into a fresh page
+    sim.finish(seq)
+    sim.check()
+    # The parent now references the child's copy; its own half page went back to the free list.
+    assert alloc.refcount[a1] == 0
+    m = tree.match_prefix(list(range(10)))
+    assert m.length == 10 and m.pages == seq.pages
+    sim.verify_match(list(range(10)), m)
