@@ -135,9 +135,15 @@ def apply_filters(
       top-k set.
     """
     vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    positions = torch.arange(vocab_size, device=logits.device)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    # Nothing past the largest k can survive: when every row sets top-k, rank only that many
+    # candidates instead of sorting the whole vocabulary.
+    num_candidates = int(k.max())
+    if num_candidates < vocab_size:
+        sorted_logits, order = logits.topk(num_candidates, dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(num_candidates, device=logits.device)
     drop = positions.unsqueeze(0) >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = torch.cumsum(probs, dim=-1)
@@ -147,7 +153,7 @@ def apply_filters(
     drop |= (mass_before >= top_p) & (top_p < 1.0)
     drop |= probs < min_p.to(probs.dtype).unsqueeze(1) * probs[:, :1]
     filtered = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, filtered)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, filtered)
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -180,11 +186,14 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in rows], device=device)
     logits = logits / temperature.unsqueeze(1)
-    top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=device)
-    if bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()):
-        logits = apply_filters(logits, top_k, top_p, min_p)
+    # Decided on the host: the sort behind the filters is the costliest op here, skip it if unused.
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
+        logits = apply_filters(
+            logits,
+            torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device),
+            torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device),
+            torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=device),
+        )
     probs = logits.softmax(dim=-1)
     return (probs / _exponential_noise(rows, logits.shape[-1], device)).argmax(dim=-1)
 

@@ -85,6 +85,25 @@ def test_filters_are_per_row() -> None:
     assert torch.equal(filtered[kept], logits[kept])
 
 
+def test_partial_ranking_matches_full_sort() -> None:
+    # A row alone with top-k ranks only k candidates; batched with a top-k-free row, the whole
+    # vocabulary is sorted. Both must keep the same tokens.
+    torch.manual_seed(2)
+    logits = torch.randn(6, 500) * 2
+    top_k = torch.tensor([1, 5, 40, 200, 499, 500])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.99, 0.3, 0.8])
+    min_p = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.02])
+    for i in range(6):
+        alone = apply_filters(
+            logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], min_p[i : i + 1]
+        )
+        batch = apply_filters(
+            logits[[i, 0]], torch.stack([top_k[i], torch.tensor(-1)]), top_p[[i, 0]], min_p[[i, 0]]
+        )
+        assert torch.equal(torch.isfinite(alone[0]), torch.isfinite(batch[0]))
+        assert torch.isfinite(alone[0]).sum() >= 1
+
+
 def test_penalties_change_logits_exactly() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     prompt, output = [0, 1], [3, 3, 4]
@@ -190,19 +209,18 @@ def test_greedy_rows_do_not_consume_random_draws() -> None:
     assert with_greedy == without
 
 
-@pytest.mark.parametrize("seeded", [True, False])
-def test_empirical_distribution_matches_softmax(seeded: bool) -> None:
-    probs = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.5])
+@pytest.mark.parametrize(("seeded", "temperature"), [(True, 1.0), (False, 1.0), (True, 0.5)])
+def test_empirical_distribution_matches_softmax(seeded: bool, temperature: float) -> None:
+    logits = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.5]).log()
     draws = 4000
-    logits = probs.log().expand(draws, -1).contiguous()
     torch.manual_seed(11)
     if seeded:
-        rows = [row(seed=seed) for seed in range(draws)]
+        rows = [row(seed=seed, temperature=temperature) for seed in range(draws)]
     else:
-        rows = [row() for _ in range(draws)]
-    tokens = sample(logits, rows).token_ids
+        rows = [row(temperature=temperature) for _ in range(draws)]
+    tokens = sample(logits.expand(draws, -1).contiguous(), rows).token_ids
     observed = np.bincount(tokens, minlength=5)
-    expected = probs.numpy() * draws
+    expected = (logits / temperature).softmax(dim=-1).numpy() * draws
     chi_square = float(((observed - expected) ** 2 / expected).sum())
     assert chi_square < 20.0  # 4 degrees of freedom: p < 0.001 is about 18.5
 
