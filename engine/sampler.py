@@ -1,6 +1,6 @@
 """Token sampling on the logits' device, vectorised over the batch.
 
-Pipeline for one step (the order vLLM uses)::
+Pipeline for one step::
 
     raw logits ──▶ logprobs / top-N logprobs (reported from the *raw* logits)
         │
@@ -35,7 +35,9 @@ class SamplingRow:
     """One sequence's sampling state for this step.
 
     ``params.logprobs`` sets how many top logprobs the row wants; beam search asks for
-    ``2 * beam_width`` (up to 64) by passing a copy of its params with that value.
+    ``2 * beam_width`` (up to 64) by passing a copy of its params with that value. Parallel
+    samples (``n > 1``) of one seeded request need distinct seeds from the caller, or they
+    draw the same tokens.
     """
 
     params: SamplingParams
