@@ -39,13 +39,13 @@ class KVPool:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_host_pages = num_host_pages
         self.device = torch.device(device)
-        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
-        pin = self.device.type == "cuda" and num_host_pages > 0
-        self.host = torch.zeros(
-            (num_layers, 2, num_host_pages, page_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            pin_memory=pin,
+        page = (page_size, num_kv_heads, head_dim)
+        self.kv = _zeros((num_layers, 2, num_pages, *page), dtype, self.device)
+        self.host = _zeros(
+            (num_layers, 2, num_host_pages, *page),
+            dtype,
+            torch.device("cpu"),
+            pin=self.device.type == "cuda" and num_host_pages > 0,
         )
         # Per-layer slot-major views [num_pages * page_size, heads, head_dim] for token writes.
         self._slot_views = [
@@ -106,3 +106,15 @@ class KVPool:
         staged = self.host.index_select(2, torch.from_numpy(pairs[:, 0]))
         device_pages = torch.from_numpy(pairs[:, 1]).to(self.device)
         self.kv.index_copy_(2, device_pages, staged.to(self.device))
+
+
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool = False
+) -> torch.Tensor:
+    if device.type != "cpu" or pin or 0 in shape:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    # numpy's zeros is calloc: the OS hands out zero pages on first touch, so a large CPU pool
+    # costs neither start-up time nor resident memory until pages are written.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)

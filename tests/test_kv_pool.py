@@ -1,0 +1,122 @@
+"""The KV pool does exactly the writes, copies and swaps it is told; BatchInput encodes the page
+convention (slot = pages[i // P] * P + i % P) and rejects batches that break it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.batch import BatchInput
+from engine.kv_pool import KVPool
+from engine.runner import ModelRunner
+from tests.conftest_models import write_checkpoint
+
+
+def make_pool(page_size: int = 4, num_pages: int = 8, num_host_pages: int = 4) -> KVPool:
+    return KVPool(
+        num_layers=3,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=2,
+        head_dim=5,
+        dtype=torch.float32,
+        device="cpu",
+        num_host_pages=num_host_pages,
+    )
+
+
+def test_write_lands_in_the_named_slots_of_one_layer() -> None:
+    pool = make_pool()
+    k, v = torch.randn(3, 2, 5), torch.randn(3, 2, 5)
+    pool.write(1, torch.tensor([0, 9, 31]), k, v)
+    k_pages, v_pages = pool.layer(1)
+    for row, slot in enumerate([0, 9, 31]):
+        assert torch.equal(k_pages[slot // 4, slot % 4], k[row])
+        assert torch.equal(v_pages[slot // 4, slot % 4], v[row])
+    assert int((pool.kv != 0).sum()) == 2 * k.numel()  # nothing else, no other layer
+
+
+def test_copy_pages_copies_only_the_head_of_each_source_page() -> None:
+    pool = make_pool()
+    pool.kv.normal_()
+    before = pool.kv.clone()
+    pool.copy_pages(np.array([[2, 5, 3], [6, 0, 4]], dtype=np.int32))
+    assert torch.equal(pool.kv[:, :, 5, :3], before[:, :, 2, :3])
+    assert torch.equal(pool.kv[:, :, 5, 3:], before[:, :, 5, 3:])  # tail of a partial copy kept
+    assert torch.equal(pool.kv[:, :, 0], before[:, :, 6])
+    untouched = [p for p in range(8) if p not in (0, 5)]
+    assert torch.equal(pool.kv[:, :, untouched], before[:, :, untouched])
+
+
+def test_swap_out_then_in_restores_pages_elsewhere() -> None:
+    pool = make_pool()
+    pool.kv.normal_()
+    original = pool.kv[:, :, [1, 4]].clone()
+    pool.swap_out(np.array([[1, 3], [4, 0]]))
+    pool.kv.zero_()
+    pool.swap_in(np.array([[3, 6], [0, 2]]))
+    assert torch.equal(pool.kv[:, :, [6, 2]], original)
+    assert int((pool.kv[:, :, [0, 1, 3, 4, 5, 7]] != 0).sum()) == 0
+
+
+def test_bytes_per_page_counts_k_and_v_of_every_layer() -> None:
+    size = KVPool.bytes_per_page(
+        num_layers=3, page_size=4, num_kv_heads=2, head_dim=5, dtype=torch.bfloat16
+    )
+    assert size == 3 * 2 * 4 * 2 * 5 * 2
+
+
+def test_runner_sizes_the_pool_from_pages_gigabytes_or_the_cpu_default(tmp_path) -> None:
+    path = write_checkpoint(tmp_path / "llama", "llama")
+    # llama kind: 2 layers, 2 KV heads of 16 -> 2 * 2 * 2 * 16 * 4 bytes per slot in float32
+    slot_bytes = 2 * 2 * 2 * 16 * 4
+    runner = ModelRunner(path, page_size=16, kv_cache_gb=1 / 1024)
+    assert runner.num_pages == 2**20 // (16 * slot_bytes)
+    assert runner.dtype == torch.float32 and runner.attention_backend == "torch"
+    assert runner.pool.kv.shape == (2, 2, runner.num_pages, 16, 2, 16)
+    runner = ModelRunner(path, page_size=1, dtype="bfloat16")
+    assert runner.num_pages == 2**30 // (slot_bytes // 2)
+    assert runner.config.eos_token_ids == (2,)
+    with pytest.raises(ValueError, match="the KV cache gets no pages"):
+        ModelRunner(path, kv_cache_gb=1e-9)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ModelRunner(path, num_pages=4, dtype="float8")
+
+
+def test_build_follows_the_page_convention() -> None:
+    batch = BatchInput.build([([7, 2], 3, [11, 12]), ([5, 1, 0], 0, [13])], page_size=4)
+    assert batch.positions.tolist() == [3, 4, 0]
+    assert batch.extend_lens.tolist() == [2, 1] and batch.seq_lens.tolist() == [5, 1]
+    # pages beyond ceil(seq_len / P) are dropped from the table
+    assert batch.page_indptr.tolist() == [0, 2, 3] and batch.page_indices.tolist() == [7, 2, 5]
+    assert batch.out_slots.tolist() == [7 * 4 + 3, 2 * 4 + 0, 5 * 4]
+    assert batch.resolved_logits_rows().tolist() == [1, 2]
+    assert batch.last_page_lens(4).tolist() == [1, 1]
+    assert not batch.is_decode
+    batch.validate(page_size=4, num_pages=8)
+
+
+def test_build_rejects_too_few_pages_and_empty_sequences() -> None:
+    with pytest.raises(ValueError, match="need 2 pages of 4"):
+        BatchInput.build([([7], 3, [11, 12])], page_size=4)
+    with pytest.raises(ValueError, match="no new tokens"):
+        BatchInput.build([([7], 3, [])], page_size=4)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("out_slots", np.array([29, 9], dtype=np.int32), "out_slots disagree"),
+        ("positions", np.array([3, 5], dtype=np.int32), "positions must be"),
+        ("page_indices", np.array([7, 9], dtype=np.int32), r"page_indices must lie in \[0, 8\)"),
+        ("logits_rows", np.array([2], dtype=np.int32), "logits_rows"),
+        ("copies", np.array([[7, 1, 5]], dtype=np.int32), "between 1 and 4 slots"),
+        ("swap_out", np.array([[7, 4]], dtype=np.int32), "swap_out host pages"),
+    ],
+)
+def test_validate_names_what_is_wrong(field: str, value: np.ndarray, message: str) -> None:
+    batch = BatchInput.build([([7, 2], 3, [11, 12])], page_size=4)
+    setattr(batch, field, value)
+    with pytest.raises(ValueError, match=message):
+        batch.validate(page_size=4, num_pages=8, num_host_pages=4)
