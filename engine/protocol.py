@@ -1,6 +1,13 @@
-"""Messages shared by every process. msgspec Structs encoded as msgpack; never pickle.
+"""Messages shared by every process: msgspec Structs in tagged unions, encoded as msgpack.
 
-Token ids travel as packed int32 bytes (``pack_ids`` / ``unpack_ids``), never as Python lists.
+No Python-object serialisation crosses a socket. Token ids travel as packed int32 bytes
+(``pack_ids`` / ``unpack_ids``), never as Python lists.
+
+    frontend ──GenerateRequest/AbortRequest──▶ tokenizer ──TokenizedRequest/AbortRequest──▶ scheduler
+    frontend ◀────────RequestOutput─────────── tokenizer ◀──────TokenOutputs───────────── scheduler
+                                                          scheduler ──ForwardBatch──▶ worker
+                                                          scheduler ◀──BatchResult/WorkerReady── worker
+    every child ──Ready/Fatal──▶ launcher
 """
 
 from __future__ import annotations
@@ -76,3 +83,188 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad = [t for t in self.stop_token_ids if not (0 <= t < vocab_size)]
             if bad:
                 raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+
+
+# --------------------------------------------------------------------------- requests
+class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
+    """Frontend → tokenizer. Exactly one of ``text``, ``prompt_ids`` or ``messages``."""
+
+    rid: str
+    params: SamplingParams
+    text: str | None = None
+    prompt_ids: bytes | None = None
+    messages: list[dict] | None = None
+    namespace: str | None = None
+    session_id: str | None = None  # the scheduler-side history to continue (multi-turn)
+    stream: bool = True
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """Frontend → tokenizer → scheduler: stop a request and release its pages."""
+
+    rid: str
+    reason: str = "abort"
+
+
+class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
+    """Tokenizer → scheduler."""
+
+    rid: str
+    prompt_ids: bytes
+    params: SamplingParams
+    reply_to: int  # index of the tokenizer worker that gets this request's outputs
+    namespace: str | None = None
+    session_id: str | None = None
+    arrival: float = 0.0
+
+
+class SessionOpen(msgspec.Struct, tag=True):
+    """Frontend → tokenizer → scheduler: open a multi-turn session (history held server-side)."""
+
+    session_id: str
+    ttl: float
+
+
+class SessionClose(msgspec.Struct, tag=True):
+    session_id: str
+
+
+# ---------------------------------------------------------------------------- outputs
+class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one sequence of a request since the last message."""
+
+    rid: str
+    index: int  # which of the n samples / beams
+    token_ids: bytes
+    logprobs: bytes = b""  # float32 per token, when asked
+    top_ids: bytes = b""  # int32 [tokens, N]
+    top_logprobs: bytes = b""  # float32 [tokens, N]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    status: int = 200  # with an error: 400 bad input, 503 overload, 500 a bug
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replace: bool = False  # beam search: token_ids replace everything sent before
+
+
+class TokenOutputs(msgspec.Struct, tag=True):
+    """Scheduler → tokenizer, once per step for the requests that worker owns."""
+
+    outputs: list[SeqOutput]
+
+
+class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Tokenizer → frontend: one sequence's text and token delta."""
+
+    rid: str
+    index: int = 0
+    text: str = ""
+    token_ids: bytes = b""
+    logprobs: bytes = b""
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 200  # HTTP-like status of an error: 400 bad input, 503 overload, 500 bug
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replace: bool = False
+
+
+# ------------------------------------------------------------------------- the worker
+class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
+    """How to sample one logits row. ``history`` (prompt then output ids) is sent only for rows
+    with penalties; ``output_len`` is the seeded step index."""
+
+    params: SamplingParams
+    output_len: int
+    prompt_len: int = 0
+    history: bytes = b""
+
+
+class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
+    """Scheduler → worker: one step. Arrays are packed int32 (see ``engine.batch.BatchInput``).
+
+    Order of work: swap_out, swap_in, copies, forward, then sample one token per ``sampling``
+    row (rows of ``logits_rows``, which may repeat a row: parallel samples share one prefill).
+    """
+
+    batch_id: int
+    input_ids: bytes
+    positions: bytes
+    extend_lens: bytes
+    seq_lens: bytes
+    page_indptr: bytes
+    page_indices: bytes
+    out_slots: bytes
+    logits_rows: bytes
+    sampling: list[RowSampling]
+    copies: bytes = b""  # int32 [K, 3]
+    swap_out: bytes = b""  # int32 [K, 2]
+    swap_in: bytes = b""  # int32 [K, 2]
+
+
+class BatchResult(msgspec.Struct, tag=True, kw_only=True):
+    """Worker → scheduler: one sampled token per sampling row."""
+
+    batch_id: int
+    token_ids: bytes = b""
+    logprobs: bytes = b""
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+    top_n: int = 0
+    error: str | None = None
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    model: str
+    architecture: str
+    vocab_size: int
+    context_len: int
+    eos_token_ids: list[int]
+    page_size: int
+    num_pages: int
+    num_host_pages: int
+    device: str
+    dtype: str
+    attention_backend: str
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    info: ModelInfo
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Any child → launcher once it serves; the scheduler's carries the model's facts."""
+
+    name: str
+    pid: int
+    info: ModelInfo | None = None
+
+
+class Fatal(msgspec.Struct, tag=True):
+    """Any child → launcher just before it exits on an error it cannot serve past."""
+
+    name: str
+    error: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+Message = (
+    GenerateRequest | AbortRequest | TokenizedRequest | SessionOpen | SessionClose | TokenOutputs
+    | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

@@ -169,6 +169,17 @@ class RadixTree:
         self.stats.hit_tokens += length
         return PrefixMatch(length, pages, node, self.page_size)
 
+    def peek_prefix(self, tokens: TokenIds, namespace: Hashable = None,
+                    max_len: int | None = None) -> int:
+        """Length of the cached prefix, without splitting, touching or counting (for policies)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return 0
+        query = _as_key(tokens)
+        total = len(query) // 4
+        limit = total if max_len is None else max(0, min(total, max_len))
+        return self._walk(root, query, limit, collect=False, split=False)[1]
+
     # -------------------------------------------------------------- mutations
     def insert(self, tokens: TokenIds, pages: Sequence[int] | np.ndarray,
                namespace: Hashable = None) -> int:
@@ -267,8 +278,8 @@ class RadixTree:
             root = self._roots[namespace] = Node(b"", 0, [], None)
         return root
 
-    def _walk(self, node: Node, query: bytes, limit: int,
-              collect: bool) -> tuple[Node, int, list[int]]:
+    def _walk(self, node: Node, query: bytes, limit: int, collect: bool,
+              split: bool = True) -> tuple[Node, int, list[int]]:
         page_size = self.page_size
         pages: list[int] = []
         pos = 0
@@ -283,7 +294,7 @@ class RadixTree:
                 pages.extend(child.pages[: (pos + matched - 1) // page_size - first + 1])
             pos += matched
             if matched < child.num_tokens:
-                node = self._split(child, matched)
+                node = self._split(child, matched) if split else node
                 break
             node = child
         return node, pos, pages

@@ -259,3 +259,14 @@ def test_chained_insert_gives_parent_the_childs_boundary_page():
     m = tree.match_prefix(list(range(10)))
     assert m.length == 10 and m.pages == seq.pages
     sim.verify_match(list(range(10)), m)
+
+
+def test_peek_prefix_changes_nothing():
+    alloc, tree = make(page_size=4)
+    cache(tree, list(range(10)))
+    stats_before = (tree.stats.queries, tree.num_nodes)
+    assert tree.peek_prefix(list(range(7)) + [99]) == 7
+    assert tree.peek_prefix(list(range(10)), max_len=9) == 9
+    assert tree.peek_prefix([1, 2], namespace="other") == 0
+    assert (tree.stats.queries, tree.num_nodes) == stats_before
+    tree.check()

@@ -1,0 +1,110 @@
+"""The GPU worker process: receives a ForwardBatch, runs copies/swaps, the forward and the
+sampler, and replies with one token per sampling row. It decides nothing about memory."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import numpy as np
+import zmq
+
+from engine.batch import BatchInput
+from engine.config import EngineConfig, LaunchSpec
+from engine.protocol import (
+    BatchResult,
+    ForwardBatch,
+    ModelInfo,
+    Shutdown,
+    WorkerReady,
+    decode,
+    encode,
+    unpack_ids,
+)
+
+logger = logging.getLogger("radixserve.worker")
+
+
+def _pairs(data: bytes, width: int) -> np.ndarray:
+    return unpack_ids(data).reshape(-1, width) if data else np.zeros((0, width), dtype=np.int32)
+
+
+def to_batch_input(msg: ForwardBatch) -> BatchInput:
+    return BatchInput(
+        input_ids=unpack_ids(msg.input_ids),
+        positions=unpack_ids(msg.positions),
+        extend_lens=unpack_ids(msg.extend_lens),
+        seq_lens=unpack_ids(msg.seq_lens),
+        page_indptr=unpack_ids(msg.page_indptr),
+        page_indices=unpack_ids(msg.page_indices),
+        out_slots=unpack_ids(msg.out_slots),
+        logits_rows=unpack_ids(msg.logits_rows),
+        copies=_pairs(msg.copies, 3),
+        swap_out=_pairs(msg.swap_out, 2),
+        swap_in=_pairs(msg.swap_in, 2),
+    )
+
+
+class Worker:
+    def __init__(self, c: EngineConfig) -> None:
+        from engine.runner import ModelRunner
+
+        self.runner = ModelRunner(
+            c.model, page_size=c.page_size, num_pages=c.num_pages, kv_cache_gb=c.kv_cache_gb,
+            mem_fraction=c.mem_fraction, num_host_pages=c.num_host_pages, device=c.device,
+            dtype=c.dtype, attention_backend=c.attention_backend, seed=c.seed,
+        )
+        mc = self.runner.config
+        self.info = ModelInfo(
+            model=c.served_model_name or c.model, architecture=mc.architecture,
+            vocab_size=mc.vocab_size, context_len=c.context_len or mc.max_context_len,
+            eos_token_ids=list(mc.eos_token_ids), page_size=self.runner.page_size,
+            num_pages=self.runner.num_pages, num_host_pages=self.runner.num_host_pages,
+            device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),
+            attention_backend=self.runner.attention_backend,
+        )
+
+    def step(self, msg: ForwardBatch) -> BatchResult:
+        from engine.sampler import SamplingRow, sample
+
+        logits = self.runner.forward(to_batch_input(msg))
+        rows = []
+        for row in msg.sampling:
+            history = unpack_ids(row.history)
+            if len(history):
+                prompt, output = history[: row.prompt_len], history[row.prompt_len :]
+            else:
+                # No penalties: the sampler needs only the step index, len(output_ids).
+                prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
+            rows.append(SamplingRow(row.params, prompt, output))
+        out = sample(logits, rows)
+        result = BatchResult(
+            batch_id=msg.batch_id,
+            token_ids=out.token_ids.astype(np.int32).tobytes(),
+            logprobs=out.logprobs.astype(np.float32).tobytes(),
+        )
+        if out.top_ids is not None:
+            result.top_n = out.top_ids.shape[1]
+            result.top_ids = out.top_ids.astype(np.int32).tobytes()
+            result.top_logprobs = out.top_logprobs.astype(np.float32).tobytes()
+        return result
+
+
+def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(spec.endpoints.worker_in)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(spec.endpoints.worker_out)
+    worker = Worker(spec.config)
+    push.send(encode(WorkerReady(worker.info)))
+    while True:
+        msg = decode(pull.recv())
+        if isinstance(msg, Shutdown):
+            return
+        try:
+            result = worker.step(msg)
+        except Exception:
+            # The scheduler fails this batch's requests with the error and keeps serving.
+            logger.exception("forward failed")
+            result = BatchResult(batch_id=msg.batch_id, error=traceback.format_exc(limit=4))
+        push.send(encode(result))

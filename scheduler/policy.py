@@ -1,0 +1,24 @@
+"""Which waiting request goes first.
+
+``lpm`` (longest prefix match, cache-aware) admits the request with the most cached prefix
+first, so requests sharing a prefix run while it is still cached; ``fcfs`` keeps arrival
+order. Preempted requests always go first (they were admitted before and their progress is
+on the host or in the tree). Past ``LPM_MAX_QUEUE`` waiting requests, lpm falls back to fcfs:
+a prefix peek per request per step would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+from radix import RadixTree
+from scheduler.request import Request
+
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting(waiting: list[Request], policy: str, tree: RadixTree) -> list[Request]:
+    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
+        return sorted(waiting, key=lambda r: (r.cached_tokens < 0, r.arrival))
+    for req in waiting:
+        seq = req.seqs[0]
+        req.peeked_prefix = tree.peek_prefix(seq.tokens, req.namespace, len(seq.tokens) - 1)
+    return sorted(waiting, key=lambda r: (r.cached_tokens < 0, -r.peeked_prefix, r.arrival))

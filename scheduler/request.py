@@ -1,0 +1,84 @@
+"""Request and sequence state, owned by the scheduler.
+
+A request runs one sequence until its prompt is prefilled; ``n > 1`` then forks it into ``n``
+samples and beam search into ``beam_width`` beams. Every sequence holds its own references to
+the pages of its table, so siblings share prefix pages through refcounts::
+
+    positions   0 ............ cached ............ computed ........ len(tokens)
+    sequence    [ matched in the tree | computed here | sampled, not yet run ]
+    pages       [ shared: refcount > 1 ][ private ... ][last, maybe partial ]
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.protocol import SamplingParams
+from radix import Node
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, holding no pages
+    RUNNING = "running"
+    SWAPPED = "swapped"  # private pages on the host pool, waiting to come back
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Seq:
+    req: Request
+    index: int  # sample / beam number within the request
+    tokens: list[int]  # prompt then outputs; the last one is not yet in the KV while decoding
+    pages: list[int] = field(default_factory=list)  # one reference each, position order
+    computed: int = 0  # tokens whose KV sits in ``pages``
+    lock_node: Node | None = None  # the matched path this sequence pins, if any
+    pending_refs: list[int] = field(default_factory=list)  # copy sources, held until the copy ran
+    host_pages: list[tuple[int, int]] = field(default_factory=list)  # (page index, host page)
+    cum_logprob: float = 0.0  # beam search
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.req.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.tokens) - self.computed
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: np.ndarray
+    params: SamplingParams
+    reply_to: int
+    namespace: str | None
+    arrival: float
+    session_id: str | None = None
+    seqs: list[Seq] = field(default_factory=list)
+    cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
+    forked: bool = False
+    finished_beams: list[tuple[float, list[int]]] = field(default_factory=list)
+    sent_final: bool = False
+    peeked_prefix: int = 0  # the policy's last estimate of the cached prefix
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_beam(self) -> bool:
+        return self.params.beam_width > 1
+
+    def live_seqs(self) -> list[Seq]:
+        return [s for s in self.seqs if s.status is not Status.FINISHED]
+
+    @property
+    def progress(self) -> tuple[int, float]:
+        """Preemption order: the least generated output, then the latest arrival, goes first."""
+        return (max((s.num_outputs for s in self.seqs), default=0), -self.arrival)

@@ -1,0 +1,503 @@
+"""The scheduler: continuous batching over the radix cache, no sockets (see ``process.py``).
+
+One step: ``schedule()`` plans a batch (running sequences first, most progress first, each
+extending by one decode token or a prefill chunk; then waiting requests admitted by policy
+within the token budget), the worker runs it, ``process_result()`` appends the sampled tokens,
+forks samples and beams, finishes sequences and queues outputs. When decode runs out of pages,
+the request with the least progress is preempted (recompute: its KV goes into the tree; swap:
+its private pages go to the host pool).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.protocol import (
+    BatchResult,
+    ForwardBatch,
+    ModelInfo,
+    RowSampling,
+    SeqOutput,
+    TokenizedRequest,
+    pack_ids,
+    unpack_ids,
+)
+from radix import OutOfPages, PageAllocator, RadixTree
+from scheduler import beam
+from scheduler.batch import build_batch
+from scheduler.kv import SeqMemory, StepWork
+from scheduler.policy import order_waiting
+from scheduler.request import Request, Seq, Status
+
+logger = logging.getLogger("radixserve.scheduler")
+
+NEW_TOKEN_RATIO = (0.7, 0.1, 0.002)  # start (and after a preemption), floor, decay per step
+
+
+@dataclass
+class Entry:
+    """One sequence's part of a planned step."""
+
+    seq: Seq
+    extend: int
+    samples: int  # logits rows drawn for it: 0 mid-prefill, n for a fork, else 1
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+        self.config = config
+        self.info = info
+        self.eos_ids = set(info.eos_token_ids)
+        self.alloc = PageAllocator(info.num_pages, info.page_size)
+        self.tree = RadixTree(self.alloc)
+        self.mem = SeqMemory(self.tree, info.num_host_pages)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.outputs: dict[int, list[SeqOutput]] = {}
+        self.carry = StepWork()  # copies planned by forks, run with the next batch
+        self.inflight: list[Entry] | None = None
+        self.batch_id = 0
+        self.new_token_ratio = NEW_TOKEN_RATIO[0]
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------- requests
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and self.inflight is None
+
+    def add_request(self, msg: TokenizedRequest) -> None:
+        prompt = unpack_ids(msg.prompt_ids).copy()
+        req = Request(msg.rid, prompt, msg.params, msg.reply_to, msg.namespace,
+                      msg.arrival or time.monotonic(), msg.session_id)
+        error = self._reject_reason(req)
+        if error is not None:
+            status, text = error
+            self._emit(req, 0, [], finish_reason="error", error=text, status=status)
+            return
+        if req.rid in self.requests:
+            self._emit(req, 0, [], finish_reason="error", status=400,
+                       error=f"request id {req.rid!r} is already in use")
+            return
+        req.seqs.append(Seq(req, 0, prompt.tolist()))
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def _reject_reason(self, req: Request) -> tuple[int, str] | None:
+        p = req.params
+        try:
+            p.validate(vocab_size=self.info.vocab_size)
+        except ValueError as exc:
+            return 400, str(exc)
+        if req.prompt_len == 0:
+            return 400, "the prompt is empty"
+        if int(req.prompt_ids.min()) < 0 or int(req.prompt_ids.max()) >= self.info.vocab_size:
+            return 400, f"prompt token ids must be in [0, {self.info.vocab_size})"
+        context = self.info.context_len
+        if req.prompt_len + p.max_tokens > context:
+            return 400, (f"the prompt has {req.prompt_len:,} tokens and max_tokens is "
+                         f"{p.max_tokens:,}, but the model's context is {context:,} tokens")
+        width = max(p.n, p.beam_width)
+        need = (self.alloc.pages_for(req.prompt_len)
+                + width * (self.alloc.pages_for(p.max_tokens) + 1))
+        if need > self.alloc.num_pages:
+            return 400, (f"the request needs up to {need:,} KV pages ({width} sequence(s) of "
+                         f"{req.prompt_len:,} + {p.max_tokens:,} tokens) but the KV pool has "
+                         f"{self.alloc.num_pages:,}")
+        if len(self.waiting) >= self.config.max_queued_requests:
+            return 503, (f"the queue is full ({self.config.max_queued_requests:,} waiting "
+                         "requests); retry later")
+        return None
+
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """Release the request's pages now (between steps) and close its outputs."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        for seq in req.live_seqs():
+            self._drop_carry(seq)
+            self.mem.release(seq, cache=seq.status is Status.RUNNING)
+            seq.status = Status.FINISHED
+            self._emit(req, seq.index, [], finish_reason=reason)
+        self._retire(req)
+
+    # ------------------------------------------------------------- planning
+    def schedule(self) -> ForwardBatch | None:
+        """Plan the next step; None when there is nothing to run."""
+        assert self.inflight is None, "one batch at a time"
+        work, self.carry = self.carry, StepWork()
+        entries: list[Entry] = []
+        budget = self.config.max_prefill_tokens
+        preempted: set[int] = set()
+        order = sorted(self.running, key=lambda r: r.progress, reverse=True)
+        for req in order:
+            if id(req) in preempted:
+                continue
+            planned = self._plan_running(req, order[order.index(req) + 1 :], preempted, work,
+                                         budget)
+            if planned is None:
+                continue
+            entries.extend(planned)
+            budget -= sum(e.extend for e in planned if e.extend > 1)
+        if preempted:
+            self.new_token_ratio = NEW_TOKEN_RATIO[0]
+        else:
+            self._admit_waiting(entries, work, budget)
+        if not entries:
+            if self.waiting and not self.running:
+                # Nothing runs and the head cannot be admitted into an empty pool: never retry.
+                self._fail(self.waiting[0], 503, "the request cannot be scheduled: the KV pool "
+                           "is too small for it")
+            self.carry = work
+            return None
+        self.new_token_ratio = max(NEW_TOKEN_RATIO[1], self.new_token_ratio - NEW_TOKEN_RATIO[2])
+        self.inflight = entries
+        self.batch_id += 1
+        return build_batch(self.batch_id, entries, work, self.info.page_size, self._sampling_rows)
+
+    def _plan_running(self, req: Request, lower: list[Request], preempted: set[int],
+                      work: StepWork, budget: int) -> list[Entry] | None:
+        """Entries for ``req``'s running sequences; None when it had to be preempted.
+        ``lower``: the requests with less progress, the only ones it may preempt."""
+        planned = []
+        for seq in req.live_seqs():
+            if seq.status is not Status.RUNNING:
+                continue
+            extend = seq.remaining
+            if extend > 1:
+                extend = min(extend, self.config.chunked_prefill_size, budget)
+                if extend <= 0:
+                    continue
+                budget -= extend
+            if not self._grow(seq, seq.computed + extend, req, lower, preempted, work):
+                return None
+            planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
+        return planned
+
+    def _grow(self, seq: Seq, upto: int, req: Request, lower: list[Request],
+              preempted: set[int], work: StepWork) -> bool:
+        """Pages for ``upto`` tokens, preempting lower-progress requests; False when ``req``
+        itself had to go."""
+        while True:
+            try:
+                self.mem.grow(seq, upto)
+                return True
+            except OutOfPages:
+                victim = next((r for r in reversed(lower) if id(r) not in preempted
+                               and r is not req and not r.is_beam and r.live_seqs()), None)
+                if victim is None:
+                    if req.is_beam:
+                        self._fail(req, 503, "out of KV memory for beam search")
+                    else:
+                        self._preempt(req, work)
+                    preempted.add(id(req))
+                    return False
+                self._preempt(victim, work)
+                preempted.add(id(victim))
+
+    def _samples_for(self, seq: Seq, extend: int) -> int:
+        if seq.computed + extend < len(seq.tokens):
+            return 0  # a prefill chunk that does not reach the end yet
+        req = seq.req
+        if not req.forked and req.params.n > 1 and not req.is_beam:
+            return req.params.n
+        return 1
+
+    def _reserved_pages(self) -> int:
+        """Pages running requests are expected to still need (a decaying estimate, exact for
+        beams, which are never preempted)."""
+        total = 0.0
+        page_size = self.info.page_size
+        for req in self.running:
+            for seq in req.live_seqs():
+                left = req.params.max_tokens - seq.num_outputs
+                ratio = 1.0 if req.is_beam else self.new_token_ratio
+                total += ratio * left / page_size
+        return int(total)
+
+    def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> None:
+        num_running = sum(len(r.live_seqs()) for r in self.running)
+        reserved = self._reserved_pages()
+        for req in order_waiting(self.waiting, self.config.policy, self.tree):
+            seqs = req.live_seqs()
+            if num_running + len(seqs) > self.config.max_running_requests or budget <= 0:
+                break
+            admitted = self._admit(req, seqs, work, budget, reserved)
+            if admitted is None:
+                break
+            entries.extend(admitted)
+            budget -= sum(e.extend for e in admitted)
+            num_running += len(seqs)
+            reserved += self._request_reserve(req)
+            self.waiting.remove(req)
+            self.running.append(req)
+
+    def _request_reserve(self, req: Request) -> int:
+        ratio = 1.0 if req.is_beam else self.new_token_ratio
+        width = req.params.beam_width if req.is_beam else 1
+        return int(ratio * width * req.params.max_tokens / self.info.page_size)
+
+    def _admit(self, req: Request, seqs: list[Seq], work: StepWork, budget: int,
+               reserved: int) -> list[Entry] | None:
+        if req.seqs[0].host_pages or any(s.host_pages for s in seqs):
+            return self._admit_swapped(req, seqs, work, reserved)
+        matches, need = [], 0
+        for seq in seqs:
+            match = self.mem.match(seq)
+            extend = min(len(seq.tokens) - match.length, self.config.chunked_prefill_size,
+                         max(budget, 1))
+            budget -= extend
+            matches.append((seq, match, extend))
+            need += self.mem.pages_to_admit(match, match.length + extend)
+        if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
+            self.running or need > self.tree.num_available_pages
+        ):
+            for seq, _, _ in matches:
+                self.mem.unpin(seq)
+            return None
+        admitted = []
+        for seq, match, extend in matches:
+            self.mem.take_match(seq, match, match.length + extend, work)
+            seq.status = Status.RUNNING
+            admitted.append(Entry(seq, extend, self._samples_for(seq, extend)))
+        if req.cached_tokens < 0:
+            req.cached_tokens = matches[0][1].length
+        return admitted
+
+    def _admit_swapped(self, req: Request, seqs: list[Seq], work: StepWork,
+                       reserved: int) -> list[Entry] | None:
+        need = sum(self.mem.pages_to_swap_in(s) + 1 for s in seqs)
+        if need + reserved > self.tree.num_available_pages and self.running:
+            return None
+        admitted = []
+        for seq in seqs:
+            self.mem.swap_in(seq, work)
+            self.mem.grow(seq, seq.computed + seq.remaining)
+            seq.status = Status.RUNNING
+            admitted.append(Entry(seq, seq.remaining, self._samples_for(seq, seq.remaining)))
+        return admitted
+
+    def _preempt(self, req: Request, work: StepWork) -> None:
+        self.num_preemptions += 1
+        swap = self.config.preemption_mode == "swap"
+        for seq in req.live_seqs():
+            self._drop_carry(seq)
+            if not (swap and self.mem.swap_out(seq, work)):
+                self.mem.release(seq, cache=True)
+            seq.status = Status.SWAPPED if seq.host_pages else Status.WAITING
+        logger.info("preempted %s (%s)", req.rid, "swap" if swap else "recompute")
+        self.running.remove(req)
+        self.waiting.append(req)
+
+    def _drop_carry(self, seq: Seq) -> None:
+        """Forget planned copies into pages this sequence is about to give back."""
+        if self.carry.copies:
+            mine = set(seq.pages)
+            self.carry.copies = [c for c in self.carry.copies if c[1] not in mine]
+
+    def _sampling_rows(self, entry: Entry) -> list[RowSampling]:
+        seq, req = entry.seq, entry.seq.req
+        params = req.params
+        if req.is_beam:
+            params = msgspec.structs.replace(params, logprobs=2 * params.beam_width,
+                                             temperature=0.0)
+        penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                     or params.presence_penalty != 0.0)
+        history = pack_ids(seq.tokens) if penalties else b""
+        rows = []
+        for i in range(entry.samples):
+            row_params = params
+            if params.seed is not None and (seq.index or i):
+                # Parallel samples of a seeded request need distinct, reproducible seeds.
+                row_params = msgspec.structs.replace(params, seed=params.seed + seq.index + i)
+            rows.append(RowSampling(row_params, seq.num_outputs, req.prompt_len, history))
+        return rows
+
+    # ------------------------------------------------------------- results
+    def process_result(self, result: BatchResult) -> None:
+        entries, self.inflight = self.inflight, None
+        assert entries is not None and result.batch_id == self.batch_id
+        if result.error is not None:
+            for req in {id(e.seq.req): e.seq.req for e in entries}.values():
+                self._fail(req, 500, f"the model runner failed: {result.error}")
+            return
+        tokens = unpack_ids(result.token_ids)
+        logprobs = np.frombuffer(result.logprobs, dtype=np.float32)
+        top_ids = top_lps = None
+        if result.top_n:
+            top_ids = unpack_ids(result.top_ids).reshape(-1, result.top_n)
+            top_lps = np.frombuffer(result.top_logprobs, dtype=np.float32).reshape(-1, result.top_n)
+        row = 0
+        beam_rows: dict[int, list[tuple[Seq, int]]] = {}
+        for entry in entries:
+            seq = entry.seq
+            seq.computed += entry.extend
+            self.mem.copies_done(seq)
+            if seq.status is not Status.RUNNING:
+                row += entry.samples
+                continue
+            if entry.samples == 0:
+                # A finished chunk goes into the tree now, so it is reusable before the rest.
+                self.tree.insert(seq.tokens[: seq.computed], seq.pages, seq.req.namespace)
+                continue
+            if seq.req.is_beam:
+                beam_rows.setdefault(id(seq.req), []).append((seq, row))
+            elif entry.samples > 1:
+                self._fork_samples(seq, tokens[row : row + entry.samples], logprobs, top_ids,
+                                   top_lps, row)
+            else:
+                self._append(seq, int(tokens[row]), logprobs, top_ids, top_lps, row)
+            row += entry.samples
+        for rows in beam_rows.values():
+            self._beam_step(rows, top_ids, top_lps)
+        for req in [r for r in self.running if not r.live_seqs()]:
+            self._retire(req)
+
+    def _append(self, seq: Seq, token: int, logprobs, top_ids, top_lps, row: int) -> None:
+        seq.tokens.append(token)
+        req = seq.req
+        reason = self._finish_reason(seq, token)
+        want = req.params.logprobs
+        lp = logprobs[row : row + 1].tobytes() if want is not None else b""
+        tid = tlp = b""
+        if want and top_ids is not None:
+            tid = top_ids[row, :want].astype(np.int32).tobytes()
+            tlp = top_lps[row, :want].astype(np.float32).tobytes()
+        self._emit(req, seq.index, [token], finish_reason=reason, logprobs=lp, top_ids=tid,
+                   top_logprobs=tlp)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish_reason(self, seq: Seq, token: int) -> str | None:
+        p = seq.req.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_outputs >= p.max_tokens or len(seq.tokens) >= self.info.context_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        self._drop_carry(seq)
+        self.mem.release(seq, cache=True)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _fork_samples(self, parent: Seq, tokens: np.ndarray, logprobs, top_ids, top_lps,
+                      row: int) -> None:
+        req = parent.req
+        req.forked = True
+        children = [parent]
+        for i in range(1, len(tokens)):
+            child = Seq(req, i, parent.tokens.copy(), status=Status.RUNNING)
+            self.mem.fork(parent, child, self.carry)
+            req.seqs.append(child)
+            children.append(child)
+        for i, child in enumerate(children):
+            self._append(child, int(tokens[i]), logprobs, top_ids, top_lps, row + i)
+
+    def _beam_step(self, rows: list[tuple[Seq, int]], top_ids, top_lps) -> None:
+        beams = [seq for seq, _ in rows]
+        req = beams[0].req
+        p = req.params
+        width = p.beam_width
+        idx = [r for _, r in rows]
+        eos = set() if p.ignore_eos else self.eos_ids | set(p.stop_token_ids)
+        chosen, ended = beam.select([s.cum_logprob for s in beams], top_ids[idx],
+                                    top_lps[idx].astype(np.float64), width, eos)
+        generated = beams[0].num_outputs + 1
+        for cand in ended:
+            req.finished_beams.append((
+                beam.score(cand.cum_logprob, generated, p.length_penalty),
+                beams[cand.parent].tokens[req.prompt_len :],
+            ))
+        req.forked = True
+        next_beams: list[Seq] = []
+        used: set[int] = set()
+        for cand in chosen:
+            parent = beams[cand.parent]
+            if cand.parent in used:
+                seq = Seq(req, len(req.seqs), parent.tokens.copy(), status=Status.RUNNING)
+                self.mem.fork(parent, seq, self.carry)
+                req.seqs.append(seq)
+            else:
+                seq = parent
+                used.add(cand.parent)
+            next_beams.append(seq)
+        for i, cand in enumerate(chosen):
+            next_beams[i].tokens.append(cand.token)
+            next_beams[i].cum_logprob = cand.cum_logprob
+        for i, parent in enumerate(beams):
+            if i not in used:
+                self._finish(parent, "stop")
+        best_running = max(s.cum_logprob for s in next_beams)
+        done = beam.is_done([s for s, _ in req.finished_beams], best_running, generated, width,
+                            p.length_penalty)
+        at_limit = generated >= p.max_tokens or len(next_beams[0].tokens) >= self.info.context_len
+        if not (done or at_limit):
+            return
+        hyps = list(req.finished_beams)
+        if not done:
+            hyps += [(beam.score(s.cum_logprob, generated, p.length_penalty),
+                      s.tokens[req.prompt_len :]) for s in next_beams]
+        hyps.sort(key=lambda h: -h[0])
+        for seq in next_beams:
+            self._finish(seq, "length")
+        for i, (_, out) in enumerate(hyps[: p.n]):
+            reason = "stop" if out is not None and len(out) < p.max_tokens else "length"
+            self._emit(req, i, out, finish_reason=reason, replace=True)
+
+    # ------------------------------------------------------------- outputs
+    def _emit(self, req: Request, index: int, tokens: list[int], *, finish_reason=None,
+              error=None, status: int = 200, logprobs=b"", top_ids=b"", top_logprobs=b"",
+              replace: bool = False) -> None:
+        self.outputs.setdefault(req.reply_to, []).append(SeqOutput(
+            req.rid, index, pack_ids(tokens), logprobs, top_ids, top_logprobs, finish_reason,
+            error, status, req.prompt_len, max(req.cached_tokens, 0), replace,
+        ))
+
+    def take_outputs(self) -> dict[int, list[SeqOutput]]:
+        out, self.outputs = self.outputs, {}
+        return out
+
+    def _fail(self, req: Request, status: int, message: str) -> None:
+        logger.warning("request %s failed: %s", req.rid, message)
+        for seq in req.live_seqs():
+            self._drop_carry(seq)
+            self.mem.release(seq, cache=False)
+            seq.status = Status.FINISHED
+            self._emit(req, seq.index, [], finish_reason="error", error=message, status=status)
+        if not req.seqs:
+            self._emit(req, 0, [], finish_reason="error", error=message, status=status)
+        self._retire(req)
+
+    def _retire(self, req: Request) -> None:
+        self.requests.pop(req.rid, None)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    # ------------------------------------------------------------ checking
+    def check(self) -> None:
+        """The accounting invariant over the tree and every live sequence (run on idle)."""
+        seqs = [s for r in self.requests.values() for s in r.live_seqs()]
+        self.mem.check(seqs)
+
+    def stats(self) -> dict[str, float]:
+        s = self.tree.stats
+        return {
+            "running": sum(len(r.live_seqs()) for r in self.running),
+            "waiting": len(self.waiting),
+            "kv_pages_total": self.alloc.num_pages,
+            "kv_pages_used": self.alloc.num_pinned_pages,
+            "kv_pages_cached": self.alloc.num_evictable_pages,
+            "hit_tokens": s.hit_tokens,
+            "queried_tokens": s.queried_tokens,
+            "preemptions": self.num_preemptions,
+        }
