@@ -1,0 +1,80 @@
+"""Where the misses come from: every prompt token the configured cache recomputes is either
+
+- **cold**: even an unlimited cache misses it: no earlier sequence in the namespace had this
+  prefix (this also counts the last prompt token, which is always recomputed for its logits);
+- **evicted**: an unlimited cache would have served it, so it was cached and then dropped.
+
+Per request, with U the unlimited radix hit and R the configured cache's hit::
+
+    prompt = R + cold + evicted,   cold = prompt - U,   evicted = U - R
+
+Block hashing loses a third kind on top: **block granularity**, the tokens of a matched prefix
+past its last whole 16-token block. With Bu the unlimited block-hash hit, that is U - Bu: the
+extra hits token matching gets over 16-token block hashing with the capacity question taken out.
+Block hashing at the configured capacity (B) also loses Bu - B to eviction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from engine.profiler.simulate import Profile
+
+
+@dataclass
+class Attribution:
+    """Token totals over a trace (per-request arrays in ``per_request``)."""
+
+    prompt_tokens: int
+    hit: int
+    cold: int
+    evicted: int
+    block_hit: int
+    block_granularity: int
+    block_evicted: int
+
+    @property
+    def missed(self) -> int:
+        return self.cold + self.evicted
+
+    @property
+    def block_missed(self) -> int:
+        return self.cold + self.block_granularity + self.block_evicted
+
+    def to_json(self) -> dict[str, int]:
+        return {**asdict(self), "missed": self.missed, "block_missed": self.block_missed}
+
+
+def per_request(profile: Profile) -> dict[str, np.ndarray]:
+    """Per-request miss categories; raises if the caches contradict each other (a bug)."""
+    prompt = profile.prompt_tokens
+    radix, unlimited = profile.radix.cached, profile.unlimited.cached
+    block, block_unlimited = profile.block.cached, profile.block_unlimited.cached
+    parts = {
+        "cold": prompt - unlimited,
+        "evicted": unlimited - radix,
+        "block_granularity": unlimited - block_unlimited,
+        "block_evicted": block_unlimited - block,
+    }
+    for name, values in parts.items():
+        bad = np.flatnonzero(values < 0)
+        if bad.size:
+            r = profile.requests[int(bad[0])]
+            raise AssertionError(f"negative {name} tokens for request {r.id!r}: a cache hit "
+                                 "more than its unlimited counterpart")
+    return parts
+
+
+def attribute(profile: Profile) -> Attribution:
+    parts = per_request(profile)
+    return Attribution(
+        prompt_tokens=int(profile.prompt_tokens.sum()),
+        hit=int(profile.radix.cached.sum()),
+        cold=int(parts["cold"].sum()),
+        evicted=int(parts["evicted"].sum()),
+        block_hit=int(profile.block.cached.sum()),
+        block_granularity=int(parts["block_granularity"].sum()),
+        block_evicted=int(parts["block_evicted"].sum()),
+    )

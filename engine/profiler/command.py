@@ -1,0 +1,171 @@
+"""``radixserve profile TRACE``: how much prompt work prefix caching skips on a trace.
+
+Offline (default): replays the trace through the radix tree at the given cache size, page size
+and eviction policy, beside an unlimited cache, 16-token block hashing and no cache; prints the
+tables, and with ``--out DIR`` writes CSV/JSON files and PNG plots. With ``--url`` it replays
+the trace against an OpenAI-compatible server and compares what it measures with the offline
+simulation. docs/profiler.md describes the trace format and the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+HELP = "measure prefix-cache hit rates of a request trace, offline or against a live server"
+
+DEFAULT_CACHE_TOKENS = 131072  # fp16 KV of a Llama-3-8B-sized model in 16 GiB
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="JSONL trace (docs/profiler.md)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="Hugging Face tokenizer directory, for traces with text prompts")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--cache-tokens", type=int, default=None,
+                      help=f"KV cache size in tokens (default {DEFAULT_CACHE_TOKENS:,})")
+    size.add_argument("--num-pages", type=int, help="KV cache size in pages")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    parser.add_argument("--policy", choices=("lru", "lfu"), default="lru",
+                        help="eviction policy (default lru)")
+    parser.add_argument("--sweep", nargs="?", const="auto", metavar="TOKENS,...",
+                        help="also replay at several cache sizes: a comma-separated list of "
+                             "token counts, or none for 8 sizes up to the trace's footprint")
+    parser.add_argument("--windows", type=int, default=10,
+                        help="time windows in the hit-rate-over-time table (default 10)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="write summary.json, CSV files and PNG plots here")
+    live = parser.add_argument_group("live replay against an OpenAI-compatible server")
+    live.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:30000")
+    live.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    live.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                      help="bearer token (default $OPENAI_API_KEY)")
+    live.add_argument("--rate", type=float,
+                      help="send at this many requests/s instead of the trace's arrival times")
+    live.add_argument("--max-concurrency", type=int, default=64,
+                      help="most requests in flight at once (default 64)")
+    live.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds before one request is given up (default 600)")
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"radixserve profile: {message}", file=sys.stderr)
+    return code
+
+
+def _num_pages(args: argparse.Namespace) -> int:
+    if args.num_pages is not None:
+        return args.num_pages
+    return max(1, (args.cache_tokens or DEFAULT_CACHE_TOKENS) // args.page_size)
+
+
+def _parse_sweep(spec: str | None) -> list[int] | str | None:
+    """None (no sweep), "auto", or the listed cache sizes in tokens."""
+    if spec is None or spec == "auto":
+        return spec
+    try:
+        sizes = sorted({int(size.replace("_", "")) for size in spec.split(",")})
+    except ValueError:
+        raise ValueError(f"--sweep takes token counts like 4096,16384, not {spec!r}") from None
+    if sizes[0] < 1:
+        raise ValueError("--sweep sizes must be positive token counts")
+    return sizes
+
+
+def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | None,
+             progress: bool) -> Any:
+    """Replay, print the report, write the files; returns the profile."""
+    from engine.profiler.report import format_text, summarize, write_outputs
+    from engine.profiler.simulate import run_profile, run_sweep, sweep_sizes
+
+    profile = run_profile(requests, _num_pages(args), args.page_size, args.policy, progress)
+    sweep = None
+    if sizes == "auto":
+        sizes = sweep_sizes(requests, args.page_size, profile.unlimited.peak_tokens)
+    if sizes:
+        sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress)
+    summary = summarize(profile, args.trace.name, args.windows, sweep)
+    print(format_text(summary))
+    if args.out:
+        from engine.profiler.plots import write_plots
+
+        written = write_outputs(args.out, profile, summary)
+        written += write_plots(args.out, summary, profile.radix.cached, profile.unlimited.cached)
+        print(f"\nwrote {', '.join(str(p) for p in written)}")
+    return profile
+
+
+def _live(args: argparse.Namespace, trace: list, profile: Any, progress: bool) -> int:
+    import json
+
+    import numpy as np
+
+    from engine.profiler.live import (
+        LiveError,
+        format_live,
+        replay_live,
+        result_rows,
+        summarize_live,
+    )
+    from engine.profiler.report import write_csv
+
+    try:
+        model, results = replay_live(trace, args.url, args.model, args.api_key, args.rate,
+                                     args.max_concurrency, args.timeout, progress)
+    except LiveError as exc:
+        return _fail(str(exc), 1)
+    simulated = profile.radix.cached if profile is not None else None
+    local = profile.prompt_tokens if profile is not None else None
+    label = profile.radix.label if profile is not None else None
+    summary = summarize_live(results, model, args.url, simulated, label, local)
+    print(format_live(summary))
+    if profile is None:
+        print("(no offline comparison: this trace has text prompts; pass --tokenizer DIR)")
+    if args.out:
+        from engine.profiler.plots import ttft_vs_cached
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "live_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_csv(args.out / "live_requests.csv", result_rows(results, simulated))
+        timed = [r for r in results if r.ttft_s is not None and r.prompt_tokens is not None]
+        if timed:
+            ttft_vs_cached(np.array([r.cached_tokens or 0 for r in timed]),
+                           np.array([r.prompt_tokens for r in timed]),
+                           np.array([r.ttft_s for r in timed]), args.out / "ttft_vs_cached.png")
+    return 0 if summary["succeeded"] else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.profiler.simulate import CacheTooSmall
+    from engine.profiler.trace import (
+        TraceError,
+        load_requests,
+        load_tokenizer,
+        needs_tokenizer,
+        read_trace,
+    )
+
+    if args.page_size < 1 or (args.num_pages is not None and args.num_pages < 1):
+        return _fail("--page-size and --num-pages must be positive")
+    try:
+        sizes = _parse_sweep(args.sweep)
+        trace = read_trace(args.trace)
+    except (OSError, TraceError, ValueError) as exc:
+        return _fail(str(exc))
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    if needs_tokenizer(trace) and tokenizer is None and not args.url:
+        return _fail(f"{args.trace} has text prompts: pass --tokenizer DIR to tokenize them")
+    progress = sys.stderr.isatty()
+    profile = None
+    if tokenizer is not None or not needs_tokenizer(trace):
+        try:
+            profile = _offline(args, load_requests(trace, tokenizer), sizes, progress)
+        except CacheTooSmall as exc:
+            return _fail(str(exc))
+    if args.url:
+        print()
+        return _live(args, trace, profile, progress)
+    return 0

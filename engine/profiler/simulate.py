@@ -1,0 +1,193 @@
+"""Offline replay of a trace through the real radix tree, and through the baselines beside it.
+
+Requests run one at a time in arrival order, each driven the way the scheduler drives the tree
+(tests/radix_sim.py)::
+
+    match at most len(prompt) - 1 tokens  ->  lock the matched path
+    allocate pages for prompt + output, evicting unlocked leaves when short
+      (a match ending inside a page shares the full pages and gets a fresh page for the copy)
+    insert prompt + output  ->  unlock  ->  drop the request's own page references
+
+No model runs: outputs come from the trace. Replaying one at a time means a request never holds
+pages while another is admitted, so eviction pressure here is a lower bound on a busy server's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from engine.profiler.baselines import BLOCK_SIZE, BlockHashCache
+from engine.profiler.policies import POLICIES
+from engine.profiler.trace import Request
+from radix import OutOfPages, PageAllocator
+
+# Below this many requests a replay finishes before a progress bar is worth drawing.
+PROGRESS_MIN_REQUESTS = 2000
+
+
+class CacheTooSmall(ValueError):
+    """A single request needs more KV pages than the whole cache has."""
+
+
+@dataclass
+class CacheRun:
+    """One cache's per-request results on a trace."""
+
+    label: str
+    cached: np.ndarray  # prompt tokens served from cache, per request
+    capacity_tokens: int | None = None  # None: unlimited
+    evicted_tokens: int = 0
+    peak_tokens: int = 0  # most KV slots in use at once (running request included)
+    kv_tokens: np.ndarray | None = None  # KV slots held by the cache after each request
+
+    def hit_rate(self, prompt_tokens: np.ndarray) -> float:
+        total = int(prompt_tokens.sum())
+        return int(self.cached.sum()) / total if total else 0.0
+
+
+def _progress(requests: list[Request], label: str, progress: bool) -> Iterator[Request]:
+    show = progress and len(requests) >= PROGRESS_MIN_REQUESTS
+    return iter(tqdm(requests, desc=label, unit="req", leave=False, disable=not show))
+
+
+def min_pages(requests: Iterable[Request], page_size: int) -> int:
+    """The smallest cache that can run every request: its prompt + output, plus the page a
+    match ending inside a page keeps locked while its copy is written."""
+    longest = max(len(r.prompt) + len(r.output) for r in requests)
+    return -(-longest // page_size) + 1
+
+
+def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
+                 label: str = "radix", progress: bool = False) -> CacheRun:
+    """Replay through ``RadixTree`` (or the ``policy``'s subclass) with ``num_pages`` pages."""
+    alloc = PageAllocator(num_pages, page_size)
+    tree = POLICIES[policy](alloc)
+    cached = np.zeros(len(requests), dtype=np.int64)
+    kv_tokens = np.zeros(len(requests), dtype=np.int64)
+    peak_pages = 0
+    for i, r in enumerate(_progress(requests, label, progress)):
+        full = np.concatenate([r.prompt, r.output])
+        match = tree.match_prefix(r.prompt, r.namespace, max_len=len(r.prompt) - 1)
+        tree.lock(match.node)
+        shared = match.full_pages
+        needed = alloc.pages_for(len(full))
+        try:
+            fresh = tree.alloc_pages(needed - len(shared))
+        except OutOfPages:
+            tree.unlock(match.node)
+            raise CacheTooSmall(
+                f"request {r.id!r} needs {needed:,} pages of {page_size} tokens for its prompt "
+                f"and output, but the cache has {num_pages:,}: give at least "
+                f"{min_pages(requests, page_size) * page_size:,} cache tokens"
+            ) from None
+        alloc.incref(shared)
+        pages = shared + fresh
+        peak_pages = max(peak_pages, num_pages - alloc.num_free_pages)
+        tree.insert(full, pages, r.namespace)
+        tree.unlock(match.node)
+        alloc.decref(pages)
+        cached[i] = match.length
+        kv_tokens[i] = (num_pages - alloc.num_free_pages) * page_size
+    tree.check()
+    return CacheRun(label, cached, num_pages * page_size, tree.stats.evicted_pages * page_size,
+                    peak_pages * page_size, kv_tokens)
+
+
+def replay_unlimited(requests: list[Request], page_size: int, progress: bool = False) -> CacheRun:
+    """The radix tree with room for every request's pages at once: it never evicts."""
+    num_pages = sum(-(-(len(r.prompt) + len(r.output)) // page_size) for r in requests) + 1
+    run = replay_radix(requests, num_pages, page_size, label="unlimited", progress=progress)
+    run.capacity_tokens = None
+    return run
+
+
+def replay_block_hash(requests: list[Request], num_blocks: int | None,
+                      block_size: int = BLOCK_SIZE, label: str = "block hash",
+                      progress: bool = False) -> CacheRun:
+    cache = BlockHashCache(num_blocks, block_size)
+    cached = np.zeros(len(requests), dtype=np.int64)
+    kv_tokens = np.zeros(len(requests), dtype=np.int64)
+    for i, r in enumerate(_progress(requests, label, progress)):
+        cached[i] = cache.serve(r.prompt, r.output, r.namespace)
+        kv_tokens[i] = cache.num_cached_blocks * block_size
+    capacity = None if num_blocks is None else num_blocks * block_size
+    return CacheRun(label, cached, capacity, cache.evicted_blocks * block_size,
+                    cache.peak_blocks * block_size, kv_tokens)
+
+
+@dataclass
+class Profile:
+    """A trace replayed through the configured cache and every baseline."""
+
+    requests: list[Request]
+    page_size: int
+    num_pages: int
+    policy: str
+    radix: CacheRun
+    unlimited: CacheRun
+    block: CacheRun
+    block_unlimited: CacheRun
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return np.array([len(r.prompt) for r in self.requests], dtype=np.int64)
+
+    @property
+    def arrivals(self) -> np.ndarray:
+        return np.array([r.arrival for r in self.requests], dtype=np.float64)
+
+    @property
+    def runs(self) -> list[CacheRun]:
+        none = CacheRun("no cache", np.zeros(len(self.requests), dtype=np.int64), 0)
+        return [self.radix, self.unlimited, self.block, self.block_unlimited, none]
+
+
+def run_profile(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
+                progress: bool = False) -> Profile:
+    """The configured radix cache, the same capacity in 16-token hash blocks, and both
+    without a capacity limit (the upper bounds of token and of block matching)."""
+    label = f"radix p{page_size} {policy}"
+    radix = replay_radix(requests, num_pages, page_size, policy, label, progress)
+    unlimited = replay_unlimited(requests, page_size, progress)
+    block = replay_block_hash(requests, num_pages * page_size // BLOCK_SIZE,
+                              label=f"block hash {BLOCK_SIZE}", progress=progress)
+    block_unlimited = replay_block_hash(requests, None, label=f"block hash {BLOCK_SIZE} unlimited",
+                                        progress=progress)
+    return Profile(requests, page_size, num_pages, policy, radix, unlimited, block,
+                   block_unlimited)
+
+
+@dataclass
+class SweepPoint:
+    cache_tokens: int
+    radix_hit_rate: float
+    block_hit_rate: float
+    radix_evicted_tokens: int
+
+
+def sweep_sizes(requests: list[Request], page_size: int, footprint_tokens: int,
+                points: int = 8) -> list[int]:
+    """Cache sizes in tokens, geometric from 1/32 of the trace's footprint (or the smallest
+    cache that runs it) up to the footprint, where nothing is evicted any more."""
+    smallest = min_pages(requests, page_size)
+    largest = max(smallest, -(-footprint_tokens // page_size))
+    lowest = max(smallest, largest // 32)
+    pages = np.unique(np.geomspace(lowest, largest, points).round().astype(np.int64))
+    return [int(p) * page_size for p in pages]
+
+
+def run_sweep(requests: list[Request], sizes_tokens: list[int], page_size: int,
+              policy: str = "lru", progress: bool = False) -> list[SweepPoint]:
+    prompt_tokens = np.array([len(r.prompt) for r in requests], dtype=np.int64)
+    points = []
+    for size in tqdm(sizes_tokens, desc="sweep", unit="size", leave=False,
+                     disable=not progress or len(requests) < PROGRESS_MIN_REQUESTS):
+        radix = replay_radix(requests, max(1, size // page_size), page_size, policy)
+        block = replay_block_hash(requests, max(1, size // BLOCK_SIZE))
+        points.append(SweepPoint(size, radix.hit_rate(prompt_tokens),
+                                 block.hit_rate(prompt_tokens), radix.evicted_tokens))
+    return points

@@ -1,0 +1,81 @@
+"""``radixserve workload gen KIND --seed S --out FILE ...``: write a synthetic trace.
+
+Each KIND's flags are the fields of its parameter dataclass in ``engine.profiler.workload``;
+``radixserve workload gen KIND --help`` lists them with their defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+HELP = "generate synthetic request traces (JSONL) for `radixserve profile`"
+
+
+def _positive(kind: type) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.profiler.workload import KINDS
+
+    actions = parser.add_subparsers(dest="workload_action", metavar="ACTION", required=True)
+    gen = actions.add_parser("gen", help="write a synthetic trace of one KIND",
+                             description="Write a synthetic trace (JSONL, docs/profiler.md).")
+    kinds = gen.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for name, kind in KINDS.items():
+        sub = kinds.add_parser(name, help=kind.help, description=kind.help,
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub.add_argument("--seed", type=int, default=0, help="random seed")
+        sub.add_argument("--out", type=Path, required=True, help="trace file to write")
+        sub.add_argument("--tokenizer", metavar="DIR", help="write text (prompt / messages) "
+                         "through this Hugging Face tokenizer instead of token ids")
+        sub.add_argument("--vocab-size", type=_positive(int), default=32000,
+                         help="token ids are drawn from [0, vocab size) (without --tokenizer)")
+        for field in dataclasses.fields(kind.params):
+            if isinstance(field.default, str):
+                parse = str
+            elif field.name == "sigma":
+                parse = _non_negative_float  # sigma 0: every turn has the median length
+            else:
+                parse = _positive(type(field.default))
+            sub.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=parse,
+                             default=field.default, choices=field.metadata.get("choices"),
+                             help=field.metadata["help"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.profiler.trace import load_tokenizer, write_trace
+    from engine.profiler.workload import KINDS, generate
+
+    kind = KINDS[args.kind]
+    params = kind.params(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind.params)})
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    try:
+        trace = generate(args.kind, params, args.seed, tokenizer, args.vocab_size)
+    except ValueError as exc:
+        print(f"radixserve workload: {exc}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    count = write_trace(args.out, trace)
+    tokens = sum(len(r.prompt_token_ids or ()) for r in trace)
+    described = f", {tokens:,} prompt tokens" if tokens else " (text)"
+    print(f"wrote {count:,} {args.kind} requests{described} to {args.out}")
+    return 0
