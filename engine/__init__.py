@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 from engine.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.api import Engine, RequestOutput
+    from engine.api import Completion, Engine, RequestResult
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["Completion", "Engine", "RequestResult", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "RequestOutput"):
+    if name in ("Completion", "Engine", "RequestResult"):
         from engine import api
 
         return getattr(api, name)

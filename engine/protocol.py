@@ -104,6 +104,7 @@ class AbortRequest(msgspec.Struct, tag=True):
 
     rid: str
     reason: str = "abort"
+    index: int = -1  # one sample of the request, or -1 for all of them
 
 
 class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):

@@ -115,17 +115,21 @@ class Scheduler:
                          "requests); retry later")
         return None
 
-    def abort(self, rid: str, reason: str = "abort") -> None:
-        """Release the request's pages now (between steps) and close its outputs."""
+    def abort(self, rid: str, reason: str = "abort", index: int = -1) -> None:
+        """Release the request's pages now (between steps) and close its outputs; ``index``
+        selects one sample (a stop string ends only the sample that produced it)."""
         req = self.requests.get(rid)
         if req is None:
             return
         for seq in req.live_seqs():
+            if index >= 0 and seq.index != index:
+                continue
             self._drop_carry(seq)
             self.mem.release(seq, cache=seq.status is Status.RUNNING)
             seq.status = Status.FINISHED
             self._emit(req, seq.index, [], finish_reason=reason)
-        self._retire(req)
+        if not req.live_seqs():
+            self._retire(req)
 
     # ------------------------------------------------------------- planning
     def schedule(self) -> ForwardBatch | None:
@@ -150,7 +154,7 @@ class Scheduler:
         else:
             self._admit_waiting(entries, work, budget)
         if not entries:
-            if self.waiting and not self.running:
+            if self.waiting and not self.running and not preempted:
                 # Nothing runs and the head cannot be admitted into an empty pool: never retry.
                 self._fail(self.waiting[0], 503, "the request cannot be scheduled: the KV pool "
                            "is too small for it")

@@ -1,0 +1,72 @@
+"""Entry point of every child process: ``python -m engine.child`` with a LaunchSpec (msgpack)
+on stdin. Sets up logging and signals, runs the role, and reports a fatal error to the launcher
+before exiting non-zero."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from engine.config import LaunchSpec
+from engine.protocol import Fatal, encode
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL if the launcher dies, however it dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the launcher was already gone before prctl took effect
+        os._exit(1)
+
+
+def _role(name: str):
+    if name == "worker":
+        from engine import worker
+        return worker.run
+    if name == "scheduler":
+        from scheduler import process
+        return process.run
+    if name == "tokenizer":
+        from tokenizer_worker import process
+        return process.run
+    raise ValueError(f"unknown role {name!r}")
+
+
+def main() -> int:
+    spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=LaunchSpec)
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; only the launcher decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name = spec.role if spec.role != "tokenizer" else f"tokenizer-{spec.index}"
+    logging.basicConfig(level=spec.config.log_level.upper(),
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    try:
+        _role(spec.role)(spec, ctx)
+        return 0
+    except Exception:
+        text = traceback.format_exc()
+        logging.getLogger("radixserve").error("%s failed:\n%s", name, text)
+        control = ctx.socket(zmq.PUSH)
+        control.setsockopt(zmq.LINGER, 2000)
+        control.connect(spec.endpoints.control)
+        last = text.strip().splitlines()[-1]
+        control.send(encode(Fatal(name, last)))
+        control.close()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The tokenizer process: prompts in (text, chat messages or ids) → token ids to the scheduler;
+token ids back from the scheduler → UTF-8-safe text deltas, cut at stop strings, to the frontend.
+
+A stop string ends one sample: the worker emits its final text at once and asks the scheduler
+to abort that sample (its pages are released within one step); later tokens already on their
+way for it are dropped here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import LaunchSpec
+from engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    Ready,
+    RequestOutput,
+    SeqOutput,
+    Shutdown,
+    TokenizedRequest,
+    TokenOutputs,
+    decode,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from tokenizer_worker.detokenize import IncrementalDetokenizer
+from tokenizer_worker.stop import StopChecker
+from tokenizer_worker.template import encode_prompt, render_chat
+
+logger = logging.getLogger("radixserve.tokenizer")
+
+
+@dataclass
+class SampleState:
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    done: bool = False
+
+
+@dataclass
+class RequestState:
+    req: GenerateRequest
+    prompt_ids: np.ndarray
+    samples: dict[int, SampleState] = field(default_factory=dict)
+    finished: int = 0
+
+    @property
+    def width(self) -> int:
+        p = self.req.params
+        return p.n
+
+
+class TokenizerWorker:
+    """Pure message handling (no sockets), so tests can drive it directly."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, index: int) -> None:
+        self.tokenizer = tokenizer
+        self.index = index
+        self.states: dict[str, RequestState] = {}
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        given = sum(x is not None for x in (req.text, req.prompt_ids, req.messages))
+        if given != 1:
+            raise ValueError("give exactly one of a text prompt, prompt token ids or chat messages")
+        if req.messages is not None:
+            return render_chat(self.tokenizer, req.messages)
+        if req.text is not None:
+            return encode_prompt(self.tokenizer, req.text)
+        return unpack_ids(req.prompt_ids).tolist()
+
+    def on_request(self, req: GenerateRequest) -> TokenizedRequest | RequestOutput:
+        try:
+            ids = self.tokenize(req)
+        except ValueError as exc:
+            return RequestOutput(rid=req.rid, finish_reason="error", error=str(exc), status=400)
+        self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32))
+        return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
+                                reply_to=self.index, namespace=req.namespace,
+                                session_id=req.session_id)
+
+    def on_abort(self, msg: AbortRequest) -> None:
+        self.states.pop(msg.rid, None)
+
+    def on_outputs(self, msg: TokenOutputs) -> tuple[list[RequestOutput], list[AbortRequest]]:
+        outputs, aborts = [], []
+        for out in msg.outputs:
+            state = self.states.get(out.rid)
+            if state is None:
+                continue  # finished here already (stop string) or aborted by the client
+            if out.error is not None:
+                outputs.append(RequestOutput(rid=out.rid, index=out.index, finish_reason="error",
+                                             error=out.error, status=out.status))
+                self.states.pop(out.rid, None)
+                continue
+            result, stopped = self._detokenize(state, out)
+            if stopped:
+                aborts.append(AbortRequest(out.rid, "stop", out.index))
+            outputs.append(result)
+            if state.finished >= state.width:
+                self.states.pop(out.rid, None)
+        return outputs, aborts
+
+    def _sample(self, state: RequestState, index: int) -> SampleState:
+        sample = state.samples.get(index)
+        if sample is None:
+            params = state.req.params
+            sample = state.samples[index] = SampleState(
+                IncrementalDetokenizer(self.tokenizer, state.prompt_ids.tolist(),
+                                       params.skip_special_tokens),
+                StopChecker(params.stop),
+            )
+        return sample
+
+    def _detokenize(self, state: RequestState, out: SeqOutput) -> tuple[RequestOutput, bool]:
+        ids = unpack_ids(out.token_ids)
+        result = RequestOutput(
+            rid=out.rid, index=out.index, token_ids=out.token_ids, logprobs=out.logprobs,
+            top_ids=out.top_ids, top_logprobs=out.top_logprobs, finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+            replace=out.replace,
+        )
+        sample = self._sample(state, out.index)
+        if sample.done:
+            result.token_ids = b""
+            return result, False
+        if out.replace:
+            # Beam search sends each final beam whole: decode it in one go.
+            text = self.tokenizer.decode(ids.tolist(),
+                                         skip_special_tokens=state.req.params.skip_special_tokens)
+            emitted, stopped = sample.stop.feed(text)
+            result.text = emitted + ("" if stopped else sample.stop.flush())
+            stopped = False  # the beam is final already: nothing to abort
+        else:
+            delta = sample.detok.add(ids)
+            if out.finish_reason is not None:
+                delta += sample.detok.flush()
+            emitted, stopped = sample.stop.feed(delta)
+            if out.finish_reason is not None and not stopped:
+                emitted += sample.stop.flush()
+            result.text = emitted
+        if stopped:
+            result.finish_reason = "stop"
+        if result.finish_reason is not None:
+            sample.done = True
+            state.finished += 1
+        return result, stopped and out.finish_reason is None
+
+
+def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
+    ep, i = spec.endpoints, spec.index
+    tokenizer = AutoTokenizer.from_pretrained(spec.config.model)
+    tokenizer.model_max_length = 1 << 30  # the scheduler checks lengths against the context
+    worker = TokenizerWorker(tokenizer, i)
+    from_frontend = ctx.socket(zmq.PULL)
+    from_frontend.bind(ep.tokenizer_in[i])
+    from_scheduler = ctx.socket(zmq.PULL)
+    from_scheduler.bind(ep.tokenizer_from_scheduler[i])
+    to_scheduler = ctx.socket(zmq.PUSH)
+    to_scheduler.connect(ep.scheduler_in)
+    to_frontend = ctx.socket(zmq.PUSH)
+    to_frontend.connect(ep.frontend_in)
+    control = ctx.socket(zmq.PUSH)
+    control.connect(ep.control)
+    control.send(encode(Ready(f"tokenizer-{i}", os.getpid())))
+
+    poller = zmq.Poller()
+    poller.register(from_frontend, zmq.POLLIN)
+    poller.register(from_scheduler, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if from_scheduler in events:
+            msg = decode(from_scheduler.recv())
+            outputs, aborts = worker.on_outputs(msg)
+            for abort in aborts:
+                to_scheduler.send(encode(abort))
+            for out in outputs:
+                to_frontend.send(encode(out))
+        if from_frontend in events:
+            msg = decode(from_frontend.recv())
+            if isinstance(msg, GenerateRequest):
+                reply = worker.on_request(msg)
+                sock = to_scheduler if isinstance(reply, TokenizedRequest) else to_frontend
+                sock.send(encode(reply))
+            elif isinstance(msg, AbortRequest):
+                worker.on_abort(msg)
+                to_scheduler.send(encode(msg))
+            elif isinstance(msg, Shutdown):
+                return
