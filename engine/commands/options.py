@@ -1,0 +1,66 @@
+"""Command-line flags for EngineConfig, shared by the commands that start an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+
+from engine.config import EngineConfig
+
+_HELP = {
+    "model": "a local Hugging Face model directory (default: build and use the demo model)",
+    "served_model_name": "the model name clients send and see (default: the directory)",
+    "page_size": "token slots per KV page",
+    "num_pages": "KV pages in the pool (default: from --kv-cache-gb or free memory)",
+    "kv_cache_gb": "KV pool size in GiB",
+    "mem_fraction": "fraction of device memory for weights + KV (CUDA)",
+    "num_host_pages": "host (CPU) pages for swap preemption",
+    "device": "cpu or cuda (default: cuda when available)",
+    "dtype": "float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on GPU)",
+    "attention_backend": "auto, torch or flashinfer",
+    "seed": "seed for unseeded sampling",
+    "policy": "waiting-queue order: lpm (longest cached prefix first) or fcfs",
+    "max_running_requests": "most sequences decoding at once",
+    "max_prefill_tokens": "most prompt tokens prefilled in one step",
+    "chunked_prefill_size": "longest prompt chunk of one request in one step",
+    "preemption_mode": "recompute or swap",
+    "max_queued_requests": "waiting requests before new ones get 503",
+    "context_len": "override the model's context length",
+    "max_sessions": "open multi-turn sessions at most",
+    "session_ttl": "seconds a session's KV stays pinned after its last turn",
+    "max_pinned_tokens": "tokens pinned by sessions at most (default: half the pool)",
+    "tokenizer_workers": "tokenizer processes",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    defaults = EngineConfig(model="")
+    for field in msgspec.structs.fields(EngineConfig):
+        name = field.name
+        default = getattr(defaults, name) if name != "model" else None
+        kind = field.type
+        if kind in (int, float, str):
+            arg_type = kind
+        elif kind == (int | None):
+            arg_type = int
+        elif kind == (float | None):
+            arg_type = float
+        else:
+            arg_type = str
+        group.add_argument(f"--{name.replace('_', '-')}", type=arg_type, default=default,
+                           help=f"{_HELP.get(name, '')} (default: {default})")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags; builds the demo model when no --model is given."""
+    values = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(EngineConfig)}
+    if not values["model"]:
+        from engine.demo_model import build_demo_model
+
+        values["model"] = str(build_demo_model())
+    config = EngineConfig(**values)
+    config.validate()
+    return config
