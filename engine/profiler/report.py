@@ -76,7 +76,8 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
                    "policy": profile.policy},
         "caches": [{"cache": run.label, "capacity_tokens": run.capacity_tokens,
                     "hit_tokens": int(run.cached.sum()), "hit_rate": run.hit_rate(prompt),
-                    "evicted_tokens": run.evicted_tokens, "peak_kv_tokens": run.peak_tokens}
+                    "evicted_tokens": run.evicted_tokens, "peak_kv_tokens": run.peak_tokens,
+                    "dropped_matches": run.dropped_matches}
                    for run in profile.runs],
         "attribution": attribute(profile).to_json(),
         "cached_tokens_per_request": {
@@ -115,6 +116,9 @@ def format_text(s: dict[str, Any]) -> str:
         f"cached tokens per request: mean {per_req['mean']:,.0f}, p50 {per_req['p50']:,.0f}, "
         f"p90 {per_req['p90']:,.0f}, max {per_req['max']:,}; "
         f"{per_req['zero_hit_requests']:,} of {s['requests']:,} requests had no hit",
+        *([f"{s['caches'][0]['dropped_matches']:,} requests ran uncached: their locked match "
+           "left too little room in a cache barely bigger than one request"]
+          if s["caches"][0]["dropped_matches"] else []),
         "",
         "hit rate over time:",
         table(["window (s)", "requests", "prompt tokens", radix_label, "unlimited",

@@ -43,6 +43,7 @@ class CacheRun:
     evicted_tokens: int = 0
     peak_tokens: int = 0  # most KV slots in use at once (running request included)
     kv_tokens: np.ndarray | None = None  # KV slots held by the cache after each request
+    dropped_matches: int = 0  # requests run uncached because their match left no room
 
     def hit_rate(self, prompt_tokens: np.ndarray) -> float:
         total = int(prompt_tokens.sum())
@@ -55,10 +56,9 @@ def _progress(requests: list[Request], label: str, progress: bool) -> Iterator[R
 
 
 def min_pages(requests: Iterable[Request], page_size: int) -> int:
-    """The smallest cache that can run every request: its prompt + output, plus the page a
-    match ending inside a page keeps locked while its copy is written."""
+    """The smallest cache that can run every request: room for its prompt + output."""
     longest = max(len(r.prompt) + len(r.output) for r in requests)
-    return -(-longest // page_size) + 1
+    return -(-longest // page_size)
 
 
 def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
@@ -68,22 +68,31 @@ def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy
     tree = POLICIES[policy](alloc)
     cached = np.zeros(len(requests), dtype=np.int64)
     kv_tokens = np.zeros(len(requests), dtype=np.int64)
-    peak_pages = 0
+    peak_pages = dropped = 0
     for i, r in enumerate(_progress(requests, label, progress)):
         full = np.concatenate([r.prompt, r.output])
-        match = tree.match_prefix(r.prompt, r.namespace, max_len=len(r.prompt) - 1)
-        tree.lock(match.node)
-        shared = match.full_pages
         needed = alloc.pages_for(len(full))
-        try:
-            fresh = tree.alloc_pages(needed - len(shared))
-        except OutOfPages:
-            tree.unlock(match.node)
+        if needed > num_pages:
             raise CacheTooSmall(
                 f"request {r.id!r} needs {needed:,} pages of {page_size} tokens for its prompt "
                 f"and output, but the cache has {num_pages:,}: give at least "
                 f"{min_pages(requests, page_size) * page_size:,} cache tokens"
-            ) from None
+            )
+        match = tree.match_prefix(r.prompt, r.namespace, max_len=len(r.prompt) - 1)
+        tree.lock(match.node)
+        shared = match.full_pages
+        try:
+            fresh = tree.alloc_pages(needed - len(shared))
+        except OutOfPages:
+            # The locked match (its partial page, and a page copy at each fork inside a page)
+            # leaves too little room in a cache barely bigger than the request: drop the match
+            # and run the request uncached, in a cache emptied for it.
+            tree.unlock(match.node)
+            tree.reset()
+            match = tree.match_prefix(r.prompt, r.namespace, max_len=0)
+            tree.lock(match.node)
+            shared, fresh = [], tree.alloc_pages(needed)
+            dropped += 1
         alloc.incref(shared)
         pages = shared + fresh
         peak_pages = max(peak_pages, num_pages - alloc.num_free_pages)
@@ -94,7 +103,7 @@ def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy
         kv_tokens[i] = (num_pages - alloc.num_free_pages) * page_size
     tree.check()
     return CacheRun(label, cached, num_pages * page_size, tree.stats.evicted_pages * page_size,
-                    peak_pages * page_size, kv_tokens)
+                    peak_pages * page_size, kv_tokens, dropped)
 
 
 def replay_unlimited(requests: list[Request], page_size: int, progress: bool = False) -> CacheRun:
@@ -153,7 +162,7 @@ def run_profile(requests: list[Request], num_pages: int, page_size: int, policy:
     label = f"radix p{page_size} {policy}"
     radix = replay_radix(requests, num_pages, page_size, policy, label, progress)
     unlimited = replay_unlimited(requests, page_size, progress)
-    block = replay_block_hash(requests, num_pages * page_size // BLOCK_SIZE,
+    block = replay_block_hash(requests, max(1, num_pages * page_size // BLOCK_SIZE),
                               label=f"block hash {BLOCK_SIZE}", progress=progress)
     block_unlimited = replay_block_hash(requests, None, label=f"block hash {BLOCK_SIZE} unlimited",
                                         progress=progress)
@@ -171,9 +180,10 @@ class SweepPoint:
 
 def sweep_sizes(requests: list[Request], page_size: int, footprint_tokens: int,
                 points: int = 8) -> list[int]:
-    """Cache sizes in tokens, geometric from 1/32 of the trace's footprint (or the smallest
-    cache that runs it) up to the footprint, where nothing is evicted any more."""
-    smallest = min_pages(requests, page_size)
+    """Cache sizes in tokens, geometric from 1/32 of the trace's footprint (at least twice the
+    longest request) up to the footprint, where nothing is evicted any more."""
+    # Below twice the longest request, locked matches start crowding out the new pages.
+    smallest = 2 * min_pages(requests, page_size)
     largest = max(smallest, -(-footprint_tokens // page_size))
     lowest = max(smallest, largest // 32)
     pages = np.unique(np.geomspace(lowest, largest, points).round().astype(np.int64))
