@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import OrderedDict
 
 import numpy as np
 
+from engine.profiler.baselines import run_block_hash
 from radix import PageAllocator, RadixTree
 
 
@@ -79,35 +79,6 @@ def run_radix(requests, num_pages: int, page_size: int) -> dict:
         "cached_tokens": num_pages * page_size - alloc.num_free_pages * page_size,
         "evicted_pages": tree.stats.evicted_pages,
     }
-
-
-def run_block_hash(requests, num_blocks: int, block_size: int = 16) -> int:
-    """vLLM-style prefix caching: only whole blocks, found by a hash of (parent, block tokens)."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hit_tokens = 0
-    for prompt, full in requests:
-        parent = 0
-        hits = 0
-        # At least one prompt token is always computed, so at most (len - 1) // B blocks hit.
-        for b in range((len(prompt) - 1) // block_size):
-            h = hash((parent, full[b * block_size : (b + 1) * block_size].tobytes()))
-            if h not in cache:
-                break
-            cache.move_to_end(h)
-            parent = h
-            hits += 1
-        hit_tokens += hits * block_size
-        parent = 0
-        for b in range(len(full) // block_size):
-            h = hash((parent, full[b * block_size : (b + 1) * block_size].tobytes()))
-            if h in cache:
-                cache.move_to_end(h)
-            else:
-                if len(cache) >= num_blocks:
-                    cache.popitem(last=False)
-                cache[h] = None
-            parent = h
-    return hit_tokens
 
 
 def micros(samples: list[int]) -> tuple[float, float]:
