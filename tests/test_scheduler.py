@@ -1,0 +1,201 @@
+"""The scheduler driven in-process against the real model runner (no sockets), with the
+accounting invariant checked after every step, against transformers as the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.demo_model import build_demo_model
+from engine.protocol import SamplingParams, TokenizedRequest, pack_ids, unpack_ids
+from engine.worker import Worker
+from scheduler.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(build_demo_model())
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Reference greedy decoding that keeps going past EOS (like ignore_eos)."""
+    ids = torch.tensor([prompt])
+    out, past = [], None
+    with torch.no_grad():
+        for _ in range(steps):
+            res = model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+class Harness:
+    def __init__(self, model_dir: str, **options) -> None:
+        self.config = EngineConfig(model=model_dir, **options)
+        self.worker = Worker(self.config)
+        self.sched = Scheduler(self.config, self.worker.info)
+        self.outputs: dict[str, dict[int, list[int]]] = {}
+        self.finals: dict[str, list] = {}
+        self.steps = 0
+
+    def add(self, rid: str, prompt, params: SamplingParams) -> None:
+        self.sched.add_request(TokenizedRequest(rid=rid, prompt_ids=pack_ids(prompt), params=params,
+                                                reply_to=0))
+
+    def step(self) -> bool:
+        batch = self.sched.schedule()
+        if batch is not None:
+            self.sched.process_result(self.worker.step(batch))
+            self.steps += 1
+        self.sched.check()  # accounting after every step
+        for out in self.sched.take_outputs().get(0, []):
+            seqs = self.outputs.setdefault(out.rid, {})
+            ids = unpack_ids(out.token_ids).tolist()
+            seqs[out.index] = ids if out.replace else seqs.get(out.index, []) + ids
+            if out.finish_reason is not None:
+                self.finals.setdefault(out.rid, []).append(out)
+        return batch is not None
+
+    def run(self, max_steps: int = 2000) -> None:
+        while not self.sched.idle:
+            self.step()
+            assert self.steps < max_steps, "the scheduler did not finish"
+        self.assert_idle_clean()
+
+    def assert_idle_clean(self) -> None:
+        alloc = self.sched.alloc
+        assert alloc.num_pinned_pages == 0, "pages still pinned at idle"
+        assert alloc.num_free_pages + alloc.num_evictable_pages == alloc.num_pages
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def shared_prefix_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 4000, 70).tolist()
+    return [system[: int(rng.integers(10, 70))] + rng.integers(3, 4000, int(rng.integers(1, 40))).tolist()
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_matches_transformers_with_prefix_hits_and_chunks(model_dir, hf_model, page_size):
+    h = Harness(model_dir, page_size=page_size, num_pages=4096 // page_size,
+                chunked_prefill_size=24, max_prefill_tokens=64)
+    prompts = shared_prefix_prompts(10)
+    for i, p in enumerate(prompts[:4]):
+        h.add(f"a{i}", p, GREEDY)
+    h.run()
+    for i, p in enumerate(prompts[4:]):  # a second wave hits what the first cached
+        h.add(f"b{i}", p, GREEDY)
+    h.run()
+    for rid, p in zip([f"a{i}" for i in range(4)] + [f"b{i}" for i in range(6)], prompts, strict=True):
+        assert h.outputs[rid][0] == hf_greedy(hf_model, p, 12), rid
+    assert sum(f[0].cached_tokens for r, f in h.finals.items() if r.startswith("b")) > 0
+
+
+def test_same_prompts_again_hit_all_but_the_last_token(model_dir):
+    h = Harness(model_dir, num_pages=512)
+    prompts = shared_prefix_prompts(6, seed=1)
+    for i, p in enumerate(prompts):
+        h.add(f"a{i}", p, GREEDY)
+    h.run()
+    for i, p in enumerate(prompts):
+        h.add(f"b{i}", p, GREEDY)
+    h.run()
+    for i, p in enumerate(prompts):
+        assert h.finals[f"b{i}"][0].cached_tokens == len(p) - 1
+        assert h.outputs[f"b{i}"] == h.outputs[f"a{i}"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_identical(model_dir, hf_model, mode):
+    h = Harness(model_dir, num_pages=16, preemption_mode=mode, chunked_prefill_size=64,
+                num_host_pages=64 if mode == "swap" else 0)
+    prompts = shared_prefix_prompts(12, seed=0)
+    for i, p in enumerate(prompts):
+        h.add(str(i), p, GREEDY)
+    h.run()
+    assert h.sched.num_preemptions > 0
+    for i, p in enumerate(prompts):
+        assert h.outputs[str(i)][0] == hf_greedy(hf_model, p, 12)
+    assert len(h.sched.mem.host_free) == h.sched.mem.num_host_pages
+
+
+def test_abort_releases_pages_within_one_step(model_dir):
+    h = Harness(model_dir, num_pages=256)
+    h.add("x", list(range(5, 60)), SamplingParams(max_tokens=200, temperature=0.0))
+    h.step()
+    h.step()
+    assert h.sched.alloc.num_pinned_pages > 0
+    h.sched.abort("x")
+    h.step()
+    assert h.sched.idle
+    assert h.finals["x"][0].finish_reason == "abort"
+    h.assert_idle_clean()
+
+
+def test_parallel_samples_share_the_prefill_and_are_reproducible(model_dir):
+    params = SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        h = Harness(model_dir, num_pages=256)
+        h.add("r", list(range(5, 40)), params)
+        h.run()
+        runs.append(h.outputs["r"])
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 3 and len({tuple(v) for v in runs[0].values()}) == 3
+
+
+def test_beam_search_matches_transformers(model_dir, hf_model):
+    prompt = list(range(100, 130))
+    h = Harness(model_dir, num_pages=256, page_size=4)
+    h.add("beam", prompt, SamplingParams(max_tokens=6, beam_width=3, n=2))
+    h.run()
+    ref = hf_model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=2,
+                            max_new_tokens=6, do_sample=False, early_stopping=False,
+                            length_penalty=1.0, pad_token_id=0)
+    expected = [[t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
+    assert [h.outputs["beam"][i] for i in range(2)] == expected
+
+
+def test_bad_requests_get_clear_errors(model_dir):
+    h = Harness(model_dir, num_pages=64, max_queued_requests=1)
+    h.add("long", [5] * 5000, GREEDY)
+    h.add("huge", list(range(10, 600)), SamplingParams(max_tokens=2000))
+    h.add("vocab", [1, 99999], GREEDY)
+    h.add("ok", [5, 6, 7], GREEDY)
+    h.add("full", [5, 6, 7], GREEDY)
+    errors = {o.rid: (o.status, o.error) for o in h.sched.take_outputs()[0]}
+    assert errors["long"][0] == 400 and "context is 4,096 tokens" in errors["long"][1]
+    assert errors["huge"][0] == 400 and "KV pool has 64" in errors["huge"][1]
+    assert errors["vocab"][0] == 400 and "[0, 4096)" in errors["vocab"][1]
+    assert errors["full"][0] == 503 and "queue is full" in errors["full"][1]
+    assert "ok" not in errors
+    h.run()
+    assert h.finals["ok"][0].finish_reason == "length"
+
+
+def test_stop_token_ids_and_max_tokens(model_dir):
+    h = Harness(model_dir, num_pages=128)
+    h.add("free", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    h.run()
+    first = h.outputs["free"][0]
+    stop_at = first[3]
+    h.add("stopped", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=[stop_at]))
+    h.run()
+    assert h.outputs["stopped"][0] == first[: first.index(stop_at) + 1]
+    assert h.finals["stopped"][0].finish_reason == "stop"
+    assert h.finals["free"][0].finish_reason == "length"
