@@ -1,0 +1,316 @@
+"""GPU check: the flashinfer attention backend against the torch backend, then decode timings.
+
+Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along first). Three parts,
+each printed as a markdown table as soon as it is done:
+
+1. attention parity, bfloat16: random pool contents, random shuffled page tables, prefill /
+   decode / mixed / cached-prefix batches, page sizes 1 and 16, GQA groups 2 and 4, a sliding
+   window layer. Both backends read the same pool; both are compared with the torch backend in
+   float32 on a float32 copy of the pool (``ok`` when flashinfer's error is within twice the torch
+   bf16 error, or under 1e-2);
+2. decode attention time per step (32 layer calls + the per-step plan) at batch 1/32/128;
+3. the whole ModelRunner on a random Llama-shaped checkpoint: logits of both backends on a mixed
+   batch, and decode tokens/s at batch 1/32/128.
+
+Exit status 1 when a parity row fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.attention import make_backend  # noqa: E402
+from engine.batch import BatchInput  # noqa: E402
+from engine.kv_pool import KVPool  # noqa: E402
+
+HEAD_DIM = 128  # one head size keeps FlashInfer's JIT variants few
+SHAPES = {
+    "prefill 1000": [(0, 1000)],
+    "decode, page edges": [(0, 1), (14, 1), (15, 1), (16, 1), (1000, 1), (4095, 1)],
+    "mixed": [(0, 300), (1000, 1), (517, 33), (64, 1), (15, 1), (31, 200)],
+    "cached prefix": [(100, 50), (1024, 512), (16, 16)],
+}
+# (query heads, kv heads, per-layer sliding windows)
+ATTENTION_CONFIGS = [(32, 8, (None, 64)), (16, 8, (None,))]
+
+
+def random_batch(page_size: int, num_pages: int, shapes, seed: int = 0) -> BatchInput:
+    rng = np.random.default_rng(seed)
+    free = rng.permutation(num_pages)
+    seqs, used = [], 0
+    for cached, new in shapes:
+        count = -(-(cached + new) // page_size)
+        seqs.append((free[used : used + count], cached, rng.integers(0, 1000, new)))
+        used += count
+    return BatchInput.build(seqs, page_size, "all")
+
+
+def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, dtype) -> KVPool:
+    return KVPool(
+        num_layers=layers,
+        num_pages=pages,
+        page_size=page_size,
+        num_kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        device="cuda",
+    )
+
+
+def backend(name: str, pool: KVPool, heads: int, kv_heads: int, windows):
+    return make_backend(
+        name,
+        pool,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        sliding_windows=windows,
+    )
+
+
+def check_parity() -> bool:
+    print("## attention parity (bfloat16; errors are max abs vs torch backend in float32)\n")
+    print("| heads q/kv | window | page | batch | tokens | flashinfer err | torch bf16 err | ok |")
+    print("|---|---|---:|---|---:|---:|---:|---|")
+    all_ok = True
+    for heads, kv_heads, windows in ATTENTION_CONFIGS:
+        for page_size in (1, 16):
+            for name, shapes in SHAPES.items():
+                pages = 16384 // page_size
+                pool = make_pool(len(windows), pages, page_size, kv_heads, torch.bfloat16)
+                pool.kv.normal_()
+                pool32 = make_pool(len(windows), pages, page_size, kv_heads, torch.float32)
+                pool32.kv.copy_(pool.kv)
+                batch = random_batch(page_size, pages, shapes)
+                backends = {
+                    "flashinfer": backend("flashinfer", pool, heads, kv_heads, windows),
+                    "torch": backend("torch", pool, heads, kv_heads, windows),
+                    "fp32": backend("torch", pool32, heads, kv_heads, windows),
+                }
+                for b in backends.values():
+                    b.plan(batch)
+                for layer, window in enumerate(windows):
+                    q, k, v = (
+                        torch.randn(batch.num_tokens, h, HEAD_DIM, device="cuda").bfloat16()
+                        for h in (heads, kv_heads, kv_heads)
+                    )
+                    out = {
+                        n: b.forward(layer, *(t.float() if n == "fp32" else t for t in (q, k, v)))
+                        for n, b in backends.items()
+                    }
+                    fi_err = (out["flashinfer"].float() - out["fp32"]).abs().max().item()
+                    torch_err = (out["torch"].float() - out["fp32"]).abs().max().item()
+                    ok = fi_err <= max(2 * torch_err, 1e-2)
+                    all_ok &= ok
+                    print(
+                        f"| {heads}/{kv_heads} | {window or '-'} | {page_size} | {name} | "
+                        f"{batch.num_tokens} | {fi_err:.2e} | {torch_err:.2e} | "
+                        f"{'ok' if ok else 'FAIL'} |",
+                        flush=True,
+                    )
+    return all_ok
+
+
+def cuda_time(fn, repeats: int = 10) -> float:
+    """Median seconds of fn() on the GPU, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def attention_step(b, batch: BatchInput, qkv, layers: int) -> None:
+    b.plan(batch)
+    for _ in range(layers):
+        b.forward(0, *qkv)
+
+
+def run_batches(runner, batches: list[BatchInput]) -> None:
+    for b in batches:
+        runner.forward(b)
+
+
+def time_decode_attention(context: int, layers: int = 32) -> None:
+    heads, kv_heads, page_size = 32, 8, 16
+    print(
+        f"\n## decode attention, {heads}/{kv_heads} heads of {HEAD_DIM}, context {context}, "
+        f"page {page_size}: ms per step (plan + {layers} layer calls)\n"
+    )
+    print("| batch | torch ms | flashinfer ms | speedup |")
+    print("|---:|---:|---:|---:|")
+    for batch_size in (1, 32, 128):
+        pages = batch_size * (-(-(context + 1) // page_size)) + 1
+        pool = make_pool(1, pages, page_size, kv_heads, torch.bfloat16)
+        batch = random_batch(page_size, pages, [(context, 1)] * batch_size)
+        q, k, v = (
+            torch.randn(batch_size, h, HEAD_DIM, device="cuda").bfloat16()
+            for h in (heads, kv_heads, kv_heads)
+        )
+        ms = {}
+        for name in ("torch", "flashinfer"):
+            b = backend(name, pool, heads, kv_heads, (None,))
+            ms[name] = cuda_time(partial(attention_step, b, batch, (q, k, v), layers)) * 1e3
+        print(
+            f"| {batch_size} | {ms['torch']:.2f} | {ms['flashinfer']:.2f} | "
+            f"{ms['torch'] / ms['flashinfer']:.1f}x |",
+            flush=True,
+        )
+        del pool
+
+
+def write_random_llama(path: Path) -> Path:
+    """A Llama-shaped checkpoint with random bf16 weights (no transformers needed)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, heads, kv_heads, vocab = 2048, 8192, 8, 16, 4, 32000
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        eos_token_id=2,
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+        w = torch.randn(shape, device="cuda", generator=gen) * std
+        return w.bfloat16().cpu()
+
+    q, kv = heads * HEAD_DIM, kv_heads * HEAD_DIM
+    tensors = {
+        "model.embed_tokens.weight": rand(vocab, hidden, std=1.0),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "lm_head.weight": rand(vocab, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rand(q, hidden),
+            p + "self_attn.k_proj.weight": rand(kv, hidden),
+            p + "self_attn.v_proj.weight": rand(kv, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, q),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+        }
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def check_model(context: int, steps: int) -> bool:
+    from engine.runner import ModelRunner
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_llama(Path(tmp))
+        runners = {
+            name: ModelRunner(model_dir, num_pages=12288, attention_backend=name)
+            for name in ("torch", "flashinfer")
+        }
+    c = runners["torch"].config
+    print(
+        f"\n## ModelRunner, random Llama: {c.num_layers} layers, hidden {c.hidden_size}, "
+        f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, bfloat16, page 16\n"
+    )
+    mixed = random_batch(16, 12288, SHAPES["mixed"])
+    logits = {}
+    for name, runner in runners.items():
+        # the cached parts of "mixed" must exist: prefill them first, on the same pages
+        prefix = [
+            (
+                mixed.page_indices[mixed.page_indptr[b] : mixed.page_indptr[b + 1]],
+                0,
+                np.arange(n) % 999,
+            )
+            for b, n in enumerate(mixed.seq_lens - mixed.extend_lens)
+            if n > 0
+        ]
+        runner.forward(BatchInput.build(prefix, 16))
+        logits[name] = runner.forward(mixed)
+    diff = (logits["torch"] - logits["flashinfer"]).abs().max().item()
+    agree = (logits["torch"].argmax(-1) == logits["flashinfer"].argmax(-1)).float().mean().item()
+    ok = agree >= 0.9  # bf16 noise may flip a near-tie; part 1 is the exact check
+    print(
+        f"mixed batch, {mixed.num_tokens} tokens: max |logit diff| {diff:.3f}, argmax agreement "
+        f"{agree:.1%} {'ok' if ok else 'FAIL'}\n"
+    )
+    print(
+        f"| batch | torch tok/s | flashinfer tok/s | speedup |   (decode @{context}, {steps} steps)"
+    )
+    print("|---:|---:|---:|---:|")
+    for batch_size in (1, 32, 128):
+        rates = {}
+        for name, runner in runners.items():
+            pages = np.arange(batch_size * (-(-(context + steps) // 16))).reshape(batch_size, -1)
+            prompt = np.random.default_rng(0).integers(0, c.vocab_size, (batch_size, context))
+            runner.forward(
+                BatchInput.build(list(zip(pages, [0] * batch_size, prompt, strict=True)), 16)
+            )
+            batches = [
+                BatchInput.build([(p, context + s, [s + 3]) for p in pages], 16)
+                for s in range(steps)
+            ]
+            rates[name] = batch_size * steps / cuda_time(partial(run_batches, runner, batches), 3)
+        print(
+            f"| {batch_size} | {rates['torch']:,.0f} | {rates['flashinfer']:,.0f} | "
+            f"{rates['flashinfer'] / rates['torch']:.1f}x |",
+            flush=True,
+        )
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--context", type=int, default=2048, help="decode context for part 2")
+    parser.add_argument("--model-context", type=int, default=512, help="decode context for part 3")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed in part 3")
+    parser.add_argument("--skip-model", action="store_true", help="parts 1 and 2 only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check needs a CUDA device")
+    import flashinfer
+
+    print(
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, "
+        f"flashinfer {getattr(flashinfer, '__version__', '?')}\n"
+    )
+    ok = check_parity()
+    time_decode_attention(args.context)
+    if not args.skip_model:
+        ok &= check_model(args.model_context, args.steps)
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
