@@ -10,6 +10,7 @@ simulation. docs/profiler.md describes the trace format and the report.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -99,8 +100,6 @@ def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | 
 
 
 def _live(args: argparse.Namespace, trace: list, profile: Any, progress: bool) -> int:
-    import json
-
     import numpy as np
 
     from engine.profiler.live import (

@@ -41,14 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              description="Write a synthetic trace (JSONL, docs/profiler.md).")
     kinds = gen.add_subparsers(dest="kind", metavar="KIND", required=True)
     for name, kind in KINDS.items():
-        sub = kinds.add_parser(name, help=kind.help, description=kind.help,
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        sub.add_argument("--seed", type=int, default=0, help="random seed")
-        sub.add_argument("--out", type=Path, required=True, help="trace file to write")
+        sub = kinds.add_parser(name, help=kind.help, description=kind.help)
+        sub.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        sub.add_argument("--out", type=Path, required=True, metavar="FILE",
+                         help="trace file to write")
         sub.add_argument("--tokenizer", metavar="DIR", help="write text (prompt / messages) "
                          "through this Hugging Face tokenizer instead of token ids")
         sub.add_argument("--vocab-size", type=_positive(int), default=32000,
-                         help="token ids are drawn from [0, vocab size) (without --tokenizer)")
+                         help="token ids are drawn from [0, vocab size) (without --tokenizer; "
+                              "default 32000)")
         for field in dataclasses.fields(kind.params):
             if isinstance(field.default, str):
                 parse = str
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 parse = _positive(type(field.default))
             sub.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=parse,
                              default=field.default, choices=field.metadata.get("choices"),
-                             help=field.metadata["help"])
+                             help=f"{field.metadata['help']} (default {field.default})")
 
 
 def run(args: argparse.Namespace) -> int:
