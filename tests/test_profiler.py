@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from engine.profiler.attribution import attribute, per_request
 from engine.profiler.baselines import BlockHashCache, run_block_hash
+from engine.profiler.policies import LfuRadixTree, uses
 from engine.profiler.simulate import (
     CacheTooSmall,
     min_pages,
@@ -33,6 +34,7 @@ from engine.profiler.trace import (
     write_trace,
 )
 from engine.profiler.workload import KINDS, generate
+from radix import PageAllocator
 
 
 def req(i: int, prompt: list[int], output: list[int] = (), namespace: str | None = None) -> Request:
@@ -230,6 +232,21 @@ def test_lfu_holds_on_to_a_prefix_that_went_cold():
     trace = [A, A, A, B, B, C, B]  # A was hot once; B is hot now
     assert policy_hits(trace, "lru") == [0, 7, 7, 0, 7, 0, 7]
     assert policy_hits(trace, "lfu") == [0, 7, 7, 0, 7, 0, 0]
+
+
+def test_lfu_counts_matches_not_inserts():
+    alloc = PageAllocator(8, 4)
+    tree = LfuRadixTree(alloc)
+    pages = tree.alloc_pages(2)
+    tree.insert(A, pages)
+    alloc.decref(pages)
+    node = tree.match_prefix(A, max_len=7).node
+    assert uses(node) == 1
+    again = alloc.alloc(2)
+    tree.insert(A, again)  # a re-insert refreshes recency only
+    alloc.decref(again)
+    assert uses(node) == 1
+    assert uses(tree.match_prefix(A, max_len=7).node) == 2
 
 
 def test_a_match_that_leaves_no_room_is_dropped_and_counted():

@@ -12,5 +12,6 @@ through the radix tree (offline) or against an OpenAI-compatible server (live).
     live.py         replay against a server; measured hit rate and TTFT
     command.py, workload_command.py   the ``radixserve profile`` / ``workload`` subcommands
 
-Nothing here imports torch: profiling runs where no model can.
+Nothing here imports torch: profiling runs where no model can. (Text traces load a tokenizer
+through transformers, which imports torch where it is installed.)
 """
