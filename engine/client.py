@@ -3,7 +3,8 @@
 Each request gets a queue of ``RequestOutput``s; one receive task routes outputs to queues.
 A request whose consumer goes away (a client disconnect cancels the stream) is aborted, so its
 pages are released within one scheduler step. ``fail_all`` ends every pending stream with an
-error when the process group dies: no request waits forever.
+error when the process group dies: no request waits forever. The scheduler's latest
+``SchedulerStats`` (forwarded by the tokenizer workers) is kept in ``stats`` for metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import zmq
 import zmq.asyncio
 
 from engine.config import Endpoints
-from engine.protocol import AbortRequest, GenerateRequest, RequestOutput, decode, encode
+from engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    RequestOutput,
+    SchedulerStats,
+    SessionClose,
+    SessionOpen,
+    decode,
+    encode,
+)
 
 
 class EngineDead(RuntimeError):
@@ -39,6 +49,7 @@ class EngineClient:
         self._routes: dict[str, int] = {}
         self._receiver: asyncio.Task | None = None
         self.dead: str | None = None
+        self.stats = SchedulerStats()
 
     @property
     def num_pending(self) -> int:
@@ -50,15 +61,24 @@ class EngineClient:
     async def _receive(self) -> None:
         while True:
             msg = decode(await self.inbox.recv())
+            if isinstance(msg, SchedulerStats):
+                self.stats = msg
+                continue
             queue = self._queues.get(msg.rid) if isinstance(msg, RequestOutput) else None
             if queue is not None:
                 queue.put_nowait(msg)
 
-    def _route(self, req: GenerateRequest) -> int:
-        if req.session_id is not None:
+    def _route(self, session_id: str | None) -> int:
+        if session_id is not None:
             # A session's history lives in one tokenizer worker.
-            return hash(req.session_id) % len(self.tokenizers)
+            return hash(session_id) % len(self.tokenizers)
         return next(self._next)
+
+    async def send_session(self, msg: SessionOpen | SessionClose) -> None:
+        """Open or close a session in the tokenizer worker (and scheduler) that owns it."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        await self.tokenizers[self._route(msg.session_id)].send(encode(msg))
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until every sample has finished."""
@@ -68,7 +88,7 @@ class EngineClient:
             raise ValueError(f"request id {req.rid!r} is already in use")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.rid] = queue
-        route = self._routes[req.rid] = self._route(req)
+        route = self._routes[req.rid] = self._route(req.session_id)
         width = req.params.n
         finished = 0
         try:

@@ -93,7 +93,8 @@ class Launcher:
 
     def _spawn(self, name: str, role: str, index: int) -> None:
         spec = LaunchSpec(role=role, index=index, config=self.config, endpoints=self.endpoints)
-        proc = subprocess.Popen([sys.executable, "-m", "engine.child"], stdin=subprocess.PIPE)
+        # The name in argv only labels the process for ps and tests; the spec comes on stdin.
+        proc = subprocess.Popen([sys.executable, "-m", "engine.child", name], stdin=subprocess.PIPE)
         assert proc.stdin is not None
         proc.stdin.write(msgspec.msgpack.encode(spec))
         proc.stdin.close()

@@ -5,6 +5,7 @@ No Python-object serialisation crosses a socket. Token ids travel as packed int3
 
     frontend ──GenerateRequest/AbortRequest──▶ tokenizer ──TokenizedRequest/AbortRequest──▶ scheduler
     frontend ◀────────RequestOutput─────────── tokenizer ◀──────TokenOutputs───────────── scheduler
+    frontend ◀───────SchedulerStats─────────── tokenizer ◀──(TokenOutputs.stats)───────── scheduler
                                                           scheduler ──ForwardBatch──▶ worker
                                                           scheduler ◀──BatchResult/WorkerReady── worker
     every child ──Ready/Fatal──▶ launcher
@@ -148,10 +149,30 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     replace: bool = False  # beam search: token_ids replace everything sent before
 
 
+class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
+    """The scheduler's gauges and counters (``Scheduler.stats()``), for the frontend's metrics.
+
+    Rides on a ``TokenOutputs`` at most a few times a second and whenever the scheduler goes
+    idle; the tokenizer worker forwards it to the frontend as its own message.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0
+    kv_pages_cached: int = 0
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    preemptions: int = 0
+    sessions_pinned: int = 0
+    pinned_tokens: int = 0
+
+
 class TokenOutputs(msgspec.Struct, tag=True):
     """Scheduler → tokenizer, once per step for the requests that worker owns."""
 
     outputs: list[SeqOutput]
+    stats: SchedulerStats | None = None
 
 
 class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
@@ -170,6 +191,9 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replace: bool = False
+    # With logprobs: each token's text, then each top alternative's (tokens x N, row-major).
+    token_texts: list[str] = []
+    top_texts: list[str] = []
 
 
 # ------------------------------------------------------------------------- the worker
@@ -256,7 +280,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 Message = (
     GenerateRequest | AbortRequest | TokenizedRequest | SessionOpen | SessionClose | TokenOutputs
-    | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
+    | SchedulerStats | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
 )
 
 _encoder = msgspec.msgpack.Encoder()

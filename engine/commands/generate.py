@@ -50,16 +50,20 @@ def _read_requests(path: str):
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from engine.api import Engine, EngineDead
+    from engine.api import Engine, EngineDead, EngineError
 
     prompts, params = _read_requests(args.input)
     config = config_from_args(args)
-    with Engine(**msgspec.structs.asdict(config)) as engine:
-        try:
+    try:
+        with Engine(**msgspec.structs.asdict(config)) as engine:
+            info = engine.info
+            print(f"radixserve: engine ready ({info.architecture}, {info.num_pages:,} pages of "
+                  f"{info.page_size} on {info.device}); {len(prompts):,} requests",
+                  file=sys.stderr, flush=True)
             results = engine.generate(prompts, params, use_tqdm=not args.no_progress)
-        except EngineDead as exc:
-            print(f"radixserve generate: {exc}", file=sys.stderr)
-            return 1
+    except (EngineDead, EngineError) as exc:
+        print(f"radixserve generate: {exc}", file=sys.stderr)
+        return 1
     failed = 0
     with open(args.output, "w") as out:
         for result in results:

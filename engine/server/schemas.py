@@ -1,0 +1,246 @@
+"""Request and response bodies of the HTTP (and ZMQ) front doors, as msgspec Structs.
+
+Requests are strict: a field of the wrong type or a field the server does not know is a 400
+naming it (``errors.from_validation``), never a silent default. Responses have exactly OpenAI's
+shapes: fields that OpenAI sends as ``null`` are ``None`` here, fields it leaves out are
+``UNSET`` (e.g. ``usage`` on stream chunks without ``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+
+class _Body(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Sampling fields shared by completions and chat (OpenAI's plus vLLM-style extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted for compatibility; not used
+
+
+class CompletionRequest(SamplingFields):
+    """``/v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a
+    list of token-id lists (checked in ``engine.server.sampling``)."""
+
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``/v1/chat/completions``. With ``session_id``, ``messages`` are the new turn's only."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    session_id: str | None = None
+
+
+class GenerateBody(_Body):
+    """Native ``/generate``: token ids (or text) in, token ids out; SamplingParams fields."""
+
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: dict[str, Any] = {}
+    stream: bool = False
+    model: str | None = None
+
+
+class SessionBody(_Body):
+    model: str | None = None
+
+
+# ------------------------------------------------------------------------------ responses
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(
+        default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | UnsetType = UNSET
+    object: str = "text_completion"
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "text_completion"
+
+
+class GenerateChoice(Struct):
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+
+
+class GenerateResponse(Struct):
+    """``/generate``'s body, and (with deltas in ``choices``) each of its stream chunks."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[GenerateChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "generate"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "radixserve"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class SessionObject(Struct):
+    id: str
+    created: int
+    ttl: float
+    object: str = "session"
+
+
+class SessionDeleted(Struct):
+    id: str
+    deleted: bool = True
+    object: str = "session"
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+Chunk = CompletionChunk | ChatCompletionChunk | GenerateResponse
