@@ -77,6 +77,8 @@ def test_profile_errors_are_sentences(tmp_path, capsys):
     assert main(["profile", str(big), "--cache-tokens", "32"]) == 2
     assert "give at least 96 cache tokens" in capsys.readouterr().err
 
+    assert main(["profile", str(big), "--cache-tokens", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
     assert main(["profile", str(big), "--sweep", "lots"]) == 2
     assert "--sweep takes token counts" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -60,7 +60,8 @@ def _fail(message: str, code: int = 2) -> int:
 def _num_pages(args: argparse.Namespace) -> int:
     if args.num_pages is not None:
         return args.num_pages
-    return max(1, (args.cache_tokens or DEFAULT_CACHE_TOKENS) // args.page_size)
+    cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
+    return max(1, cache_tokens // args.page_size)
 
 
 def _parse_sweep(spec: str | None) -> list[int] | str | None:
@@ -147,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
         read_trace,
     )
 
-    if args.page_size < 1 or (args.num_pages is not None and args.num_pages < 1):
-        return _fail("--page-size and --num-pages must be positive")
+    counts = (args.page_size, args.windows, args.max_concurrency, args.num_pages,
+              args.cache_tokens, args.rate)
+    if any(value is not None and value <= 0 for value in counts):
+        return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens "
+                     "and --rate must be positive")
     try:
         sizes = _parse_sweep(args.sweep)
         trace = read_trace(args.trace)
