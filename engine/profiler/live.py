@@ -175,6 +175,7 @@ def summarize_live(results: list[LiveResult], model: str, url: str,
     summary: dict[str, Any] = {
         "url": url, "model": model, "requests": len(results), "succeeded": len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
+        "missing_usage": sum(r.error is None and r.prompt_tokens is None for r in results),
         "missing_cached_tokens": sum(results[i].cached_tokens is None for i in ok),
         "prompt_tokens": int(prompt.sum()), "cached_tokens": int(cached.sum()),
         "hit_rate": float(cached.sum() / prompt.sum()) if prompt.sum() else 0.0,
@@ -213,6 +214,9 @@ def format_live(s: dict[str, Any]) -> str:
              f"requests succeeded",
              f"measured hit rate: {100 * s['hit_rate']:.1f}% ({s['cached_tokens']:,} of "
              f"{s['prompt_tokens']:,} prompt tokens cached, as the server reports them)"]
+    if s["missing_usage"]:
+        lines.append(f"{s['missing_usage']:,} streams ended without usage (does the server "
+                     "support stream_options.include_usage?)")
     if s["missing_cached_tokens"]:
         lines.append(f"{s['missing_cached_tokens']:,} responses had no "
                      "usage.prompt_tokens_details.cached_tokens (counted as 0)")
