@@ -1,9 +1,15 @@
-"""The scheduler process: sockets around ``Scheduler``. Blocks on its sockets when idle."""
+"""The scheduler process: sockets around ``Scheduler``. Blocks on its sockets when idle, waking
+only for the next session pin to expire. Its stats ride on the outputs to the tokenizer workers
+(at most every ``STATS_INTERVAL`` seconds while busy, and once when it goes idle), which forward
+them to the frontend's metrics.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 
 import zmq
 
@@ -12,6 +18,9 @@ from engine.protocol import (
     AbortRequest,
     BatchResult,
     Ready,
+    SchedulerStats,
+    SessionClose,
+    SessionOpen,
     Shutdown,
     TokenizedRequest,
     TokenOutputs,
@@ -22,6 +31,8 @@ from engine.protocol import (
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("radixserve.scheduler")
+
+STATS_INTERVAL = 0.25  # seconds between stats messages while the scheduler is busy
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
@@ -50,14 +61,28 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     poller.register(from_worker, zmq.POLLIN)
     aborts: list[AbortRequest] = []
     checked = True
+    last_stats: SchedulerStats | None = None
+    next_stats = 0.0
 
     def flush() -> None:
-        for reply_to, outputs in sched.take_outputs().items():
-            to_tokenizers[reply_to].send(encode(TokenOutputs(outputs)))
+        nonlocal last_stats, next_stats
+        batches = sched.take_outputs()
+        stats, now = None, time.monotonic()
+        if sched.idle or now >= next_stats:
+            current = SchedulerStats(**sched.stats())
+            if current != last_stats:
+                stats = last_stats = current
+                next_stats = now + STATS_INTERVAL
+                batches = batches or {0: []}
+        for reply_to, outputs in batches.items():
+            to_tokenizers[reply_to].send(encode(TokenOutputs(outputs, stats)))
+            stats = None
 
     while True:
         runnable = sched.inflight is None and (sched.waiting or sched.running)
-        events = dict(poller.poll(0 if runnable else None))
+        timeout = 0.0 if runnable else sched.sessions.seconds_to_next_expiry(time.monotonic())
+        events = dict(poller.poll(None if timeout is None else math.ceil(1000 * timeout)))
+        sched.sessions.expire(time.monotonic())
         if inbox in events:
             while True:
                 try:
@@ -69,6 +94,10 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
                     checked = False
                 elif isinstance(msg, AbortRequest):
                     aborts.append(msg)
+                elif isinstance(msg, SessionOpen):
+                    sched.sessions.open(msg.session_id, msg.ttl)
+                elif isinstance(msg, SessionClose):
+                    sched.sessions.close(msg.session_id)
                 elif isinstance(msg, Shutdown):
                     return
         if from_worker in events:

@@ -40,6 +40,7 @@ class Seq:
     cum_logprob: float = 0.0  # beam search
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    closing: bool = False  # a session turn's last token runs for its KV; no more samples
 
     @property
     def num_outputs(self) -> int:

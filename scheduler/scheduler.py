@@ -5,7 +5,9 @@ extending by one decode token or a prefill chunk; then waiting requests admitted
 within the token budget), the worker runs it, ``process_result()`` appends the sampled tokens,
 forks samples and beams, finishes sequences and queues outputs. When decode runs out of pages,
 the request with the least progress is preempted (recompute: its KV goes into the tree; swap:
-its private pages go to the host pool).
+its private pages go to the host pool). A session's turn runs one extra step after its last
+sample, so the next turn's prompt (this whole sequence plus the new messages) is cached to its
+last token, and its history stays pinned for the session's ttl (``scheduler/sessions.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory, StepWork
 from scheduler.policy import order_waiting
 from scheduler.request import Request, Seq, Status
+from scheduler.sessions import SessionPins
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -66,6 +69,10 @@ class Scheduler:
         self.batch_id = 0
         self.new_token_ratio = NEW_TOKEN_RATIO[0]
         self.num_preemptions = 0
+        pinnable = config.max_pinned_tokens
+        if pinnable is None:
+            pinnable = info.num_pages * info.page_size // 2
+        self.sessions = SessionPins(self.tree, pinnable)
 
     # ------------------------------------------------------------- requests
     @property
@@ -125,7 +132,7 @@ class Scheduler:
             if index >= 0 and seq.index != index:
                 continue
             self._drop_carry(seq)
-            self.mem.release(seq, cache=seq.status is Status.RUNNING)
+            self._release(seq, cache=seq.status is Status.RUNNING)
             seq.status = Status.FINISHED
             self._emit(req, seq.index, [], finish_reason=reason)
         if not req.live_seqs():
@@ -154,6 +161,9 @@ class Scheduler:
         else:
             self._admit_waiting(entries, work, budget)
         if not entries:
+            if self.waiting and not self.running and not preempted and self.sessions.unpin_oldest():
+                self.carry = work  # pinned sessions give way before a request is refused
+                return None
             if self.waiting and not self.running and not preempted:
                 # Nothing runs and the head cannot be admitted into an empty pool: never retry.
                 self._fail(self.waiting[0], 503, "the request cannot be scheduled: the KV pool "
@@ -206,8 +216,8 @@ class Scheduler:
                 preempted.add(id(victim))
 
     def _samples_for(self, seq: Seq, extend: int) -> int:
-        if seq.computed + extend < len(seq.tokens):
-            return 0  # a prefill chunk that does not reach the end yet
+        if seq.closing or seq.computed + extend < len(seq.tokens):
+            return 0  # a prefill chunk that does not reach the end yet, or a session's last token
         req = seq.req
         if not req.forked and req.params.n > 1 and not req.is_beam:
             return req.params.n
@@ -349,6 +359,8 @@ class Scheduler:
             if entry.samples == 0:
                 # A finished chunk goes into the tree now, so it is reusable before the rest.
                 self.tree.insert(seq.tokens[: seq.computed], seq.pages, seq.req.namespace)
+                if seq.closing:
+                    self._finish(seq, seq.finish_reason)
                 continue
             if seq.req.is_beam:
                 beam_rows.setdefault(id(seq.req), []).append((seq, row))
@@ -387,10 +399,25 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Seq, reason: str) -> None:
+        req = seq.req
+        if (req.session_id is not None and not seq.closing and not req.is_beam
+                and seq.index == 0 and self.sessions.is_open(req.session_id)):
+            # The next turn's prompt starts with this whole sequence: run its last sampled token
+            # through the model (one step, no sample) so the history is cached to its end.
+            seq.closing, seq.finish_reason = True, reason
+            return
         self._drop_carry(seq)
-        self.mem.release(seq, cache=True)
+        self._release(seq, cache=True)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    def _release(self, seq: Seq, *, cache: bool) -> None:
+        """Release ``seq``'s pages; a session's cached turn becomes the session's pinned history."""
+        history = seq.tokens[: seq.computed]
+        self.mem.release(seq, cache=cache)
+        req = seq.req
+        if cache and req.session_id is not None and seq.index == 0 and not req.is_beam:
+            self.sessions.pin(req.session_id, history, req.namespace, time.monotonic())
 
     def _fork_samples(self, parent: Seq, tokens: np.ndarray, logprobs, top_ids, top_lps,
                       row: int) -> None:
@@ -504,4 +531,6 @@ class Scheduler:
             "hit_tokens": s.hit_tokens,
             "queried_tokens": s.queried_tokens,
             "preemptions": self.num_preemptions,
+            "sessions_pinned": len(self.sessions.pins),
+            "pinned_tokens": self.sessions.pinned_tokens,
         }

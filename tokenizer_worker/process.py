@@ -4,6 +4,11 @@ token ids back from the scheduler → UTF-8-safe text deltas, cut at stop string
 A stop string ends one sample: the worker emits its final text at once and asks the scheduler
 to abort that sample (its pages are released within one step); later tokens already on their
 way for it are dropped here.
+
+Sessions (multi-turn chat) live here: the worker that owns a session (the frontend routes all
+of a session's messages to one worker) keeps its token history, builds each turn's prompt as
+history + the new messages' template fragment, and appends the reply's ids when the turn
+finishes (``tokenizer_worker/session.py``). The scheduler's stats pass through to the frontend.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from engine.protocol import (
     Ready,
     RequestOutput,
     SeqOutput,
+    SessionClose,
+    SessionOpen,
     Shutdown,
     TokenizedRequest,
     TokenOutputs,
@@ -32,6 +39,7 @@ from engine.protocol import (
     unpack_ids,
 )
 from tokenizer_worker.detokenize import IncrementalDetokenizer
+from tokenizer_worker.session import ChatSession
 from tokenizer_worker.stop import StopChecker
 from tokenizer_worker.template import encode_prompt, render_chat
 
@@ -51,6 +59,9 @@ class RequestState:
     prompt_ids: np.ndarray
     samples: dict[int, SampleState] = field(default_factory=dict)
     finished: int = 0
+    session: ChatSession | None = None  # the session this turn continues
+    reply_ids: list[int] = field(default_factory=list)  # a session turn's reply so far
+    reply_text: list[str] = field(default_factory=list)
 
     @property
     def width(self) -> int:
@@ -65,6 +76,7 @@ class TokenizerWorker:
         self.tokenizer = tokenizer
         self.index = index
         self.states: dict[str, RequestState] = {}
+        self.sessions: dict[str, ChatSession] = {}
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
         given = sum(x is not None for x in (req.text, req.prompt_ids, req.messages))
@@ -77,14 +89,35 @@ class TokenizerWorker:
         return unpack_ids(req.prompt_ids).tolist()
 
     def on_request(self, req: GenerateRequest) -> TokenizedRequest | RequestOutput:
+        session = None
         try:
-            ids = self.tokenize(req)
+            if req.session_id is None:
+                ids = self.tokenize(req)
+            else:
+                session = self.sessions.get(req.session_id)
+                if session is None:
+                    return RequestOutput(rid=req.rid, finish_reason="error", status=404,
+                                         error=f"session {req.session_id!r} does not exist")
+                ids = self._session_prompt(session, req)
         except ValueError as exc:
             return RequestOutput(rid=req.rid, finish_reason="error", error=str(exc), status=400)
-        self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32))
+        self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32), session=session)
         return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
                                 reply_to=self.index, namespace=req.namespace,
                                 session_id=req.session_id)
+
+    def _session_prompt(self, session: ChatSession, req: GenerateRequest) -> list[int]:
+        if req.messages is None:
+            raise ValueError("a session turn takes chat messages (the new turn's only)")
+        if req.params.n != 1 or req.params.beam_width != 1:
+            raise ValueError("a session turn makes one reply: n and beam search must be 1")
+        return session.prompt_for(self.tokenizer, req.messages)
+
+    def on_session(self, msg: SessionOpen | SessionClose) -> None:
+        if isinstance(msg, SessionOpen):
+            self.sessions[msg.session_id] = ChatSession()
+        else:
+            self.sessions.pop(msg.session_id, None)
 
     def on_abort(self, msg: AbortRequest) -> None:
         self.states.pop(msg.rid, None)
@@ -131,6 +164,9 @@ class TokenizerWorker:
         if sample.done:
             result.token_ids = b""
             return result, False
+        if out.logprobs:
+            result.token_texts = self._token_texts(ids)
+            result.top_texts = self._token_texts(unpack_ids(out.top_ids))
         if out.replace:
             # Beam search sends each final beam whole: decode it in one go.
             text = self.tokenizer.decode(ids.tolist(),
@@ -146,12 +182,23 @@ class TokenizerWorker:
             if out.finish_reason is not None and not stopped:
                 emitted += sample.stop.flush()
             result.text = emitted
+            if state.session is not None:
+                state.reply_ids.extend(ids.tolist())
+                state.reply_text.append(emitted)
         if stopped:
             result.finish_reason = "stop"
         if result.finish_reason is not None:
             sample.done = True
             state.finished += 1
+            if state.session is not None and result.finish_reason in ("stop", "length"):
+                state.session.commit(state.prompt_ids.tolist(), state.req.messages,
+                                     state.reply_ids, "".join(state.reply_text))
         return result, stopped and out.finish_reason is None
+
+    def _token_texts(self, ids: np.ndarray) -> list[str]:
+        """Each token's own text (logprobs name tokens by it), special tokens spelled out."""
+        return self.tokenizer.batch_decode(ids.reshape(-1, 1).tolist(),
+                                           skip_special_tokens=False)
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
@@ -178,6 +225,8 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
         events = dict(poller.poll())
         if from_scheduler in events:
             msg = decode(from_scheduler.recv())
+            if msg.stats is not None:
+                to_frontend.send(encode(msg.stats))
             outputs, aborts = worker.on_outputs(msg)
             for abort in aborts:
                 to_scheduler.send(encode(abort))
@@ -191,6 +240,9 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
                 sock.send(encode(reply))
             elif isinstance(msg, AbortRequest):
                 worker.on_abort(msg)
+                to_scheduler.send(encode(msg))
+            elif isinstance(msg, SessionOpen | SessionClose):
+                worker.on_session(msg)
                 to_scheduler.send(encode(msg))
             elif isinstance(msg, Shutdown):
                 return

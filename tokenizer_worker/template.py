@@ -22,6 +22,18 @@ def render_chat(
     whose texts are joined with newlines as vLLM does. Raises ValueError with a sentence a user
     can act on when the tokenizer has no chat template or a message is malformed.
     """
+    text = render_chat_text(tokenizer, messages, add_generation_prompt)
+    # The template writes BOS and every other special token itself; letting encode add its own
+    # would start the prompt with two BOS tokens.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+) -> str:
+    """``messages`` rendered by the chat template as text (see ``render_chat``)."""
     if not tokenizer.chat_template:
         raise ValueError(
             "this model's tokenizer has no chat template, so chat messages cannot be turned into "
@@ -29,15 +41,12 @@ def render_chat(
         )
     conversation = _normalize_messages(messages)
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except jinja2.TemplateError as error:
         # Templates reject conversations themselves (e.g. "roles must alternate").
         raise ValueError(f"the model's chat template rejected the messages: {error}") from error
-    # The template writes BOS and every other special token itself; letting encode add its own
-    # would start the prompt with two BOS tokens.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
