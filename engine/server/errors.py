@@ -45,7 +45,7 @@ _LOCATION = re.compile(r" - at `\$\.?([^`]*)`$")
 def from_validation(exc: msgspec.MsgspecError) -> APIError:
     """A body that is not JSON, or does not fit the schema: 400 naming the field."""
     text = str(exc)
-    if isinstance(exc, msgspec.DecodeError):
+    if not isinstance(exc, msgspec.ValidationError):
         return APIError(400, f"the request body is not valid JSON: {text}")
     param = None
     match = _LOCATION.search(text)

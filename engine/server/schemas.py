@@ -49,7 +49,7 @@ class SamplingFields(_Body):
     user: str | None = None  # accepted for compatibility; not used
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, kw_only=True):
     """``/v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a
     list of token-id lists (checked in ``engine.server.sampling``)."""
 
@@ -59,7 +59,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, kw_only=True):
     """``/v1/chat/completions``. With ``session_id``, ``messages`` are the new turn's only."""
 
     messages: list[dict[str, Any]]

@@ -1,0 +1,52 @@
+"""``radixserve serve``: the OpenAI-compatible HTTP server (and optional ZMQ front door)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from engine.commands.options import add_engine_arguments, config_from_args
+
+HELP = "serve a model over an OpenAI-compatible HTTP API (and optionally ZMQ)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; 0.0.0.0 exposes the server to the network "
+                            "(default: 127.0.0.1, this machine only)")
+    group.add_argument("--port", type=int, default=30000, help="HTTP port (default: 30000)")
+    group.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on the API routes "
+                            "(default: $RADIXSERVE_API_KEY, else no key)")
+    group.add_argument("--zmq-port", type=int, default=None,
+                       help="also serve the ZMQ front door on this TCP port (default: off)")
+    group.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                       help="largest request body; bigger ones get 413 (default: 8 MiB)")
+    group.add_argument("--max-pending-requests", type=int, default=4096,
+                       help="engine requests in flight before new ones get 503 (default: 4096)")
+    group.add_argument("--default-max-tokens", type=int, default=256,
+                       help="max_tokens of a chat request that sets none (default: 256)")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("max_request_bytes", "max_pending_requests", "default_max_tokens"):
+        if getattr(args, name) < 1:
+            print(f"radixserve serve: --{name.replace('_', '-')} must be at least 1",
+                  file=sys.stderr)
+            return 2
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"radixserve serve: {exc}", file=sys.stderr)
+        return 2
+    from engine.server.frontend import ServeOptions, serve
+
+    return serve(config, ServeOptions(
+        host=args.host, port=args.port, api_key=args.api_key, zmq_port=args.zmq_port,
+        max_request_bytes=args.max_request_bytes,
+        max_pending_requests=args.max_pending_requests,
+        default_max_tokens=args.default_max_tokens,
+    ))

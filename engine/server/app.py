@@ -1,0 +1,275 @@
+"""The HTTP front door: starlette routes over the ``Service``.
+
+    POST /v1/completions  /v1/chat/completions  /generate   (SSE with "stream": true)
+    GET  /v1/models  /health  /metrics  /openapi.json
+    POST /v1/sessions   DELETE /v1/sessions/{id}
+
+Every route checks the API key (except ``/health``, ``/metrics`` and ``/openapi.json``), reads
+the body up to ``max_request_bytes`` (413 past it) and decodes it strictly (400 naming the
+field). A client that goes away, mid-stream or while waiting for a whole response, cancels its
+engine requests (they are aborted and their pages freed within one scheduler step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from engine.server.errors import APIError, from_validation
+from engine.server.openapi import openapi_document
+from engine.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateBody,
+    SessionBody,
+)
+from engine.server.service import Service
+
+logger = logging.getLogger("radixserve.server")
+
+T = TypeVar("T")
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+_encoder = msgspec.json.Encoder()
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(body), status, media_type="application/json")
+
+
+def error_response(exc: APIError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return Response(_encoder.encode(exc.body()), exc.status, headers=headers,
+                    media_type="application/json")
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """``work``'s result, or ClientGone (with ``work`` cancelled) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from an async iterator of ready lines; on a disconnect the iterator is
+    closed at once (not at its next send), which aborts the engine requests under it."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache"})
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.raw_headers})
+            async for data in self.events:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await unless_disconnected(receive, pump())
+        except (ClientGone, OSError):
+            pass
+        finally:
+            await self.events.aclose()
+
+
+def _event(body: Any) -> bytes:
+    return b"data: " + _encoder.encode(body) + b"\n\n"
+
+
+async def _sse(first: Any, chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    async with aclosing(chunks):
+        yield _event(first)
+        try:
+            async for chunk in chunks:
+                yield _event(chunk)
+        except APIError as exc:
+            yield _event(exc.body())
+        except Exception:
+            logger.exception("a stream failed")
+            yield _event(APIError(500, "the server failed while streaming; see its log").body())
+        yield b"data: [DONE]\n\n"
+
+
+async def stream_response(request: Request, chunks: AsyncIterator[Any]) -> Response:
+    """Wait for the first chunk (so an engine refusal is still a plain error response), then
+    stream the rest as server-sent events."""
+    try:
+        first = await unless_disconnected(request.receive, anext(chunks, None))
+    except BaseException:
+        await chunks.aclose()
+        raise
+    if first is None:  # every stream yields at least its final chunk; this guards the shape
+        raise APIError(500, "the request produced no output")
+    return EventStream(_sse(first, chunks))
+
+
+def build_app(service: Service, *, api_key: str | None = None,
+              max_request_bytes: int = 8 << 20) -> Starlette:
+    metrics = service.metrics
+
+    @contextmanager
+    def counted(endpoint: str) -> Iterator[None]:
+        """Count an APIError raised before a request reaches the engine (later ones are
+        counted by the request's timer)."""
+        try:
+            yield
+        except APIError as exc:
+            metrics.requests.labels(endpoint, str(exc.status)).inc()
+            raise
+
+    def check_key(request: Request) -> None:
+        if api_key is None or request.url.path in OPEN_PATHS:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 api_key.encode()):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer "
+                           "<key>'")
+
+    async def read(request: Request, schema: type[T], *, empty_ok: bool = False) -> T:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            raise APIError(413, f"the request body has {int(length):,} bytes; the limit is "
+                           f"{max_request_bytes:,}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise APIError(413, f"the request body is over the limit of "
+                               f"{max_request_bytes:,} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        if empty_ok and not body.strip():
+            body = b"{}"
+        try:
+            return msgspec.json.decode(body, type=schema)
+        except msgspec.MsgspecError as exc:
+            raise from_validation(exc) from None
+
+    def route(path: str, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
+              methods: list[str]) -> Route:
+        async def wrapped(request: Request) -> Response:
+            try:
+                with counted(endpoint):
+                    check_key(request)
+                return await handler(request)
+            except APIError as exc:
+                return error_response(exc)
+            except ClientGone:
+                return Response(status_code=499)
+            except Exception:
+                logger.exception("%s %s failed", request.method, path)
+                metrics.requests.labels(endpoint, "500").inc()
+                return error_response(APIError(500, "the server failed on this request; see "
+                                               "its log"))
+
+        return Route(path, wrapped, methods=methods)
+
+    async def whole(request: Request, work: Awaitable[Any]) -> Response:
+        return json_response(await unless_disconnected(request.receive, work))
+
+    async def completions(request: Request) -> Response:
+        with counted("completions"):
+            body = await read(request, CompletionRequest)
+            call = service.completion_call(body)
+        top = bool(body.logprobs)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream_response(request, service.completion_stream(call, usage, top))
+        return await whole(request, service.completion(call, top))
+
+    async def chat(request: Request) -> Response:
+        with counted("chat"):
+            body = await read(request, ChatCompletionRequest)
+            call = service.chat_call(body)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream_response(request, service.chat_stream(call, usage))
+        return await whole(request, service.chat(call))
+
+    async def generate(request: Request) -> Response:
+        with counted("generate"):
+            body = await read(request, GenerateBody)
+            call = service.generate_call(body)
+        if body.stream:
+            return await stream_response(request, service.generate_stream(call))
+        return await whole(request, service.generate(call))
+
+    async def models(request: Request) -> Response:
+        return json_response(service.models())
+
+    async def open_session(request: Request) -> Response:
+        with counted("sessions"):
+            body = await read(request, SessionBody, empty_ok=True)
+            service.check_model(body.model)
+            return json_response(await service.open_session())
+
+    async def close_session(request: Request) -> Response:
+        with counted("sessions"):
+            return json_response(await service.close_session(request.path_params["session_id"]))
+
+    async def health(request: Request) -> Response:
+        if not service.alive:
+            raise APIError(503, f"the engine stopped: {service.client.dead}")
+        return json_response({"status": "ok"})
+
+    async def metrics_page(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    document = _encoder.encode(openapi_document(service.model_name))
+
+    async def openapi(request: Request) -> Response:
+        return Response(document, media_type="application/json")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        message = (f"{request.method} {request.url.path} is not a route of this server"
+                   if status in (404, 405) else str(getattr(exc, "detail", "bad request")))
+        metrics.requests.labels("unknown", str(status)).inc()
+        return error_response(APIError(status, message))
+
+    routes = [
+        route("/v1/completions", "completions", completions, ["POST"]),
+        route("/v1/chat/completions", "chat", chat, ["POST"]),
+        route("/generate", "generate", generate, ["POST"]),
+        route("/v1/models", "models", models, ["GET"]),
+        route("/v1/sessions", "sessions", open_session, ["POST"]),
+        route("/v1/sessions/{session_id}", "sessions", close_session, ["DELETE"]),
+        route("/health", "health", health, ["GET"]),
+        route("/metrics", "metrics", metrics_page, ["GET"]),
+        route("/openapi.json", "openapi", openapi, ["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})

@@ -1,0 +1,116 @@
+"""Engine outputs → OpenAI choices: per-choice text, token ids and logprobs (the delta of one
+output for a stream chunk, or everything for a full response), and the request's usage.
+
+A request of ``k`` prompts and ``n`` samples has ``k * n`` choices; choice ``i * n + j`` is
+sample ``j`` of prompt ``i`` (OpenAI's order). Beam search sends each final beam whole
+(``replace``), which resets that choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.protocol import RequestOutput, unpack_ids
+from engine.server.schemas import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+
+@dataclass
+class TokenInfo:
+    """One generated token with its logprob and the top alternatives, named by their text."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def token_infos(out: RequestOutput) -> list[TokenInfo]:
+    """The tokens of one output with logprobs; empty when none were asked for."""
+    if not out.logprobs:
+        return []
+    logprobs = np.frombuffer(out.logprobs, dtype=np.float32).tolist()
+    count = len(logprobs)
+    width = len(out.top_texts) // count if count else 0
+    top_lps = np.frombuffer(out.top_logprobs, dtype=np.float32).reshape(count, width).tolist()
+    return [
+        TokenInfo(out.token_texts[i], logprobs[i],
+                  list(zip(out.top_texts[i * width:(i + 1) * width], top_lps[i], strict=True)))
+        for i in range(count)
+    ]
+
+
+def completion_logprobs(tokens: list[TokenInfo], offset: int, top: bool) -> CompletionLogprobs:
+    """The legacy completions shape; ``offset`` is where the first token's text starts."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token.text)
+    return CompletionLogprobs(
+        tokens=[t.text for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[dict(t.top) for t in tokens] if top else None,
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(tokens: list[TokenInfo]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        TokenLogprob(t.text, t.logprob, list(t.text.encode()),
+                     [TopLogprob(text, lp, list(text.encode())) for text, lp in t.top])
+        for t in tokens
+    ])
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # a stream has sent this choice's first chunk
+
+
+class Choices:
+    """Every choice of one API request, and its usage, folded from engine outputs."""
+
+    def __init__(self, num_prompts: int, n: int) -> None:
+        self.n = n
+        self.choices = [Choice(i) for i in range(num_prompts * n)]
+        self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+
+    def add(self, prompt_index: int, out: RequestOutput) -> tuple[Choice, list[int],
+                                                                   list[TokenInfo]]:
+        """Fold one output in; returns its choice and the output's own token ids and tokens."""
+        self.prompt_tokens[prompt_index] = out.prompt_tokens or self.prompt_tokens[prompt_index]
+        self.cached_tokens[prompt_index] = out.cached_tokens or self.cached_tokens[prompt_index]
+        choice = self.choices[prompt_index * self.n + out.index]
+        ids = unpack_ids(out.token_ids).tolist()
+        tokens = token_infos(out)
+        if out.replace:
+            choice.text, choice.token_ids, choice.tokens = "", [], []
+        choice.text += out.text
+        choice.token_ids += ids
+        choice.tokens += tokens
+        if out.finish_reason is not None:
+            choice.finish_reason = out.finish_reason
+        return choice, ids, tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_tokens)
+        completion = self.completion_tokens
+        return Usage(prompt, completion, prompt + completion,
+                     PromptTokensDetails(sum(self.cached_tokens)))

@@ -1,0 +1,194 @@
+"""The frontend process of ``radixserve serve``: binds the port, starts the engine's process
+group, then serves HTTP (uvicorn) and optionally ZMQ on one event loop, with the EngineClient
+on that same loop.
+
+    bind port ─▶ Launcher.start() ─▶ event loop: EngineClient + uvicorn (+ ZMQ door) ─▶ shutdown
+    (fails fast     (children ready,      prints the ready line once listening)
+     if taken)       ~15 s on 2 cores)
+
+Ending: SIGINT / SIGTERM shut down gracefully (exit 0): uvicorn drains, then the launcher stops
+the children and removes the socket directory. A child dying ends everything with exit 1:
+every pending request first gets a 503 error, ``/health`` turns 503, then the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import uvicorn
+import zmq
+
+from engine.client import EngineClient
+from engine.config import EngineConfig
+from engine.launcher import EngineError, Launcher
+from engine.protocol import ModelInfo
+from engine.server.app import build_app
+from engine.server.service import Service
+from engine.server.zmq_frontend import ZmqFrontend
+
+logger = logging.getLogger("radixserve.server")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    zmq_port: int | None = None
+    max_request_bytes: int = 8 << 20
+    max_pending_requests: int = 4096
+    default_max_tokens: int = 256
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_started) -> None:
+        super().__init__(config)
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_started()
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # As uvicorn does, minus re-raising the signal once serving ends: the launcher still
+        # has children to stop and a socket directory to remove, and then exits 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+
+class _DeathRelay:
+    """Hands a child's death, reported on a launcher thread, to the event loop once it runs."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._notify: Callable[[str], None] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, reason: str) -> None:
+        with self._lock:
+            self.reason = reason
+            notify = self._notify
+        if notify is not None:
+            notify(reason)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, handler: Callable[[str], None]) -> None:
+        with self._lock:
+            self._notify = lambda reason: loop.call_soon_threadsafe(handler, reason)
+            reason = self.reason
+        if reason is not None:
+            handler(reason)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM while starting: unwind through Launcher.start's cleanup
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Run the server until a signal (exit 0) or a child process dies (exit 1)."""
+    # Both ports first: a port in use fails in a second, not after the engine has started.
+    try:
+        sock = _bind(options.host, options.port)
+    except OSError as exc:
+        print(f"radixserve serve: cannot listen on {options.host}:{options.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
+    zmq_door = None
+    if options.zmq_port is not None:
+        address = f"tcp://{_zmq_host(options.host)}:{options.zmq_port}"
+        try:
+            zmq_door = ZmqFrontend(address, options.max_request_bytes)
+        except zmq.ZMQError as exc:
+            print(f"radixserve serve: cannot listen on {address}: {exc}", file=sys.stderr)
+            sock.close()
+            return 1
+    relay = _DeathRelay()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    launcher = Launcher(config, on_death=relay)
+    try:
+        info = launcher.start()
+        code = None
+    except EngineError as exc:
+        print(f"radixserve serve: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        if code is None:
+            code = asyncio.run(_serve(config, options, launcher, info, sock, zmq_door, relay))
+        return code
+    finally:
+        if zmq_door is not None:
+            zmq_door.close()
+        launcher.shutdown()
+        sock.close()
+
+
+async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher,
+                 info: ModelInfo, sock: socket.socket, zmq_door: ZmqFrontend | None,
+                 relay: _DeathRelay) -> int:
+    client = EngineClient(launcher.endpoints)
+    client.start()
+    service = Service(client, info, config, max_pending=options.max_pending_requests,
+                      default_max_tokens=options.default_max_tokens)
+    app = build_app(service, api_key=options.api_key,
+                    max_request_bytes=options.max_request_bytes)
+    if zmq_door is not None:
+        zmq_door.start(service)
+
+    def ready() -> None:
+        url = f"http://{_url_host(options.host)}:{sock.getsockname()[1]}"
+        extra = f", ZMQ at {zmq_door.address}" if zmq_door is not None else ""
+        print(f"radixserve: serving {service.model_name} at {url} (OpenAI API at {url}/v1"
+              f"{extra})", flush=True)
+
+    level = config.log_level.lower()
+    server = _Uvicorn(uvicorn.Config(app, log_level=level, access_log=level in ("debug", "info"),
+                                     lifespan="off", timeout_graceful_shutdown=5), ready)
+
+    def died(reason: str) -> None:
+        client.fail_all(reason)  # pending requests get their error before the server stops
+        server.should_exit = True
+
+    relay.attach(asyncio.get_running_loop(), died)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if zmq_door is not None:
+            zmq_door.stop()
+        client.close()
+    if client.dead is not None:
+        print(f"radixserve serve: {client.dead}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _zmq_host(host: str) -> str:
+    return "*" if host in ("0.0.0.0", "::") else _url_host(host)

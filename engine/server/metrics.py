@@ -1,0 +1,135 @@
+"""Prometheus metrics of one server (its own registry, so several servers can share a process).
+
+Frontend-side counters and latency histograms are updated as requests run; scheduler-side
+gauges (running, waiting, KV pages, cache hits, preemptions, pinned sessions) are read at scrape
+time from the last ``SchedulerStats`` the scheduler sent, so a scrape costs no IPC.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.protocol import SchedulerStats
+
+PREFIX = "radixserve"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+@dataclass
+class FrontendState:
+    """What the scheduler cannot know: the frontend's own queue, sessions and liveness."""
+
+    pending: int
+    sessions: int
+    alive: bool
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats],
+                 frontend: Callable[[], FrontendState]) -> None:
+        self.stats = stats
+        self.frontend = frontend
+
+    def collect(self) -> Iterator[Metric]:
+        s, f = self.stats(), self.frontend()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        yield gauge("num_requests_running", "Sequences decoding or prefilling.", s.running)
+        yield gauge("num_requests_waiting", "Requests queued in the scheduler.", s.waiting)
+        yield gauge("num_requests_pending", "Requests in flight in the frontend.", f.pending)
+        yield gauge("kv_pages_total", "KV pages in the device pool.", s.kv_pages_total)
+        yield gauge("kv_pages_used", "KV pages held by running requests or pinned sessions.",
+                    s.kv_pages_used)
+        yield gauge("kv_pages_cached", "KV pages held only by the prefix cache (evictable).",
+                    s.kv_pages_cached)
+        usage = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
+        yield gauge("kv_cache_usage_ratio", "Fraction of KV pages in use (not evictable).", usage)
+        rate = s.hit_tokens / s.queried_tokens if s.queried_tokens else 0.0
+        yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the cache / looked up.", rate)
+        yield counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
+                      s.hit_tokens)
+        yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the cache.",
+                      s.queried_tokens)
+        yield counter("preemptions", "Requests preempted for lack of KV pages.", s.preemptions)
+        yield gauge("sessions_open", "Open multi-turn sessions.", f.sessions)
+        yield gauge("sessions_pinned", "Sessions whose KV is pinned.", s.sessions_pinned)
+        yield gauge("pinned_tokens", "Tokens pinned by sessions.", s.pinned_tokens)
+        yield gauge("engine_alive", "1 while every engine process runs.", float(f.alive))
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], SchedulerStats],
+                 frontend: Callable[[], FrontendState]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(f"{PREFIX}_requests", "API requests answered, by endpoint and "
+                                "status.", ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished "
+                                     "requests.", registry=self.registry)
+        self.cached_tokens = Counter(f"{PREFIX}_cached_prompt_tokens", "Prompt tokens of "
+                                     "finished requests served from the cache.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.",
+                                         registry=self.registry)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first "
+                              "token.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between "
+                             "consecutive tokens of a stream.", buckets=TOKEN_GAP_BUCKETS,
+                             registry=self.registry)
+        self.latency = Histogram(f"{PREFIX}_request_latency_seconds", "Arrival to last token.",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_SchedulerCollector(stats, frontend))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, endpoint: str) -> RequestTimer:
+        return RequestTimer(self, endpoint)
+
+
+class RequestTimer:
+    """Times one API request's token deliveries (per choice) and records its outcome once."""
+
+    def __init__(self, metrics: Metrics, endpoint: str) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.start = time.monotonic()
+        self.last: dict[int, float] = {}  # choice → when its last token came
+        self.done = False
+
+    def tokens(self, choice: int, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if not self.last:
+            self.metrics.ttft.observe(now - self.start)
+        last = self.last.get(choice)
+        if last is not None:
+            # One delivery can hold several tokens (text held back for a stop string).
+            gap = (now - last) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.last[choice] = now
+
+    def finish(self, status: int, prompt: int = 0, cached: int = 0, generated: int = 0) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.requests.labels(self.endpoint, str(status)).inc()
+        if status == 200:
+            m.latency.observe(time.monotonic() - self.start)
+            m.prompt_tokens.inc(prompt)
+            m.cached_tokens.inc(cached)
+            m.generation_tokens.inc(generated)

@@ -1,0 +1,98 @@
+"""``/openapi.json``: an OpenAPI 3.1 document whose schemas are generated from the same msgspec
+Structs that decode the requests and encode the responses, so it cannot drift from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.server.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    GenerateBody,
+    GenerateResponse,
+    ModelList,
+    SessionBody,
+    SessionDeleted,
+    SessionObject,
+)
+
+_REF = "#/components/schemas/{name}"
+_ERRORS = {
+    "400": "bad parameters, an unknown field, or a prompt too long for the context",
+    "401": "a missing or wrong API key (with --api-key)",
+    "404": "an unknown model, session or route",
+    "413": "a body over --max-request-bytes",
+    "503": "the queue is full, or the engine stopped",
+}
+
+
+def _ref(kind: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=kind.__name__)}
+
+
+def _json(kind: type, stream: type | None = None) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": _ref(kind)}}
+    if stream is not None:
+        # Each event is "data: <chunk JSON>", the last one "data: [DONE]".
+        content["text/event-stream"] = {"schema": _ref(stream)}
+    return content
+
+
+def _operation(summary: str, response: type, body: type | None = None,
+               stream: type | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": "OK", "content": _json(response, stream)}} | {
+            status: {"description": text, "content": _json(ErrorResponse)}
+            for status, text in _ERRORS.items()
+        },
+    }
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": _json(body)}
+    return op
+
+
+def openapi_document(model_name: str) -> dict[str, Any]:
+    kinds = [CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest,
+             ChatCompletionResponse, ChatCompletionChunk, GenerateBody, GenerateResponse,
+             ModelList, SessionBody, SessionObject, SessionDeleted, ErrorResponse]
+    _, components = msgspec.json.schema_components(kinds, ref_template=_REF)
+    text = {"200": {"description": "OK", "content": {"text/plain": {"schema": {
+        "type": "string"}}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "radixserve", "version": "0.1.0",
+                 "description": f"OpenAI-compatible serving of {model_name} with a "
+                                "token-granular prefix cache."},
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/completions": {"post": _operation(
+                "Text completion", CompletionResponse, CompletionRequest, CompletionChunk)},
+            "/v1/chat/completions": {"post": _operation(
+                "Chat completion (with session_id: one turn of a session)",
+                ChatCompletionResponse, ChatCompletionRequest, ChatCompletionChunk)},
+            "/generate": {"post": _operation(
+                "Native generation: token ids in, token ids out", GenerateResponse,
+                GenerateBody, GenerateResponse)},
+            "/v1/models": {"get": _operation("The served model", ModelList)},
+            "/v1/sessions": {"post": _operation(
+                "Open a multi-turn chat session", SessionObject, SessionBody)},
+            "/v1/sessions/{session_id}": {"delete": {
+                **_operation("Close a session", SessionDeleted),
+                "parameters": [{"name": "session_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]}},
+            "/health": {"get": {"summary": "200 while every engine process runs, else 503",
+                                "security": [], "responses": {"200": {"description": "OK"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
+                                 "responses": text}},
+        },
+    }

@@ -1,0 +1,309 @@
+"""The serving core behind both front doors (HTTP and ZMQ): a validated request body in,
+OpenAI-shaped stream chunks or a whole response out, through the ``EngineClient``.
+
+Every stream is an async generator that yields nothing until the engine's first output has
+arrived, so the caller can await the first chunk before committing to a status: a request the
+tokenizer or scheduler refuses (over-long prompt, queue full) is a plain error response, not a
+broken stream. Closing a stream early (client gone) closes the engine streams under it, which
+abort their requests. Metrics are recorded once per request, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+
+from msgspec import UNSET
+
+from engine.client import EngineClient, EngineDead, new_request_id
+from engine.config import EngineConfig
+from engine.protocol import (
+    GenerateRequest,
+    ModelInfo,
+    RequestOutput,
+    SamplingParams,
+    SessionClose,
+    SessionOpen,
+    pack_ids,
+)
+from engine.server import sampling
+from engine.server.choices import Choice, Choices, TokenInfo, chat_logprobs, completion_logprobs
+from engine.server.errors import APIError
+from engine.server.metrics import FrontendState, Metrics, RequestTimer
+from engine.server.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateBody,
+    GenerateChoice,
+    GenerateResponse,
+    ModelCard,
+    ModelList,
+    SessionDeleted,
+    SessionObject,
+)
+from engine.server.sessions import SessionTable
+
+Delta = tuple[Choice, RequestOutput, list[int], list[TokenInfo]]
+
+
+@dataclass
+class Call:
+    """One API request in progress: its engine requests and what they produced so far."""
+
+    id: str
+    created: int
+    model: str
+    requests: list[GenerateRequest]
+    choices: Choices
+    timer: RequestTimer
+
+
+class Service:
+    def __init__(self, client: EngineClient, info: ModelInfo, config: EngineConfig, *,
+                 max_pending: int = 4096, default_max_tokens: int = 256) -> None:
+        self.client = client
+        self.info = info
+        self.config = config
+        self.model_name = config.served_model_name or Path(config.model).name
+        self.max_pending = max_pending
+        self.default_max_tokens = default_max_tokens
+        self.sessions = SessionTable(config.max_sessions, config.session_ttl)
+        self.metrics = Metrics(lambda: client.stats, self._frontend_state)
+        self.created = int(time.time())
+
+    def _frontend_state(self) -> FrontendState:
+        return FrontendState(self.client.num_pending, len(self.sessions), self.alive)
+
+    @property
+    def alive(self) -> bool:
+        return self.client.dead is None
+
+    # ---------------------------------------------------------------- models
+    def models(self) -> ModelList:
+        return ModelList([ModelCard(self.model_name, self.created, self.info.context_len)])
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in (self.model_name, self.config.model):
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    # -------------------------------------------------------------- sessions
+    async def open_session(self) -> SessionObject:
+        session, reclaimed = self.sessions.open()
+        if reclaimed is not None:
+            await self.client.send_session(SessionClose(reclaimed))
+        await self._send_session(SessionOpen(session.id, self.config.session_ttl))
+        return SessionObject(session.id, int(session.created), self.config.session_ttl)
+
+    async def close_session(self, session_id: str) -> SessionDeleted:
+        self.sessions.close(session_id)
+        await self._send_session(SessionClose(session_id))
+        return SessionDeleted(session_id)
+
+    async def _send_session(self, msg: SessionOpen | SessionClose) -> None:
+        try:
+            await self.client.send_session(msg)
+        except EngineDead as exc:
+            raise APIError(503, f"the engine stopped: {exc}") from None
+
+    # ------------------------------------------------------------- requests
+    def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
+              n: int) -> Call:
+        if self.client.num_pending + len(requests) > self.max_pending:
+            raise APIError(503, f"the server has {self.client.num_pending:,} requests in "
+                           f"flight, its limit is {self.max_pending:,}; retry later")
+        return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+                    requests, Choices(len(requests), n), self.metrics.track(endpoint))
+
+    def completion_call(self, req: CompletionRequest) -> Call:
+        self.check_model(req.model)
+        params = sampling.completion_params(req)
+        requests = [self._engine_request(params, prompt=p)
+                    for p in sampling.completion_prompts(req.prompt)]
+        return self._call("cmpl", "completions", requests, params.n)
+
+    def chat_call(self, req: ChatCompletionRequest) -> Call:
+        self.check_model(req.model)
+        params = sampling.chat_params(req, self.default_max_tokens)
+        if req.session_id is not None:
+            self.sessions.get(req.session_id)  # 404 now, before any stream starts
+        request = self._engine_request(params, messages=req.messages, session_id=req.session_id)
+        return self._call("chatcmpl", "chat", [request], params.n)
+
+    def generate_call(self, body: GenerateBody) -> Call:
+        self.check_model(body.model)
+        params = sampling.native_params(body.sampling_params)
+        if (body.input_ids is None) == (body.text is None):
+            raise APIError(400, "give exactly one of input_ids (token ids) or text",
+                           param="input_ids")
+        if body.input_ids is not None and not body.input_ids:
+            raise APIError(400, "input_ids must not be empty", param="input_ids")
+        prompt = body.input_ids if body.input_ids is not None else body.text
+        return self._call("gen", "generate", [self._engine_request(params, prompt=prompt)],
+                          params.n)
+
+    @staticmethod
+    def _engine_request(params: SamplingParams, *, prompt: str | list[int] | None = None,
+                        messages: list[dict] | None = None,
+                        session_id: str | None = None) -> GenerateRequest:
+        req = GenerateRequest(rid=new_request_id(), params=params, messages=messages,
+                              session_id=session_id)
+        if isinstance(prompt, str):
+            req.text = prompt
+        elif prompt is not None:
+            req.prompt_ids = pack_ids(prompt)
+        return req
+
+    # -------------------------------------------------------------- running
+    async def _deltas(self, call: Call) -> AsyncIterator[Delta]:
+        """Engine outputs folded into the call's choices; an engine error raises APIError."""
+        session = None
+        sid = call.requests[0].session_id
+        status = 499  # the client went away, unless something below says otherwise
+        try:
+            if sid is not None:
+                session = self.sessions.begin_turn(sid)
+            async with aclosing(self._merged(call.requests)) as outputs:
+                async for index, out in outputs:
+                    if out.finish_reason == "error":
+                        status = 503 if self.client.dead is not None else out.status
+                        raise APIError(status, out.error or "the request failed")
+                    choice, ids, tokens = call.choices.add(index, out)
+                    call.timer.tokens(choice.index, len(ids))
+                    yield choice, out, ids, tokens
+            status = 200
+        except APIError as exc:
+            status = exc.status
+            raise
+        except EngineDead as exc:
+            status = 503
+            raise APIError(503, f"the engine stopped: {exc}") from None
+        finally:
+            if session is not None:
+                self.sessions.end_turn(session)
+            c = call.choices
+            call.timer.finish(status, sum(c.prompt_tokens), sum(c.cached_tokens),
+                              c.completion_tokens)
+
+    async def _merged(self, requests: list[GenerateRequest]
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every engine request as they come, tagged with the request's index."""
+        if len(requests) == 1:
+            async with aclosing(self.client.stream(requests[0])) as stream:
+                async for out in stream:
+                    yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, req: GenerateRequest) -> None:
+            try:
+                async with aclosing(self.client.stream(req)) as stream:
+                    async for out in stream:
+                        queue.put_nowait((index, out))
+            except Exception as exc:  # handed to the consumer, which raises it
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --------------------------------------------------------------- shapes
+    async def completion_stream(self, call: Call, include_usage: bool,
+                                top: bool) -> AsyncIterator[CompletionChunk]:
+        usage = None if include_usage else UNSET
+        async with aclosing(self._deltas(call)) as deltas:
+            async for choice, out, ids, tokens in deltas:
+                if not (out.text or ids or out.finish_reason):
+                    continue
+                offset = len(choice.text) - len(out.text)
+                logprobs = completion_logprobs(tokens, offset, top) if tokens else None
+                yield CompletionChunk(call.id, call.created, call.model, [CompletionChoice(
+                    choice.index, out.text, logprobs, out.finish_reason)], usage)
+        if include_usage:
+            yield CompletionChunk(call.id, call.created, call.model, [], call.choices.usage())
+
+    async def completion(self, call: Call, top: bool) -> CompletionResponse:
+        async with aclosing(self._deltas(call)) as deltas:
+            async for _ in deltas:
+                pass
+        return CompletionResponse(call.id, call.created, call.model, [
+            CompletionChoice(c.index, c.text,
+                             completion_logprobs(c.tokens, 0, top) if c.tokens else None,
+                             c.finish_reason)
+            for c in call.choices.choices], call.choices.usage())
+
+    async def chat_stream(self, call: Call, include_usage: bool
+                          ) -> AsyncIterator[ChatCompletionChunk]:
+        usage = None if include_usage else UNSET
+
+        def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(call.id, call.created, call.model, [choice], usage)
+
+        async with aclosing(self._deltas(call)) as deltas:
+            async for choice, out, _, tokens in deltas:
+                if not choice.started:
+                    choice.started = True
+                    yield chunk(ChatChunkChoice(choice.index, ChatDelta("assistant", "")))
+                if out.text or tokens:
+                    yield chunk(ChatChunkChoice(choice.index, ChatDelta(content=out.text),
+                                                chat_logprobs(tokens) if tokens else None))
+                if out.finish_reason is not None:
+                    yield chunk(ChatChunkChoice(choice.index, ChatDelta(),
+                                                finish_reason=out.finish_reason))
+        if include_usage:
+            yield ChatCompletionChunk(call.id, call.created, call.model, [],
+                                      call.choices.usage())
+
+    async def chat(self, call: Call) -> ChatCompletionResponse:
+        async with aclosing(self._deltas(call)) as deltas:
+            async for _ in deltas:
+                pass
+        return ChatCompletionResponse(call.id, call.created, call.model, [
+            ChatChoice(c.index, ChatMessage(c.text),
+                       chat_logprobs(c.tokens) if c.tokens else None, c.finish_reason)
+            for c in call.choices.choices], call.choices.usage())
+
+    async def generate_stream(self, call: Call) -> AsyncIterator[GenerateResponse]:
+        async with aclosing(self._deltas(call)) as deltas:
+            async for choice, out, ids, tokens in deltas:
+                yield GenerateResponse(call.id, call.created, call.model, [GenerateChoice(
+                    choice.index, ids, out.text, out.finish_reason,
+                    [t.logprob for t in tokens] if tokens else None)])
+        yield GenerateResponse(call.id, call.created, call.model, [], call.choices.usage())
+
+    async def generate(self, call: Call) -> GenerateResponse:
+        async with aclosing(self._deltas(call)) as deltas:
+            async for _ in deltas:
+                pass
+        return GenerateResponse(call.id, call.created, call.model, [
+            GenerateChoice(c.index, c.token_ids, c.text, c.finish_reason,
+                           [t.logprob for t in c.tokens] if c.tokens else None)
+            for c in call.choices.choices], call.choices.usage())

@@ -1,0 +1,97 @@
+"""Messages of the ZMQ front door: msgspec Structs in tagged unions, encoded as msgpack.
+
+    client (DEALER) ──CompletionCall | ChatCall | GenerateCall──────────────▶ server (ROUTER)
+                    ──OpenSessionCall | CloseSessionCall | AbortCall─────────▶
+                    ◀─CompletionChunkReply | ChatChunkReply | GenerateChunkReply──
+                    ◀─SessionReply | ErrorReply | Done──────────────────────────
+
+The bodies are the HTTP API's own request Structs, validated the same way, and the chunks are
+its stream chunks. Every call carries an id the client picks, echoed on each reply; generation
+calls always stream and end with ``Done`` or ``ErrorReply``. ``AbortCall`` stops one (its engine
+requests are aborted).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+from engine.server.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    CompletionChunk,
+    CompletionRequest,
+    ErrorBody,
+    GenerateBody,
+    GenerateResponse,
+    SessionDeleted,
+    SessionObject,
+)
+
+
+class CompletionCall(Struct, tag=True):
+    id: str
+    body: CompletionRequest
+
+
+class ChatCall(Struct, tag=True):
+    id: str
+    body: ChatCompletionRequest
+
+
+class GenerateCall(Struct, tag=True):
+    id: str
+    body: GenerateBody
+
+
+class OpenSessionCall(Struct, tag=True):
+    id: str
+
+
+class CloseSessionCall(Struct, tag=True):
+    id: str
+    session_id: str
+
+
+class AbortCall(Struct, tag=True):
+    id: str
+
+
+class CompletionChunkReply(Struct, tag=True):
+    id: str
+    chunk: CompletionChunk
+
+
+class ChatChunkReply(Struct, tag=True):
+    id: str
+    chunk: ChatCompletionChunk
+
+
+class GenerateChunkReply(Struct, tag=True):
+    id: str
+    chunk: GenerateResponse
+
+
+class SessionReply(Struct, tag=True):
+    id: str
+    opened: SessionObject | None = None
+    deleted: SessionDeleted | None = None
+
+
+class ErrorReply(Struct, tag=True):
+    id: str
+    status: int
+    error: ErrorBody
+
+
+class Done(Struct, tag=True):
+    id: str
+
+
+Call = CompletionCall | ChatCall | GenerateCall | OpenSessionCall | CloseSessionCall | AbortCall
+Reply = (CompletionChunkReply | ChatChunkReply | GenerateChunkReply | SessionReply | ErrorReply
+         | Done)
+
+encoder = msgspec.msgpack.Encoder()
+call_decoder = msgspec.msgpack.Decoder(Call)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
