@@ -41,6 +41,7 @@ from scheduler.sessions import SessionPins
 logger = logging.getLogger("radixserve.scheduler")
 
 NEW_TOKEN_RATIO = (0.7, 0.1, 0.002)  # start (and after a preemption), floor, decay per step
+SHARED_HEAD = 32  # tokens two prompts must share for the second to wait for the first's prefill
 
 
 @dataclass
@@ -238,19 +239,36 @@ class Scheduler:
     def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> None:
         num_running = sum(len(r.live_seqs()) for r in self.running)
         reserved = self._reserved_pages()
+        # Requests that share an uncached head with one admitted in this step wait a step: once
+        # the first one's prefill is in the tree, they hit it instead of computing it again.
+        heads_this_step: set[tuple] = set()
         for req in order_waiting(self.waiting, self.config.policy, self.tree):
             seqs = req.live_seqs()
             if num_running + len(seqs) > self.config.max_running_requests or budget <= 0:
                 break
+            head = self._uncached_head(req)
+            if head is not None and head in heads_this_step:
+                continue
             admitted = self._admit(req, seqs, work, budget, reserved)
             if admitted is None:
                 break
             entries.extend(admitted)
+            if head is not None:
+                heads_this_step.add(head)
             budget -= sum(e.extend for e in admitted)
             num_running += len(seqs)
             reserved += self._request_reserve(req)
             self.waiting.remove(req)
             self.running.append(req)
+
+    def _uncached_head(self, req: Request) -> tuple | None:
+        """The first ``SHARED_HEAD`` prompt tokens when the tree holds (almost) none of them."""
+        seq = req.seqs[0]
+        if req.cached_tokens >= 0 or len(seq.tokens) <= 2 * SHARED_HEAD:
+            return None
+        if self.tree.peek_prefix(seq.tokens, req.namespace, SHARED_HEAD) >= SHARED_HEAD:
+            return None
+        return (req.namespace, *seq.tokens[:SHARED_HEAD])
 
     def _request_reserve(self, req: Request) -> int:
         ratio = 1.0 if req.is_beam else self.new_token_ratio
@@ -356,9 +374,11 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 row += entry.samples
                 continue
-            if entry.samples == 0:
-                # A finished chunk goes into the tree now, so it is reusable before the rest.
+            if entry.extend > 1:
+                # A prefilled chunk goes into the tree now: waiting requests that share it hit it
+                # from the next step on, long before this one finishes.
                 self.tree.insert(seq.tokens[: seq.computed], seq.pages, seq.req.namespace)
+            if entry.samples == 0:
                 if seq.closing:
                     self._finish(seq, seq.finish_reason)
                 continue

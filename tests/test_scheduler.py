@@ -199,3 +199,16 @@ def test_stop_token_ids_and_max_tokens(model_dir):
     assert h.outputs["stopped"][0] == first[: first.index(stop_at) + 1]
     assert h.finals["stopped"][0].finish_reason == "stop"
     assert h.finals["free"][0].finish_reason == "length"
+
+
+def test_requests_sharing_an_uncached_prefix_wait_for_the_first_prefill(model_dir):
+    h = Harness(model_dir, num_pages=512)
+    system = list(range(100, 200))
+    for i in range(4):
+        h.add(str(i), system + [300 + i, 301, 302], GREEDY)
+    h.add("other", list(range(1000, 1100)), GREEDY)
+    h.step()  # one of the shared group and the unrelated request run; the rest wait a step
+    assert len(h.sched.running) == 2
+    h.run()
+    cached = sorted(h.finals[str(i)][0].cached_tokens for i in range(4))
+    assert cached == [0, 100, 100, 100]
