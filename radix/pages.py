@@ -107,8 +107,23 @@ class PageAllocator:
         return len(self._free) - before
 
     def set_evictable(self, pages: PageList, evictable: bool) -> None:
-        """Turn existing references of a tree node into evictable ones (unlock) or back (lock)."""
-        self._shift(pages, 0, 1 if evictable else -1)
+        """Turn existing references of tree nodes into evictable ones (unlock) or back (lock).
+
+        The tree's lock and unlock walk long paths on every admission, so this is a plain loop:
+        each occurrence moves one reference, and the counts stay within range by construction
+        (a node only flips references it holds); a violation is a tree bug and raises."""
+        rc, er = self._rc, self._er
+        step = 1 if evictable else -1
+        delta = 0
+        for p in pages:
+            ref, before = rc[p], er[p]
+            after = before + step
+            if ref <= 0 or after < 0 or after > ref:
+                raise PageError(f"page {p}: cannot move an evictable reference "
+                                f"(refs {ref}, evictable {before})")
+            er[p] = after
+            delta += (after == ref) - (before == ref)
+        self._num_evictable += delta
 
     # ------------------------------------------------------------- internals
     def _shift(self, pages: PageList, d_ref: int, d_evictable: int) -> None:
