@@ -162,8 +162,8 @@ def build_app(service: Service, *, api_key: str | None = None,
     async def read(request: Request, schema: type[T], *, empty_ok: bool = False) -> T:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_request_bytes:
-            raise APIError(413, f"the request body has {int(length):,} bytes; the limit is "
-                           f"{max_request_bytes:,}")
+            raise APIError(413, f"the request body has {int(length):,} bytes, over the limit "
+                           f"of {max_request_bytes:,} bytes")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)

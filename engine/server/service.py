@@ -123,9 +123,11 @@ class Service:
     # ------------------------------------------------------------- requests
     def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
               n: int) -> Call:
-        if self.client.num_pending + len(requests) > self.max_pending:
-            raise APIError(503, f"the server has {self.client.num_pending:,} requests in "
-                           f"flight, its limit is {self.max_pending:,}; retry later")
+        pending = self.client.num_pending
+        if pending + len(requests) > self.max_pending:
+            raise APIError(503, f"the server is at its limit of {self.max_pending:,} requests "
+                           f"in flight ({pending:,} now, this one adds {len(requests):,}); "
+                           "retry later")
         return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                     requests, Choices(len(requests), n), self.metrics.track(endpoint))
 

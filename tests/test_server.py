@@ -1,0 +1,419 @@
+"""The HTTP server as a real ``radixserve serve`` process (demo model), started once for the
+module: the official openai client, sessions, a table of bad inputs, disconnects, concurrency
+and metrics. ``ServerProcess`` is shared with the other server test modules."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "sk-radixserve-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+class ServerProcess:
+    """``radixserve serve`` on a free port, ready once it printed its URL. Its socket directory
+    goes under ``tmp`` (TMPDIR), so a test can see it was removed."""
+
+    def __init__(self, tmp: Path, *args: str, timeout: float = 300.0) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "server.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env={**os.environ, "TMPDIR": str(tmp)},
+        )
+        deadline = time.monotonic() + timeout
+        self.ready_line = ""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if select.select([self.proc.stdout], [], [], 1.0)[0]:
+                self.ready_line = self.proc.stdout.readline()
+                break
+        if "serving" not in self.ready_line:
+            self.stop(signal.SIGKILL)
+            raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()}")
+        self.children = children_of(self.proc.pid)
+
+    def socket_dirs(self) -> list[Path]:
+        return list(self.tmp.glob("radixserve-*"))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        self.log.close()
+        return code
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--num-pages", "2048",
+                        "--api-key", API_KEY, "--max-request-bytes", str(1 << 20),
+                        "--max-sessions", "4", "--max-pending-requests", "96")
+    yield srv
+    assert srv.stop() == 0
+    assert [c for c in srv.children if Path(f"/proc/{c}").exists()] == []
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+def http(server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
+
+
+def metric_values(server) -> dict[str, float]:
+    """Every sample of /metrics by name (labels folded into the name as name{k=v,...})."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+# ------------------------------------------------------------------------ openai client
+def test_completion_with_the_openai_client_reports_cached_tokens(oai, model):
+    prompt = "The radix tree keeps every prefix it has seen, so"
+    first = oai.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    again = oai.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    assert first.object == "text_completion" and first.choices[0].finish_reason == "length"
+    assert first.usage.completion_tokens == 6
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_chat_stream_with_usage_matches_the_whole_response(oai, model):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a prime number."}]
+    whole = oai.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                        temperature=0)
+    chunks = list(oai.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
+
+
+def test_completion_stream_and_parallel_samples(oai, model):
+    stream = oai.completions.create(model=model, prompt=["one", "two"], max_tokens=5, n=2,
+                                    temperature=1.0, seed=7, stream=True,
+                                    stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert sorted(texts) == [0, 1, 2, 3]  # prompt i, sample j → choice 2 * i + j
+    assert usage.completion_tokens == 20
+    whole = oai.completions.create(model=model, prompt="one", max_tokens=5, n=2,
+                                   temperature=1.0, seed=7)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.usage.completion_tokens == 10
+
+
+def test_logprobs_in_openai_shapes(oai, model):
+    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob <= 0 and content[0].bytes == list(content[0].token.encode())
+    completion = oai.completions.create(model=model, prompt="x", max_tokens=3, temperature=0,
+                                        logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == completion.choices[0].text
+    assert lp.text_offset[0] == 0
+
+
+def test_beam_search_through_extra_body(oai, model):
+    out = oai.completions.create(model=model, prompt="def main(", max_tokens=4, n=2,
+                                 extra_body={"use_beam_search": True, "best_of": 3})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text != out.choices[1].text
+
+
+def test_native_generate_takes_and_returns_token_ids(server):
+    with http(server) as client:
+        body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 4,
+                                                              "temperature": 0}}
+        whole = client.post("/generate", json=body).json()
+        assert len(whole["choices"][0]["token_ids"]) == 4
+        with client.stream("POST", "/generate", json={**body, "stream": True}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        ids = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+        assert ids == whole["choices"][0]["token_ids"]
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+
+
+# ---------------------------------------------------------------------------- sessions
+def test_session_turns_hit_the_whole_history(server, oai, model):
+    with http(server) as client:
+        session = client.post("/v1/sessions").json()
+        assert session["object"] == "session"
+        history = 0
+        for turn in range(5):
+            response = oai.chat.completions.create(
+                model=model, max_tokens=4, temperature=0,
+                messages=[{"role": "user", "content": f"Turn {turn}: tell me more."}],
+                extra_body={"session_id": session["id"]})
+            usage = response.usage
+            if turn:
+                # Everything the server held (previous prompts and replies) was a cache hit.
+                assert usage.prompt_tokens_details.cached_tokens == history
+                assert usage.prompt_tokens > history
+            history = usage.prompt_tokens + usage.completion_tokens
+        pinned = metric_values(server)["radixserve_pinned_tokens"]
+        assert pinned == history
+        assert client.delete(f"/v1/sessions/{session['id']}").json()["deleted"] is True
+        deadline = time.monotonic() + 10
+        while metric_values(server)["radixserve_pinned_tokens"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric_values(server)["radixserve_pinned_tokens"] == 0
+
+
+def test_session_limits_and_one_turn_at_a_time(server):
+    with http(server) as client:
+        opened = []
+        while (response := client.post("/v1/sessions")).status_code == 200:
+            opened.append(response.json()["id"])
+        assert len(opened) == 4 and response.status_code == 429
+        assert "4 open sessions" in response.json()["error"]["message"]
+        turn = {"session_id": opened[0], "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": "a long answer, please"}]}
+        with client.stream("POST", "/v1/chat/completions", json=turn) as running:
+            lines = running.iter_lines()  # kept: dropping it would close the connection
+            assert next(lines).startswith("data: ")
+            busy = client.post("/v1/chat/completions", json={**turn, "stream": False})
+            assert busy.status_code == 409
+            assert "turn in progress" in busy.json()["error"]["message"]
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        for session_id in opened:
+            assert client.delete(f"/v1/sessions/{session_id}").status_code == 200
+
+
+# ------------------------------------------------------------------------- bad inputs
+def _chat(**fields):
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+def _completion(**fields):
+    return {"prompt": "hi", "max_tokens": 2, **fields}
+
+
+BAD_INPUTS = [
+    # (id, method, path, body, headers, status, words in the message)
+    ("not-json", "POST", "/v1/completions", b"{oops", None, 400, "not valid JSON"),
+    ("wrong-type", "POST", "/v1/completions", _completion(max_tokens="5"), None, 400,
+     "max_tokens"),
+    ("unknown-field", "POST", "/v1/completions", _completion(temprature=0), None, 400,
+     "unknown or unsupported field 'temprature'"),
+    ("temperature", "POST", "/v1/completions", _completion(temperature=-1), None, 400,
+     "temperature must be in [0, 100]"),
+    ("top-p", "POST", "/v1/chat/completions", _chat(top_p=0), None, 400, "top_p"),
+    ("n-zero", "POST", "/v1/completions", _completion(n=0), None, 400, "n must be at least 1"),
+    ("max-tokens-zero", "POST", "/v1/completions", _completion(max_tokens=0), None, 400,
+     "max_tokens must be at least 1"),
+    ("penalty", "POST", "/v1/completions", _completion(frequency_penalty=3), None, 400,
+     "frequency_penalty must be in [-2, 2]"),
+    ("empty-prompt-list", "POST", "/v1/completions", _completion(prompt=[]), None, 400,
+     "prompt must not be an empty list"),
+    ("mixed-prompt", "POST", "/v1/completions", _completion(prompt=[1, "a"]), None, 400,
+     "prompt must be a string"),
+    ("empty-prompt", "POST", "/v1/completions", _completion(prompt=""), None, 400,
+     "the prompt is empty"),
+    ("token-out-of-vocab", "POST", "/v1/completions", _completion(prompt=[5, 999999]), None,
+     400, "prompt token ids must be in [0, 4096)"),
+    ("prompt-too-long", "POST", "/v1/completions", _completion(prompt=[5] * 5000), None, 400,
+     "the prompt has 5,000 tokens and max_tokens is 2, but the model's context is 4,096"),
+    ("max-tokens-past-context", "POST", "/v1/chat/completions", _chat(max_tokens=5000), None,
+     400, "max_tokens is 5,000, but the model's context is 4,096"),
+    ("logprobs", "POST", "/v1/completions", _completion(logprobs=21), None, 400,
+     "logprobs must be between 0 and 20"),
+    ("too-many-stops", "POST", "/v1/completions", _completion(stop=["x"] * 17), None, 400,
+     "at most 16 stop strings"),
+    ("best-of", "POST", "/v1/completions", _completion(best_of=3), None, 400,
+     "best_of other than n needs use_beam_search"),
+    ("echo", "POST", "/v1/completions", _completion(echo=True), None, 400, "echo"),
+    ("no-messages", "POST", "/v1/chat/completions", _chat(messages=[]), None, 400,
+     "at least one message"),
+    ("bad-role", "POST", "/v1/chat/completions",
+     _chat(messages=[{"role": "wizard", "content": "hi"}]), None, 400, "role must be one of"),
+    ("top-logprobs-alone", "POST", "/v1/chat/completions", _chat(top_logprobs=2), None, 400,
+     "top_logprobs needs logprobs: true"),
+    ("stream-options-type", "POST", "/v1/chat/completions",
+     _chat(stream_options={"include_usage": "yes"}), None, 400, "stream_options"),
+    ("generate-two-prompts", "POST", "/generate", {"input_ids": [1], "text": "a"}, None, 400,
+     "exactly one of input_ids"),
+    ("generate-unknown-param", "POST", "/generate",
+     {"input_ids": [1], "sampling_params": {"temp": 1}}, None, 400,
+     "unknown sampling parameter 'temp'"),
+    ("unknown-model", "POST", "/v1/completions", _completion(model="gpt-4"), None, 404,
+     "the model 'gpt-4' does not exist"),
+    ("unknown-session", "POST", "/v1/chat/completions", _chat(session_id="sess-nope"), None,
+     404, "session 'sess-nope' does not exist"),
+    ("delete-unknown-session", "DELETE", "/v1/sessions/sess-nope", None, None, 404,
+     "does not exist"),
+    ("unknown-route", "GET", "/v1/engines", None, None, 404, "not a route"),
+    ("wrong-method", "GET", "/v1/completions", None, None, 405, "not a route"),
+    ("no-key", "POST", "/v1/completions", _completion(), {}, 401, "API key"),
+    ("wrong-key", "POST", "/v1/completions", _completion(), {"Authorization": "Bearer no"},
+     401, "API key"),
+    ("too-large", "POST", "/v1/completions", b"x" * (3 << 19), None, 413,
+     "over the limit of 1,048,576 bytes"),
+    ("over-pending-limit", "POST", "/v1/completions", _completion(prompt=["a"] * 97), None,
+     503, "limit of 96 requests in flight"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "words"),
+                         [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_gets_its_status_and_a_sentence(server, method, path, body, headers, status,
+                                                  words):
+    content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    response = httpx.request(method, f"{server.url}{path}", content=content, timeout=60,
+                             headers=AUTH if headers is None else headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"]
+    assert "Traceback" not in response.text
+
+
+def test_the_server_keeps_serving_after_bad_inputs(oai, model):
+    out = oai.completions.create(model=model, prompt="still here", max_tokens=2)
+    assert out.usage.completion_tokens == 2
+
+
+def test_errors_reach_the_openai_client_as_its_exceptions(oai, model):
+    with pytest.raises(openai.BadRequestError, match="context is 4,096"):
+        oai.completions.create(model=model, prompt=[5] * 5000, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+
+
+# ----------------------------------------------------------------- load and lifetime
+def test_a_client_leaving_mid_stream_frees_its_pages(server):
+    idle = metric_values(server)
+    assert idle["radixserve_num_requests_running"] == 0
+    body = _completion(prompt="Tell a very long story:", max_tokens=3000, ignore_eos=True,
+                       stream=True)
+    with http(server) as client, client.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data: "))
+        during = metric_values(server)
+    assert during["radixserve_kv_pages_used"] > idle["radixserve_kv_pages_used"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        now = metric_values(server)
+        if (now["radixserve_num_requests_running"] == 0
+                and now["radixserve_kv_pages_used"] == idle["radixserve_kv_pages_used"]):
+            break
+        time.sleep(0.05)
+    assert now["radixserve_num_requests_running"] == 0
+    assert now["radixserve_kv_pages_used"] == idle["radixserve_kv_pages_used"]
+    assert now['radixserve_requests_total{endpoint=completions,status=499}'] >= 1
+
+
+def test_64_concurrent_streams_all_finish(server):
+    async def one(client: httpx.AsyncClient, i: int) -> dict:
+        body = _completion(prompt=f"Request {i} says", max_tokens=8, ignore_eos=True,
+                           stream=True, stream_options={"include_usage": True})
+        events = []
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        return json.loads(events[-2])["usage"]
+
+    async def main() -> list[dict]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=300,
+                                     limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    usages = asyncio.run(main())
+    assert [u["completion_tokens"] for u in usages] == [8] * 64
+
+
+def test_metrics_parse_and_count_what_happened(server):
+    values = metric_values(server)
+    for name in ("radixserve_num_requests_running", "radixserve_num_requests_waiting",
+                 "radixserve_kv_cache_usage_ratio", "radixserve_prefix_cache_hit_rate",
+                 "radixserve_preemptions_total", "radixserve_engine_alive",
+                 "radixserve_time_to_first_token_seconds_count",
+                 "radixserve_inter_token_latency_seconds_count",
+                 "radixserve_generation_tokens_total", "radixserve_cached_prompt_tokens_total"):
+        assert name in values, name
+    assert values["radixserve_requests_total{endpoint=completions,status=200}"] >= 64
+    assert values["radixserve_requests_total{endpoint=completions,status=400}"] >= 10
+    assert values["radixserve_time_to_first_token_seconds_count"] >= 64
+    assert 0 < values["radixserve_prefix_cache_hit_rate"] < 1
+    assert values["radixserve_kv_pages_total"] == 2048
+
+
+def test_health_models_and_openapi(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()
+    assert models["data"][0]["max_model_len"] == 4096
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    request = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert "session_id" in request["properties"] and "messages" in request["required"]
+    assert "/v1/sessions/{session_id}" in spec["paths"]
