@@ -123,7 +123,7 @@ class ZmqClient:
             finished = True
             raise
         finally:
-            if not finished:
+            if not finished and not self.sock.closed:
                 self.sock.send(encoder.encode(AbortCall(call.id)))
 
     def close(self) -> None:
