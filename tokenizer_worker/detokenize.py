@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
     Contract: ``"".join(add(...) for each step) + flush()`` equals
     ``tokenizer.decode(output_ids, skip_special_tokens=...)``, and no delta holds a character
     that later tokens could still change: an incomplete UTF-8 character is held back until it
-    completes. With ``prompt_ids`` the output is decoded as the continuation of the prompt (so a
+    completes (or, at ``flush``, is given as the decoder renders it). With ``prompt_ids`` the output is decoded as the continuation of the prompt (so a
     "▁word" token right after the prompt reads " word", not "word"): the deltas join to the
     part of ``decode(prompt_ids + output_ids)`` after its common prefix with
     ``decode(prompt_ids)``. Decoding never applies the legacy ``clean_up_tokenization_spaces``
@@ -68,20 +68,23 @@ class IncrementalDetokenizer:
         prefix text = decode(window[:read])    new text = decode(window[:closed])
 
     A step emits ``new text - prefix text`` and then moves the window start to ``read`` and
-    ``read`` to ``closed``. Text is held back (nothing emitted, the window grows) while:
+    ``read`` to ``closed``. The read offset stays put (the window grows) while:
 
     - the new text ends in U+FFFD: a byte-level BPE split a character and the rest of its bytes
-      are still to come;
+      are still to come. The complete characters before that tail are final and are emitted
+      at once; only the broken character waits;
     - ``window[closed:]`` is a run of ``<0xNN>`` byte-fallback tokens: the ByteFallback decoder
       decodes a run all or nothing (one invalid byte turns every byte of the run into U+FFFD),
-      so the run's text is final only once a non-byte token ends it;
+      so none of the run's text is final until a non-byte token ends it. This is the price of
+      the exact contract: a long run (CJK text in a vocabulary without those characters)
+      streams in one piece when it ends;
     - the new tokens add no text. This also keeps the prefix text non-empty, which the
       diff relies on: SentencePiece-style decoders strip the leading space of the first token
       they decode, and that token must be one whose text was already emitted.
 
-    Cost per step: one or two decodes of the window, which spans the last emitted step plus the
-    held tokens: a few tokens for real text. It grows only while text is held, and no decoding
-    happens at all while a byte-fallback run is open.
+    Cost per step: at most two decodes of the window, which spans the last emitted step plus the
+    tokens since: a few tokens for real text. It grows only while the read offset waits, and
+    no decoding happens at all while a byte-fallback run is open.
     """
 
     def __init__(
@@ -101,6 +104,9 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self._closed = self._closed_end(self._window)
         self._prefix_text: str | None = None
+        # Complete characters already emitted from past the read offset, sent ahead of the
+        # incomplete character that shares their tokens.
+        self._emitted_past_read = 0
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append a step's new token ids; return the text they make final (may be "")."""
@@ -121,24 +127,29 @@ class IncrementalDetokenizer:
 
     def _advance(self, end: int, final: bool) -> str:
         new_text = self._decode(self._window[:end])
-        if new_text.endswith(REPLACEMENT_CHAR) and not final:
-            return ""
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._window[: self._read])
         prefix_text = self._prefix_text
         if new_text.startswith(prefix_text):
-            delta = new_text[len(prefix_text) :]
+            new_from = len(prefix_text)
         else:
             # Only at the prompt boundary: the prompt ended inside a character (or inside a
             # byte run) that the output completed, so the text from that character on is new.
-            delta = new_text[len(os.path.commonprefix([prefix_text, new_text])) :]
-        if not delta:
+            new_from = len(os.path.commonprefix([prefix_text, new_text]))
+        unsent_from = new_from + self._emitted_past_read
+        if new_text.endswith(REPLACEMENT_CHAR) and not final:
+            # The characters before the broken tail are complete and can no longer change.
+            delta = new_text.rstrip(REPLACEMENT_CHAR)[unsent_from:]
+            self._emitted_past_read += len(delta)
+            return delta
+        if len(new_text) == new_from:
             return ""
         del self._window[: self._read]
         self._closed -= self._read
         self._read = end - self._read
         self._prefix_text = None
-        return delta
+        self._emitted_past_read = 0
+        return new_text[unsent_from:]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(
