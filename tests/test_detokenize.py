@@ -11,31 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizer_fixtures import CORPUS, TOKENIZERS, byte_fallback_ids
+from tests.tokenizer_fixtures import CORPUS, TOKENIZERS, byte_fallback_ids, chunked
 from tokenizer_worker.detokenize import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 TOKENIZER_NAMES = sorted(TOKENIZERS)
 
 
-def chunked(ids: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
-    """Split ids into consecutive steps of the given sizes (cycled; 0 means an empty step)."""
-    if not any(sizes):
-        sizes = [1]
-    steps, start, index = [], 0, 0
-    while start < len(ids):
-        size = sizes[index % len(sizes)]
-        steps.append(list(ids[start : start + size]))
-        start += size
-        index += 1
-    return steps
-
-
 def skipped_ids(tokenizer: Any) -> set[int]:
     return {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
 
 
-def stream(tokenizer: Any, steps: list[list[int]], skip: bool, prompt_ids=None) -> list[str]:
+def stream(
+    tokenizer: Any, steps: Sequence[Sequence[int]], skip: bool, prompt_ids=None
+) -> list[str]:
     """Run the detokenizer over the steps, checking safety and liveness after every step."""
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip)
     byte_ids = byte_fallback_ids(tokenizer)

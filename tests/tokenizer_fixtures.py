@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
+from typing import TypeVar
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -120,6 +122,25 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=BOS_CHATML_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
+
+
+ItemsT = TypeVar("ItemsT", bound=Sequence)
+
+
+def chunked(items: ItemsT, sizes: Sequence[int]) -> list[ItemsT]:
+    """Split token ids or text into consecutive steps of the given sizes, cycled.
+
+    A size of 0 makes an empty step, as a decode step that produced no new text does.
+    """
+    if not any(sizes):
+        sizes = [1]
+    steps, start, index = [], 0, 0
+    while start < len(items):
+        size = sizes[index % len(sizes)]
+        steps.append(items[start : start + size])
+        start += size
+        index += 1
+    return steps
 
 
 TOKENIZERS = {"byte_level": byte_level_tokenizer, "metaspace": metaspace_tokenizer}
