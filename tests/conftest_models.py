@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import transformers
 
@@ -98,3 +99,13 @@ def load_reference(path: str | Path) -> torch.nn.Module:
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine an OpenMP barrier
+    waiting for a descheduled thread makes every op many times slower. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

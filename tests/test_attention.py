@@ -9,6 +9,9 @@ import torch
 from engine.attention import make_backend, resolve_backend
 from engine.batch import BatchInput
 from engine.kv_pool import KVPool
+from tests.conftest_models import one_torch_thread
+
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 8, 2, 16, 2
 WINDOWS = (None, 5)  # layer 1 attends to the last 5 positions only

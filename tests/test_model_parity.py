@@ -15,7 +15,9 @@ import torch
 
 from engine.batch import BatchInput
 from engine.runner import ModelRunner
-from tests.conftest_models import KINDS, load_reference, write_checkpoint
+from tests.conftest_models import KINDS, load_reference, one_torch_thread, write_checkpoint
+
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 NUM_SLOTS = 2048  # per runner, whatever the page size
 VOCAB = 96

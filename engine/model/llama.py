@@ -27,8 +27,19 @@ from engine.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # Normalise in float32 and scale in the model dtype, as transformers' RMSNorm does.
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def add_linear_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """residual += x @ weight.T (+ bias), in place: one GEMM accumulating into the residual."""
+    if bias is None:
+        return residual.addmm_(x, weight.t())
+    return residual.add_(F.linear(x, weight, bias))
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -95,17 +106,21 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim] for absolute positions [T] (computed in float32)."""
+        """cos and signed sin [T, 1, head_dim] for absolute positions [T], computed in float32:
+        sin's first half is negated so that ``apply_rope`` needs no negation per layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :]
+        sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
         return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into ``signed_sin``."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin)
+    return rotated.addcmul_(x, cos)
 
 
 class _Weights(nn.Module):
@@ -139,6 +154,11 @@ class DecoderLayer(_Weights):
         self.gate_up_bias = self._new(2 * c.intermediate_size) if c.mlp_bias else None
         self.down = self._new(c.hidden_size, c.intermediate_size)
         self.down_bias = self._new(c.hidden_size) if c.mlp_bias else None
+        # On CPU, glibc serves allocations over 32 MiB with fresh mmaps, whose page faults cost
+        # more than the GEMM that fills them; on GPU the bound just caps activation memory.
+        budget = (16 << 20) if device.type == "cpu" else (1 << 30)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.mlp_chunk_tokens = max(1, budget // (2 * c.intermediate_size * itemsize))
 
     def weight_targets(self, prefix: str, c: ModelConfig) -> dict[str, torch.Tensor]:
         q, kv, inter = self.q_size, self.kv_size, c.intermediate_size
@@ -177,21 +197,32 @@ class DecoderLayer(_Weights):
         sin: torch.Tensor,
         attention: AttentionBackend,
     ) -> torch.Tensor:
+        """Add this layer's attention and MLP outputs to ``hidden`` [T, hidden_size], the
+        residual stream, in place (the model's forward owns it), and return it."""
         num_tokens = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat(
+                (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), 1
+            )
+        # q and k rotate together: one set of elementwise ops instead of two.
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attention.forward(index, q, k, v)
-        hidden = hidden + F.linear(out.reshape(num_tokens, self.q_size), self.o, self.o_bias)
+        add_linear_(hidden, out.reshape(num_tokens, self.q_size), self.o, self.o_bias)
         x = rms_norm(hidden, self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
+        # stays bounded however many tokens a prefill step carries.
+        for rows, x_rows in zip(
+            hidden.split(self.mlp_chunk_tokens), x.split(self.mlp_chunk_tokens), strict=True
+        ):
+            gate, up = F.linear(x_rows, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+            add_linear_(rows, F.silu(gate).mul_(up), self.down, self.down_bias)
+        return hidden
 
 
 class LlamaForCausalLM(_Weights):
