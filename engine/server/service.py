@@ -92,6 +92,10 @@ class Service:
     def alive(self) -> bool:
         return self.client.dead is None
 
+    def _check_alive(self) -> None:
+        if self.client.dead is not None:
+            raise APIError(503, f"the engine stopped: {self.client.dead}")
+
     # ---------------------------------------------------------------- models
     def models(self) -> ModelList:
         return ModelList([ModelCard(self.model_name, self.created, self.info.context_len)])
@@ -103,6 +107,7 @@ class Service:
 
     # -------------------------------------------------------------- sessions
     async def open_session(self) -> SessionObject:
+        self._check_alive()
         session, reclaimed = self.sessions.open()
         if reclaimed is not None:
             await self.client.send_session(SessionClose(reclaimed))
@@ -123,6 +128,7 @@ class Service:
     # ------------------------------------------------------------- requests
     def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
               n: int) -> Call:
+        self._check_alive()
         pending = self.client.num_pending
         if pending + len(requests) > self.max_pending:
             raise APIError(503, f"the server is at its limit of {self.max_pending:,} requests "
