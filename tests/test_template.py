@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
 from tests.tokenizer_fixtures import TOKENIZERS, byte_level_tokenizer, metaspace_tokenizer
-from tokenizer_worker.template import encode_prompt, render_chat
+from tokenizer_worker.template import encode_prompt, render_chat, render_chat_text
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -38,6 +38,17 @@ def test_render_chat_encodes_the_template_text(name: str) -> None:
     # Special tokens are single ids, not spelled out piece by piece.
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert ids.count(im_start) == len(CONVERSATION) + 1
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_render_chat_text_is_what_render_chat_encodes(name: str) -> None:
+    tokenizer = TOKENIZERS[name]()
+    text = render_chat_text(tokenizer, CONVERSATION, add_generation_prompt=False)
+    assert text.endswith(CHATML_TEXT)
+    ids = render_chat(tokenizer, CONVERSATION, add_generation_prompt=False)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    with pytest.raises(ValueError, match="got 'bot'"):
+        render_chat_text(tokenizer, [{"role": "bot", "content": "hi"}])
 
 
 def test_template_bos_is_not_doubled() -> None:

@@ -35,9 +35,8 @@ class _VocabFacts:
 def _vocab_facts(tokenizer: PreTrainedTokenizerBase) -> _VocabFacts:
     vocab = tokenizer.get_vocab()
     # The ByteFallback decoder reads any token spelled <0xNN> (either case of hex) as a raw byte.
-    byte_names = (f"<0x{b:02X}>" for b in range(256))
+    byte_names = [f"<0x{b:02X}>" for b in range(256)] + [f"<0x{b:02x}>" for b in range(256)]
     byte_ids = {vocab[name] for name in byte_names if name in vocab}
-    byte_ids |= {vocab[name] for name in (f"<0x{b:02x}>" for b in range(256)) if name in vocab}
     # skip_special_tokens drops added tokens flagged special before the decoder runs, so they
     # are transparent to it; checking that each decodes to nothing alone guards against a
     # backend whose notion of "special" differs, since dropping a token that has text loses it.
@@ -55,17 +54,21 @@ class IncrementalDetokenizer:
     Contract: ``"".join(add(...) for each step) + flush()`` equals
     ``tokenizer.decode(output_ids, skip_special_tokens=...)``, and no delta holds a character
     that later tokens could still change: an incomplete UTF-8 character is held back until it
-    completes (or, at ``flush``, is given as the decoder renders it). With ``prompt_ids`` the output is decoded as the continuation of the prompt (so a
-    "▁word" token right after the prompt reads " word", not "word"): the deltas join to the
-    part of ``decode(prompt_ids + output_ids)`` after its common prefix with
-    ``decode(prompt_ids)``. Decoding never applies the legacy ``clean_up_tokenization_spaces``
-    rewrite (transformers skips it for BPE tokenizers anyway).
+    completes (or, at ``flush``, is given as the decoder renders it). With ``prompt_ids`` the
+    output is decoded as the continuation of the prompt (so a "▁word" token right after the
+    prompt reads " word", not "word"): the deltas join to the part of
+    ``decode(prompt_ids + output_ids)`` after its common prefix with ``decode(prompt_ids)``.
+    Only the last few prompt ids are read, so passing the whole prompt costs nothing. Decoding
+    never applies the legacy ``clean_up_tokenization_spaces`` rewrite (transformers skips it
+    for BPE tokenizers anyway).
 
     State: ``window`` holds the ids from the prefix offset on (older ids are dropped)::
 
         window = [ emitted last step (or prompt context) | not emitted yet .......... ]
                    0                                      ^read           ^closed    ^len
         prefix text = decode(window[:read])    new text = decode(window[:closed])
+        emitted so far = everything before the window + prefix text + the complete
+                         characters of new text already sent ahead of a broken tail
 
     A step emits ``new text - prefix text`` and then moves the window start to ``read`` and
     ``read`` to ``closed``. The read offset stays put (the window grows) while:
