@@ -15,6 +15,7 @@ A wrapper is planned once per step and per distinct sliding window (FlashInfer f
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -29,7 +30,7 @@ INSTALL_HINT = (
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
-def import_flashinfer():  # -> module
+def import_flashinfer() -> ModuleType:
     """Import flashinfer, or raise RuntimeError with the install hint."""
     if not torch.cuda.is_available():
         raise RuntimeError(INSTALL_HINT + " (CUDA is not available)")
