@@ -178,6 +178,20 @@ def test_logprobs_in_openai_shapes(oai, model):
     assert lp.text_offset[0] == 0
 
 
+def test_stop_strings_and_seeds(oai, model):
+    free = oai.completions.create(model=model, prompt="import os", max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    stop = text[len(text) // 2:][:3]
+    cut = oai.completions.create(model=model, prompt="import os", max_tokens=12, temperature=0,
+                                 stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    seeded = [oai.completions.create(model=model, prompt="import os", max_tokens=8, seed=11,
+                                     temperature=1.0).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
 def test_beam_search_through_extra_body(oai, model):
     out = oai.completions.create(model=model, prompt="def main(", max_tokens=4, n=2,
                                  extra_body={"use_beam_search": True, "best_of": 3})
