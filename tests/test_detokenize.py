@@ -23,7 +23,10 @@ def skipped_ids(tokenizer: Any) -> set[int]:
 
 
 def stream(
-    tokenizer: Any, steps: Sequence[Sequence[int]], skip: bool, prompt_ids=None
+    tokenizer: Any,
+    steps: Sequence[Sequence[int]],
+    skip: bool,
+    prompt_ids: Sequence[int] | None = None,
 ) -> list[str]:
     """Run the detokenizer over the steps, checking safety and liveness after every step."""
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip)

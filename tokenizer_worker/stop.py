@@ -20,8 +20,9 @@ class StopChecker:
 
     Waiting for the earliest position: when one stop string completes while another that
     started earlier is still incomplete, the checker holds both until the earlier one completes
-    (it wins) or fails (the later one wins). The held text never exceeds the longest stop
-    string plus the latest delta, so each ``feed`` costs O(len(delta) + total stop length).
+    (it wins) or fails (the later one wins). Between calls the held text is shorter than the
+    longest stop string, so the work of a ``feed`` depends on its delta and the stop strings,
+    never on the length of the whole text.
 
     ``matched`` is the stop string that ended the text (None until one does); after that,
     ``feed`` returns ("", True) and ``flush`` returns "".
