@@ -181,6 +181,8 @@ class TokenizerWorker:
             emitted, stopped = sample.stop.feed(delta)
             if out.finish_reason is not None and not stopped:
                 emitted += sample.stop.flush()
+                if sample.stop.matched is not None:  # a stop string settled only at the end
+                    result.finish_reason = "stop"
             result.text = emitted
             if state.session is not None:
                 state.reply_ids.extend(ids.tolist())
