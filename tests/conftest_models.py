@@ -46,6 +46,11 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
             ),
         ),
     ),
+    # biases on every projection (q/k/v/o and the MLP), multi-head attention
+    "llama_bias": (
+        "LlamaForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    ),
     # explicit head_dim 24 != 64 / 4, per-head q/k RMSNorm, tied embeddings
     "qwen3": (
         "Qwen3ForCausalLM",
