@@ -119,8 +119,13 @@ class TorchNativeBackend(AttentionBackend):
             padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
             q = padded.index_copy_(0, g.pad_index, q)
         q4 = q.view(g.num_seqs, g.max_extend, self.num_heads, head_dim).transpose(1, 2)
+        group = self.num_heads // num_kv
+        if group > 1 and self.device.type == "cuda":
+            # CUDA's memory-efficient SDPA takes a mask but not enable_gqa; the math fallback
+            # would hold [B, heads, extend, kv_len] scores in memory.
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
-            q4, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != num_kv
+            q4, k, v, attn_mask=mask, scale=self.scale, enable_gqa=k.shape[1] != self.num_heads
         )
         out = out.transpose(1, 2).reshape(-1, self.num_heads, head_dim)
         return out if g.pad_index is None else out.index_select(0, g.pad_index)
