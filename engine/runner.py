@@ -136,6 +136,12 @@ class ModelRunner:
         """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
         ``batch.logits_rows`` (default: each sequence's last new token)."""
         batch.validate(self.page_size, self.num_pages, self.num_host_pages)
+        longest = int(batch.seq_lens.max())
+        if longest > self.config.max_context_len:
+            raise ValueError(
+                f"a sequence reaches {longest} tokens but the model's context is "
+                f"{self.config.max_context_len}"
+            )
         self.pool.swap_out(batch.swap_out)
         self.pool.swap_in(batch.swap_in)
         self.pool.copy_pages(batch.copies)

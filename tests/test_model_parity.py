@@ -199,3 +199,10 @@ def test_logits_rows_select_any_tokens(checkpoints) -> None:
     torch.testing.assert_close(
         runner.forward(batch), hf_logits(checkpoints["qwen2"], ids)[[0, 5, 11]], atol=TOL, rtol=0
     )
+
+
+def test_runner_refuses_sequences_past_the_context(checkpoints) -> None:
+    runner = make_runner(checkpoints["llama"], 16)
+    batch = BatchInput.build([(Pages(runner).take(257), 256, [5])], 16)  # context is 256
+    with pytest.raises(ValueError, match="reaches 257 tokens but the model's context is 256"):
+        runner.forward(batch)
