@@ -126,7 +126,7 @@ class SeqMemory:
 
     def swap_in(self, seq: Seq, work: StepWork) -> None:
         fresh = self.tree.alloc_pages(len(seq.host_pages))
-        for (i, host), page in zip(seq.host_pages, fresh):
+        for (i, host), page in zip(seq.host_pages, fresh, strict=True):
             seq.pages[i] = page
             work.swap_in.append((host, page))
             self.host_free.append(host)

@@ -55,7 +55,7 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 6))
     def alloc_external(self, n: int) -> None:
         try:
-            self.external.append(self.sim.tree.alloc_pages(n).tolist())
+            self.external.append(self.sim.tree.alloc_pages(n))
         except OutOfPages:
             assert self.sim.alloc.num_free_pages + self.sim.alloc.num_evictable_pages < n
 
@@ -98,7 +98,7 @@ def test_page_size_16_matches_exactly_like_page_size_1(ops):
         lengths = []
         for tree in trees.values():
             if is_insert:
-                pages = tree.alloc_pages(tree.allocator.pages_for(len(tokens))).tolist()
+                pages = tree.alloc_pages(tree.allocator.pages_for(len(tokens)))
                 lengths.append(tree.insert(tokens, pages))
                 tree.allocator.decref(pages)
             else:
