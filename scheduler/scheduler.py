@@ -14,46 +14,28 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 
 from engine.config import EngineConfig
 from engine.protocol import (
     BatchResult,
-    ForwardBatch,
     ModelInfo,
-    RowSampling,
     SeqOutput,
     TokenizedRequest,
     pack_ids,
     unpack_ids,
 )
-from radix import OutOfPages, PageAllocator, RadixTree
+from radix import PageAllocator, RadixTree
 from scheduler import beam
-from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory, StepWork
-from scheduler.policy import order_waiting
+from scheduler.planner import NEW_TOKEN_RATIO, Entry, StepPlanner
 from scheduler.request import Request, Seq, Status
 from scheduler.sessions import SessionPins
 
 logger = logging.getLogger("radixserve.scheduler")
 
-NEW_TOKEN_RATIO = (0.7, 0.1, 0.002)  # start (and after a preemption), floor, decay per step
-SHARED_HEAD = 32  # tokens two prompts must share for the second to wait for the first's prefill
-
-
-@dataclass
-class Entry:
-    """One sequence's part of a planned step."""
-
-    seq: Seq
-    extend: int
-    samples: int  # logits rows drawn for it: 0 mid-prefill, n for a fork, else 1
-
-
-class Scheduler:
+class Scheduler(StepPlanner):
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
         self.config = config
         self.info = info
@@ -138,218 +120,6 @@ class Scheduler:
             self._emit(req, seq.index, [], finish_reason=reason)
         if not req.live_seqs():
             self._retire(req)
-
-    # ------------------------------------------------------------- planning
-    def schedule(self) -> ForwardBatch | None:
-        """Plan the next step; None when there is nothing to run."""
-        assert self.inflight is None, "one batch at a time"
-        work, self.carry = self.carry, StepWork()
-        entries: list[Entry] = []
-        budget = self.config.max_prefill_tokens
-        preempted: set[int] = set()
-        order = sorted(self.running, key=lambda r: r.progress, reverse=True)
-        for req in order:
-            if id(req) in preempted:
-                continue
-            planned = self._plan_running(req, order[order.index(req) + 1 :], preempted, work,
-                                         budget)
-            if planned is None:
-                continue
-            entries.extend(planned)
-            budget -= sum(e.extend for e in planned if e.extend > 1)
-        if preempted:
-            self.new_token_ratio = NEW_TOKEN_RATIO[0]
-        else:
-            self._admit_waiting(entries, work, budget)
-        if not entries:
-            if self.waiting and not self.running and not preempted and self.sessions.unpin_oldest():
-                self.carry = work  # pinned sessions give way before a request is refused
-                return None
-            if self.waiting and not self.running and not preempted:
-                # Nothing runs and the head cannot be admitted into an empty pool: never retry.
-                self._fail(self.waiting[0], 503, "the request cannot be scheduled: the KV pool "
-                           "is too small for it")
-            self.carry = work
-            return None
-        self.new_token_ratio = max(NEW_TOKEN_RATIO[1], self.new_token_ratio - NEW_TOKEN_RATIO[2])
-        self.inflight = entries
-        self.batch_id += 1
-        return build_batch(self.batch_id, entries, work, self.info.page_size, self._sampling_rows)
-
-    def _plan_running(self, req: Request, lower: list[Request], preempted: set[int],
-                      work: StepWork, budget: int) -> list[Entry] | None:
-        """Entries for ``req``'s running sequences; None when it had to be preempted.
-        ``lower``: the requests with less progress, the only ones it may preempt."""
-        planned = []
-        for seq in req.live_seqs():
-            if seq.status is not Status.RUNNING:
-                continue
-            extend = seq.remaining
-            if extend > 1:
-                extend = min(extend, self.config.chunked_prefill_size, budget)
-                if extend <= 0:
-                    continue
-                budget -= extend
-            if not self._grow(seq, seq.computed + extend, req, lower, preempted, work):
-                return None
-            planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
-        return planned
-
-    def _grow(self, seq: Seq, upto: int, req: Request, lower: list[Request],
-              preempted: set[int], work: StepWork) -> bool:
-        """Pages for ``upto`` tokens, preempting lower-progress requests; False when ``req``
-        itself had to go."""
-        while True:
-            try:
-                self.mem.grow(seq, upto)
-                return True
-            except OutOfPages:
-                victim = next((r for r in reversed(lower) if id(r) not in preempted
-                               and r is not req and not r.is_beam and r.live_seqs()), None)
-                if victim is None:
-                    if req.is_beam:
-                        self._fail(req, 503, "out of KV memory for beam search")
-                    else:
-                        self._preempt(req, work)
-                    preempted.add(id(req))
-                    return False
-                self._preempt(victim, work)
-                preempted.add(id(victim))
-
-    def _samples_for(self, seq: Seq, extend: int) -> int:
-        if seq.closing or seq.computed + extend < len(seq.tokens):
-            return 0  # a prefill chunk that does not reach the end yet, or a session's last token
-        req = seq.req
-        if not req.forked and req.params.n > 1 and not req.is_beam:
-            return req.params.n
-        return 1
-
-    def _reserved_pages(self) -> int:
-        """Pages running requests are expected to still need (a decaying estimate, exact for
-        beams, which are never preempted)."""
-        total = 0.0
-        page_size = self.info.page_size
-        for req in self.running:
-            for seq in req.live_seqs():
-                left = req.params.max_tokens - seq.num_outputs
-                ratio = 1.0 if req.is_beam else self.new_token_ratio
-                total += ratio * left / page_size
-        return int(total)
-
-    def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> None:
-        num_running = sum(len(r.live_seqs()) for r in self.running)
-        reserved = self._reserved_pages()
-        # Requests that share an uncached head with one admitted in this step wait a step: once
-        # the first one's prefill is in the tree, they hit it instead of computing it again.
-        heads_this_step: set[tuple] = set()
-        for req in order_waiting(self.waiting, self.config.policy, self.tree):
-            seqs = req.live_seqs()
-            if num_running + len(seqs) > self.config.max_running_requests or budget <= 0:
-                break
-            head = self._uncached_head(req)
-            if head is not None and head in heads_this_step:
-                continue
-            admitted = self._admit(req, seqs, work, budget, reserved)
-            if admitted is None:
-                break
-            entries.extend(admitted)
-            if head is not None:
-                heads_this_step.add(head)
-            budget -= sum(e.extend for e in admitted)
-            num_running += len(seqs)
-            reserved += self._request_reserve(req)
-            self.waiting.remove(req)
-            self.running.append(req)
-
-    def _uncached_head(self, req: Request) -> tuple | None:
-        """The first ``SHARED_HEAD`` prompt tokens when the tree holds (almost) none of them."""
-        seq = req.seqs[0]
-        if req.cached_tokens >= 0 or len(seq.tokens) <= 2 * SHARED_HEAD:
-            return None
-        if self.tree.peek_prefix(seq.tokens, req.namespace, SHARED_HEAD) >= SHARED_HEAD:
-            return None
-        return (req.namespace, *seq.tokens[:SHARED_HEAD])
-
-    def _request_reserve(self, req: Request) -> int:
-        ratio = 1.0 if req.is_beam else self.new_token_ratio
-        width = req.params.beam_width if req.is_beam else 1
-        return int(ratio * width * req.params.max_tokens / self.info.page_size)
-
-    def _admit(self, req: Request, seqs: list[Seq], work: StepWork, budget: int,
-               reserved: int) -> list[Entry] | None:
-        if req.seqs[0].host_pages or any(s.host_pages for s in seqs):
-            return self._admit_swapped(req, seqs, work, reserved)
-        matches, need = [], 0
-        for seq in seqs:
-            match = self.mem.match(seq)
-            extend = min(len(seq.tokens) - match.length, self.config.chunked_prefill_size,
-                         max(budget, 1))
-            budget -= extend
-            matches.append((seq, match, extend))
-            need += self.mem.pages_to_admit(match, match.length + extend)
-        if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
-            self.running or need > self.tree.num_available_pages
-        ):
-            for seq, _, _ in matches:
-                self.mem.unpin(seq)
-            return None
-        admitted = []
-        for seq, match, extend in matches:
-            self.mem.take_match(seq, match, match.length + extend, work)
-            seq.status = Status.RUNNING
-            admitted.append(Entry(seq, extend, self._samples_for(seq, extend)))
-        if req.cached_tokens < 0:
-            req.cached_tokens = matches[0][1].length
-        return admitted
-
-    def _admit_swapped(self, req: Request, seqs: list[Seq], work: StepWork,
-                       reserved: int) -> list[Entry] | None:
-        need = sum(self.mem.pages_to_swap_in(s) + 1 for s in seqs)
-        if need + reserved > self.tree.num_available_pages and self.running:
-            return None
-        admitted = []
-        for seq in seqs:
-            self.mem.swap_in(seq, work)
-            self.mem.grow(seq, seq.computed + seq.remaining)
-            seq.status = Status.RUNNING
-            admitted.append(Entry(seq, seq.remaining, self._samples_for(seq, seq.remaining)))
-        return admitted
-
-    def _preempt(self, req: Request, work: StepWork) -> None:
-        self.num_preemptions += 1
-        swap = self.config.preemption_mode == "swap"
-        for seq in req.live_seqs():
-            self._drop_carry(seq)
-            if not (swap and self.mem.swap_out(seq, work)):
-                self.mem.release(seq, cache=True)
-            seq.status = Status.SWAPPED if seq.host_pages else Status.WAITING
-        logger.info("preempted %s (%s)", req.rid, "swap" if swap else "recompute")
-        self.running.remove(req)
-        self.waiting.append(req)
-
-    def _drop_carry(self, seq: Seq) -> None:
-        """Forget planned copies into pages this sequence is about to give back."""
-        if self.carry.copies:
-            mine = set(seq.pages)
-            self.carry.copies = [c for c in self.carry.copies if c[1] not in mine]
-
-    def _sampling_rows(self, entry: Entry) -> list[RowSampling]:
-        seq, req = entry.seq, entry.seq.req
-        params = req.params
-        if req.is_beam:
-            params = msgspec.structs.replace(params, logprobs=2 * params.beam_width,
-                                             temperature=0.0)
-        penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                     or params.presence_penalty != 0.0)
-        history = pack_ids(seq.tokens) if penalties else b""
-        rows = []
-        for i in range(entry.samples):
-            row_params = params
-            if params.seed is not None and (seq.index or i):
-                # Parallel samples of a seeded request need distinct, reproducible seeds.
-                row_params = msgspec.structs.replace(params, seed=params.seed + seq.index + i)
-            rows.append(RowSampling(row_params, seq.num_outputs, req.prompt_len, history))
-        return rows
 
     # ------------------------------------------------------------- results
     def process_result(self, result: BatchResult) -> None:
