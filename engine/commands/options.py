@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 
 _HELP = {
     "model": "a local Hugging Face model directory (default: build and use the demo model)",
-    "served_model_name": "the model name clients send and see (default: the directory)",
+    "served_model_name": "the model name clients send and see (default: the directory's name; radixserve-demo for the demo model)",
     "page_size": "token slots per KV page",
     "num_pages": "KV pages in the pool (default: from --kv-cache-gb or free memory)",
     "kv_cache_gb": "KV pool size in GiB",
@@ -61,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         from engine.demo_model import build_demo_model
 
         values["model"] = str(build_demo_model())
+        values["served_model_name"] = values["served_model_name"] or "radixserve-demo"
     config = EngineConfig(**values)
     config.validate()
     return config
