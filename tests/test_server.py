@@ -435,3 +435,4 @@ def test_health_models_and_openapi(server):
     request = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert "session_id" in request["properties"] and "messages" in request["required"]
     assert "/v1/sessions/{session_id}" in spec["paths"]
+

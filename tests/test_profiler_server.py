@@ -1,0 +1,34 @@
+"""`radixserve profile --url` against a real `radixserve serve` (its own, so that no other
+test's prompts are in its cache)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from engine.cli import main as cli
+from tests.test_server import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--num-pages", "1024")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_live_replay_matches_its_simulation_request_by_request(server, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    assert cli(["workload", "gen", "shared-prefix", "--seed", "5", "--out", str(trace),
+                "--vocab-size", "4000", "--groups", "3", "--prompts-per-group", "4",
+                "--system-len", "45", "--question-len", "7", "--output-len", "4"]) == 0
+    out = tmp_path / "report"
+    # One request at a time, at the trace's arrival times: a sequential trace.
+    assert cli(["profile", str(trace), "--url", server.url, "--max-concurrency", "1",
+                "--num-pages", "512", "--out", str(out)]) == 0
+    with open(out / "live_requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12
+    assert [int(r["cached_tokens"]) for r in rows] == [int(r["sim_cached_tokens"]) for r in rows]
+    assert sum(int(r["cached_tokens"]) for r in rows) > 0
