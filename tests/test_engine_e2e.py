@@ -83,8 +83,10 @@ def test_chat_messages_and_errors(engine):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_through_processes(hf_model, mode):
     prompts = shared_prefix_prompts(12, seed=0)
+    # The swap run also spreads requests over two tokenizer workers.
     with Engine(num_pages=16, chunked_prefill_size=64, preemption_mode=mode,
-                num_host_pages=64 if mode == "swap" else 0) as small:
+                num_host_pages=64 if mode == "swap" else 0,
+                tokenizer_workers=2 if mode == "swap" else 1) as small:
         results = small.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
                                                          ignore_eos=True))
         assert small.generate([5, 6, 7], GREEDY)[0].error is None  # alive after idle checks
