@@ -94,6 +94,7 @@ def run_backend(name: str, pool: KVPool, batch: BatchInput, seed: int = 0) -> li
 
 SHAPES = {
     "prefill": [(0, 23)],
+    "fresh prefills, padded": [(0, 23), (0, 5), (0, 17)],
     "decode": [(30, 1), (0, 1), (16, 1), (47, 1)],
     "mixed": [(9, 7), (12, 1), (0, 20), (33, 1), (15, 2)],
 }

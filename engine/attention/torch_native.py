@@ -7,7 +7,8 @@ A step's sequences split into at most two groups, each served by one SDPA call p
   [B, 1, 1, S] broadcasts over them;
 - extend group (the rest): queries padded to [B, max_extend], K/V gathered to
   [B, max_pages * page_size] and a boolean mask [B, 1, max_extend, S] (causal at absolute
-  positions, sliding window where the layer has one).
+  positions, sliding window where the layer has one); when no sequence of the group has
+  cached tokens, SDPA's built-in causal mask instead.
 
 Gathering whole pages keeps indices few; the mask hides the unused tail of the last page.
 Padded query rows get the position of their sequence's last token so no row is fully masked.
@@ -33,7 +34,7 @@ class _Group:
     num_seqs: int
     max_extend: int
     kv_len: int  # max_pages * page_size
-    masks: dict[int | None, torch.Tensor]  # by sliding window
+    masks: dict[int | None, torch.Tensor]  # by sliding window; absent: plain causal
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -69,8 +70,11 @@ class TorchNativeBackend(AttentionBackend):
         query_pos[pad_index] = batch.positions[rows]
         query_pos_t = torch.from_numpy(query_pos.reshape(num_seqs, max_extend, 1)).to(device)
         key_pos = torch.arange(kv_len, device=device)
+        # Without cached tokens, query row i sits at position i, so SDPA's own (top-left)
+        # causal mask is exact, padding included, and skips the blocks above the diagonal.
+        from_zero = max_extend > 1 and bool(np.all(batch.seq_lens[seqs] == extend))
         masks: dict[int | None, torch.Tensor] = {}
-        for window in set(self.sliding_windows):
+        for window in set(self.sliding_windows) - ({None} if from_zero else set()):
             allowed = key_pos <= query_pos_t
             if window is not None:
                 allowed &= key_pos > query_pos_t - window
@@ -109,7 +113,7 @@ class TorchNativeBackend(AttentionBackend):
         k = k_pages.index_select(0, g.page_table).view(g.num_seqs, g.kv_len, num_kv, head_dim)
         v = v_pages.index_select(0, g.page_table).view(g.num_seqs, g.kv_len, num_kv, head_dim)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        mask = g.masks[self.sliding_windows[layer]]
+        mask = g.masks.get(self.sliding_windows[layer])
         if g.max_extend == 1:
             # [B, H, D] -> [B, kv_heads, group, D]: heads h = kv * group + i share KV head kv.
             q4 = q.view(g.num_seqs, num_kv, -1, head_dim)
@@ -125,7 +129,13 @@ class TorchNativeBackend(AttentionBackend):
             # would hold [B, heads, extend, kv_len] scores in memory.
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
-            q4, k, v, attn_mask=mask, scale=self.scale, enable_gqa=k.shape[1] != self.num_heads
+            q4,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=k.shape[1] != self.num_heads,
         )
         out = out.transpose(1, 2).reshape(-1, self.num_heads, head_dim)
         return out if g.pad_index is None else out.index_select(0, g.pad_index)
