@@ -36,7 +36,7 @@ from engine.kv_pool import KVPool  # noqa: E402
 
 HEAD_DIM = 128  # one head size keeps FlashInfer's JIT variants few
 SHAPES = {
-    "prefill 1000": [(0, 1000)],
+    "fresh prefills": [(0, 1000), (0, 37), (0, 515)],
     "decode, page edges": [(0, 1), (14, 1), (15, 1), (16, 1), (1000, 1), (4095, 1)],
     "mixed": [(0, 300), (1000, 1), (517, 33), (64, 1), (15, 1), (31, 200)],
     "cached prefix": [(100, 50), (1024, 512), (16, 16)],
