@@ -230,8 +230,12 @@ def test_session_turns_hit_the_whole_history(server, oai, model):
                 assert usage.prompt_tokens_details.cached_tokens == history
                 assert usage.prompt_tokens > history
             history = usage.prompt_tokens + usage.completion_tokens
-        pinned = metric_values(server)["radixserve_pinned_tokens"]
-        assert pinned == history
+        # The pin lands one scheduler step after the reply, and the gauge with the next stats
+        # message: wait for it rather than race it.
+        deadline = time.monotonic() + 10
+        while (pinned := metric_values(server)["radixserve_pinned_tokens"]) != history:
+            assert time.monotonic() < deadline, f"pinned {pinned} tokens, history {history}"
+            time.sleep(0.1)
         assert client.delete(f"/v1/sessions/{session['id']}").json()["deleted"] is True
         deadline = time.monotonic() + 10
         while metric_values(server)["radixserve_pinned_tokens"] and time.monotonic() < deadline:
