@@ -86,7 +86,7 @@ CORPUS_FILES = tuple(
     difflib.py dis.py doctest.py email/message.py enum.py fnmatch.py fractions.py ftplib.py
     functools.py getopt.py gettext.py glob.py heapq.py hmac.py html/parser.py http/client.py
     imaplib.py inspect.py io.py ipaddress.py json/decoder.py json/encoder.py locale.py
-    logging/__init__.py mimetypes.py numbers.py operator.py optparse.py os.py pickle.py
+    logging/__init__.py mimetypes.py numbers.py operator.py optparse.py os.py plistlib.py
     posixpath.py pprint.py pydoc.py queue.py random.py sched.py secrets.py selectors.py
     shlex.py shutil.py smtplib.py socket.py ssl.py statistics.py string.py subprocess.py
     tarfile.py tempfile.py textwrap.py threading.py timeit.py tokenize.py traceback.py
