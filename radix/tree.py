@@ -153,20 +153,22 @@ class RadixTree:
         return self.allocator.num_free_pages + self.allocator.num_evictable_pages
 
     def match_prefix(self, tokens: TokenIds, namespace: Hashable = None,
-                     max_len: int | None = None) -> PrefixMatch:
+                     max_len: int | None = None, *, count: bool = True) -> PrefixMatch:
         """Longest cached prefix of ``tokens`` (at most ``max_len`` tokens).
 
         Splits the last matched node where the match ends inside it, so ``node`` covers exactly
-        the match and ``lock(node)`` pins exactly it. Touches the path for LRU.
+        the match and ``lock(node)`` pins exactly it. Touches the path for LRU. ``count=False``
+        keeps the lookup out of the hit-rate stats (bookkeeping lookups, not requests').
         """
         query = _as_key(tokens)
         total = len(query) // 4
         limit = total if max_len is None else max(0, min(total, max_len))
         node, length, pages = self._walk(self._root(namespace), query, limit, collect=True)
         self._touch(node)
-        self.stats.queries += 1
-        self.stats.queried_tokens += total
-        self.stats.hit_tokens += length
+        if count:
+            self.stats.queries += 1
+            self.stats.queried_tokens += total
+            self.stats.hit_tokens += length
         return PrefixMatch(length, pages, node, self.page_size)
 
     def peek_prefix(self, tokens: TokenIds, namespace: Hashable = None,

@@ -57,11 +57,8 @@ class SessionPins:
             return
         while self.pins and self.pinned_tokens + len(tokens) > self.max_pinned_tokens:
             self.unpin(next(iter(self.pins)))
-        stats = self.tree.stats
-        queries, queried, hits = stats.queries, stats.queried_tokens, stats.hit_tokens
-        match = self.tree.match_prefix(tokens, namespace)
         # Finding the node to lock is not a request's lookup: keep the hit rate about requests.
-        stats.queries, stats.queried_tokens, stats.hit_tokens = queries, queried, hits
+        match = self.tree.match_prefix(tokens, namespace, count=False)
         if match.length == 0:
             return
         self.tree.lock(match.node)

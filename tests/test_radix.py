@@ -221,6 +221,10 @@ def test_stats_count_queries_hits_inserts_evictions():
     s = tree.stats
     assert (s.queries, s.queried_tokens, s.hit_tokens, s.inserted_tokens) == (1, 10, 8, 8)
     assert s.evicted_pages == 2 and s.hit_rate == pytest.approx(0.8)
+    cache(tree, list(range(8)))
+    before = (s.queries, s.queried_tokens, s.hit_tokens)
+    assert tree.match_prefix(list(range(8)), count=False).length == 8
+    assert (s.queries, s.queried_tokens, s.hit_tokens) == before
 
 
 def test_check_catches_a_leaked_reference():
