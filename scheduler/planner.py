@@ -152,36 +152,42 @@ class StepPlanner:
     def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> None:
         num_running = sum(len(r.live_seqs()) for r in self.running)
         reserved = self._reserved_pages()
-        # Requests that share an uncached head with one admitted in this step wait a step: once
-        # the first one's prefill is in the tree, they hit it instead of computing it again.
-        heads_this_step: set[tuple] = set()
+        # A request whose head (first SHARED_HEAD prompt tokens) another request is prefilling
+        # right now waits: once that prefill is in the tree it hits all of it, instead of
+        # computing its own copy of the rest (and holding private pages for it).
+        busy_heads = {self._head(r) for r in self.running
+                      if r.seqs[0].computed < r.prompt_len and self._long_uncached(r, r.cached_tokens)}
+        busy_heads.discard(None)
         for req in order_waiting(self.waiting, self.config.policy, self.tree):
             seqs = req.live_seqs()
             if num_running + len(seqs) > self.config.max_running_requests or budget <= 0:
                 break
-            head = self._uncached_head(req)
-            if head is not None and head in heads_this_step:
+            head = self._head(req)
+            if head is not None and head in busy_heads and self._long_uncached(
+                    req, self.tree.peek_prefix(req.seqs[0].tokens, req.namespace)):
                 continue
             admitted = self._admit(req, seqs, work, budget, reserved)
             if admitted is None:
                 break
             entries.extend(admitted)
-            if head is not None:
-                heads_this_step.add(head)
+            if head is not None and self._long_uncached(req, req.cached_tokens):
+                busy_heads.add(head)
             budget -= sum(e.extend for e in admitted)
             num_running += len(seqs)
             reserved += self._request_reserve(req)
             self.waiting.remove(req)
             self.running.append(req)
 
-    def _uncached_head(self, req: Request) -> tuple | None:
-        """The first ``SHARED_HEAD`` prompt tokens when the tree holds (almost) none of them."""
-        seq = req.seqs[0]
-        if req.cached_tokens >= 0 or len(seq.tokens) <= 2 * SHARED_HEAD:
+    def _head(self, req: Request) -> tuple | None:
+        """The request's first ``SHARED_HEAD`` prompt tokens (a prompt long enough to share)."""
+        if req.prompt_len <= 2 * SHARED_HEAD:
             return None
-        if self.tree.peek_prefix(seq.tokens, req.namespace, SHARED_HEAD) >= SHARED_HEAD:
-            return None
-        return (req.namespace, *seq.tokens[:SHARED_HEAD])
+        return (req.namespace, *req.seqs[0].tokens[:SHARED_HEAD])
+
+    @staticmethod
+    def _long_uncached(req: Request, cached: int) -> bool:
+        """Whether prefilling ``req`` past ``cached`` tokens computes a long stretch itself."""
+        return req.prompt_len - max(cached, 0) > 2 * SHARED_HEAD
 
     def _request_reserve(self, req: Request) -> int:
         ratio = 1.0 if req.is_beam else self.new_token_ratio

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
+from engine.attention.cascade import CascadePlan, attend_cascade, plan_cascade
 from engine.batch import BatchInput
 
 
@@ -35,14 +36,29 @@ class _Group:
     max_extend: int
     kv_len: int  # max_pages * page_size
     masks: dict[int | None, torch.Tensor]  # by sliding window; absent: plain causal
+    cascade: CascadePlan | None  # shared leading pages: attended once per group (cascade.py)
 
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
+
     def _plan(self, batch: BatchInput) -> None:
         decode = batch.extend_lens == 1
-        groups = [np.nonzero(decode)[0], np.nonzero(~decode)[0]]
+        groups = [np.nonzero(decode)[0]]
+        # Extends pad to their group's longest: bucket them by length within a factor of 2, so
+        # a 65-token extend never pads to a 2,000-token prefill's rows.
+        extends = np.nonzero(~decode)[0]
+        extends = extends[np.argsort(batch.extend_lens[extends], kind="stable")]
+        start = 0
+        for i in range(1, len(extends) + 1):
+            if i == len(extends) or (batch.extend_lens[extends[i]]
+                                     > 2 * batch.extend_lens[extends[start]]):
+                groups.append(np.sort(extends[start:i]))
+                start = i
         groups = [g for g in groups if len(g)]
         whole = len(groups) == 1
         self._groups = [self._plan_group(batch, seqs, whole) for seqs in groups]
@@ -68,21 +84,17 @@ class TorchNativeBackend(AttentionBackend):
         pad_index = seq_of_token * max_extend + offset
         query_pos = np.repeat(batch.seq_lens[seqs].astype(np.int64) - 1, max_extend)
         query_pos[pad_index] = batch.positions[rows]
-        query_pos_t = torch.from_numpy(query_pos.reshape(num_seqs, max_extend, 1)).to(device)
-        key_pos = torch.arange(kv_len, device=device)
-        # Without cached tokens, query row i sits at position i, so SDPA's own (top-left)
-        # causal mask is exact, padding included, and skips the blocks above the diagonal.
         from_zero = max_extend > 1 and bool(np.all(batch.seq_lens[seqs] == extend))
-        masks: dict[int | None, torch.Tensor] = {}
-        for window in set(self.sliding_windows) - ({None} if from_zero else set()):
-            allowed = key_pos <= query_pos_t
-            if window is not None:
-                allowed &= key_pos > query_pos_t - window
-            if max_extend == 1:
-                # Additive float mask: the faster SDPA path for single-row queries.
-                mask = torch.zeros(allowed.shape, dtype=self.pool.kv.dtype, device=device)
-                allowed = mask.masked_fill_(~allowed, float("-inf"))
-            masks[window] = allowed.unsqueeze(1)
+        cascade = None
+        # A cached prefix shared by a group is gathered and attended once (cascade.py); not
+        # with sliding windows, where "every query sees all of the shared part" fails.
+        if not from_zero and all(w is None for w in self.sliding_windows):
+            cascade = plan_cascade(batch.page_indices[take], num_pages.astype(np.int64),
+                                   batch.seq_lens[seqs].astype(np.int64),
+                                   query_pos.reshape(num_seqs, max_extend), page_size, device,
+                                   self.pool.kv.dtype)
+        masks = {} if cascade is not None else self._masks(
+            query_pos.reshape(num_seqs, max_extend, 1), kv_len, max_extend, from_zero)
 
         def to_device(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
@@ -95,7 +107,27 @@ class TorchNativeBackend(AttentionBackend):
             max_extend=max_extend,
             kv_len=kv_len,
             masks=masks,
+            cascade=cascade,
         )
+
+    def _masks(self, query_pos: np.ndarray, kv_len: int, max_extend: int,
+               from_zero: bool) -> dict[int | None, torch.Tensor]:
+        device = self.device
+        query_pos_t = torch.from_numpy(query_pos).to(device)
+        key_pos = torch.arange(kv_len, device=device)
+        # Without cached tokens, query row i sits at position i, so SDPA's own (top-left)
+        # causal mask is exact, padding included, and skips the blocks above the diagonal.
+        masks: dict[int | None, torch.Tensor] = {}
+        for window in set(self.sliding_windows) - ({None} if from_zero else set()):
+            allowed = key_pos <= query_pos_t
+            if window is not None:
+                allowed &= key_pos > query_pos_t - window
+            if max_extend == 1:
+                # Additive float mask: the faster SDPA path for single-row queries.
+                mask = torch.zeros(allowed.shape, dtype=self.pool.kv.dtype, device=device)
+                allowed = mask.masked_fill_(~allowed, float("-inf"))
+            masks[window] = allowed.unsqueeze(1)
+        return masks
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if len(self._groups) == 1:
@@ -107,11 +139,31 @@ class TorchNativeBackend(AttentionBackend):
             )
         return out
 
+    def _gather(self, which: int, pages: torch.Tensor, g: _Group) -> torch.Tensor:
+        """``pages[g.page_table]`` into a reused buffer: a fresh multi-hundred-MB tensor per
+        layer and step costs more in page faults than the copy itself (4x, measured on CPU)."""
+        per_page = pages[0].numel()
+        need = len(g.page_table) * per_page
+        buf = self._gather_buffers[which]
+        if buf is None or buf.numel() < need:
+            buf = self._gather_buffers[which] = torch.empty(need + need // 4, dtype=pages.dtype,
+                                               device=pages.device)
+        out = buf[:need].view(len(g.page_table), *pages.shape[1:])
+        torch.index_select(pages, 0, g.page_table, out=out)
+        return out.view(g.num_seqs, g.kv_len, self.num_kv_heads, self.head_dim)
+
     def _attend_group(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         num_kv, head_dim = self.num_kv_heads, self.head_dim
         k_pages, v_pages = self.pool.layer(layer)
-        k = k_pages.index_select(0, g.page_table).view(g.num_seqs, g.kv_len, num_kv, head_dim)
-        v = v_pages.index_select(0, g.page_table).view(g.num_seqs, g.kv_len, num_kv, head_dim)
+        if g.cascade is not None:
+            if g.pad_index is not None:
+                padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
+                q = padded.index_copy_(0, g.pad_index, q)
+            out = attend_cascade(q.view(g.num_seqs, g.max_extend, *q.shape[1:]), k_pages,
+                                 v_pages, g.cascade, self.scale).view(-1, *q.shape[1:])
+            return out if g.pad_index is None else out.index_select(0, g.pad_index)
+        k = self._gather(0, k_pages, g)
+        v = self._gather(1, v_pages, g)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         mask = g.masks.get(self.sliding_windows[layer])
         if g.max_extend == 1:
