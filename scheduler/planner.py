@@ -61,11 +61,10 @@ class StepPlanner:
         budget = self.config.max_prefill_tokens
         preempted: set[int] = set()
         order = sorted(self.running, key=lambda r: r.progress, reverse=True)
-        for req in order:
+        for position, req in enumerate(order):
             if id(req) in preempted:
                 continue
-            planned = self._plan_running(req, order[order.index(req) + 1 :], preempted, work,
-                                         budget)
+            planned = self._plan_running(req, order, position, preempted, work, budget)
             if planned is None:
                 continue
             entries.extend(planned)
@@ -89,10 +88,10 @@ class StepPlanner:
         self.batch_id += 1
         return build_batch(self.batch_id, entries, work, self.info.page_size, self._sampling_rows)
 
-    def _plan_running(self, req: Request, lower: list[Request], preempted: set[int],
-                      work: StepWork, budget: int) -> list[Entry] | None:
-        """Entries for ``req``'s running sequences; None when it had to be preempted.
-        ``lower``: the requests with less progress, the only ones it may preempt."""
+    def _plan_running(self, req: Request, order: list[Request], position: int,
+                      preempted: set[int], work: StepWork, budget: int) -> list[Entry] | None:
+        """Entries for ``req`` (``order[position]``)'s running sequences; None when it had to
+        be preempted. It may preempt only requests after it in ``order`` (less progress)."""
         planned = []
         for seq in req.live_seqs():
             if seq.status is not Status.RUNNING:
@@ -103,22 +102,24 @@ class StepPlanner:
                 if extend <= 0:
                     continue
                 budget -= extend
-            if not self._grow(seq, seq.computed + extend, req, lower, preempted, work):
+            if not self._grow(seq, seq.computed + extend, order, position, preempted, work):
                 return None
             planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
         return planned
 
-    def _grow(self, seq: Seq, upto: int, req: Request, lower: list[Request],
+    def _grow(self, seq: Seq, upto: int, order: list[Request], position: int,
               preempted: set[int], work: StepWork) -> bool:
-        """Pages for ``upto`` tokens, preempting lower-progress requests; False when ``req``
-        itself had to go."""
+        """Pages for ``upto`` tokens, preempting lower-progress requests; False when the
+        sequence's own request had to go."""
+        req = order[position]
         while True:
             try:
                 self.mem.grow(seq, upto)
                 return True
             except OutOfPages:
-                victim = next((r for r in reversed(lower) if id(r) not in preempted
-                               and r is not req and not r.is_beam and r.live_seqs()), None)
+                victim = next((r for r in reversed(order[position + 1 :])
+                               if id(r) not in preempted and not r.is_beam and r.live_seqs()),
+                              None)
                 if victim is None:
                     if req.is_beam:
                         self._fail(req, 503, "out of KV memory for beam search")
