@@ -109,8 +109,8 @@ def _cmdline(pid: int) -> str:
 def test_killing_the_worker_fails_pending_requests_and_exits_nonzero(tmp_path):
     requests = tmp_path / "in.jsonl"
     requests.write_text("".join(
-        json.dumps({"prompt_token_ids": [5 + i, 6, 7], "max_tokens": 400, "ignore_eos": True})
-        + "\n" for i in range(16)))
+        json.dumps({"prompt_token_ids": [5 + i, 6, 7], "max_tokens": 3000, "ignore_eos": True})
+        + "\n" for i in range(32)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "generate", "--input", str(requests), "--output",
          str(tmp_path / "out.jsonl"), "--no-progress", "--num-pages", "1024"],
@@ -124,7 +124,7 @@ def test_killing_the_worker_fails_pending_requests_and_exits_nonzero(tmp_path):
     children = _children(proc.pid)
     worker = next((c for c in children if "engine.child worker" in _cmdline(c)), None)
     assert worker is not None, "".join(seen)
-    time.sleep(3)  # generating now: 16 requests x 400 tokens take far longer
+    time.sleep(1.5)  # generating now: 32 requests x 3,000 tokens take far longer
     killed_at = time.monotonic()
     os.kill(worker, signal.SIGKILL)
     stderr = proc.stderr.read()
