@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,3 +155,37 @@ def test_engine_api_raises_when_the_worker_dies():
     for proc in engine.launcher.children.values():
         assert proc.poll() is not None
     assert not engine.launcher.socket_dir.exists()
+
+
+def test_async_stream_yields_deltas_that_join_to_the_blocking_result(engine):
+    import asyncio
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = engine.generate("Streaming works", params)[0]
+
+    async def collect():
+        return [out async for out in engine.stream("Streaming works", params)]
+
+    deltas = asyncio.run(collect())
+    assert len(deltas) > 1 and deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == whole.text
+    ids = [t for d in deltas for t in np.frombuffer(d.token_ids, np.int32).tolist()]
+    assert ids == whole.token_ids
+
+
+def test_generate_command_writes_results_in_order(tmp_path):
+    lines = [{"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+             {"prompt_token_ids": [5, 6, 7], "max_tokens": 3, "ignore_eos": True},
+             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
+              "ignore_eos": True,
+              "seed": 1}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "--input", str(tmp_path / "in.jsonl"),
+         "--output", str(tmp_path / "out.jsonl"), "--no-progress", "--num-pages", "256"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    results = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [len(r["outputs"]) for r in results] == [1, 1, 2]
+    assert [len(r["outputs"][0]["token_ids"]) for r in results] == [4, 3, 2]
+    assert results[1]["prompt_tokens"] == 3 and all(r["error"] is None for r in results)
