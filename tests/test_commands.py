@@ -1,0 +1,30 @@
+"""The `radixserve` command line: every subcommand is there with its --help, and bench runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import SUBCOMMANDS, main
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: radixserve " + name in capsys.readouterr().out
+
+
+def test_bench_reports_throughput_and_hits():
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "bench", "--workload", "shared-prefix",
+         "--max-requests", "12", "--num-pages", "1024"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip()
+                 and line.split()[0] in ("requests", "output", "throughput"))
+    assert lines["requests"].strip() == "12"
+    assert "cached" in out.stdout and "output tok/s" in lines["throughput"]
