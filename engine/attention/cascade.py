@@ -136,6 +136,21 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return fused(q, k, v, mask, scale)
 
 
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> torch.Tensor:
+    """Two partial softmax attentions over disjoint keys → attention over all of them.
+
+    The weights and the sum are taken in at least float32 whatever the activation dtype (the
+    fused kernel's log-sum-exp already is float32; rounding each weighted half to bf16 before
+    adding would lose the digits the merge exists to keep); the result is cast once, back to
+    the partial outputs' dtype."""
+    wide = torch.promote_types(out_a.dtype, torch.float32)
+    lse_a, lse_b = lse_a.to(wide), lse_b.to(wide)
+    total = torch.logaddexp(lse_a, lse_b)
+    merged = out_a.to(wide) * (lse_a - total).exp() + out_b.to(wide) * (lse_b - total).exp()
+    return merged.to(out_a.dtype)
+
+
 def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                    plan: CascadePlan, scale: float) -> torch.Tensor:
     """q: [B, E, heads, D] (E query rows per sequence, padded); returns the same shape."""
@@ -169,8 +184,7 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     seqs = plan.member_seqs
     s_out, s_lse = per_member(shared_out), per_member(shared_lse)
     o_out, o_lse = own_out.index_select(0, seqs), own_lse.index_select(0, seqs)
-    total = torch.logaddexp(s_lse, o_lse)
-    merged = s_out * (s_lse - total).exp() + o_out * (o_lse - total).exp()
+    merged = merge_partials(s_out, s_lse, o_out, o_lse)
     own_out.index_copy_(0, seqs, merged)
     out = own_out.view(num_seqs, num_kv, rows, per_kv, head_dim).transpose(1, 2)
     return out.reshape(num_seqs, rows, num_heads, head_dim)
