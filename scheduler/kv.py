@@ -62,24 +62,48 @@ class SeqMemory:
             seq.lock_node = None
 
     # ---------------------------------------------------------------- growth
-    def grow(self, seq: Seq, upto: int) -> None:
-        """Make ``seq``'s table cover ``upto`` tokens (raises OutOfPages, changing nothing)."""
-        need = self.alloc.pages_for(upto) - len(seq.pages)
-        if need > 0:
-            seq.pages.extend(self.tree.alloc_pages(need))
+    def grow(self, seq: Seq, upto: int, work: StepWork) -> None:
+        """Make ``seq``'s table cover ``upto`` tokens, first giving a fork its own copy of the
+        partial page it still shares (raises OutOfPages, changing nothing)."""
+        need = max(self.alloc.pages_for(upto) - len(seq.pages), 0) + seq.copy_last_page
+        if need == 0:
+            return
+        fresh = self.tree.alloc_pages(need)
+        if seq.copy_last_page:
+            # The shared page's reference moves to the pending copy source.
+            last = seq.computed // self.page_size
+            shared, seq.pages[last] = seq.pages[last], fresh.pop(0)
+            seq.pending_refs.append(shared)
+            work.copies.append((shared, seq.pages[last], seq.computed % self.page_size))
+            seq.copy_last_page = False
+        seq.pages.extend(fresh)
 
-    def fork(self, parent: Seq, child: Seq, work: StepWork) -> None:
-        """``child`` shares ``parent``'s KV: full pages by reference, the partial last page by
-        copy (both will write their own next tokens into it)."""
+    def fork(self, parent: Seq, child: Seq) -> None:
+        """``child`` shares ``parent``'s KV by reference, its partial last page too: the copy
+        that both need before writing their own next tokens there is planned by ``grow``, in
+        the next step's planning, where running out of pages can preempt (a fork allocates
+        nothing, so it never fails)."""
         computed = parent.computed
-        shared = computed // self.page_size
-        child.pages = list(parent.pages[:shared])
+        child.pages = list(parent.pages[: self.alloc.pages_for(computed)])
         self.alloc.incref(child.pages)
-        if computed % self.page_size:
-            page = self.tree.alloc_pages(1)[0]
-            child.pages.append(page)
-            self._plan_copy(child, parent.pages[shared], page, computed % self.page_size, work)
         child.computed = computed
+        child.copy_last_page = computed % self.page_size != 0
+
+    def unplan_copies(self, seq: Seq, work: StepWork) -> None:
+        """Take back the copies planned into ``seq``'s pages in this step (it is being
+        preempted before they ran): its table points at the shared sources again, to be copied
+        before its next write."""
+        index = {page: i for i, page in enumerate(seq.pages)}
+        kept = []
+        for src, dst, num_slots in work.copies:
+            if dst in index and src in seq.pending_refs:
+                seq.pages[index[dst]] = src
+                seq.pending_refs.remove(src)
+                self.alloc.decref([dst])
+                seq.copy_last_page = True
+            else:
+                kept.append((src, dst, num_slots))
+        work.copies = kept
 
     def _plan_copy(self, seq: Seq, src: int, dst: int, num_slots: int, work: StepWork) -> None:
         self.alloc.incref([src])

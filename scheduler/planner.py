@@ -114,7 +114,7 @@ class StepPlanner:
         req = order[position]
         while True:
             try:
-                self.mem.grow(seq, upto)
+                self.mem.grow(seq, upto, work)
                 return True
             except OutOfPages:
                 victim = next((r for r in reversed(order[position + 1 :])
@@ -141,14 +141,7 @@ class StepPlanner:
     def _reserved_pages(self) -> int:
         """Pages running requests are expected to still need (a decaying estimate, exact for
         beams, which are never preempted)."""
-        total = 0.0
-        page_size = self.info.page_size
-        for req in self.running:
-            for seq in req.live_seqs():
-                left = req.params.max_tokens - seq.num_outputs
-                ratio = 1.0 if req.is_beam else self.new_token_ratio
-                total += ratio * left / page_size
-        return int(total)
+        return sum(self._request_reserve(req) for req in self.running)
 
     def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> None:
         num_running = sum(len(r.live_seqs()) for r in self.running)
@@ -161,7 +154,8 @@ class StepPlanner:
         busy_heads.discard(None)
         for req in order_waiting(self.waiting, self.config.policy, self.tree):
             seqs = req.live_seqs()
-            if num_running + len(seqs) > self.config.max_running_requests or budget <= 0:
+            width = len(seqs) if req.forked else max(req.params.n, req.params.beam_width)
+            if num_running + width > self.config.max_running_requests or budget <= 0:
                 break
             head = self._head(req)
             if head is not None and head in busy_heads and self._long_uncached(
@@ -174,7 +168,7 @@ class StepPlanner:
             if head is not None and self._long_uncached(req, req.cached_tokens):
                 busy_heads.add(head)
             budget -= sum(e.extend for e in admitted)
-            num_running += len(seqs)
+            num_running += width
             reserved += self._request_reserve(req)
             self.waiting.remove(req)
             self.running.append(req)
@@ -191,9 +185,18 @@ class StepPlanner:
         return req.prompt_len - max(cached, 0) > 2 * SHARED_HEAD
 
     def _request_reserve(self, req: Request) -> int:
+        """Pages ``req`` is expected to still need: every sequence it has or will fork into
+        (``n`` samples, ``beam_width`` beams) grows to ``max_tokens``, and each fork first
+        copies the partial page it shares."""
         ratio = 1.0 if req.is_beam else self.new_token_ratio
-        width = req.params.beam_width if req.is_beam else 1
-        return int(ratio * width * req.params.max_tokens / self.info.page_size)
+        params, page_size = req.params, self.info.page_size
+        width = max(params.n, params.beam_width)
+        if req.forked:
+            lefts = [params.max_tokens - s.num_outputs for s in req.live_seqs()]
+            forks = 0
+        else:
+            lefts, forks = [params.max_tokens] * width, width - 1
+        return int(ratio * sum(lefts) / page_size) + forks
 
     def _admit(self, req: Request, seqs: list[Seq], work: StepWork, budget: int,
                reserved: int) -> list[Entry] | None:
@@ -230,7 +233,7 @@ class StepPlanner:
         admitted = []
         for seq in seqs:
             self.mem.swap_in(seq, work)
-            self.mem.grow(seq, seq.computed + seq.remaining)
+            self.mem.grow(seq, seq.computed + seq.remaining, work)
             seq.status = Status.RUNNING
             admitted.append(Entry(seq, seq.remaining, self._samples_for(seq, seq.remaining)))
         return admitted
@@ -239,19 +242,13 @@ class StepPlanner:
         self.num_preemptions += 1
         swap = self.config.preemption_mode == "swap"
         for seq in req.live_seqs():
-            self._drop_carry(seq)
+            self.mem.unplan_copies(seq, work)
             if not (swap and self.mem.swap_out(seq, work)):
                 self.mem.release(seq, cache=True)
             seq.status = Status.SWAPPED if seq.host_pages else Status.WAITING
         logger.info("preempted %s (%s)", req.rid, "swap" if swap else "recompute")
         self.running.remove(req)
         self.waiting.append(req)
-
-    def _drop_carry(self, seq: Seq) -> None:
-        """Forget planned copies into pages this sequence is about to give back."""
-        if self.carry.copies:
-            mine = set(seq.pages)
-            self.carry.copies = [c for c in self.carry.copies if c[1] not in mine]
 
     def _sampling_rows(self, entry: Entry) -> list[RowSampling]:
         seq, req = entry.seq, entry.seq.req

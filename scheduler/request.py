@@ -41,6 +41,7 @@ class Seq:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     closing: bool = False  # a session turn's last token runs for its KV; no more samples
+    copy_last_page: bool = False  # a fork's last page is its parent's, until grow() copies it
 
     @property
     def num_outputs(self) -> int:

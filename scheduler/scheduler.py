@@ -47,7 +47,7 @@ class Scheduler(StepPlanner):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.outputs: dict[int, list[SeqOutput]] = {}
-        self.carry = StepWork()  # copies planned by forks, run with the next batch
+        self.carry = StepWork()  # swaps planned by a step that ran nothing, for the next
         self.inflight: list[Entry] | None = None
         self.batch_id = 0
         self.new_token_ratio = NEW_TOKEN_RATIO[0]
@@ -114,7 +114,6 @@ class Scheduler(StepPlanner):
         for seq in req.live_seqs():
             if index >= 0 and seq.index != index:
                 continue
-            self._drop_carry(seq)
             self._release(seq, cache=seq.status is Status.RUNNING)
             seq.status = Status.FINISHED
             self._emit(req, seq.index, [], finish_reason=reason)
@@ -196,7 +195,6 @@ class Scheduler(StepPlanner):
             # through the model (one step, no sample) so the history is cached to its end.
             seq.closing, seq.finish_reason = True, reason
             return
-        self._drop_carry(seq)
         self._release(seq, cache=True)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
@@ -216,7 +214,7 @@ class Scheduler(StepPlanner):
         children = [parent]
         for i in range(1, len(tokens)):
             child = Seq(req, i, parent.tokens.copy(), status=Status.RUNNING)
-            self.mem.fork(parent, child, self.carry)
+            self.mem.fork(parent, child)
             req.seqs.append(child)
             children.append(child)
         for i, child in enumerate(children):
@@ -244,7 +242,7 @@ class Scheduler(StepPlanner):
             parent = beams[cand.parent]
             if cand.parent in used:
                 seq = Seq(req, len(req.seqs), parent.tokens.copy(), status=Status.RUNNING)
-                self.mem.fork(parent, seq, self.carry)
+                self.mem.fork(parent, seq)
                 req.seqs.append(seq)
             else:
                 seq = parent
@@ -289,7 +287,6 @@ class Scheduler(StepPlanner):
     def _fail(self, req: Request, status: int, message: str) -> None:
         logger.warning("request %s failed: %s", req.rid, message)
         for seq in req.live_seqs():
-            self._drop_carry(seq)
             self.mem.release(seq, cache=False)
             seq.status = Status.FINISHED
             self._emit(req, seq.index, [], finish_reason="error", error=message, status=status)

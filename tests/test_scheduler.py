@@ -212,3 +212,33 @@ def test_requests_sharing_an_uncached_prefix_wait_for_the_first_prefill(model_di
     h.run()
     cached = sorted(h.finals[str(i)][0].cached_tokens for i in range(4))
     assert cached == [0, 100, 100, 100]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forks_and_beams_under_memory_pressure_preempt_instead_of_failing(model_dir, mode):
+    """16 concurrent n=3 requests, three long single samples and two 3-beam requests in a pool
+    of 24 pages, where the admission estimate (70% of max_tokens at first) lets requests in
+    that outgrow it: a
+    fork allocates nothing when it happens (its partial-page copy is planned in the next step,
+    where running out of pages preempts), so every request completes; the pool is clean after
+    every step."""
+    h = Harness(model_dir, num_pages=24, page_size=4, preemption_mode=mode,
+                num_host_pages=64 if mode == "swap" else 0)
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, n=3, seed=3, ignore_eos=True)
+    for i in range(3):  # long single samples: they outgrow their estimate while others fork
+        h.add(f"long{i}", [90 + i, 91, 92], SamplingParams(max_tokens=40, temperature=0.0,
+                                                          ignore_eos=True))
+    for i in range(16):
+        h.add(f"n{i}", [5 + i, 6, 7, 8, 9], sampled)
+    for i in range(2):
+        h.add(f"beam{i}", [40 + i, 41, 42], SamplingParams(max_tokens=4, beam_width=3, n=2))
+    h.run()
+    assert h.sched.num_preemptions > 0
+    for i in range(16):
+        finals = h.finals[f"n{i}"]
+        assert sorted(f.index for f in finals) == [0, 1, 2]
+        assert all(f.error is None and f.finish_reason == "length" for f in finals)
+        assert all(len(h.outputs[f"n{i}"][k]) == 16 for k in range(3))
+    for i in range(2):
+        assert [f.error for f in h.finals[f"beam{i}"]] == [None, None]
+        assert len(h.outputs[f"beam{i}"]) == 2
