@@ -5,6 +5,7 @@ the first ``W`` other candidates become the next beams."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +41,12 @@ def select(cum_logprobs: list[float], top_ids: np.ndarray, top_logprobs: np.ndar
 
 
 def score(cum_logprob: float, generated_len: int, length_penalty: float) -> float:
-    return cum_logprob / (max(generated_len, 1) ** length_penalty)
+    try:
+        return cum_logprob / (max(generated_len, 1) ** length_penalty)
+    except (OverflowError, ZeroDivisionError):
+        # Requests validate |length_penalty| <= 10, but a score must never raise mid-step:
+        # past float64's range the quotient is at its limit (the length term won outright).
+        return 0.0 if length_penalty > 0 or cum_logprob == 0 else -math.inf
 
 
 def is_done(finished_scores: list[float], best_running: float, generated_len: int,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import msgspec
 
 from engine.config import EngineConfig
-from engine.protocol import ForwardBatch, ModelInfo, RowSampling, pack_ids
+from engine.protocol import SEED_LIMIT, ForwardBatch, ModelInfo, RowSampling, pack_ids
 from radix import OutOfPages, RadixTree
 from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory, StepWork
@@ -263,8 +263,10 @@ class StepPlanner:
         for i in range(entry.samples):
             row_params = params
             if params.seed is not None and (seq.index or i):
-                # Parallel samples of a seeded request need distinct, reproducible seeds.
-                row_params = msgspec.structs.replace(params, seed=params.seed + seq.index + i)
+                # Parallel samples of a seeded request need distinct, reproducible seeds; they
+                # wrap to stay uint64, what the wire (and the sampler's mixing) carries.
+                seed = (params.seed + seq.index + i) % SEED_LIMIT
+                row_params = msgspec.structs.replace(params, seed=seed)
             rows.append(RowSampling(row_params, seq.num_outputs, req.prompt_len, history))
         return rows
 

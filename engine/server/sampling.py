@@ -1,6 +1,8 @@
 """OpenAI request bodies → the engine's ``SamplingParams`` and prompts, with 400s naming the
-field. The scheduler checks again what only it can (prompt length against the context, token
-ids against the vocabulary, KV pool size); here is what needs no tokenizer."""
+field. Every number is range-checked here against the model (``ModelInfo``: vocabulary and
+context) and against what the engine can represent (``SamplingParams.validate``), so nothing
+a client sends can overflow a process further down. The tokenizer and the scheduler check what
+only they can (a text's token count, the KV pool); here is what needs no tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from engine.protocol import SamplingParams
+from engine.protocol import InvalidParam, ModelInfo, SamplingParams, show_int
 from engine.server.errors import APIError
 from engine.server.schemas import (
     ChatCompletionRequest,
@@ -18,25 +20,33 @@ from engine.server.schemas import (
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Chat messages are the only bodies that keep arbitrary JSON (extra fields pass through to the
+# chat template); real ones (tool calls, content parts) nest a handful of levels. A bound keeps
+# template code, which recurses, far from Python's recursion limit.
+MAX_MESSAGE_DEPTH = 32
 _PARAM_NAMES = frozenset(f.name for f in msgspec.structs.fields(SamplingParams))
+# OpenAI fields that SamplingParams fields are derived from, for errors that name them.
+_OPENAI_FIELDS = {"beam_width": "best_of"}
 
 
-def _validated(params: SamplingParams) -> SamplingParams:
+def _validated(params: SamplingParams, info: ModelInfo,
+               names: dict[str, str] | None = None, prefix: str = "") -> SamplingParams:
     try:
-        params.validate()
-    except ValueError as exc:
-        message = str(exc)
-        # validate()'s sentences start with the field's name.
-        first = message.split(" ", 1)[0]
-        raise APIError(400, message, param=first if first in _PARAM_NAMES else None) from None
+        params.validate(vocab_size=info.vocab_size, context_len=info.context_len)
+    except InvalidParam as exc:
+        field = (names or {}).get(exc.field, exc.field)
+        raise APIError(400, str(exc), param=prefix + field) from None
     return params
 
 
-def _common(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _common(req: SamplingFields, max_tokens: int, logprobs: int | None, info: ModelInfo,
+            names: dict[str, str]) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.n < 1:
         raise APIError(400, f"n must be at least 1, got {req.n}", param="n")
+    if req.best_of is not None and req.best_of < 1:
+        raise APIError(400, f"best_of must be at least 1, got {req.best_of}", param="best_of")
     beam_width = 1
     if req.use_beam_search:
         beam_width = max(req.best_of or req.n, req.n)
@@ -58,19 +68,20 @@ def _common(req: SamplingFields, max_tokens: int, logprobs: int | None) -> Sampl
     )
     if beam_width > 1:
         params.temperature = 0.0  # beam search is deterministic
-    return _validated(params)
+    return _validated(params, info, names)
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
+def completion_params(req: CompletionRequest, info: ModelInfo) -> SamplingParams:
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    return _common(req, max_tokens, req.logprobs)
+    return _common(req, max_tokens, req.logprobs, info, _OPENAI_FIELDS)
 
 
-def chat_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, default_max_tokens: int,
+                info: ModelInfo) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -78,11 +89,16 @@ def chat_params(req: ChatCompletionRequest, default_max_tokens: int) -> Sampling
                        param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
+    # The default must still fit beside a prompt in a model with a short context.
+    default = min(default_max_tokens, info.context_len)
+    names = {**_OPENAI_FIELDS, "logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _common(req, default_max_tokens if max_tokens is None else max_tokens, logprobs)
+    return _common(req, default if max_tokens is None else max_tokens, logprobs, info, names)
 
 
-def native_params(values: dict[str, Any]) -> SamplingParams:
+def native_params(values: dict[str, Any], info: ModelInfo) -> SamplingParams:
     """``/generate``'s ``sampling_params``: SamplingParams' own fields, strictly."""
     unknown = sorted(set(values) - _PARAM_NAMES)
     if unknown:
@@ -92,7 +108,7 @@ def native_params(values: dict[str, Any]) -> SamplingParams:
         params = msgspec.convert(values, SamplingParams)
     except msgspec.ValidationError as exc:
         raise APIError(400, f"invalid sampling_params: {exc}", param="sampling_params") from None
-    return _validated(params)
+    return _validated(params, info, prefix="sampling_params.")
 
 
 def _is_ids(value: Any) -> bool:
@@ -100,7 +116,20 @@ def _is_ids(value: Any) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
-def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+def check_prompt_ids(ids: list[int], info: ModelInfo, max_tokens: int, param: str) -> None:
+    """Token ids in the vocabulary, and few enough to leave room for ``max_tokens``."""
+    if len(ids) + max_tokens > info.context_len:
+        raise APIError(400, f"the prompt has {len(ids):,} tokens and max_tokens is "
+                       f"{max_tokens:,}, but the model's context is {info.context_len:,} tokens",
+                       param=param)
+    low, high = min(ids), max(ids)  # C loops: a prompt may hold millions of ids
+    if low < 0 or high >= info.vocab_size:
+        raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size}), got "
+                       f"{show_int(low if low < 0 else high)}", param=param)
+
+
+def completion_prompts(prompt: str | list[Any], info: ModelInfo,
+                       max_tokens: int) -> list[str | list[int]]:
     """A string, a list of strings, a list of token ids or a list of token-id lists → one
     prompt per engine request."""
     if isinstance(prompt, str):
@@ -113,8 +142,25 @@ def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if _is_ids(prompt):
+        check_prompt_ids(prompt, info, max_tokens, "prompt")
         return [prompt]
     if all(_is_ids(p) for p in prompt):
+        for ids in prompt:
+            check_prompt_ids(ids, info, max_tokens, "prompt")
         return list(prompt)
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a "
                    "list of non-empty token-id lists", param="prompt")
+
+
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    """Chat messages nest at most ``MAX_MESSAGE_DEPTH`` levels (extra fields included)."""
+    # Iterative: a recursive walk would meet the recursion limit it is here to keep away from.
+    stack: list[tuple[Any, int, int]] = [(m, 1, i) for i, m in enumerate(messages)]
+    while stack:
+        value, depth, index = stack.pop()
+        if depth > MAX_MESSAGE_DEPTH:
+            raise APIError(400, f"messages[{index}] nests deeper than {MAX_MESSAGE_DEPTH} "
+                           "levels", param=f"messages[{index}]")
+        children = value.values() if isinstance(value, dict) else value  # only these stack
+        stack.extend((child, depth + 1, index) for child in children
+                     if isinstance(child, dict | list))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ class Call:
     requests: list[GenerateRequest]
     choices: Choices
     timer: RequestTimer
+    # Gives the call's places under --max-pending-requests back: once its outputs are done
+    # (``Service._deltas``), or when the call is dropped without ever running. Runs once.
+    release: weakref.finalize | None = None
 
 
 class Service:
@@ -80,6 +84,9 @@ class Service:
         self.config = config
         self.model_name = config.served_model_name or Path(config.model).name
         self.max_pending = max_pending
+        # Engine requests of calls admitted and not yet done: counted when the call is made,
+        # so concurrent arrivals see each other before any of them reaches the engine.
+        self.admitted = 0
         self.default_max_tokens = default_max_tokens
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
         self.metrics = Metrics(lambda: client.stats, self._frontend_state)
@@ -129,13 +136,22 @@ class Service:
     def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
               n: int) -> Call:
         self._check_alive()
-        pending = self.client.num_pending
-        if pending + len(requests) > self.max_pending:
+        if len(requests) > self.max_pending:
+            raise APIError(400, f"the request has {len(requests):,} prompts but the server "
+                           f"takes at most {self.max_pending:,} requests in flight",
+                           param="prompt")
+        if self.admitted + len(requests) > self.max_pending:
             raise APIError(503, f"the server is at its limit of {self.max_pending:,} requests "
-                           f"in flight ({pending:,} now, this one adds {len(requests):,}); "
-                           "retry later")
-        return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+                           f"in flight ({self.admitted:,} now, this one adds "
+                           f"{len(requests):,}); retry later")
+        call = Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                     requests, Choices(len(requests), n), self.metrics.track(endpoint))
+        self.admitted += len(requests)
+        call.release = weakref.finalize(call, self._release, len(requests))
+        return call
+
+    def _release(self, count: int) -> None:
+        self.admitted -= count
 
     def completion_call(self, req: CompletionRequest) -> Call:
         self.check_model(req.model)
@@ -201,6 +217,7 @@ class Service:
             status = 503
             raise APIError(503, f"the engine stopped: {exc}") from None
         finally:
+            call.release()
             if session is not None:
                 self.sessions.end_turn(session)
             c = call.choices
