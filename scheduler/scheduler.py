@@ -66,7 +66,12 @@ class Scheduler(StepPlanner):
         prompt = unpack_ids(msg.prompt_ids).copy()
         req = Request(msg.rid, prompt, msg.params, msg.reply_to, msg.namespace,
                       msg.arrival or time.monotonic(), msg.session_id)
-        error = self._reject_reason(req)
+        try:
+            error = self._reject_reason(req)
+        except Exception:
+            # A request must never take the scheduler (and every other request) down.
+            logger.exception("checking request %s failed", req.rid)
+            error = 500, "the server failed to admit this request; its log has the details"
         if error is not None:
             status, text = error
             self._emit(req, 0, [], finish_reason="error", error=text, status=status)
@@ -82,7 +87,7 @@ class Scheduler(StepPlanner):
     def _reject_reason(self, req: Request) -> tuple[int, str] | None:
         p = req.params
         try:
-            p.validate(vocab_size=self.info.vocab_size)
+            p.validate(vocab_size=self.info.vocab_size, context_len=self.info.context_len)
         except ValueError as exc:
             return 400, str(exc)
         if req.prompt_len == 0:
@@ -126,7 +131,8 @@ class Scheduler(StepPlanner):
         assert entries is not None and result.batch_id == self.batch_id
         if result.error is not None:
             for req in {id(e.seq.req): e.seq.req for e in entries}.values():
-                self._fail(req, 500, f"the model runner failed: {result.error}")
+                self._fail(req, 500, f"the model runner failed on this request's batch "
+                           f"({result.error}); the server log has the details")
             return
         tokens = unpack_ids(result.token_ids)
         logprobs = np.frombuffer(result.logprobs, dtype=np.float32)
@@ -160,7 +166,14 @@ class Scheduler(StepPlanner):
                 self._append(seq, int(tokens[row]), logprobs, top_ids, top_lps, row)
             row += entry.samples
         for rows in beam_rows.values():
-            self._beam_step(rows, top_ids, top_lps)
+            try:
+                self._beam_step(rows, top_ids, top_lps)
+            except Exception:
+                # One request's beams failing ends that request alone.
+                req = rows[0][0].req
+                logger.exception("beam step of request %s failed", req.rid)
+                self._fail(req, 500, "the server failed on this request's beam search; its "
+                           "log has the details")
         for req in [r for r in self.running if not r.live_seqs()]:
             self._retire(req)
 
