@@ -33,6 +33,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_pinned_tokens: int | None = None  # defaults to half the KV pool
     # processes
     tokenizer_workers: int = 1
+    # Chat text that spells a special token (<|im_end|>) is encoded as text, so a user cannot
+    # forge a turn; set this only when every client is trusted with control tokens.
+    allow_special_tokens_in_content: bool = False
     log_level: str = "warning"
 
     def validate(self) -> None:

@@ -22,6 +22,7 @@ import zmq
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import LaunchSpec
+from engine.model.config import ModelConfig
 from engine.protocol import (
     AbortRequest,
     GenerateRequest,
@@ -70,23 +71,45 @@ class RequestState:
 
 
 class TokenizerWorker:
-    """Pure message handling (no sockets), so tests can drive it directly."""
+    """Pure message handling (no sockets), so tests can drive it directly.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, index: int) -> None:
+    Nothing one request sends ends this process: whatever tokenizing it raises becomes that
+    request's error (400 for input the tokenizer or template refuses, else 500, logged here
+    with the request id)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, index: int, *,
+                 context_len: int | None = None, special_in_content: bool = False) -> None:
         self.tokenizer = tokenizer
         self.index = index
+        self.special_in_content = special_in_content
         self.states: dict[str, RequestState] = {}
         self.sessions: dict[str, ChatSession] = {}
+        # No token spells more characters than the vocabulary's longest entry (byte-level
+        # entries spell bytes, which are never fewer), so a text longer than this cannot fit
+        # the context; refusing it before tokenizing keeps a multi-MB prompt from stalling
+        # every other request on this worker for seconds.
+        self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = None if context_len is None else context_len * self.longest_token
+        self.context_len = context_len
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
         given = sum(x is not None for x in (req.text, req.prompt_ids, req.messages))
         if given != 1:
             raise ValueError("give exactly one of a text prompt, prompt token ids or chat messages")
         if req.messages is not None:
-            return render_chat(self.tokenizer, req.messages)
+            self._check_chars(sum(map(_text_chars, req.messages)), "the messages have")
+            return render_chat(self.tokenizer, req.messages,
+                               special_in_content=self.special_in_content)
         if req.text is not None:
+            self._check_chars(len(req.text), "the prompt has")
             return encode_prompt(self.tokenizer, req.text)
         return unpack_ids(req.prompt_ids).tolist()
+
+    def _check_chars(self, chars: int, subject: str) -> None:
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ValueError(f"{subject} {chars:,} characters, more than the model's context of "
+                             f"{self.context_len:,} tokens can hold (no token spells more than "
+                             f"{self.longest_token} characters)")
 
     def on_request(self, req: GenerateRequest) -> TokenizedRequest | RequestOutput:
         session = None
@@ -101,6 +124,15 @@ class TokenizerWorker:
                 ids = self._session_prompt(session, req)
         except ValueError as exc:
             return RequestOutput(rid=req.rid, finish_reason="error", error=str(exc), status=400)
+        except RecursionError:
+            logger.warning("request %s: its messages recurse too deeply to render", req.rid)
+            return RequestOutput(rid=req.rid, finish_reason="error", status=400,
+                                 error="the messages nest too deeply to render")
+        except Exception:
+            logger.exception("tokenizing request %s failed", req.rid)
+            return RequestOutput(rid=req.rid, finish_reason="error", status=500,
+                                 error="the server failed to tokenize this request; its log "
+                                       "has the details")
         self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32), session=session)
         return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
                                 reply_to=self.index, namespace=req.namespace,
@@ -111,7 +143,9 @@ class TokenizerWorker:
             raise ValueError("a session turn takes chat messages (the new turn's only)")
         if req.params.n != 1 or req.params.beam_width != 1:
             raise ValueError("a session turn makes one reply: n and beam search must be 1")
-        return session.prompt_for(self.tokenizer, req.messages)
+        self._check_chars(sum(map(_text_chars, req.messages)), "the messages have")
+        return session.prompt_for(self.tokenizer, req.messages,
+                                  special_in_content=self.special_in_content)
 
     def on_session(self, msg: SessionOpen | SessionClose) -> None:
         if isinstance(msg, SessionOpen):
@@ -133,7 +167,17 @@ class TokenizerWorker:
                                              error=out.error, status=out.status))
                 self.states.pop(out.rid, None)
                 continue
-            result, stopped = self._detokenize(state, out)
+            try:
+                result, stopped = self._detokenize(state, out)
+            except Exception:
+                # The request fails alone; its sequences are aborted in the scheduler.
+                logger.exception("detokenizing request %s failed", out.rid)
+                outputs.append(RequestOutput(rid=out.rid, index=out.index, finish_reason="error",
+                                             status=500, error="the server failed to detokenize "
+                                             "this request's output; its log has the details"))
+                aborts.append(AbortRequest(out.rid, "error"))
+                self.states.pop(out.rid, None)
+                continue
             if stopped:
                 aborts.append(AbortRequest(out.rid, "stop", out.index))
             outputs.append(result)
@@ -203,11 +247,24 @@ class TokenizerWorker:
                                            skip_special_tokens=False)
 
 
+def _text_chars(message: object) -> int:
+    """Characters of a message's content (a string or text parts), before any validation."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     ep, i = spec.endpoints, spec.index
     tokenizer = AutoTokenizer.from_pretrained(spec.config.model)
     tokenizer.model_max_length = 1 << 30  # the scheduler checks lengths against the context
-    worker = TokenizerWorker(tokenizer, i)
+    context_len = spec.config.context_len or ModelConfig.from_dir(spec.config.model).max_context_len
+    worker = TokenizerWorker(tokenizer, i, context_len=context_len,
+                             special_in_content=spec.config.allow_special_tokens_in_content)
     from_frontend = ctx.socket(zmq.PULL)
     from_frontend.bind(ep.tokenizer_in[i])
     from_scheduler = ctx.socket(zmq.PULL)

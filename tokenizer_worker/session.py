@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenizer_worker.template import render_chat, render_chat_text
+from tokenizer_worker.template import encode_rendered, render_chat, render_chat_spans
 
 SENTINEL = "radixserve-session-reply-3f0d346b"
 
@@ -37,24 +37,27 @@ class ChatSession:
     messages: list[dict[str, Any]] = field(default_factory=list)  # replies as their text
 
     def prompt_for(self, tokenizer: PreTrainedTokenizerBase,
-                   new_messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of the next turn's prompt: the history, then the new messages' fragment."""
+                   new_messages: Sequence[Mapping[str, Any]], *,
+                   special_in_content: bool = False) -> list[int]:
+        """Token ids of the next turn's prompt: the history, then the new messages' fragment
+        (special tokens in message text are text, as in ``render_chat``)."""
         if not self.messages:
-            return render_chat(tokenizer, new_messages)
+            return render_chat(tokenizer, new_messages, special_in_content=special_in_content)
         conversation = [*self.messages[:-1], {"role": "assistant", "content": SENTINEL},
                         *new_messages]
-        text = render_chat_text(tokenizer, conversation)
+        text, spans = render_chat_spans(tokenizer, conversation,
+                                        special_in_content=special_in_content)
         if text.count(SENTINEL) != 1:
             raise ValueError("this model's chat template does not keep assistant replies "
                              "verbatim, so a session cannot continue the conversation; send "
                              "the whole conversation without a session_id instead")
-        fragment = text.split(SENTINEL, 1)[1]
+        start = text.index(SENTINEL) + len(SENTINEL)
         last = self.token_ids[-1]
         if last in tokenizer.all_special_ids:
             closing = tokenizer.decode([last], skip_special_tokens=False)
-            if closing and fragment.startswith(closing):
-                fragment = fragment[len(closing):]
-        return self.token_ids + tokenizer.encode(fragment, add_special_tokens=False)
+            if closing and text.startswith(closing, start):
+                start += len(closing)
+        return self.token_ids + encode_rendered(tokenizer, text, spans, start)
 
     def commit(self, prompt_ids: Sequence[int], new_messages: Sequence[Mapping[str, Any]],
                reply_ids: Sequence[int], reply_text: str) -> None:

@@ -1,7 +1,19 @@
-"""Prompts to token ids: chat messages through the model's chat template, and plain text."""
+"""Prompts to token ids: chat messages through the model's chat template, and plain text.
+
+Text inside chat messages is the user's, so a special token it spells (``<|im_end|>``,
+``<|im_start|>system``) is encoded as plain text, never as the control token: otherwise a user
+could close their turn and forge a system turn. Only the template's own special tokens are
+control tokens. The messages' strings are located in the rendered text by rendering a second
+time with markers in their place (only when some string spells a special token)::
+
+    <|im_start|>user\n{marker 0}<|im_end|>\n   →   spans of the text that are message strings
+    └ template ┘      └ message ┘└ template ┘         (special tokens inside them are text)
+"""
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,21 +23,98 @@ from transformers import PreTrainedTokenizerBase
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+Span = tuple[int, int]  # [start, end) character offsets into a rendered text
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
+    *,
+    special_in_content: bool = False,
 ) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template.
 
     Content may be a string or OpenAI's list of text parts (``[{"type": "text", "text": ...}]``),
-    whose texts are joined with newlines as vLLM does. Raises ValueError with a sentence a user
-    can act on when the tokenizer has no chat template or a message is malformed.
+    whose texts are joined with newlines as vLLM does. Special tokens spelled in message text
+    are encoded as text unless ``special_in_content`` (the server's explicit opt-out). Raises
+    ValueError with a sentence a user can act on when the tokenizer has no chat template or a
+    message is malformed.
     """
+    text, spans = render_chat_spans(tokenizer, messages, add_generation_prompt,
+                                    special_in_content=special_in_content)
+    return encode_rendered(tokenizer, text, spans)
+
+
+def render_chat_spans(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    *,
+    special_in_content: bool = False,
+) -> tuple[str, list[Span]]:
+    """The rendered text and the spans of it that are message strings spelling a special token
+    (none when no string does, or with ``special_in_content``)."""
     text = render_chat_text(tokenizer, messages, add_generation_prompt)
+    pattern = _special_pattern(tokenizer)
+    if special_in_content or pattern is None:
+        return text, []
+    conversation = _normalize_messages(messages)
+    found: list[str] = []
+    marked = [_marked(message, pattern, found) for message in conversation]
+    if not found:
+        return text, []
+    rendered = render_chat_text(tokenizer, marked, add_generation_prompt)
+    pieces: list[str] = []
+    spans: list[Span] = []
+    length = position = 0
+    for match in _MARKER.finditer(rendered):
+        template_text, string = rendered[position : match.start()], found[int(match.group(1))]
+        pieces += [template_text, string]
+        length += len(template_text)
+        spans.append((length, length + len(string)))
+        length += len(string)
+        position = match.end()
+    pieces.append(rendered[position:])
+    if "".join(pieces) != text:
+        raise ValueError(f"a message spells a special token ({pattern.search(found[0])[0]!r}), "
+                         "and this model's chat template changes message text, so it cannot be "
+                         "kept as plain text; remove it from the message")
+    return text, spans
+
+
+def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str, spans: Sequence[Span],
+                    start: int = 0) -> list[int]:
+    """Ids of ``text[start:]``: special tokens are control tokens only outside ``spans``."""
     # The template writes BOS and every other special token itself; letting encode add its own
     # would start the prompt with two BOS tokens.
-    return tokenizer.encode(text, add_special_tokens=False)
+    if not spans:
+        return tokenizer.encode(text[start:], add_special_tokens=False)
+    pattern = _special_pattern(tokenizer)
+    assert pattern is not None, "spans come only from a tokenizer with special tokens"
+    ids: list[int] = []
+    plain: list[str] = []  # text since the last control token, encoded as one piece
+
+    def flush() -> None:
+        if plain:
+            ids.extend(tokenizer.encode("".join(plain), add_special_tokens=False,
+                                        split_special_tokens=True))
+            plain.clear()
+
+    position = start
+    for span_start, span_end in [*spans, (len(text), len(text))]:
+        if span_end <= position:
+            continue
+        template_end = max(span_start, position)
+        for match in pattern.finditer(text, position, template_end):
+            plain.append(text[position : match.start()])
+            flush()
+            ids.append(tokenizer.convert_tokens_to_ids(match.group()))
+            position = match.end()
+        plain.append(text[position:span_end])
+        position = span_end
+    flush()
+    return ids
 
 
 def render_chat_text(
@@ -69,6 +158,32 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     if not token_ids:
         raise ValueError("the prompt is empty; give at least one character of text")
     return token_ids
+
+
+_MARKER = re.compile("\ue000(\\d+)\ue001")  # private-use characters: no template alters them
+
+
+@functools.lru_cache(maxsize=8)  # one tokenizer per process; built once, not per request
+def _special_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:
+    """The tokenizer's special tokens, longest first (so the longest match wins, as in HF)."""
+    tokens = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special},
+                    key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+
+def _marked(value: Any, pattern: re.Pattern[str], found: list[str]) -> Any:
+    """``value`` with every string that spells a special token replaced by a marker (roles and
+    keys excepted: roles are checked names, and templates branch on them)."""
+    if isinstance(value, str):
+        if not pattern.search(value):
+            return value
+        found.append(value)
+        return f"\ue000{len(found) - 1}\ue001"
+    if isinstance(value, Mapping):
+        return {k: v if k == "role" else _marked(v, pattern, found) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_marked(v, pattern, found) for v in value]
+    return value
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

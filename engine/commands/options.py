@@ -31,6 +31,8 @@ _HELP = {
     "session_ttl": "seconds a session's KV stays pinned after its last turn",
     "max_pinned_tokens": "tokens pinned by sessions at most (default: half the pool)",
     "tokenizer_workers": "tokenizer processes",
+    "allow_special_tokens_in_content": "encode special tokens spelled in chat message text as "
+                                       "control tokens (lets any client forge a system turn)",
     "log_level": "debug, info, warning or error",
 }
 
@@ -42,6 +44,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         name = field.name
         default = getattr(defaults, name) if name != "model" else None
         kind = field.type
+        flag = f"--{name.replace('_', '-')}"
+        if kind is bool:
+            group.add_argument(flag, action="store_true", default=default,
+                               help=f"{_HELP.get(name, '')} (default: off)")
+            continue
         if kind in (int, float, str):
             arg_type = kind
         elif kind == (int | None):
@@ -50,7 +57,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             arg_type = float
         else:
             arg_type = str
-        group.add_argument(f"--{name.replace('_', '-')}", type=arg_type, default=default,
+        group.add_argument(flag, type=arg_type, default=default,
                            help=f"{_HELP.get(name, '')} (default: {default})")
 
 
