@@ -40,6 +40,7 @@ from engine.server.service import Service
 logger = logging.getLogger("radixserve.server")
 
 T = TypeVar("T")
+BODY_IDLE_TIMEOUT = 5.0  # seconds a request body may pause before the request gets 408
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 _encoder = msgspec.json.Encoder()
 
@@ -165,7 +166,19 @@ def build_app(service: Service, *, api_key: str | None = None,
             raise APIError(413, f"the request body has {int(length):,} bytes, over the limit "
                            f"of {max_request_bytes:,} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
+        stream = request.stream()
+        while True:
+            try:
+                # A body shorter than its Content-Length would otherwise hold the connection
+                # for as long as the client likes: uvicorn times out idle connections only
+                # between requests.
+                chunk = await asyncio.wait_for(anext(stream, None), BODY_IDLE_TIMEOUT)
+            except TimeoutError:
+                raise APIError(408, f"the request body stopped arriving (nothing for "
+                               f"{BODY_IDLE_TIMEOUT:g} seconds); is Content-Length larger than "
+                               "the body?") from None
+            if chunk is None:
+                break
             size += len(chunk)
             if size > max_request_bytes:
                 raise APIError(413, f"the request body is over the limit of "
@@ -181,6 +194,10 @@ def build_app(service: Service, *, api_key: str | None = None,
 
     def route(path: str, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
               methods: list[str]) -> Route:
+        except RecursionError:
+            # msgspec stops at the interpreter's recursion limit (about 1,000 levels).
+            raise APIError(400, "the request body nests arrays or objects too deeply to "
+                           "decode") from None
         async def wrapped(request: Request) -> Response:
             try:
                 with counted(endpoint):
