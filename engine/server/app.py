@@ -191,13 +191,13 @@ def build_app(service: Service, *, api_key: str | None = None,
             return msgspec.json.decode(body, type=schema)
         except msgspec.MsgspecError as exc:
             raise from_validation(exc) from None
-
-    def route(path: str, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
-              methods: list[str]) -> Route:
         except RecursionError:
             # msgspec stops at the interpreter's recursion limit (about 1,000 levels).
             raise APIError(400, "the request body nests arrays or objects too deeply to "
                            "decode") from None
+
+    def route(path: str, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
+              methods: list[str]) -> Route:
         async def wrapped(request: Request) -> Response:
             try:
                 with counted(endpoint):

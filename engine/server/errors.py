@@ -15,6 +15,7 @@ ERROR_TYPES = {
     401: ("authentication_error", "invalid_api_key"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     409: ("conflict_error", "session_busy"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "too_many_sessions"),
