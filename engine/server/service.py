@@ -71,6 +71,9 @@ class Call:
     requests: list[GenerateRequest]
     choices: Choices
     timer: RequestTimer
+    # The field an engine-side 400 names: past the door's checks, every one is about the
+    # prompt's tokens (too many for the context or the KV pool, none at all, bad messages).
+    prompt_param: str = "prompt"
     # Gives the call's places under --max-pending-requests back: once its outputs are done
     # (``Service._deltas``), or when the call is dropped without ever running. Runs once.
     release: weakref.finalize | None = None
@@ -155,30 +158,38 @@ class Service:
 
     def completion_call(self, req: CompletionRequest) -> Call:
         self.check_model(req.model)
-        params = sampling.completion_params(req)
+        params = sampling.completion_params(req, self.info)
         requests = [self._engine_request(params, prompt=p)
-                    for p in sampling.completion_prompts(req.prompt)]
+                    for p in sampling.completion_prompts(req.prompt, self.info,
+                                                         params.max_tokens)]
         return self._call("cmpl", "completions", requests, params.n)
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
         self.check_model(req.model)
-        params = sampling.chat_params(req, self.default_max_tokens)
+        params = sampling.chat_params(req, self.default_max_tokens, self.info)
+        sampling.check_messages(req.messages)
         if req.session_id is not None:
             self.sessions.get(req.session_id)  # 404 now, before any stream starts
         request = self._engine_request(params, messages=req.messages, session_id=req.session_id)
-        return self._call("chatcmpl", "chat", [request], params.n)
+        call = self._call("chatcmpl", "chat", [request], params.n)
+        call.prompt_param = "messages"
+        return call
 
     def generate_call(self, body: GenerateBody) -> Call:
         self.check_model(body.model)
-        params = sampling.native_params(body.sampling_params)
+        params = sampling.native_params(body.sampling_params, self.info)
         if (body.input_ids is None) == (body.text is None):
             raise APIError(400, "give exactly one of input_ids (token ids) or text",
                            param="input_ids")
         if body.input_ids is not None and not body.input_ids:
             raise APIError(400, "input_ids must not be empty", param="input_ids")
+        if body.input_ids is not None:
+            sampling.check_prompt_ids(body.input_ids, self.info, params.max_tokens, "input_ids")
         prompt = body.input_ids if body.input_ids is not None else body.text
-        return self._call("gen", "generate", [self._engine_request(params, prompt=prompt)],
+        call = self._call("gen", "generate", [self._engine_request(params, prompt=prompt)],
                           params.n)
+        call.prompt_param = "input_ids" if body.input_ids is not None else "text"
+        return call
 
     @staticmethod
     def _engine_request(params: SamplingParams, *, prompt: str | list[int] | None = None,
@@ -205,7 +216,8 @@ class Service:
                 async for index, out in outputs:
                     if out.finish_reason == "error":
                         status = 503 if self.client.dead is not None else out.status
-                        raise APIError(status, out.error or "the request failed")
+                        raise APIError(status, out.error or "the request failed",
+                                       param=call.prompt_param if status == 400 else None)
                     choice, ids, tokens = call.choices.add(index, out)
                     call.timer.tokens(choice.index, len(ids))
                     yield choice, out, ids, tokens
