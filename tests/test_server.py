@@ -333,7 +333,7 @@ BAD_INPUTS = [
     ("too-large", "POST", "/v1/completions", b"x" * (3 << 19), None, 413,
      "over the limit of 1,048,576 bytes"),
     ("over-pending-limit", "POST", "/v1/completions", _completion(prompt=["a"] * 97), None,
-     503, "limit of 96 requests in flight"),
+     400, "at most 96 requests in flight"),
 ]
 
 
