@@ -15,7 +15,7 @@ real model has, loaded through the same path (and by transformers, the parity or
 training corpus bytes, so a different corpus (another Python version) gets its own directory
 and an unchanged one is reused. The directory appears by one atomic rename of a finished
 temporary directory: concurrent builders (parallel test processes) each build privately, the
-first rename wins, and nobody ever sees a half-written model.
+first rename wins, and nobody ever sees a half-written model (``engine.artifact_cache``).
 
 Cache location: ``$RADIXSERVE_CACHE``, else ``$XDG_CACHE_HOME/radixserve``, else
 ``~/.cache/radixserve``.
@@ -26,16 +26,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import shutil
 import sysconfig
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from engine.artifact_cache import build_once, default_cache_dir
 
 BUILDER_VERSION = 1
 SEED = 20240601
@@ -102,16 +100,6 @@ MODEL_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-STALE_TEMP_SECONDS = 3600  # a builder that died mid-write leaves its temp dir; sweep it later
-
-
-def default_cache_dir() -> Path:
-    """Where radixserve caches built artefacts for this user."""
-    if os.environ.get("RADIXSERVE_CACHE"):
-        return Path(os.environ["RADIXSERVE_CACHE"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "radixserve"
-    return Path.home() / ".cache" / "radixserve"
 
 
 def _read_corpus() -> list[tuple[str, bytes]]:
@@ -259,51 +247,12 @@ def _write_checkpoint(directory: Path, corpus: list[tuple[str, bytes]]) -> None:
     )
 
 
-def _is_complete(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in MODEL_FILES)
-
-
-def _sweep_stale_temps(cache_dir: Path) -> None:
-    cutoff = time.time() - STALE_TEMP_SECONDS
-    for path in cache_dir.glob(".llama-demo-*.tmp*"):
-        try:
-            if path.stat().st_mtime < cutoff:
-                shutil.rmtree(path, ignore_errors=True)
-        except FileNotFoundError:
-            continue  # another builder swept it first
-
-
 def build_demo_model(cache_dir: str | Path | None = None) -> Path:
     """Return the demo checkpoint's directory under ``cache_dir``, building it if missing."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     corpus = _read_corpus()
     final = cache_dir / f"llama-demo-{_content_key(corpus)}"
-    if _is_complete(final):
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    _sweep_stale_temps(cache_dir)
-    if final.exists() and not _is_complete(final):
-        # Damaged (files deleted by hand): move it aside in one step, then rebuild. The second
-        # completeness check keeps us from moving a copy another builder just renamed in.
-        trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-trash-", dir=cache_dir))
-        try:
-            os.rename(final, trash / final.name)
-        except FileNotFoundError:
-            pass  # another builder moved it already
-        shutil.rmtree(trash, ignore_errors=True)
-
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
-    try:
-        _write_checkpoint(staging, corpus)
-        staging.chmod(0o755)  # mkdtemp makes it private; the model is ordinary cached data
-        os.rename(staging, final)
-    except OSError:
-        # Lost the race: another builder renamed its identical copy into place first.
-        if not _is_complete(final):
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return build_once(final, lambda staging: _write_checkpoint(staging, corpus), MODEL_FILES)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,77 @@
+"""Directories radixserve builds once and reuses (the demo model, converted GGUF checkpoints).
+
+``build_once(final, write, required)`` returns ``final`` when it already holds every required
+file, else has ``write`` fill a private temporary directory next to it and renames that into
+place in one step. Concurrent builders (parallel test processes, two servers started at once)
+each build privately, the first rename wins, and nobody ever sees a half-written directory. A
+damaged directory (files deleted by hand) is moved aside and rebuilt; a builder that died
+mid-write leaves a temporary directory, swept an hour later.
+
+Cache location: ``$RADIXSERVE_CACHE``, else ``$XDG_CACHE_HOME/radixserve``, else
+``~/.cache/radixserve``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+STALE_TEMP_SECONDS = 3600
+
+
+def default_cache_dir() -> Path:
+    """Where radixserve caches built artefacts for this user."""
+    if os.environ.get("RADIXSERVE_CACHE"):
+        return Path(os.environ["RADIXSERVE_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "radixserve"
+    return Path.home() / ".cache" / "radixserve"
+
+
+def is_complete(directory: Path, required: Sequence[str]) -> bool:
+    return all((directory / name).is_file() for name in required)
+
+
+def _sweep_stale_temps(cache_dir: Path) -> None:
+    cutoff = time.time() - STALE_TEMP_SECONDS
+    for path in cache_dir.glob(".*.tmp*"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                shutil.rmtree(path, ignore_errors=True)
+        except FileNotFoundError:
+            continue  # another builder swept it first
+
+
+def build_once(final: Path, write: Callable[[Path], None], required: Sequence[str]) -> Path:
+    """``final``, built by ``write(staging_dir)`` unless it already holds ``required``."""
+    if is_complete(final, required):
+        return final
+    cache_dir = final.parent
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_temps(cache_dir)
+    if final.exists() and not is_complete(final, required):
+        # Move it aside in one step, then rebuild. The second completeness check keeps us from
+        # moving a copy another builder just renamed in.
+        trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-trash-", dir=cache_dir))
+        try:
+            os.rename(final, trash / final.name)
+        except FileNotFoundError:
+            pass  # another builder moved it already
+        shutil.rmtree(trash, ignore_errors=True)
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
+    try:
+        write(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the result is ordinary cached data
+        os.rename(staging, final)
+    except OSError:
+        # Lost the race: another builder renamed its identical copy into place first.
+        if not is_complete(final, required):
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
