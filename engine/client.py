@@ -35,7 +35,7 @@ class EngineDead(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints) -> None:
+    def __init__(self, endpoints: Endpoints, num_pages: int = 0) -> None:
         self.ctx = zmq.asyncio.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(endpoints.frontend_in)
@@ -49,7 +49,8 @@ class EngineClient:
         self._routes: dict[str, int] = {}
         self._receiver: asyncio.Task | None = None
         self.dead: str | None = None
-        self.stats = SchedulerStats()
+        # The scheduler reports only once it has worked; until then its pool is whole and free.
+        self.stats = SchedulerStats(kv_pages_total=num_pages)
 
     @property
     def num_pending(self) -> int:

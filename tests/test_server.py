@@ -106,7 +106,7 @@ def http(server) -> httpx.Client:
 
 def metric_values(server) -> dict[str, float]:
     """Every sample of /metrics by name (labels folded into the name as name{k=v,...})."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=30).text
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on the API routes "
                             "(default: $RADIXSERVE_API_KEY, else no key)")
+    group.add_argument("--metrics-open", action="store_true",
+                       help="serve /metrics without the API key (default: behind it)")
     group.add_argument("--zmq-port", type=int, default=None,
                        help="also serve the ZMQ front door on this TCP port (default: off)")
     group.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -28,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="engine requests in flight before new ones get 503 (default: 4096)")
     group.add_argument("--default-max-tokens", type=int, default=256,
                        help="max_tokens of a chat request that sets none (default: 256)")
+    group.add_argument("--salt-from-user", action="store_true",
+                       help="use each request's OpenAI 'user' field as its cache salt: "
+                            "different users never share cached prompt prefixes; a request's "
+                            "cache_salt then splits its user's cache further (default: off)")
     add_engine_arguments(parser)
 
 
@@ -49,4 +55,5 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_pending_requests=args.max_pending_requests,
         default_max_tokens=args.default_max_tokens,
+        salt_from_user=args.salt_from_user, metrics_open=args.metrics_open,
     ))

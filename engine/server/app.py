@@ -4,7 +4,8 @@
     GET  /v1/models  /health  /metrics  /openapi.json
     POST /v1/sessions   DELETE /v1/sessions/{id}
 
-Every route checks the API key (except ``/health``, ``/metrics`` and ``/openapi.json``), reads
+Every route checks the API key (except ``/health``, ``/openapi.json`` and, with
+``metrics_open``, ``/metrics``), reads
 the body up to ``max_request_bytes`` (413 past it) and decodes it strictly (400 naming the
 field). A client that goes away, mid-stream or while waiting for a whole response, cancels its
 engine requests (they are aborted and their pages freed within one scheduler step).
@@ -41,7 +42,7 @@ logger = logging.getLogger("radixserve.server")
 
 T = TypeVar("T")
 BODY_IDLE_TIMEOUT = 5.0  # seconds a request body may pause before the request gets 408
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 _encoder = msgspec.json.Encoder()
 
 
@@ -137,8 +138,10 @@ async def stream_response(request: Request, chunks: AsyncIterator[Any]) -> Respo
 
 
 def build_app(service: Service, *, api_key: str | None = None,
-              max_request_bytes: int = 8 << 20) -> Starlette:
+              max_request_bytes: int = 8 << 20, metrics_open: bool = False) -> Starlette:
     metrics = service.metrics
+    # Metrics tell who is busy and how well prefixes hit: behind the key unless asked otherwise.
+    open_paths = (OPEN_PATHS | {"/metrics"}) if metrics_open else OPEN_PATHS
 
     @contextmanager
     def counted(endpoint: str) -> Iterator[None]:
@@ -151,7 +154,7 @@ def build_app(service: Service, *, api_key: str | None = None,
             raise
 
     def check_key(request: Request) -> None:
-        if api_key is None or request.url.path in OPEN_PATHS:
+        if api_key is None or request.url.path in open_paths:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")

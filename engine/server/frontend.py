@@ -45,6 +45,8 @@ class ServeOptions:
     max_request_bytes: int = 8 << 20
     max_pending_requests: int = 4096
     default_max_tokens: int = 256
+    salt_from_user: bool = False
+    metrics_open: bool = False
 
 
 class _Uvicorn(uvicorn.Server):
@@ -150,12 +152,14 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
 async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher,
                  info: ModelInfo, sock: socket.socket, zmq_door: ZmqFrontend | None,
                  relay: _DeathRelay) -> int:
-    client = EngineClient(launcher.endpoints)
+    client = EngineClient(launcher.endpoints, info.num_pages)
     client.start()
     service = Service(client, info, config, max_pending=options.max_pending_requests,
-                      default_max_tokens=options.default_max_tokens)
+                      default_max_tokens=options.default_max_tokens,
+                      salt_from_user=options.salt_from_user)
     app = build_app(service, api_key=options.api_key,
-                    max_request_bytes=options.max_request_bytes)
+                    max_request_bytes=options.max_request_bytes,
+                    metrics_open=options.metrics_open)
     if zmq_door is not None:
         zmq_door.start(service)
 

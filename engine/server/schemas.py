@@ -46,7 +46,8 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted for compatibility; not used
+    user: str | None = None  # the cache namespace with --salt-from-user; else unused
+    cache_salt: str | None = None  # requests with different salts never share cached KV
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -77,6 +78,7 @@ class GenerateBody(_Body):
     sampling_params: dict[str, Any] = {}
     stream: bool = False
     model: str | None = None
+    cache_salt: str | None = None
 
 
 class SessionBody(_Body):

@@ -11,6 +11,7 @@ abort their requests. Metrics are recorded once per request, however it ends.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 import weakref
@@ -19,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from msgspec import UNSET
 
 from engine.client import EngineClient, EngineDead, new_request_id
@@ -81,7 +83,8 @@ class Call:
 
 class Service:
     def __init__(self, client: EngineClient, info: ModelInfo, config: EngineConfig, *,
-                 max_pending: int = 4096, default_max_tokens: int = 256) -> None:
+                 max_pending: int = 4096, default_max_tokens: int = 256,
+                 salt_from_user: bool = False) -> None:
         self.client = client
         self.info = info
         self.config = config
@@ -91,6 +94,7 @@ class Service:
         # so concurrent arrivals see each other before any of them reaches the engine.
         self.admitted = 0
         self.default_max_tokens = default_max_tokens
+        self.salt_from_user = salt_from_user
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
         self.metrics = Metrics(lambda: client.stats, self._frontend_state)
         self.created = int(time.time())
@@ -159,7 +163,8 @@ class Service:
     def completion_call(self, req: CompletionRequest) -> Call:
         self.check_model(req.model)
         params = sampling.completion_params(req, self.info)
-        requests = [self._engine_request(params, prompt=p)
+        namespace = self._namespace(req.cache_salt, req.user)
+        requests = [self._engine_request(params, prompt=p, namespace=namespace)
                     for p in sampling.completion_prompts(req.prompt, self.info,
                                                          params.max_tokens)]
         return self._call("cmpl", "completions", requests, params.n)
@@ -170,7 +175,8 @@ class Service:
         sampling.check_messages(req.messages)
         if req.session_id is not None:
             self.sessions.get(req.session_id)  # 404 now, before any stream starts
-        request = self._engine_request(params, messages=req.messages, session_id=req.session_id)
+        request = self._engine_request(params, messages=req.messages, session_id=req.session_id,
+                                       namespace=self._namespace(req.cache_salt, req.user))
         call = self._call("chatcmpl", "chat", [request], params.n)
         call.prompt_param = "messages"
         return call
@@ -186,17 +192,31 @@ class Service:
         if body.input_ids is not None:
             sampling.check_prompt_ids(body.input_ids, self.info, params.max_tokens, "input_ids")
         prompt = body.input_ids if body.input_ids is not None else body.text
-        call = self._call("gen", "generate", [self._engine_request(params, prompt=prompt)],
-                          params.n)
+        request = self._engine_request(params, prompt=prompt,
+                                       namespace=self._namespace(body.cache_salt))
+        call = self._call("gen", "generate", [request], params.n)
         call.prompt_param = "input_ids" if body.input_ids is not None else "text"
         return call
 
+    def _namespace(self, cache_salt: str | None, user: str | None = None) -> str | None:
+        """The radix tree namespace of a request; requests in different namespaces never share
+        cached KV. It is the request's ``cache_salt`` and, with ``--salt-from-user``, its
+        ``user`` as well: both count, so no salt reaches into another user's cache. Hashed, so
+        a long salt costs the scheduler no more than a short one."""
+        if cache_salt is not None and not cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string when given",
+                           param="cache_salt")
+        owner = user if self.salt_from_user and user else None
+        if cache_salt is None and owner is None:
+            return None
+        return hashlib.sha256(msgspec.json.encode([owner, cache_salt])).hexdigest()
+
     @staticmethod
     def _engine_request(params: SamplingParams, *, prompt: str | list[int] | None = None,
-                        messages: list[dict] | None = None,
-                        session_id: str | None = None) -> GenerateRequest:
+                        messages: list[dict] | None = None, session_id: str | None = None,
+                        namespace: str | None = None) -> GenerateRequest:
         req = GenerateRequest(rid=new_request_id(), params=params, messages=messages,
-                              session_id=session_id)
+                              session_id=session_id, namespace=namespace)
         if isinstance(prompt, str):
             req.text = prompt
         elif prompt is not None:
