@@ -18,12 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: 127.0.0.1, this machine only)")
     group.add_argument("--port", type=int, default=30000, help="HTTP port (default: 30000)")
     group.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on the API routes "
-                            "(default: $RADIXSERVE_API_KEY, else no key)")
+                       help="require 'Authorization: Bearer KEY' on the API routes and /metrics, "
+                            "and api_key KEY in every ZMQ call (default: $RADIXSERVE_API_KEY, "
+                            "else no key)")
     group.add_argument("--metrics-open", action="store_true",
                        help="serve /metrics without the API key (default: behind it)")
     group.add_argument("--zmq-port", type=int, default=None,
-                       help="also serve the ZMQ front door on this TCP port (default: off)")
+                       help="also serve the ZMQ front door on this TCP port, on the --host "
+                            "address (default: off)")
     group.add_argument("--max-request-bytes", type=int, default=8 << 20,
                        help="largest request body; bigger ones get 413 (default: 8 MiB)")
     group.add_argument("--max-pending-requests", type=int, default=4096,

@@ -262,8 +262,9 @@ def build_app(service: Service, *, api_key: str | None = None,
             return json_response(await service.close_session(request.path_params["session_id"]))
 
     async def health(request: Request) -> Response:
-        if not service.alive:
-            raise APIError(503, f"the engine stopped: {service.client.dead}")
+        problem = service.unhealthy()
+        if problem is not None:
+            raise APIError(503, problem)
         return json_response({"status": "ok"})
 
     async def metrics_page(request: Request) -> Response:

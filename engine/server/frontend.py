@@ -118,9 +118,10 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         return 1
     zmq_door = None
     if options.zmq_port is not None:
-        address = f"tcp://{_zmq_host(options.host)}:{options.zmq_port}"
+        # Where HTTP listens (the address --host resolved to), and nowhere else.
+        address = f"tcp://{_url_host(sock.getsockname()[0])}:{options.zmq_port}"
         try:
-            zmq_door = ZmqFrontend(address, options.max_request_bytes)
+            zmq_door = ZmqFrontend(address, options.max_request_bytes, options.api_key)
         except zmq.ZMQError as exc:
             print(f"radixserve serve: cannot listen on {address}: {exc}", file=sys.stderr)
             sock.close()
@@ -182,7 +183,7 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
         await server.serve(sockets=[sock])
     finally:
         if zmq_door is not None:
-            zmq_door.stop()
+            await zmq_door.stop()
         client.close()
     if client.dead is not None:
         print(f"radixserve serve: {client.dead}", file=sys.stderr)
@@ -193,6 +194,3 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
-
-def _zmq_host(host: str) -> str:
-    return "*" if host in ("0.0.0.0", "::") else _url_host(host)

@@ -95,6 +95,7 @@ class Service:
         self.admitted = 0
         self.default_max_tokens = default_max_tokens
         self.salt_from_user = salt_from_user
+        self.door_failure: str | None = None  # why a front door (ZMQ) stopped receiving
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
         self.metrics = Metrics(lambda: client.stats, self._frontend_state)
         self.created = int(time.time())
@@ -105,6 +106,12 @@ class Service:
     @property
     def alive(self) -> bool:
         return self.client.dead is None
+
+    def unhealthy(self) -> str | None:
+        """Why ``/health`` fails, or None while the server serves every door."""
+        if self.client.dead is not None:
+            return f"the engine stopped: {self.client.dead}"
+        return self.door_failure
 
     def _check_alive(self) -> None:
         if self.client.dead is not None:

@@ -6,9 +6,10 @@
             print(chunk.choices[0].text if chunk.choices else chunk.usage)
 
 Bodies are the HTTP API's (a dict or the Struct from ``engine.server.schemas``); chunks are its
-stream chunks. A refused call raises ``ZmqAPIError`` with the HTTP-like status. Leaving a
-stream early aborts the call on the server. ``ZmqClient`` runs one call at a time (it is not
-thread-safe); ``AsyncZmqClient`` runs any number concurrently on one socket.
+stream chunks; give ``api_key`` when the server runs with ``--api-key``. A refused call raises
+``ZmqAPIError`` with the HTTP-like status. Leaving a stream early aborts the call on the server.
+``ZmqClient`` runs one call at a time (it is not thread-safe); ``AsyncZmqClient`` runs any
+number concurrently on one socket.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
+def _encode(call: Call, api_key: str | None) -> bytes:
+    call.api_key = api_key
+    return encoder.encode(call)
+
+
 def _chunk_or_raise(reply: Reply) -> Any:
     """The chunk a reply carries; None at the end of the call."""
     if isinstance(reply, ErrorReply):
@@ -79,7 +85,9 @@ def _chunk_or_raise(reply: Reply) -> Any:
 
 
 class ZmqClient:
-    def __init__(self, address: str, timeout: float | None = 60.0) -> None:
+    def __init__(self, address: str, timeout: float | None = 60.0,
+                 api_key: str | None = None) -> None:
+        self.api_key = api_key
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(address)
@@ -96,12 +104,12 @@ class ZmqClient:
 
     def open_session(self) -> SessionObject:
         call = OpenSessionCall(_new_id())
-        self.sock.send(encoder.encode(call))
+        self.sock.send(_encode(call, self.api_key))
         return _chunk_or_raise(self._recv(call.id))
 
     def close_session(self, session_id: str) -> SessionDeleted:
         call = CloseSessionCall(_new_id(), session_id)
-        self.sock.send(encoder.encode(call))
+        self.sock.send(_encode(call, self.api_key))
         return _chunk_or_raise(self._recv(call.id))
 
     def _recv(self, call_id: str) -> Reply:
@@ -113,7 +121,7 @@ class ZmqClient:
                 return reply  # anything else is a late reply of a call abandoned earlier
 
     def _stream(self, call: Call) -> Iterator[Any]:
-        self.sock.send(encoder.encode(call))
+        self.sock.send(_encode(call, self.api_key))
         finished = False
         try:
             while (chunk := _chunk_or_raise(self._recv(call.id))) is not None:
@@ -124,7 +132,7 @@ class ZmqClient:
             raise
         finally:
             if not finished and not self.sock.closed:
-                self.sock.send(encoder.encode(AbortCall(call.id)))
+                self.sock.send(_encode(AbortCall(call.id), self.api_key))
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -140,7 +148,8 @@ class ZmqClient:
 class AsyncZmqClient:
     """The same calls as async generators; concurrent calls share one socket."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
+        self.api_key = api_key
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(address)
@@ -180,7 +189,7 @@ class AsyncZmqClient:
     async def _single(self, call: Call) -> Reply:
         queue = self._open(call.id)
         try:
-            await self.sock.send(encoder.encode(call))
+            await self.sock.send(_encode(call, self.api_key))
             return await queue.get()
         finally:
             del self._queues[call.id]
@@ -189,7 +198,7 @@ class AsyncZmqClient:
         queue = self._open(call.id)
         finished = False
         try:
-            await self.sock.send(encoder.encode(call))
+            await self.sock.send(_encode(call, self.api_key))
             while (chunk := _chunk_or_raise(await queue.get())) is not None:
                 yield chunk
             finished = True
@@ -199,7 +208,7 @@ class AsyncZmqClient:
         finally:
             del self._queues[call.id]
             if not finished:
-                await self.sock.send(encoder.encode(AbortCall(call.id)))
+                await self.sock.send(_encode(AbortCall(call.id), self.api_key))
 
     def close(self) -> None:
         if self._receiver is not None:

@@ -2,13 +2,17 @@
 as HTTP through the same ``Service`` (``engine/server/zmq_messages.py`` has the messages).
 
 Each call runs as a task keyed by (client identity, call id); ``AbortCall`` cancels it, which
-aborts its engine requests. A message that does not decode gets an ``ErrorReply`` with id ""
-(its id could not be read), never a dropped connection.
+aborts its engine requests. The receive loop survives any input: a message of the wrong number
+of frames, or one that does not decode (garbage, nesting past the decoder's depth), is logged
+and gets an ``ErrorReply`` with id "" (its id could not be read); a call without the server's
+API key gets a 401 ``ErrorReply``. Should the loop stop anyway, ``Service.door_failure`` says
+why and ``/health`` fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -46,11 +50,15 @@ class ZmqFrontend:
     """Binds at construction (so a taken port fails before the engine starts); serves once
     ``start`` gives it the service, on the running event loop."""
 
-    def __init__(self, address: str, max_message_bytes: int = 8 << 20) -> None:
+    def __init__(self, address: str, max_message_bytes: int = 8 << 20,
+                 api_key: str | None = None) -> None:
         self.service: Service | None = None
+        self.api_key = api_key
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # bigger: the peer is dropped
+        if address.startswith("tcp://["):
+            self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
@@ -59,26 +67,57 @@ class ZmqFrontend:
     def start(self, service: Service) -> None:
         self.service = service
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
+        self._receiver.add_done_callback(self._receiver_ended)
+
+    def _receiver_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return  # stop() ended it
+        exc = task.exception()
+        self.service.door_failure = f"the ZMQ door stopped receiving: {exc!r}"
+        logger.error("%s", self.service.door_failure, exc_info=exc)
 
     async def _receive(self) -> None:
         while True:
-            identity, payload = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart()
+            identity = frames[0]  # the ROUTER socket puts the peer's identity first
             try:
-                call = call_decoder.decode(payload)
-            except msgspec.MsgspecError as exc:
-                await self._send(identity, ErrorReply("", 400, APIError(
-                    400, f"the message does not decode as a call: {exc}").body().error))
-                continue
-            key = (identity, call.id)
-            if isinstance(call, AbortCall):
-                task = self.tasks.get(key)
-                if task is not None:
-                    task.cancel()
-            elif key in self.tasks:
-                await self._send(identity, ErrorReply(call.id, 400, APIError(
-                    400, f"call id {call.id!r} is already in use").body().error))
-            else:
-                self.tasks[key] = asyncio.create_task(self._run(identity, call))
+                refusal = self._accept(identity, frames[1:])
+            except Exception:
+                logger.exception("the ZMQ door failed on a message from peer %s", identity.hex())
+                refusal = _error("", 500, "the server failed on this message; see its log")
+            if refusal is not None:
+                await self._send(identity, refusal)
+
+    def _accept(self, identity: bytes, frames: list[bytes]) -> ErrorReply | None:
+        """Start, abort or refuse the call in one message; the refusal to send back, if any."""
+        if len(frames) != 1:
+            return self._malformed(identity, f"a call is one frame, this message had "
+                                             f"{len(frames)}")
+        try:
+            call = call_decoder.decode(frames[0])
+        except msgspec.MsgspecError as exc:
+            return self._malformed(identity, f"the message does not decode as a call: {exc}")
+        except RecursionError:
+            return self._malformed(identity, "the message is nested too deeply to decode")
+        if self.api_key is not None and not hmac.compare_digest(
+                (call.api_key or "").encode(), self.api_key.encode()):
+            logger.warning("ZMQ peer %s sent a call without the right API key", identity.hex())
+            return _error(call.id, 401, "a valid API key is required: set api_key in each call")
+        key = (identity, call.id)
+        if isinstance(call, AbortCall):
+            task = self.tasks.get(key)
+            if task is not None:
+                task.cancel()
+        elif key in self.tasks:
+            return _error(call.id, 400, f"call id {call.id!r} is already in use")
+        else:
+            self.tasks[key] = asyncio.create_task(self._run(identity, call))
+        return None
+
+    @staticmethod
+    def _malformed(identity: bytes, reason: str) -> ErrorReply:
+        logger.warning("ZMQ peer %s sent a malformed message: %s", identity.hex(), reason[:200])
+        return _error("", 400, reason)
 
     async def _send(self, identity: bytes, reply: Reply) -> None:
         await self.sock.send_multipart([identity, encoder.encode(reply)])
@@ -102,8 +141,8 @@ class ZmqFrontend:
             pass  # aborted by the client: closing the stream aborted the engine requests
         except Exception:
             logger.exception("ZMQ call %s failed", call.id)
-            await self._send(identity, ErrorReply(call.id, 500, APIError(
-                500, "the server failed on this call; see its log").body().error))
+            await self._send(identity, _error(call.id, 500,
+                                              "the server failed on this call; see its log"))
         finally:
             self.tasks.pop((identity, call.id), None)
 
@@ -128,15 +167,26 @@ class ZmqFrontend:
                          service.completion_stream(prepared, usage, bool(body.logprobs)))
         return _wrap(call.id, ChatChunkReply, service.chat_stream(prepared, usage))
 
-    def stop(self) -> None:
-        """Stop serving (on the loop): cancel every call, which aborts its engine requests."""
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop serving: calls still running after ``grace`` seconds are cancelled, which aborts
+        their engine requests. Calls the engine already failed (a shutdown) get to send their
+        error replies first."""
         if self._receiver is not None:
             self._receiver.cancel()
-        for task in self.tasks.values():
-            task.cancel()
+        tasks = list(self.tasks.values())
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
     def close(self) -> None:
-        self.ctx.destroy(linger=0)
+        # A moment to flush the last replies (a shutdown's 503s) before the socket goes.
+        self.ctx.destroy(linger=500)
+
+
+def _error(call_id: str, status: int, message: str) -> ErrorReply:
+    return ErrorReply(call_id, status, APIError(status, message).body().error)
 
 
 async def _wrap(call_id: str, reply: type, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:

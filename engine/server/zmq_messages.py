@@ -5,10 +5,12 @@
                     ◀─CompletionChunkReply | ChatChunkReply | GenerateChunkReply──
                     ◀─SessionReply | ErrorReply | Done──────────────────────────
 
-The bodies are the HTTP API's own request Structs, validated the same way, and the chunks are
-its stream chunks. Every call carries an id the client picks, echoed on each reply; generation
-calls always stream and end with ``Done`` or ``ErrorReply``. ``AbortCall`` stops one (its engine
-requests are aborted).
+Each message is one ZMQ frame. The bodies are the HTTP API's own request Structs, validated the
+same way, and the chunks are its stream chunks. Every call carries an id the client picks,
+echoed on each reply; generation calls always stream and end with ``Done`` or ``ErrorReply``.
+``AbortCall`` stops one (its engine requests are aborted). A server started with ``--api-key``
+answers any call without that key in ``api_key`` with a 401 ``ErrorReply``; a message it cannot
+read at all gets an ``ErrorReply`` with id "".
 """
 
 from __future__ import annotations
@@ -29,31 +31,35 @@ from engine.server.schemas import (
 )
 
 
-class CompletionCall(Struct, tag=True):
+class _Call(Struct, tag=True, kw_only=True):
+    api_key: str | None = None  # the server's --api-key, when it has one
+
+
+class CompletionCall(_Call):
     id: str
     body: CompletionRequest
 
 
-class ChatCall(Struct, tag=True):
+class ChatCall(_Call):
     id: str
     body: ChatCompletionRequest
 
 
-class GenerateCall(Struct, tag=True):
+class GenerateCall(_Call):
     id: str
     body: GenerateBody
 
 
-class OpenSessionCall(Struct, tag=True):
+class OpenSessionCall(_Call):
     id: str
 
 
-class CloseSessionCall(Struct, tag=True):
+class CloseSessionCall(_Call):
     id: str
     session_id: str
 
 
-class AbortCall(Struct, tag=True):
+class AbortCall(_Call):
     id: str
 
 
