@@ -9,13 +9,18 @@ Children get their LaunchSpec as msgpack on stdin and talk over ``ipc://`` socke
 0700 directory. Any child exiting while the group runs ends the whole group: ``on_death`` is
 called (the frontend fails pending requests with an error), the other children are stopped and
 the socket directory is removed. Children die with the launcher (PR_SET_PDEATHSIG), so no
-process outlives it even on SIGKILL.
+process outlives it even on SIGKILL. The directory of a launcher killed that way stays behind
+until the next launch by the same user removes it: a launcher holds a lock on its directory's
+``owner.lock`` while it lives, and a directory whose lock anyone can take is stale.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -31,6 +36,9 @@ from engine.config import Endpoints, EngineConfig, LaunchSpec
 from engine.protocol import Fatal, ModelInfo, Ready, decode
 
 logger = logging.getLogger("radixserve.launcher")
+
+SOCKET_DIR_PREFIX = "radixserve-"
+OWNER_LOCK = "owner.lock"
 
 
 class EngineError(RuntimeError):
@@ -52,14 +60,49 @@ def make_endpoints(root: Path, num_tokenizers: int) -> Endpoints:
     )
 
 
+def remove_stale_socket_dirs(root: Path) -> list[Path]:
+    """Remove this user's socket directories under ``root`` whose launcher is gone (its lock on
+    ``owner.lock`` died with it); the ones removed."""
+    removed = []
+    for path in root.glob(f"{SOCKET_DIR_PREFIX}*"):
+        try:
+            info = path.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # not ours, not a directory, or one without a lock file: leave it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its launcher is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed socket directories of launchers that died: %s",
+                    ", ".join(str(p) for p in removed))
+    return removed
+
+
+def _own_socket_dir() -> tuple[Path, int]:
+    """A fresh private socket directory and the open file holding its owner lock."""
+    # mkdtemp creates the directory with mode 0700: only this user can reach the sockets.
+    path = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+    fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return path, fd
+
+
 class Launcher:
     def __init__(self, config: EngineConfig, on_death: Callable[[str], None] | None = None) -> None:
         config.validate()
         self.config = config
         self.on_death = on_death
         self.ctx = zmq.Context.instance()
-        # mkdtemp creates the directory with mode 0700: only this user can reach the sockets.
-        self.socket_dir = Path(tempfile.mkdtemp(prefix="radixserve-"))
+        remove_stale_socket_dirs(Path(tempfile.gettempdir()))
+        self.socket_dir, self._owner_lock = _own_socket_dir()
         self.endpoints = make_endpoints(self.socket_dir, config.tokenizer_workers)
         self.children: dict[str, subprocess.Popen] = {}
         self.info: ModelInfo | None = None
@@ -145,3 +188,7 @@ class Launcher:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        with self._lock:
+            owner_lock, self._owner_lock = self._owner_lock, -1
+        if owner_lock >= 0:
+            os.close(owner_lock)

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="use each request's OpenAI 'user' field as its cache salt: "
                             "different users never share cached prompt prefixes; a request's "
                             "cache_salt then splits its user's cache further (default: off)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM / SIGINT "
+                            "before they are failed with 503 (default: 30)")
     add_engine_arguments(parser)
 
 
@@ -45,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"radixserve serve: --{name.replace('_', '-')} must be at least 1",
                   file=sys.stderr)
             return 2
+    if not args.shutdown_timeout >= 0:
+        print("radixserve serve: --shutdown-timeout must be 0 or more seconds", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -56,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, zmq_port=args.zmq_port,
         max_request_bytes=args.max_request_bytes,
         max_pending_requests=args.max_pending_requests,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout,
         salt_from_user=args.salt_from_user, metrics_open=args.metrics_open,
     ))

@@ -6,9 +6,14 @@ on that same loop.
     (fails fast     (children ready,      prints the ready line once listening)
      if taken)       ~15 s on 2 cores)
 
-Ending: SIGINT / SIGTERM shut down gracefully (exit 0): uvicorn drains, then the launcher stops
-the children and removes the socket directory. A child dying ends everything with exit 1:
-every pending request first gets a 503 error, ``/health`` turns 503, then the server stops.
+Ending: SIGINT / SIGTERM shut down gracefully (exit 0):
+
+    signal ─▶ drain: new requests and /health get 503, ─▶ the rest get a 503 ─▶ uvicorn closes,
+              running ones finish (--shutdown-timeout;      error              the launcher stops
+              a second signal cuts it short)                                   the children
+
+A child dying ends everything with exit 1: every pending request first gets a 503 error,
+``/health`` turns 503, then the server stops.
 """
 
 from __future__ import annotations
@@ -45,14 +50,17 @@ class ServeOptions:
     max_request_bytes: int = 8 << 20
     max_pending_requests: int = 4096
     default_max_tokens: int = 256
+    shutdown_timeout: float = 30.0
     salt_from_user: bool = False
     metrics_open: bool = False
 
 
 class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_started) -> None:
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None],
+                 on_signal: Callable[[], None]) -> None:
         super().__init__(config)
         self.on_started = on_started
+        self.on_signal = on_signal
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -60,12 +68,10 @@ class _Uvicorn(uvicorn.Server):
             self.on_started()
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        # As uvicorn does, minus re-raising the signal once serving ends: the launcher still
-        # has children to stop and a socket directory to remove, and then exits 0.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
-            self.should_exit = True
+        # Not uvicorn's shutdown: running requests get to finish first (``_serve`` sets
+        # should_exit once they have). Nor its re-raising of the signal once serving ends:
+        # the launcher still has children to stop, and then exits 0.
+        self.on_signal()
 
 
 class _DeathRelay:
@@ -170,23 +176,58 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
         print(f"radixserve: serving {service.model_name} at {url} (OpenAI API at {url}/v1"
               f"{extra})", flush=True)
 
+    loop = asyncio.get_running_loop()
+    drain: asyncio.Task | None = None
+    cut_short = asyncio.Event()
+    death: list[str] = []
+
+    async def drain_then_exit() -> None:
+        service.shutting_down = True
+        running = client.num_pending
+        if running:
+            logger.warning("shutting down: %d running requests get up to %g s to finish",
+                           running, options.shutdown_timeout)
+        deadline = loop.time() + options.shutdown_timeout
+        while client.num_pending and loop.time() < deadline and not cut_short.is_set():
+            await asyncio.sleep(0.05)
+        if client.num_pending:
+            logger.warning("shutting down: failing %d requests that did not finish in time",
+                           client.num_pending)
+            client.fail_all("the server shut down before this request finished")
+        server.should_exit = True
+
+    def signalled() -> None:
+        nonlocal drain
+        if drain is None:
+            drain = loop.create_task(drain_then_exit())
+        elif not drain.done():
+            cut_short.set()
+        else:
+            server.force_exit = True  # a third signal: stop waiting for connections too
+
     level = config.log_level.lower()
     server = _Uvicorn(uvicorn.Config(app, log_level=level, access_log=level in ("debug", "info"),
-                                     lifespan="off", timeout_graceful_shutdown=5), ready)
+                                     lifespan="off", timeout_graceful_shutdown=5), ready,
+                      lambda: loop.call_soon_threadsafe(signalled))
 
     def died(reason: str) -> None:
+        death.append(reason)
         client.fail_all(reason)  # pending requests get their error before the server stops
         server.should_exit = True
 
-    relay.attach(asyncio.get_running_loop(), died)
+    relay.attach(loop, died)
     try:
         await server.serve(sockets=[sock])
     finally:
+        if client.dead is None:
+            # From here no stream may reach the engine: a stream closed late (as the loop
+            # ends) must not send its abort through a closed socket.
+            client.fail_all("the server stopped")
         if zmq_door is not None:
             await zmq_door.stop()
         client.close()
-    if client.dead is not None:
-        print(f"radixserve serve: {client.dead}", file=sys.stderr)
+    if death:
+        print(f"radixserve serve: {death[0]}", file=sys.stderr)
         return 1
     return 0
 

@@ -95,6 +95,7 @@ class Service:
         self.admitted = 0
         self.default_max_tokens = default_max_tokens
         self.salt_from_user = salt_from_user
+        self.shutting_down = False  # set on SIGTERM: new requests get 503, running ones finish
         self.door_failure: str | None = None  # why a front door (ZMQ) stopped receiving
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
         self.metrics = Metrics(lambda: client.stats, self._frontend_state)
@@ -109,11 +110,16 @@ class Service:
 
     def unhealthy(self) -> str | None:
         """Why ``/health`` fails, or None while the server serves every door."""
+        if self.shutting_down:
+            return "the server is shutting down"
         if self.client.dead is not None:
             return f"the engine stopped: {self.client.dead}"
         return self.door_failure
 
     def _check_alive(self) -> None:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down and takes no new requests; "
+                           "retry on another server")
         if self.client.dead is not None:
             raise APIError(503, f"the engine stopped: {self.client.dead}")
 
@@ -254,7 +260,9 @@ class Service:
             raise
         except EngineDead as exc:
             status = 503
-            raise APIError(503, f"the engine stopped: {exc}") from None
+            # A shutdown's reason is a sentence of its own; a dead process's needs the context.
+            raise APIError(503, str(exc) if self.shutting_down
+                           else f"the engine stopped: {exc}") from None
         finally:
             call.release()
             if session is not None:
