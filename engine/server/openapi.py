@@ -29,7 +29,7 @@ _ERRORS = {
     "401": "a missing or wrong API key (with --api-key)",
     "404": "an unknown model, session or route",
     "413": "a body over --max-request-bytes",
-    "503": "the queue is full, or the engine stopped",
+    "503": "the queue is full, the engine stopped, or the server is shutting down",
 }
 
 
@@ -90,9 +90,11 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 **_operation("Close a session", SessionDeleted),
                 "parameters": [{"name": "session_id", "in": "path", "required": True,
                                 "schema": {"type": "string"}}]}},
-            "/health": {"get": {"summary": "200 while every engine process runs, else 503",
+            "/health": {"get": {"summary": "200 while the server serves; 503 once an engine "
+                                           "process died, a shutdown began or the ZMQ door "
+                                           "stopped",
                                 "security": [], "responses": {"200": {"description": "OK"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
-                                 "responses": text}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (with --metrics-open, no key "
+                                            "needed)", "responses": text}},
         },
     }
