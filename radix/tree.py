@@ -122,7 +122,8 @@ class RadixTree:
     """Longest-prefix matching at token granularity over paged KV, with LRU eviction.
 
     ``namespace`` (tenant, LoRA, cache salt) selects a separate tree: different namespaces never
-    share pages.
+    share pages. A namespace whose nodes were all evicted is forgotten (clients may send a new
+    salt with every request).
     """
 
     def __init__(self, allocator: PageAllocator) -> None:
@@ -130,6 +131,7 @@ class RadixTree:
         self.page_size = allocator.page_size
         self.stats = CacheStats()
         self._roots: dict[Hashable, Node] = {}
+        self._roots_limit = 64  # sweep empty roots when there are this many
         self._lru = _Lru()
         self._clock = 0
         self._num_nodes = 0
@@ -138,6 +140,10 @@ class RadixTree:
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
+
+    @property
+    def num_namespaces(self) -> int:
+        return len(self._roots)
 
     @property
     def num_free_pages(self) -> int:
@@ -277,6 +283,11 @@ class RadixTree:
     def _root(self, namespace: Hashable) -> Node:
         root = self._roots.get(namespace)
         if root is None:
+            if len(self._roots) >= self._roots_limit:
+                # An empty root holds nothing (roots are never locked); sweeping only when the
+                # count doubles keeps this O(1) amortised.
+                self._roots = {ns: r for ns, r in self._roots.items() if r.children}
+                self._roots_limit = 2 * len(self._roots) + 64
             root = self._roots[namespace] = Node(b"", 0, [], None)
         return root
 

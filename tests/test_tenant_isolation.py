@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 from engine.config import EngineConfig
 from engine.server.app import build_app
 from engine.server.service import Service
+from radix import PageAllocator, RadixTree
 from tests.test_server import API_KEY, AUTH, ServerProcess, metric_values
 from tests.test_server_app import INFO, ScriptedClient
 
@@ -101,3 +102,17 @@ def test_an_empty_salt_is_refused(server):
                           json={"prompt": "x", "cache_salt": ""})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_new_salt_per_request_does_not_grow_the_tree_forever():
+    tree = RadixTree(PageAllocator(8, 4))
+    for i in range(10_000):
+        tokens = [1, 2, 3, 4, 5, i]
+        match = tree.match_prefix(tokens, namespace=f"salt-{i}", max_len=len(tokens) - 1)
+        assert match.length == 0
+        pages = tree.alloc_pages(2)  # evicts older salts' pages once the pool is full
+        tree.insert(tokens, pages, namespace=f"salt-{i}")
+        tree.allocator.decref(pages)  # the request finished: only the tree holds them
+        tree.check()
+    assert tree.num_namespaces < 200
+    assert tree.match_prefix([1, 2, 3, 4, 5, 9_999], namespace="salt-9999").length == 6
