@@ -47,8 +47,10 @@ def _role(name: str):
 def main() -> int:
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=LaunchSpec)
     _die_with_parent()
-    # Ctrl-C reaches the whole process group; only the launcher decides how to shut down.
+    # Ctrl-C, and a service manager's SIGTERM, reach the whole process group; only the launcher
+    # decides how to shut down (it drains, then stops children with SIGUSR1).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     name = spec.role if spec.role != "tokenizer" else f"tokenizer-{spec.index}"
     logging.basicConfig(level=spec.config.log_level.upper(),
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")

@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -179,7 +180,7 @@ class Launcher:
             self._stopping = True
         for proc in self.children.values():
             if proc.poll() is None:
-                proc.terminate()
+                proc.send_signal(signal.SIGUSR1)  # children ignore SIGTERM (see engine/child.py)
         deadline = time.monotonic() + grace
         for proc in self.children.values():
             try:

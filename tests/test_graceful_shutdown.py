@@ -160,3 +160,18 @@ def test_the_next_start_removes_the_socket_directory_of_a_killed_frontend(tmp_pa
         assert server.stop() == 0
     finally:
         os.close(lock)
+
+
+def test_sigterm_to_the_whole_process_group_still_drains(tmp_path):
+    """A service manager (systemd's default) signals every process of the group: the children
+    ignore SIGTERM, so the launcher still drains and stops them itself."""
+    server = start(tmp_path, "--shutdown-timeout", "60")
+    load = Load(server, max_tokens=300)
+    for pid in [server.proc.pid, *server.children]:
+        os.kill(pid, signal.SIGTERM)
+    load.join()
+    for events in load.events:
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert all(response.status_code == 200 for response in load.wholes)
+    assert_clean_exit(server)
