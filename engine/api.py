@@ -1,7 +1,7 @@
 """Offline Python API: ``Engine`` starts the process group in-process.
 
     from engine import Engine, SamplingParams
-    with Engine() as engine:                       # the demo model; or Engine(model="dir")
+    with Engine() as engine:    # SmolLM2-135M-Instruct; or Engine(model="dir" | "x.gguf" | "demo")
         out = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
         print(out[0].text, out[0].cached_tokens)
 
@@ -23,6 +23,7 @@ import numpy as np
 from engine.client import EngineClient, EngineDead, new_request_id
 from engine.config import EngineConfig
 from engine.launcher import EngineError, Launcher
+from engine.model_source import resolve_model
 from engine.protocol import GenerateRequest, ModelInfo, RequestOutput, SamplingParams, pack_ids
 
 Prompt = str | Sequence[int] | list[dict[str, Any]]
@@ -104,11 +105,9 @@ class Engine:
     """The whole process group (tokenizer, scheduler, worker) for offline use."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        if model is None:
-            from engine.demo_model import build_demo_model
-
-            model = str(build_demo_model())
-        self.config = EngineConfig(model=model, **options)
+        source = resolve_model(model)
+        options["served_model_name"] = options.get("served_model_name") or source.name
+        self.config = EngineConfig(model=source.path, **options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="radixserve-frontend")

@@ -37,7 +37,8 @@ def expect(fd: int, pattern: str, timeout: float = 300.0) -> str:
 def test_two_turns_then_ctrl_d(tmp_path):
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "chat", "--max-tokens", "6", "--temperature", "0"],
+        [sys.executable, "-m", "engine.cli", "chat", "--model", "demo", "--max-tokens", "6",
+         "--temperature", "0"],
         stdin=slave,
         stdout=slave,
         stderr=slave,

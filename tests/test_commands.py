@@ -21,7 +21,7 @@ def test_every_subcommand_has_help(name, capsys):
 def test_bench_reports_throughput_and_hits():
     out = subprocess.run(
         [sys.executable, "-m", "engine.cli", "bench", "--workload", "shared-prefix",
-         "--max-requests", "12", "--num-pages", "1024"],
+         "--max-requests", "12", "--num-pages", "1024", "--model", "demo"],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip()

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(num_pages=1024, chunked_prefill_size=48, max_prefill_tokens=256) as e:
+    with Engine("demo", num_pages=1024, chunked_prefill_size=48, max_prefill_tokens=256) as e:
         yield e
 
 
@@ -85,7 +85,7 @@ def test_chat_messages_and_errors(engine):
 def test_preemption_through_processes(hf_model, mode):
     prompts = shared_prefix_prompts(12, seed=0)
     # The swap run also spreads requests over two tokenizer workers.
-    with Engine(num_pages=16, chunked_prefill_size=64, preemption_mode=mode,
+    with Engine("demo", num_pages=16, chunked_prefill_size=64, preemption_mode=mode,
                 num_host_pages=64 if mode == "swap" else 0,
                 tokenizer_workers=2 if mode == "swap" else 1) as small:
         results = small.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
@@ -114,7 +114,7 @@ def test_killing_the_worker_fails_pending_requests_and_exits_nonzero(tmp_path):
         + "\n" for i in range(32)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "generate", "--input", str(requests), "--output",
-         str(tmp_path / "out.jsonl"), "--no-progress", "--num-pages", "1024"],
+         str(tmp_path / "out.jsonl"), "--no-progress", "--num-pages", "1024", "--model", "demo"],
         stderr=subprocess.PIPE, text=True,
     )
     seen = []
@@ -138,7 +138,7 @@ def test_killing_the_worker_fails_pending_requests_and_exits_nonzero(tmp_path):
 
 
 def test_engine_api_raises_when_the_worker_dies():
-    engine = Engine(num_pages=256)
+    engine = Engine("demo", num_pages=256)
     try:
         worker = engine.launcher.children["worker"].pid
         start = time.monotonic()
@@ -182,7 +182,8 @@ def test_generate_command_writes_results_in_order(tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = subprocess.run(
         [sys.executable, "-m", "engine.cli", "generate", "--input", str(tmp_path / "in.jsonl"),
-         "--output", str(tmp_path / "out.jsonl"), "--no-progress", "--num-pages", "256"],
+         "--output", str(tmp_path / "out.jsonl"), "--no-progress", "--num-pages", "256",
+         "--model", "demo"],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     results = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]

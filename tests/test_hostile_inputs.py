@@ -132,8 +132,9 @@ def test_the_opt_out_is_one_serve_flag():
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    default = config_from_args(parser.parse_args([]))
-    allowed = config_from_args(parser.parse_args(["--allow-special-tokens-in-content"]))
+    default = config_from_args(parser.parse_args(["--model", "demo"]))
+    allowed = config_from_args(parser.parse_args(["--model", "demo",
+                                                  "--allow-special-tokens-in-content"]))
     assert default.allow_special_tokens_in_content is False
     assert allowed.allow_special_tokens_in_content is True
 

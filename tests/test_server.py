@@ -45,9 +45,12 @@ def children_of(pid: int) -> list[int]:
 
 class ServerProcess:
     """``radixserve serve`` on a free port, ready once it printed its URL. Its socket directory
-    goes under ``tmp`` (TMPDIR), so a test can see it was removed."""
+    goes under ``tmp`` (TMPDIR), so a test can see it was removed. The demo model unless the
+    args name another ``--model``."""
 
     def __init__(self, tmp: Path, *args: str, timeout: float = 300.0) -> None:
+        if "--model" not in args:
+            args = ("--model", "demo", *args)
         self.tmp = tmp
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -34,7 +34,8 @@ def test_a_taken_port_fails_before_the_engine_starts():
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", str(port)],
+        done = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
+                               "--model", "demo"],
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr

@@ -1,7 +1,7 @@
 """``radixserve chat``: an interactive terminal chat over a server-side session.
 
 With ``--url`` it talks to a running server; otherwise it starts one (``radixserve serve`` on a
-free loopback port, with ``--model`` or the demo model) and stops it on exit. Each turn sends
+free loopback port, with ``--model`` or the default model) and stops it on exit. Each turn sends
 only the new message: the server keeps the conversation's tokens, so the line after each reply
 shows the whole history as cached tokens, with the time to the first token. Ctrl-C stops a
 reply (the turn is dropped); Ctrl-D or /quit leaves.
@@ -19,8 +19,9 @@ HELP = "chat in the terminal over a multi-turn session (starts a server unless -
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running radixserve server, e.g. http://127.0.0.1:30000 "
                                       "(default: start one)")
-    parser.add_argument("--model", help="model directory for the server this command starts "
-                                        "(default: the demo model)")
+    parser.add_argument("--model", help="--model of the server this command starts: a "
+                                        "checkpoint directory, a .gguf file or 'demo' (default: "
+                                        "SmolLM2-135M-Instruct, else the demo model)")
     parser.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
                         help="the server's API key (default: $RADIXSERVE_API_KEY)")
     parser.add_argument("--system", help="a system message that opens the conversation")
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         if args.url:
             url = args.url.rstrip("/").removesuffix("/v1")
         else:
-            print("starting a server with " + (args.model or "the demo model") + " ...",
+            print("starting a server with " + (args.model or "the default model") + " ...",
                   file=sys.stderr, flush=True)
             server = LocalServer.start(args.model)
             url = server.url

