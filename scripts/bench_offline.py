@@ -11,6 +11,10 @@ runner alone replaying the same batch shapes).
 
     python scripts/bench_offline.py                      # 16 x 16, 1024 + 64 prompt, 64 out
     python scripts/bench_offline.py --groups 4 --per-group 8 --prefix 256   # quick
+    python scripts/bench_offline.py --model demo         # the tiny random-weight demo model
+
+The model is SmolLM2-135M-Instruct (the default model) unless ``--model`` names another
+(``demo``, a checkpoint directory or a .gguf file).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.config import EngineConfig
-from engine.demo_model import build_demo_model
+from engine.model_source import resolve_model
 from engine.protocol import TokenizedRequest, pack_ids
 from engine.worker import Worker
 from scheduler.scheduler import Scheduler
@@ -124,9 +128,12 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--num-pages", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--model", help="demo, a checkpoint directory or a .gguf file "
+                                    "(default: the default model, SmolLM2-135M-Instruct)")
     args = ap.parse_args()
 
-    model_dir = str(build_demo_model())
+    source = resolve_model(args.model)
+    model_dir, model_name = source.path, source.name or args.model
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -147,7 +154,7 @@ def main() -> None:
             # The overhead compares the first run (cold KV pool, like the replay's fresh one).
             rows.append((name, eng_tps, hf_tps, hit, runs[0], engine_runs[0][0]))
     print(f"workload: {args.groups} groups x {args.per_group} prompts, prefix {args.prefix} + "
-          f"question {args.question} tokens, {args.output_len} output tokens; demo model, CPU")
+          f"question {args.question} tokens, {args.output_len} output tokens; {model_name}, CPU")
     print()
     print("| workload | engine tok/s | transformers tok/s | ratio | hit rate | KV util "
           "(physical / per sequence) | overhead |")
