@@ -443,3 +443,24 @@ def test_health_models_and_openapi(server):
     assert "session_id" in request["properties"] and "messages" in request["required"]
     assert "/v1/sessions/{session_id}" in spec["paths"]
 
+
+def test_return_token_ids_streams_each_chunks_ids(server):
+    """vLLM's ``return_token_ids``: stream chunks carry their own output ids, the whole response
+    all of them, equal to /generate's; without the flag the field is absent."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    client = http(server)
+    whole = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == whole["usage"]["completion_tokens"] == 6
+    native = client.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {
+        "max_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    assert native["choices"][0]["token_ids"] == ids
+    streamed = []
+    with client.stream("POST", "/v1/completions",
+                       json={**body, "return_token_ids": True, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["token_ids"]
+    assert streamed == ids
+    plain = client.post("/v1/completions", json=body).json()
+    assert "token_ids" not in plain["choices"][0]

@@ -58,6 +58,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's: each choice also carries its output token ids
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -110,6 +111,7 @@ class CompletionChoice(Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: this chunk's (or all) ids
 
 
 class CompletionResponse(Struct):

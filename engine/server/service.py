@@ -76,6 +76,7 @@ class Call:
     # The field an engine-side 400 names: past the door's checks, every one is about the
     # prompt's tokens (too many for the context or the KV pool, none at all, bad messages).
     prompt_param: str = "prompt"
+    return_token_ids: bool = False  # completions: choices carry their output token ids
     # Gives the call's places under --max-pending-requests back: once its outputs are done
     # (``Service._deltas``), or when the call is dropped without ever running. Runs once.
     release: weakref.finalize | None = None
@@ -180,7 +181,9 @@ class Service:
         requests = [self._engine_request(params, prompt=p, namespace=namespace)
                     for p in sampling.completion_prompts(req.prompt, self.info,
                                                          params.max_tokens)]
-        return self._call("cmpl", "completions", requests, params.n)
+        call = self._call("cmpl", "completions", requests, params.n)
+        call.return_token_ids = req.return_token_ids
+        return call
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
         self.check_model(req.model)
@@ -318,7 +321,8 @@ class Service:
                 offset = len(choice.text) - len(out.text)
                 logprobs = completion_logprobs(tokens, offset, top) if tokens else None
                 yield CompletionChunk(call.id, call.created, call.model, [CompletionChoice(
-                    choice.index, out.text, logprobs, out.finish_reason)], usage)
+                    choice.index, out.text, logprobs, out.finish_reason,
+                    ids if call.return_token_ids else UNSET)], usage)
         if include_usage:
             yield CompletionChunk(call.id, call.created, call.model, [], call.choices.usage())
 
@@ -329,7 +333,7 @@ class Service:
         return CompletionResponse(call.id, call.created, call.model, [
             CompletionChoice(c.index, c.text,
                              completion_logprobs(c.tokens, 0, top) if c.tokens else None,
-                             c.finish_reason)
+                             c.finish_reason, c.token_ids if call.return_token_ids else UNSET)
             for c in call.choices.choices], call.choices.usage())
 
     async def chat_stream(self, call: Call, include_usage: bool
