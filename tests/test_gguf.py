@@ -273,3 +273,19 @@ def test_what_model_resolves_to(converted, monkeypatch):
     monkeypatch.setattr(model_source, "default_gguf", lambda: None)
     assert resolve_model(None, notice=notices.append) == demo
     assert len(notices) == 1 and model_source.DEFAULT_INSTALL in notices[0]
+
+
+def test_a_big_model_is_written_in_shards_with_an_index(tmp_path, monkeypatch):
+    from engine.model.loader import weight_files
+
+    monkeypatch.setattr(converter, "SHARD_BYTES", 64 << 10)  # the tiny model spans shards
+    path = write_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.F32)
+    directory = gguf_checkpoint(path, tmp_path / "cache")
+    files = weight_files(directory)
+    assert len(files) > 2 and not (directory / "model.safetensors").exists()
+    loaded = {}
+    for file in files:
+        loaded |= load_file(str(file))
+    expected = expected_weights(gguf.GGMLQuantizationType.F32)
+    assert sorted(loaded) == sorted(expected)
+    assert all(torch.equal(loaded[name], torch.from_numpy(want)) for name, want in expected.items())
