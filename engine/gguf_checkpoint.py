@@ -234,33 +234,26 @@ def _write_weights(tensors: Iterator[tuple[str, Any]], directory: Path) -> None:
     """model.safetensors, or 1 GiB shards and their index (host memory: one shard at a time)."""
     from safetensors.torch import save_file
 
-    shards: list[dict[str, Any]] = [{}]
-    weight_map: dict[str, int] = {}
-    size = 0
-    names: list[str] = []
+    shard: dict[str, Any] = {}
+    shard_of: dict[str, int] = {}  # tensor name -> its shard's number, from 1
+    count, size = 1, 0
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            save_file(shards[-1], str(directory / f".shard-{len(shards)}"), metadata={"format": "pt"})
-            shards[-1] = {}
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        weight_map[name] = len(shards)
-        names.append(name)
+        if shard and size + nbytes > SHARD_BYTES:
+            save_file(shard, str(directory / f".shard-{count}"), metadata={"format": "pt"})
+            shard, count, size = {}, count + 1, 0
+        shard[name] = tensor
+        shard_of[name] = count
         size += nbytes
-    save_file(shards[-1], str(directory / f".shard-{len(shards)}"), metadata={"format": "pt"})
-    file_names = {i: f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                  for i in range(1, len(shards) + 1)}
-    if len(shards) == 1:
-        file_names = {1: "model.safetensors"}
+    save_file(shard, str(directory / f".shard-{count}"), metadata={"format": "pt"})
+    file_names = {1: "model.safetensors"} if count == 1 else {
+        i: f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
     for i, file_name in file_names.items():
         (directory / f".shard-{i}").chmod(0o644)  # ordinary cached data, like the json files
         (directory / f".shard-{i}").rename(directory / file_name)
-    if len(shards) == 1:
-        return
-    index = {"metadata": {}, "weight_map": {n: file_names[weight_map[n]] for n in names}}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if count > 1:
+        index = {"metadata": {}, "weight_map": {n: file_names[i] for n, i in shard_of.items()}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _write_json(path: Path, data: dict) -> None:
