@@ -153,7 +153,8 @@ def completion_prompts(prompt: str | list[Any], info: ModelInfo,
 
 
 def check_messages(messages: list[dict[str, Any]]) -> None:
-    """Chat messages nest at most ``MAX_MESSAGE_DEPTH`` levels (extra fields included)."""
+    """Chat messages nest at most ``MAX_MESSAGE_DEPTH`` levels (extra fields included), and
+    every integer in them fits the 64 bits the messages travel in (msgpack) to the tokenizer."""
     # Iterative: a recursive walk would meet the recursion limit it is here to keep away from.
     stack: list[tuple[Any, int, int]] = [(m, 1, i) for i, m in enumerate(messages)]
     while stack:
@@ -162,5 +163,9 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
             raise APIError(400, f"messages[{index}] nests deeper than {MAX_MESSAGE_DEPTH} "
                            "levels", param=f"messages[{index}]")
         children = value.values() if isinstance(value, dict) else value  # only these stack
+        if any(isinstance(child, int) and not -(1 << 63) <= child < (1 << 64)
+               for child in children):
+            raise APIError(400, f"messages[{index}] holds an integer outside 64 bits",
+                           param=f"messages[{index}]")
         stack.extend((child, depth + 1, index) for child in children
                      if isinstance(child, dict | list))
