@@ -4,9 +4,10 @@ sequences' memory ``mem``, the radix ``tree``, ``config`` and ``info``).
 
 Order of a step: running requests first, most progress first, each sequence extending by one
 decode token or a prefill chunk within the prefill budget; growth that finds no page preempts
-the lower-progress requests (never beams), or the request itself; then, unless something was
-preempted, waiting requests by policy while the pages (free + evictable, minus what running
-requests are expected to still need) and ``max_running_requests`` allow.
+the lower-progress requests (never beams), or the request itself (beams too: they wait and come
+back whole); then, unless something was preempted, waiting requests by policy while the pages
+(free + evictable, minus what running requests are expected to still need) and
+``max_running_requests`` allow.
 """
 
 from __future__ import annotations
@@ -121,10 +122,7 @@ class StepPlanner:
                                if id(r) not in preempted and not r.is_beam and r.live_seqs()),
                               None)
                 if victim is None:
-                    if req.is_beam:
-                        self._fail(req, 503, "out of KV memory for beam search")
-                    else:
-                        self._preempt(req, work)
+                    self._preempt(req, work)  # beams too: all of them wait together
                     preempted.add(id(req))
                     return False
                 self._preempt(victim, work)
@@ -139,8 +137,8 @@ class StepPlanner:
         return 1
 
     def _reserved_pages(self) -> int:
-        """Pages running requests are expected to still need (a decaying estimate, exact for
-        beams, which are never preempted)."""
+        """Pages running requests are expected to still need (a decaying estimate, all of it
+        for beams, which others never preempt)."""
         return sum(self._request_reserve(req) for req in self.running)
 
     def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> None:
@@ -205,8 +203,11 @@ class StepPlanner:
         matches, need = [], 0
         for seq in seqs:
             match = self.mem.match(seq)
-            extend = min(len(seq.tokens) - match.length, self.config.chunked_prefill_size,
-                         max(budget, 1))
+            extend = len(seq.tokens) - match.length
+            if not (req.is_beam and req.forked):
+                # Beams come back whole: every beam must reach its next sample in the same step
+                # (a beam step ranks them all together), and each mostly hits the shared prompt.
+                extend = min(extend, self.config.chunked_prefill_size, max(budget, 1))
             budget -= extend
             matches.append((seq, match, extend))
             need += self.mem.pages_to_admit(match, match.length + extend)

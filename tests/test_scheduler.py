@@ -242,3 +242,37 @@ def test_forks_and_beams_under_memory_pressure_preempt_instead_of_failing(model_
     for i in range(2):
         assert [f.error for f in h.finals[f"beam{i}"]] == [None, None]
         assert len(h.outputs[f"beam{i}"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beams_that_cannot_grow_wait_and_come_back_whole(model_dir, mode, monkeypatch):
+    """Six greedy requests ahead of a 3-beam request (more progress, so the beams cannot take
+    their pages), admitted by a deliberately optimistic estimate into a pool too small for all:
+    the beams are preempted, all together, and resume once pages are free; they end as the
+    beams run alone do."""
+    beam = SamplingParams(max_tokens=16, beam_width=3, n=2)
+    alone = Harness(model_dir, num_pages=64, page_size=4)
+    alone.add("beam", list(range(40, 50)), beam)
+    alone.run()
+
+    import scheduler.planner
+    import scheduler.scheduler
+    for module in (scheduler.planner, scheduler.scheduler):
+        monkeypatch.setattr(module, "NEW_TOKEN_RATIO", (0.05, 0.05, 0.0))
+    h = Harness(model_dir, num_pages=32, page_size=4, preemption_mode=mode,
+                num_host_pages=64 if mode == "swap" else 0)
+    beam_preemptions = []
+    preempt = h.sched._preempt
+    monkeypatch.setattr(h.sched, "_preempt", lambda req, work: (
+        beam_preemptions.append(req.rid) if req.is_beam else None, preempt(req, work)))
+    for i in range(6):
+        h.add(f"g{i}", list(range(90 + i, 96 + i)),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(2):
+        h.step()
+    h.add("beam", list(range(40, 50)), beam)
+    h.run()
+    assert "beam" in beam_preemptions
+    assert [f.error for f in h.finals["beam"]] == [None, None]
+    assert h.outputs["beam"] == alone.outputs["beam"]
+    assert all(len(h.outputs[f"g{i}"][0]) == 40 for i in range(6))
