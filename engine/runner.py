@@ -34,10 +34,26 @@ _DTYPES = {
 }
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX, from the kernel's CPU
+    flags). There bf16 matmuls run at about twice fp32's speed and move half the bytes; on
+    other CPUs bf16 is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None`` means float32 on CPU and bfloat16 on CUDA."""
+    """``None`` means bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:

@@ -23,7 +23,9 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine("demo", num_pages=1024, chunked_prefill_size=48, max_prefill_tokens=256) as e:
+    # fp32: outputs are compared with transformers' fp32 token for token.
+    with Engine("demo", num_pages=1024, chunked_prefill_size=48, max_prefill_tokens=256,
+                dtype="float32") as e:
         yield e
 
 
@@ -85,7 +87,7 @@ def test_chat_messages_and_errors(engine):
 def test_preemption_through_processes(hf_model, mode):
     prompts = shared_prefix_prompts(12, seed=0)
     # The swap run also spreads requests over two tokenizer workers.
-    with Engine("demo", num_pages=16, chunked_prefill_size=64, preemption_mode=mode,
+    with Engine("demo", num_pages=16, chunked_prefill_size=64, preemption_mode=mode, dtype="float32",
                 num_host_pages=64 if mode == "swap" else 0,
                 tokenizer_workers=2 if mode == "swap" else 1) as small:
         results = small.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,

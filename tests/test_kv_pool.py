@@ -71,7 +71,7 @@ def test_runner_sizes_the_pool_from_pages_gigabytes_or_the_cpu_default(tmp_path)
     path = write_checkpoint(tmp_path / "llama", "llama")
     # llama kind: 2 layers, 2 KV heads of 16 -> 2 * 2 * 2 * 16 * 4 bytes per slot in float32
     slot_bytes = 2 * 2 * 2 * 16 * 4
-    runner = ModelRunner(path, page_size=16, kv_cache_gb=1 / 1024)
+    runner = ModelRunner(path, page_size=16, kv_cache_gb=1 / 1024, dtype="float32")
     assert runner.num_pages == 2**20 // (16 * slot_bytes)
     assert runner.dtype == torch.float32 and runner.attention_backend == "torch"
     assert runner.pool.kv.shape == (2, 2, runner.num_pages, 16, 2, 16)
@@ -120,3 +120,17 @@ def test_validate_names_what_is_wrong(field: str, value: np.ndarray, message: st
     setattr(batch, field, value)
     with pytest.raises(ValueError, match=message):
         batch.validate(page_size=4, num_pages=8, num_host_pages=4)
+
+
+def test_default_dtype_is_bf16_where_the_cpu_has_it_natively(monkeypatch) -> None:
+    import engine.runner as runner
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for native, want in [(True, torch.bfloat16), (False, torch.float32)]:
+        monkeypatch.setattr(runner, "cpu_has_native_bf16", lambda native=native: native)
+        assert runner.resolve_dtype(None, cpu) == want
+        assert runner.resolve_dtype(None, cuda) == torch.bfloat16
+        assert runner.resolve_dtype("fp32", cpu) == torch.float32
+    flags = open("/proc/cpuinfo").read()
+    monkeypatch.undo()
+    assert runner.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)

@@ -43,11 +43,11 @@ def grouped_prompts(groups: int, members: int, head: int, seed: int) -> list[lis
     return prompts
 
 
-def run_mix(model_dir: str, dtype: str, mode: str) -> tuple[Harness, list[int]]:
+def run_mix(directory: str, dtype: str, mode: str) -> tuple[Harness, list[int]]:
     """Greedy requests in groups over 96-token heads, a seeded n=3 request and a 3-beam
     request, in a pool small enough to preempt; returns the harness and how many cascade
     groups the attention backend planned over the run."""
-    h = Harness(model_dir, dtype=dtype, num_pages=40, preemption_mode=mode,
+    h = Harness(directory, dtype=dtype, num_pages=40, preemption_mode=mode,
                 num_host_pages=64 if mode == "swap" else 0, chunked_prefill_size=48)
     backend = h.worker.runner.attention
     plan, cascade_groups = backend._plan, []
@@ -95,7 +95,7 @@ def agreement(runs: list[list[int]], references: list[list[int]]) -> float:
     """The fraction of reference tokens in the common prefixes of each pair of outputs."""
     agreed = total = 0
     for ours, want in zip(runs, references, strict=True):
-        agreed += next((i for i, (a, b) in enumerate(zip(ours, want)) if a != b), len(want))
+        agreed += next((i for i, (a, b) in enumerate(zip(ours, want, strict=False)) if a != b), len(want))
         total += len(want)
     return agreed / total
 

@@ -36,7 +36,8 @@ def reference(path: Path) -> torch.nn.Module:
 
 
 def make_runner(path: Path, page_size: int, **kwargs) -> ModelRunner:
-    return ModelRunner(path, page_size=page_size, num_pages=NUM_SLOTS // page_size, **kwargs)
+    return ModelRunner(path, page_size=page_size, num_pages=NUM_SLOTS // page_size,
+                       **{"dtype": "float32", **kwargs})
 
 
 class Pages:

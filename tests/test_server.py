@@ -51,6 +51,8 @@ class ServerProcess:
     def __init__(self, tmp: Path, *args: str, timeout: float = 300.0) -> None:
         if "--model" not in args:
             args = ("--model", "demo", *args)
+        if "--dtype" not in args:
+            args = ("--dtype", "float32", *args)  # outputs stay comparable run to run
         self.tmp = tmp
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
