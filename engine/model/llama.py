@@ -8,7 +8,11 @@ implementations of the same checkpoints (the parity oracle); only the data layou
 - tokens of all sequences are one flat [T, hidden] batch, no padding;
 - q/k/v and gate/up projections are fused into one matmul each (the loader fills the slices);
 - attention reads and writes the paged KV pool through an ``AttentionBackend``;
-- the final norm and lm_head run only on the rows whose logits are wanted.
+- the final norm and lm_head run only on the rows whose logits are wanted;
+- the residual stream is float32 whatever the weights' dtype: in bf16 each of a deep model's
+  2 * layers additions would otherwise round it to 8 significant bits (SmolLM2-135M's first
+  answer token to "What is the capital of France?" is a near-tie that this flips). The matmuls
+  still run in the weights' dtype, on the normalised activations.
 
 Weights are created directly on the target device and dtype and owned by the model; the loader
 copies checkpoint tensors into the views ``weight_targets`` names.
@@ -27,17 +31,19 @@ from engine.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
+    """RMSNorm of ``x`` (float32 residual rows, or activations) in the weight's dtype."""
+    if weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # Normalise in float32 and scale in the model dtype, as transformers' RMSNorm does.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
 
 
 def add_linear_(
     residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """residual += x @ weight.T (+ bias), in place: one GEMM accumulating into the residual."""
-    if bias is None:
+    """residual += x @ weight.T (+ bias), in place: one GEMM accumulating into the residual
+    when both share a dtype, else the product (in the weights' dtype) added to it."""
+    if bias is None and residual.dtype == x.dtype:
         return residual.addmm_(x, weight.t())
     return residual.add_(F.linear(x, weight, bias))
 
@@ -260,8 +266,8 @@ class LlamaForCausalLM(_Weights):
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]."""
-        hidden = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope(positions, hidden.dtype)
+        hidden = F.embedding(input_ids, self.embed).float()
+        cos, sin = self.rope(positions, self.embed.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(index, hidden, cos, sin, attention)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
