@@ -27,6 +27,11 @@ import numpy as np
 
 PageList = Sequence[int] | np.ndarray
 
+# Page lists at least this long take the vectorised path: below it numpy's per-call overhead
+# costs more than a Python loop (a decode step or a page-16 node touches a few pages; at page
+# size 1 a node or a sequence holds one page per token, hundreds of them).
+VECTOR_MIN_PAGES = 32
+
 
 class PageError(RuntimeError):
     """A refcount bug: use of a free page, or a reference dropped below zero."""
@@ -40,10 +45,11 @@ class PageAllocator:
     """``num_pages`` pages of ``page_size`` token slots.
 
     Refcounts live in ``array('i')`` buffers exposed as numpy views (``refcount``,
-    ``evictable_refs``): per-page updates on the hot path are plain Python indexing (a tree node or
-    a decode step touches a handful of pages, where numpy's per-call overhead would dominate), while
-    ``check`` and callers that scan all pages get vectorised numpy. ``pages`` arguments may repeat a
-    page: each occurrence is one reference.
+    ``evictable_refs``): short page lists are updated by plain Python indexing (a decode step
+    or a page-16 node touches a handful of pages, where numpy's per-call overhead would
+    dominate), long ones (at page size 1, one page per token) by numpy over the same memory;
+    ``check`` and callers that scan all pages are vectorised too. ``pages`` arguments may repeat
+    a page: each occurrence is one reference.
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
@@ -60,6 +66,9 @@ class PageAllocator:
         # Free list as a stack whose top is the end: lowest pages come out first.
         self._free = list(range(num_pages - 1, -1, -1))
         self._num_evictable = 0
+        # Scratch for the vectorised path's duplicate check (see _shift_vectorised).
+        self._mark = np.zeros(num_pages, dtype=np.intp)
+        self._arange = np.arange(num_pages, dtype=np.intp)
 
     # ----------------------------------------------------------------- counts
     @property
@@ -91,6 +100,9 @@ class PageAllocator:
         pages = free[-n:]
         del free[-n:]
         pages.reverse()
+        if n >= VECTOR_MIN_PAGES:
+            self.refcount[pages] = 1
+            return pages
         rc = self._rc
         for p in pages:
             rc[p] = 1
@@ -112,6 +124,9 @@ class PageAllocator:
         The tree's lock and unlock walk long paths on every admission, so this is a plain loop:
         each occurrence moves one reference, and the counts stay within range by construction
         (a node only flips references it holds); a violation is a tree bug and raises."""
+        if len(pages) >= VECTOR_MIN_PAGES:
+            self._shift_vectorised(pages, 0, 1 if evictable else -1)
+            return
         rc, er = self._rc, self._er
         step = 1 if evictable else -1
         delta = 0
@@ -128,6 +143,9 @@ class PageAllocator:
     # ------------------------------------------------------------- internals
     def _shift(self, pages: PageList, d_ref: int, d_evictable: int) -> None:
         # Validate every occurrence before writing anything, so a caught error loses nothing.
+        if len(pages) >= VECTOR_MIN_PAGES:
+            self._shift_vectorised(pages, d_ref, d_evictable)
+            return
         if isinstance(pages, np.ndarray):
             pages = pages.tolist()
         rc, er = self._rc, self._er
@@ -151,6 +169,80 @@ class PageAllocator:
             if ref == 0:
                 self._free.append(p)
         self._num_evictable += delta
+
+    def _shift_vectorised(self, pages: PageList, d_ref: int, d_evictable: int) -> None:
+        """``_shift`` over numpy, with the same checks before any write. Each (d_ref,
+        d_evictable) the allocator uses moves one reference per page, so one comparison finds
+        any misuse and one finds the pages whose every reference turns (or stops being)
+        evictable; a list that repeats a page goes through ``_shift_repeated``."""
+        index = np.asarray(pages, dtype=np.intp)
+        mark, arange = self._mark, self._arange[: len(index)]
+        mark[index] = arange
+        if (mark[index] != arange).any():
+            self._shift_repeated(index, d_ref, d_evictable)
+            return
+        rc, er = self.refcount, self.evictable_refs
+        ref, ev = rc[index], er[index]
+        if d_ref > 0:  # incref: every page in use; evictable or not, no page changes state
+            if (ref <= 0).any():
+                self._raise_misuse(index, ref, ev, d_ref, d_evictable)
+            changed = 0 if d_evictable else -int(np.count_nonzero(ref == ev))
+        elif d_ref < 0 and d_evictable < 0:  # a node's references dropped
+            if (ev <= 0).any():
+                self._raise_misuse(index, ref, ev, d_ref, d_evictable)
+            changed = -int(np.count_nonzero((ref == ev) & (ref == 1)))
+        elif d_ref < 0:  # a sequence's references dropped
+            if (ev >= ref).any():
+                self._raise_misuse(index, ref, ev, d_ref, d_evictable)
+            changed = int(np.count_nonzero((ev == ref - 1) & (ref > 1)))
+        elif d_evictable > 0:  # unlock
+            if (ev >= ref).any():
+                self._raise_misuse(index, ref, ev, d_ref, d_evictable)
+            changed = int(np.count_nonzero(ev == ref - 1))
+        else:  # lock
+            if (ev <= 0).any():
+                self._raise_misuse(index, ref, ev, d_ref, d_evictable)
+            changed = -int(np.count_nonzero(ref == ev))
+        self._num_evictable += changed
+        if d_ref:
+            rc[index] = ref + d_ref
+        if d_evictable:
+            er[index] = ev + d_evictable
+        if d_ref < 0:
+            self._free.extend(index[ref == 1].tolist())
+
+    def _shift_repeated(self, index: np.ndarray, d_ref: int, d_evictable: int) -> None:
+        """``_shift_vectorised`` for a list that repeats pages: each occurrence is one move."""
+        index, times = np.unique(index, return_counts=True)
+        ref, ev = self.refcount[index], self.evictable_refs[index]
+        new_ref, new_ev = ref + d_ref * times, ev + d_evictable * times
+        if ((d_ref >= 0) & (ref <= 0)).any() or ((new_ref < 0) | (new_ev < 0)
+                                                  | (new_ev > new_ref)).any():
+            self._raise_misuse(index, ref, ev, d_ref, d_evictable, times)
+        self._num_evictable += int(np.count_nonzero((new_ref == new_ev) & (new_ref > 0))) - int(
+            np.count_nonzero((ref == ev) & (ref > 0)))
+        self.refcount[index] = new_ref
+        self.evictable_refs[index] = new_ev
+        if d_ref < 0:
+            self._free.extend(index[new_ref == 0].tolist())
+
+    @staticmethod
+    def _raise_misuse(index: np.ndarray, ref: np.ndarray, ev: np.ndarray, d_ref: int,
+                      d_evictable: int, times: np.ndarray | int = 1) -> None:
+        """The PageError the per-page loop would raise, for the first page that fails
+        (``times``: how often each page is listed)."""
+        times = np.broadcast_to(times, index.shape).tolist()
+        for page, r, e, k in zip(index.tolist(), ref.tolist(), ev.tolist(), times, strict=True):
+            if r <= 0 and d_ref >= 0:
+                raise PageError(f"use of free page {page}")
+            r_after, e_after = r + k * d_ref, e + k * d_evictable
+            if r_after < 0 or e_after < 0 or e_after > r_after:
+                if d_ref == 0:
+                    raise PageError(f"page {page}: cannot move an evictable reference "
+                                    f"(refs {r}, evictable {e})")
+                raise PageError(f"reference on page {page} dropped below zero "
+                                f"(refs {r}, evictable {e})")
+        raise AssertionError("a misuse was detected but no page fails the per-page checks")
 
     # --------------------------------------------------------------- checking
     def check(self) -> None:

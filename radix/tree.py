@@ -204,7 +204,9 @@ class RadixTree:
             raise ValueError(f"{total} tokens need {needed} pages, got {len(pages)}")
         node, cached, _ = self._walk(self._root(namespace), query, total, collect=False)
         if cached < total:
-            new_pages = [int(p) for p in pages[cached // self.page_size : needed]]
+            new_pages = pages[cached // self.page_size : needed]
+            new_pages = (new_pages.tolist() if isinstance(new_pages, np.ndarray)
+                         else list(new_pages))
             self.allocator.incref(new_pages, evictable=True)
             leaf = Node(query[4 * cached :], cached, new_pages, node)
             node.children[query[4 * cached : 4 * cached + 4]] = leaf
@@ -249,17 +251,26 @@ class RadixTree:
 
     def evict(self, num_pages: int) -> int:
         """Evict unlocked leaves, least recently used first, until ``num_pages`` pages are freed
-        or nothing evictable is left. Returns the pages freed."""
+        or nothing evictable is left. Returns the pages freed.
+
+        Leaves are unlinked in LRU order until their pages could cover what is still needed,
+        then their references are dropped in one call (at page size 1 a leaf holds one page per
+        token: one vectorised decref instead of one per leaf); pages still held elsewhere free
+        nothing, and then the next leaves go."""
         freed = 0
         heap = self._lru.heap
         while freed < num_pages and heap:
-            stamp, _, node = heapq.heappop(heap)
-            if node.evicted or node.children or node.lock_ref or node.parent is None:
-                continue
-            if stamp != node.last_access:
-                self._push_lru(node)  # touched since it was queued: requeue at its real age
-                continue
-            freed += self._remove_leaf(node)
+            pages: list[int] = []
+            while freed + len(pages) < num_pages and heap:
+                stamp, _, node = heapq.heappop(heap)
+                if node.evicted or node.children or node.lock_ref or node.parent is None:
+                    continue
+                if stamp != node.last_access:
+                    self._push_lru(node)  # touched since it was queued: requeue at its real age
+                    continue
+                pages += node.pages
+                self._unlink_leaf(node)
+            freed += self.allocator.decref(pages, evictable=True)
         self.stats.evicted_pages += freed
         return freed
 
@@ -335,8 +346,8 @@ class RadixTree:
         self._num_nodes += 1
         return upper
 
-    def _remove_leaf(self, node: Node) -> int:
-        freed = self.allocator.decref(node.pages, evictable=True)
+    def _unlink_leaf(self, node: Node) -> None:
+        """Take a leaf out of the tree (the caller drops its page references)."""
         parent = node.parent
         del parent.children[node.key[:4]]
         node.evicted = True
@@ -344,7 +355,6 @@ class RadixTree:
         self.stats.evicted_nodes += 1
         if parent.parent is not None and not parent.children and parent.lock_ref == 0:
             self._push_lru(parent)
-        return freed
 
     def _touch(self, node: Node) -> None:
         self._clock += 1

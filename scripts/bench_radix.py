@@ -5,7 +5,9 @@ allocate, insert prompt + output, unlock) and reports the median cost of match /
 evict calls, then compares the tokens it reuses with a whole-block hash cache (vLLM's scheme:
 16-token blocks chained by hash, LRU) of the same capacity on the same requests.
 
-    python scripts/bench_radix.py [--conversations 2400 --turns 8 --num-pages 49152]
+    python scripts/bench_radix.py [--conversations 2400 --turns 8 --slots 786432 --page-size 16 1]
+
+Each page size gets the same capacity in token slots (``--slots``), so eviction runs alike.
 """
 
 from __future__ import annotations
@@ -91,34 +93,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=2400)
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--num-pages", type=int, default=49152)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=786432, help="cache capacity in token slots")
+    ap.add_argument("--page-size", type=int, nargs="+", default=[16, 1])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     requests = multi_turn_workload(args.conversations, args.turns, args.seed)
     total_prompt = sum(len(p) for p, _ in requests)
     print(f"workload: {len(requests)} requests, {total_prompt:,} prompt tokens, "
-          f"cache {args.num_pages:,} pages x {args.page_size} = {args.num_pages * args.page_size:,} slots")
-
-    result = run_radix(requests, args.num_pages, args.page_size)
-    print(f"tree: peak {result['peak_nodes']:,} nodes, {result['cached_tokens']:,} tokens cached at end, "
-          f"{result['evicted_pages']:,} pages evicted")
+          f"cache {args.slots:,} slots")
+    results = {}
+    for page_size in args.page_size:
+        results[page_size] = result = run_radix(requests, args.slots // page_size, page_size)
+        print(f"page {page_size}: peak {result['peak_nodes']:,} nodes, "
+              f"{result['cached_tokens']:,} tokens cached at end, "
+              f"{result['evicted_pages'] * page_size:,} tokens evicted")
     print()
-    print("| op | calls | median µs | p99 µs | ops/s (1 / median) |")
-    print("|---|---:|---:|---:|---:|")
-    for op in ("match", "insert", "evict"):
-        med, p99 = micros(result[op])
-        print(f"| {op} | {len(result[op]):,} | {med:.1f} | {p99:.1f} | {1e6 / med:,.0f} |")
+    print("| page | op | calls | median µs | p99 µs | ops/s (1 / median) |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for page_size, result in results.items():
+        for op in ("match", "insert", "evict"):
+            med, p99 = micros(result[op])
+            print(f"| {page_size} | {op} | {len(result[op]):,} | {med:.1f} | {p99:.1f} | "
+                  f"{1e6 / med:,.0f} |")
 
-    block_hits = run_block_hash(requests, args.num_pages * args.page_size // 16)
+    block_hits = run_block_hash(requests, args.slots // 16)
     print()
     print("| cache (same capacity) | hit tokens | hit rate |")
     print("|---|---:|---:|")
-    print(f"| radix tree, page {args.page_size}, token-granular | {result['hit']:,} | "
-          f"{result['hit'] / total_prompt:.2%} |")
+    for page_size, result in results.items():
+        print(f"| radix tree, page {page_size}, token-granular | {result['hit']:,} | "
+              f"{result['hit'] / total_prompt:.2%} |")
     print(f"| block hash, 16-token blocks | {block_hits:,} | {block_hits / total_prompt:.2%} |")
-    print(f"\nradix / block-hash hit tokens: {result['hit'] / max(block_hits, 1):.3f}x")
 
 
 if __name__ == "__main__":

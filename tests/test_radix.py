@@ -55,6 +55,33 @@ def test_misuse_is_loud():
         PageAllocator(0, 16)
 
 
+def test_misuse_of_long_page_lists_is_loud_and_changes_nothing():
+    """Lists of VECTOR_MIN_PAGES or more take the numpy path: the same checks and messages,
+    all before any write; repeats count once per occurrence there too."""
+    alloc = PageAllocator(200, 1)
+    pages = alloc.alloc(100)
+    alloc.decref(pages[50:])
+    before = (alloc.refcount.copy(), alloc.evictable_refs.copy(), alloc.num_free_pages)
+    with pytest.raises(PageError, match="page 50 dropped below zero"):
+        alloc.decref(pages)  # the first 50 could go; page 50 on are free already
+    with pytest.raises(PageError, match="use of free page 99"):
+        alloc.incref(pages[::-1])
+    with pytest.raises(PageError, match="cannot move an evictable reference"):
+        alloc.set_evictable(pages[:50], False)  # no evictable references to take back
+    with pytest.raises(PageError, match="dropped below zero"):
+        alloc.decref(pages[:50] * 2)  # repeated: two references each, one held
+    assert (alloc.refcount == before[0]).all() and (alloc.evictable_refs == before[1]).all()
+    assert alloc.num_free_pages == before[2]
+    alloc.incref(pages[:50] * 2, evictable=True)
+    assert (alloc.refcount[pages[:50]] == 3).all() and alloc.num_evictable_pages == 0
+    alloc.set_evictable(pages[:50], True)  # the third reference too: all evictable now
+    assert alloc.num_evictable_pages == 50
+    alloc.check()
+    assert alloc.decref(pages[:50] * 3, evictable=True) == 50
+    assert alloc.num_free_pages == 200 and alloc.num_evictable_pages == 0
+    alloc.check()
+
+
 def test_repeated_page_in_one_call_counts_twice():
     alloc = PageAllocator(4, 1)
     page = alloc.alloc(1)

@@ -10,6 +10,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import radix.pages
 from radix import OutOfPages, PageAllocator, RadixTree
 from tests.radix_sim import Sim
 
@@ -18,10 +19,18 @@ token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 
 
 class RadixMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 16, 4]), num_pages=st.integers(4, 48))
-    def setup(self, page_size: int, num_pages: int) -> None:
+    @initialize(page_size=st.sampled_from([1, 16, 4]), num_pages=st.integers(4, 48),
+                vector_min=st.sampled_from([radix.pages.VECTOR_MIN_PAGES, 1, 10**9]))
+    def setup(self, page_size: int, num_pages: int, vector_min: int) -> None:
         self.sim = Sim(num_pages * (16 // page_size), page_size)  # same slot budget
         self.external: list[list[int]] = []  # pages held by something other than sequences
+        # The allocator's per-page loop and its vectorised path must keep identical books.
+        self.saved_vector_min = radix.pages.VECTOR_MIN_PAGES
+        radix.pages.VECTOR_MIN_PAGES = vector_min
+
+    def teardown(self) -> None:
+        if hasattr(self, "saved_vector_min"):
+            radix.pages.VECTOR_MIN_PAGES = self.saved_vector_min
 
     @rule(tokens=token_lists, namespace=st.sampled_from([None, None, "b"]))
     def admit(self, tokens: list[int], namespace) -> None:
