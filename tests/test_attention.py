@@ -17,13 +17,14 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 8, 2, 16, 2
 WINDOWS = (None, 5)  # layer 1 attends to the last 5 positions only
 
 
-def make_pool(page_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVPool:
+def make_pool(page_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+              head_dim: int = HEAD_DIM) -> KVPool:
     pool = KVPool(
         num_layers=LAYERS,
         num_pages=512 // page_size,
         page_size=page_size,
         num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         dtype=dtype,
         device=device,
     )
@@ -72,12 +73,13 @@ def reference_attention(
 
 
 def run_backend(name: str, pool: KVPool, batch: BatchInput, seed: int = 0) -> list[torch.Tensor]:
+    head_dim = pool.kv.shape[-1]
     backend = make_backend(
         name,
         pool,
         num_heads=HEADS,
         num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         sliding_windows=WINDOWS,
     )
     backend.plan(batch)
@@ -85,7 +87,7 @@ def run_backend(name: str, pool: KVPool, batch: BatchInput, seed: int = 0) -> li
     outs = []
     for layer in range(LAYERS):
         q, k, v = (
-            torch.randn(batch.num_tokens, h, HEAD_DIM, generator=gen).to(pool.kv)
+            torch.randn(batch.num_tokens, h, head_dim, generator=gen).to(pool.kv)
             for h in (HEADS, KV_HEADS, KV_HEADS)
         )
         outs.append((q, k, v, backend.forward(layer, q, k, v)))
@@ -121,7 +123,49 @@ def test_auto_picks_torch_without_cuda_and_flashinfer_explains_itself() -> None:
         resolve_backend("triton", torch.device("cpu"), torch.float32)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match=r"pip install 'radixserve\[gpu\]'"):
-            run_backend("flashinfer", make_pool(16), random_batch(16, 32, [(0, 3)]))
+            run_backend("flashinfer", make_pool(16, head_dim=64), random_batch(16, 32, [(0, 3)]))
+
+
+def test_auto_takes_flashinfer_only_for_its_head_dims(monkeypatch) -> None:
+    import engine.attention as attention
+
+    monkeypatch.setattr(attention, "flashinfer_installed", lambda: True)
+    cuda = torch.device("cuda")
+    assert [resolve_backend("auto", cuda, torch.bfloat16, d) for d in (32, 64, 96, 128, 256)] == [
+        "torch", "flashinfer", "torch", "flashinfer", "flashinfer"]
+    assert resolve_backend("auto", cuda, torch.float32, 128) == "torch"
+    monkeypatch.setattr(attention, "flashinfer_installed", lambda: False)
+    assert resolve_backend("auto", cuda, torch.bfloat16, 128) == "torch"
+
+
+def test_flashinfer_refuses_other_head_dims_by_name() -> None:
+    with pytest.raises(ValueError, match="head_dim 64, 128, 256; this model's is 16"):
+        run_backend("flashinfer", make_pool(16), random_batch(16, 32, [(0, 3)]))
+
+
+def test_auto_falls_back_to_torch_when_flashinfer_fails_to_start(monkeypatch, caplog) -> None:
+    """A broken install or a kernel that does not compile shows at construction or warm-up:
+    under auto the torch backend serves instead, and the log says why."""
+    import engine.attention as attention
+
+    class Broken:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def warm_up(self) -> None:
+            raise RuntimeError("ninja: build stopped: subcommand failed")
+
+    monkeypatch.setattr(attention, "resolve_backend", lambda *args: "flashinfer")
+    monkeypatch.setattr(attention, "FlashInferBackend", Broken)
+    pool = make_pool(16)
+    with caplog.at_level("WARNING", logger="radixserve.attention"):
+        backend = make_backend("auto", pool, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                               head_dim=HEAD_DIM, sliding_windows=WINDOWS)
+    assert backend.name == "torch"
+    assert "flashinfer failed to start (RuntimeError: ninja: build stopped" in caplog.text
+    with pytest.raises(RuntimeError, match="ninja"):
+        make_backend("flashinfer", pool, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, sliding_windows=WINDOWS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -131,7 +175,8 @@ def test_flashinfer_matches_torch_on_cuda(page_size: int, shape: str) -> None:
     results = {}
     for name in ("torch", "flashinfer"):
         torch.manual_seed(0)
-        pool = make_pool(page_size, "cuda", torch.bfloat16)
+        # 128: FlashInfer builds its prefill kernels for head_dim 64, 128 and 256 only.
+        pool = make_pool(page_size, "cuda", torch.bfloat16, head_dim=128)
         batch = random_batch(page_size, pool.num_pages, SHAPES[shape])
         results[name] = [out.float() for *_, out in run_backend(name, pool, batch)]
     for expected, got in zip(results["torch"], results["flashinfer"], strict=True):

@@ -28,6 +28,8 @@ INSTALL_HINT = (
     "pip install 'radixserve[gpu]'"
 )
 _WORKSPACE_BYTES = 128 * 1024 * 1024
+# FlashInfer 0.6 builds its prefill kernels for these head sizes only.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def import_flashinfer() -> ModuleType:
@@ -60,6 +62,12 @@ class FlashInferBackend(AttentionBackend):
             head_dim=head_dim,
             sliding_windows=sliding_windows,
         )
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(
+                f"the flashinfer backend's kernels are built for head_dim "
+                f"{', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this model's is {head_dim}: use "
+                "attention_backend='torch' (auto picks it by itself)"
+            )
         flashinfer = import_flashinfer()
         if self.device.type != "cuda":
             raise RuntimeError(f"{INSTALL_HINT} (the KV pool is on {self.device}, not CUDA)")
@@ -124,6 +132,23 @@ class FlashInferBackend(AttentionBackend):
                 **common,
             )
         self._active = dict(self._prefill)
+
+    def warm_up(self) -> None:
+        """Plan and run a prefill and a decode over the first pages, for every sliding window,
+        before the server reports ready: FlashInfer 0.6 compiles each kernel on first use (so
+        that is now, not inside the first request), and a broken install fails here. Only
+        reads the pool (``_attend``, not ``forward``), which holds no one's KV yet."""
+        page_size = self.pool.page_size
+        pages = list(range(-(-2 // page_size)))  # room for two tokens
+        first_layer = {w: self.sliding_windows.index(w) for w in set(self.sliding_windows)}
+        for batch in (BatchInput.build([(pages, 0, [0, 0])], page_size, "all"),
+                      BatchInput.build([(pages, 1, [0])], page_size)):
+            self.plan(batch)
+            q = torch.zeros(batch.num_tokens, self.num_heads, self.head_dim,
+                            dtype=self.pool.kv.dtype, device=self.device)
+            for layer in first_layer.values():
+                self._attend(layer, q)
+        torch.cuda.synchronize(self.device)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         wrapper = self._active[self.sliding_windows[layer]]
