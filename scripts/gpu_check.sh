@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check in one command, on a CUDA machine with python3 + torch and no network:
 #   bash scripts/gpu_check.sh [gpu_check.py options]
-# Installs the wheels brought along in ./wheels (flashinfer-python 0.6.x needs apache-tvm-ffi too;
-# bring numpy, msgspec and safetensors wheels as well if the machine lacks them), then runs
+# Installs the wheels brought along in ./wheels (made here by scripts/gpu_wheels.sh: flashinfer-python
+# 0.6.1 with apache-tvm-ffi, msgspec, pyzmq, uvicorn, starlette; 12 MB), then runs
 # scripts/gpu_check.py (flashinfer vs torch attention parity, decode timings, ModelRunner on a
 # random Llama) and the CUDA tests of tests/test_attention.py when pytest is present.
 set -euo pipefail
