@@ -131,9 +131,10 @@ class SeqMemory:
     # ----------------------------------------------------------------- swaps
     def swap_out(self, seq: Seq, work: StepWork) -> bool:
         """Move ``seq``'s private pages to the host pool; shared ones stay on device. False when
-        the host pool is too small (the caller recomputes instead)."""
+        the host pool is too small, or when no page is private (every one is cached or another
+        sequence's too): then the caller releases it into the tree and recomputes, which hits."""
         private = [i for i, p in enumerate(seq.pages) if self.alloc.refcount[p] == 1]
-        if len(private) > len(self.host_free):
+        if not private or len(private) > len(self.host_free):
             return False
         self.unpin(seq)
         self.copies_done(seq)

@@ -277,3 +277,23 @@ def test_beams_that_cannot_grow_wait_and_come_back_whole(model_dir, mode, monkey
     assert [f.error for f in h.finals["beam"]] == [None, None]
     assert h.outputs["beam"] == alone.outputs["beam"]
     assert all(len(h.outputs[f"g{i}"][0]) == 40 for i in range(6))
+
+
+@pytest.mark.parametrize("seed", [6, 9, 24])
+def test_swap_preemption_of_a_sequence_with_no_private_page(model_dir, hf_model, seed):
+    """Arrivals interleaved with steps (seeds that once failed): a victim whose every page is
+    shared (cached, or another sequence's) has nothing to swap; it used to be left WAITING
+    still holding its page references, which leaked at its re-admission and failed the
+    accounting check. Now it is released into the tree and recomputed (a hit)."""
+    rng = np.random.default_rng(seed)
+    h = Harness(model_dir, num_pages=16, preemption_mode="swap", num_host_pages=64,
+                chunked_prefill_size=64)
+    prompts = shared_prefix_prompts(12, seed=seed % 3)
+    for i, prompt in enumerate(prompts):
+        h.add(str(i), prompt, GREEDY)
+        for _ in range(int(rng.integers(0, 3))):
+            h.step()  # checks the accounting after every step
+    h.run()
+    assert h.sched.num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert h.outputs[str(i)][0] == hf_greedy(hf_model, prompt, 12)
