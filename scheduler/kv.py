@@ -127,6 +127,7 @@ class SeqMemory:
         self.alloc.decref([p for p in seq.pages if p >= 0])
         self.host_free.extend(host for _, host in seq.host_pages)
         seq.pages, seq.host_pages, seq.computed = [], [], 0
+        seq.copy_last_page = False
 
     # ----------------------------------------------------------------- swaps
     def swap_out(self, seq: Seq, work: StepWork) -> bool:
@@ -146,8 +147,11 @@ class SeqMemory:
             seq.pages[i] = -1
         return True
 
-    def pages_to_swap_in(self, seq: Seq) -> int:
-        return len(seq.host_pages)
+    def pages_to_resume(self, seq: Seq) -> int:
+        """Fresh pages a swapped-out sequence needs to run its next step: its host pages back,
+        growth to its tokens, and the copy of a partial page it still shares."""
+        growth = max(self.alloc.pages_for(len(seq.tokens)) - len(seq.pages), 0)
+        return len(seq.host_pages) + growth + seq.copy_last_page
 
     def swap_in(self, seq: Seq, work: StepWork) -> None:
         fresh = self.tree.alloc_pages(len(seq.host_pages))

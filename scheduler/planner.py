@@ -70,18 +70,24 @@ class StepPlanner:
                 continue
             entries.extend(planned)
             budget -= sum(e.extend for e in planned if e.extend > 1)
+        blocked = None
         if preempted:
             self.new_token_ratio = NEW_TOKEN_RATIO[0]
         else:
-            self._admit_waiting(entries, work, budget)
+            blocked = self._admit_waiting(entries, work, budget)
         if not entries:
             if self.waiting and not self.running and not preempted and self.sessions.unpin_oldest():
                 self.carry = work  # pinned sessions give way before a request is refused
                 return None
+            if self.waiting and not self.running and not preempted and self._unswap_waiting():
+                self.carry = work  # swapped requests give their device pages back, then retry
+                return None
             if self.waiting and not self.running and not preempted:
-                # Nothing runs and the head cannot be admitted into an empty pool: never retry.
-                self._fail(self.waiting[0], 503, "the request cannot be scheduled: the KV pool "
-                           "is too small for it")
+                # Nothing runs and the request first in line cannot be admitted into a pool that
+                # nothing else holds: it never will be (e.g. samples of a preempted n > 1
+                # request whose diverged KV outgrew the pool). It fails; the others go on.
+                self._fail(blocked or self.waiting[0], 503, "the request cannot be scheduled: "
+                           "the KV pool is too small for it")
             self.carry = work
             return None
         self.new_token_ratio = max(NEW_TOKEN_RATIO[1], self.new_token_ratio - NEW_TOKEN_RATIO[2])
@@ -141,7 +147,8 @@ class StepPlanner:
         for beams, which others never preempt)."""
         return sum(self._request_reserve(req) for req in self.running)
 
-    def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> None:
+    def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> Request | None:
+        """Admit waiting requests by policy; returns the one that stopped admission, if any."""
         num_running = sum(len(r.live_seqs()) for r in self.running)
         reserved = self._reserved_pages()
         # A request whose head (first SHARED_HEAD prompt tokens) another request is prefilling
@@ -154,14 +161,14 @@ class StepPlanner:
             seqs = req.live_seqs()
             width = len(seqs) if req.forked else max(req.params.n, req.params.beam_width)
             if num_running + width > self.config.max_running_requests or budget <= 0:
-                break
+                return req
             head = self._head(req)
             if head is not None and head in busy_heads and self._long_uncached(
                     req, self.tree.peek_prefix(req.seqs[0].tokens, req.namespace)):
                 continue
             admitted = self._admit(req, seqs, work, budget, reserved)
             if admitted is None:
-                break
+                return req
             entries.extend(admitted)
             if head is not None and self._long_uncached(req, req.cached_tokens):
                 busy_heads.add(head)
@@ -170,6 +177,7 @@ class StepPlanner:
             reserved += self._request_reserve(req)
             self.waiting.remove(req)
             self.running.append(req)
+        return None
 
     def _head(self, req: Request) -> tuple | None:
         """The request's first ``SHARED_HEAD`` prompt tokens (a prompt long enough to share)."""
@@ -228,8 +236,8 @@ class StepPlanner:
 
     def _admit_swapped(self, req: Request, seqs: list[Seq], work: StepWork,
                        reserved: int) -> list[Entry] | None:
-        need = sum(self.mem.pages_to_swap_in(s) + 1 for s in seqs)
-        if need + reserved > self.tree.num_available_pages and self.running:
+        need = sum(self.mem.pages_to_resume(s) for s in seqs)
+        if need + (reserved if self.running else 0) > self.tree.num_available_pages:
             return None
         admitted = []
         for seq in seqs:
@@ -238,6 +246,20 @@ class StepPlanner:
             seq.status = Status.RUNNING
             admitted.append(Entry(seq, seq.remaining, self._samples_for(seq, seq.remaining)))
         return admitted
+
+    def _unswap_waiting(self) -> bool:
+        """Nothing runs and nothing can be admitted: swapped-out requests still hold the device
+        pages they shared, and may be what keeps each other out. They drop everything (their
+        shared prefix stays cached in the tree) and will be recomputed. False if none held a
+        device page."""
+        released = False
+        for req in self.waiting:
+            for seq in req.live_seqs():
+                if seq.host_pages or any(p >= 0 for p in seq.pages):
+                    self.mem.release(seq, cache=False)
+                    seq.status = Status.WAITING
+                    released = True
+        return released
 
     def _preempt(self, req: Request, work: StepWork) -> None:
         self.num_preemptions += 1

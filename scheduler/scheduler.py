@@ -99,6 +99,9 @@ class Scheduler(StepPlanner):
             return 400, (f"the prompt has {req.prompt_len:,} tokens and max_tokens is "
                          f"{p.max_tokens:,}, but the model's context is {context:,} tokens")
         width = max(p.n, p.beam_width)
+        if width > self.config.max_running_requests:
+            return 400, (f"the request runs {width:,} sequences (n / beam width) but the server "
+                         f"runs at most {self.config.max_running_requests:,} at once")
         need = (self.alloc.pages_for(req.prompt_len)
                 + width * (self.alloc.pages_for(p.max_tokens) + 1))
         if need > self.alloc.num_pages:
