@@ -23,6 +23,11 @@ DEFAULT_CACHE_TOKENS = 131072  # fp16 KV of a Llama-3-8B-sized model in 16 GiB
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", type=Path, help="JSONL trace (docs/profiler.md)")
+    parser.add_argument("--format", choices=("radixserve", "mooncake"), default="radixserve",
+                        help="the trace's format: radixserve's own (token ids, text or chat) "
+                             "or Mooncake's (hash_ids of fixed-size token blocks)")
+    parser.add_argument("--block-tokens", type=int, default=512,
+                        help="tokens per hash id in a Mooncake trace (default 512)")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="Hugging Face tokenizer directory, for traces with text prompts")
     size = parser.add_mutually_exclusive_group()
@@ -149,10 +154,24 @@ def run(args: argparse.Namespace) -> int:
     )
 
     counts = (args.page_size, args.windows, args.max_concurrency, args.num_pages,
-              args.cache_tokens, args.rate)
+              args.cache_tokens, args.rate, args.block_tokens)
     if any(value is not None and value <= 0 for value in counts):
-        return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens "
-                     "and --rate must be positive")
+        return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens, "
+                     "--rate and --block-tokens must be positive")
+    progress = sys.stderr.isatty()
+    if args.format == "mooncake":
+        if args.url:
+            return _fail("a Mooncake trace's token ids are its block hashes, not the model's "
+                         "vocabulary: replay it offline (without --url)")
+        from engine.profiler.mooncake import read_mooncake
+
+        try:
+            sizes = _parse_sweep(args.sweep)
+            requests = read_mooncake(args.trace, args.block_tokens)
+            _offline(args, requests, sizes, progress)
+        except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
+            return _fail(str(exc))
+        return 0
     try:
         sizes = _parse_sweep(args.sweep)
         trace = read_trace(args.trace)
@@ -161,7 +180,6 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     if needs_tokenizer(trace) and tokenizer is None and not args.url:
         return _fail(f"{args.trace} has text prompts: pass --tokenizer DIR to tokenize them")
-    progress = sys.stderr.isatty()
     profile = None
     if tokenizer is not None or not needs_tokenizer(trace):
         try:
