@@ -38,6 +38,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     allow_special_tokens_in_content: bool = False
     log_level: str = "warning"
 
+    def serving_context_len(self, model_context_len: int) -> int:
+        """The context requests get: ``--context-len`` if given, else the model's."""
+        return self.context_len or model_context_len
+
     def validate(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"--page-size must be at least 1, got {self.page_size}")

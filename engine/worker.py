@@ -56,7 +56,7 @@ class Worker:
         mc = self.runner.config
         self.info = ModelInfo(
             model=c.served_model_name or c.model, architecture=mc.architecture,
-            vocab_size=mc.vocab_size, context_len=c.context_len or mc.max_context_len,
+            vocab_size=mc.vocab_size, context_len=c.serving_context_len(mc.max_context_len),
             eos_token_ids=list(mc.eos_token_ids), page_size=self.runner.page_size,
             num_pages=self.runner.num_pages, num_host_pages=self.runner.num_host_pages,
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_server import ServerProcess, metric_values
+from tests.server_process import ServerProcess, metric_values
 
 LIMIT = 4
 

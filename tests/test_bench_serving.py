@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.demo_model import build_demo_model
-from tests.test_server import ServerProcess
+from tests.server_process import ServerProcess
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
 _spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from engine.server.zmq_client import ZmqAPIError, ZmqClient
-from tests.test_server import ServerProcess, free_port, metric_values
+from tests.server_process import ServerProcess, free_port, metric_values
 
 LONG = {"prompt": "Tell a long story:", "ignore_eos": True}
 

@@ -24,7 +24,8 @@ from engine.protocol import GenerateRequest, InvalidParam, ModelInfo, SamplingPa
 from engine.server.errors import APIError
 from engine.server.sampling import MAX_MESSAGE_DEPTH, check_messages, check_prompt_ids
 from scheduler import beam
-from tests.test_server import API_KEY, AUTH, BAD_INPUTS, ServerProcess, metric_values
+from tests.server_process import API_KEY, AUTH, ServerProcess, metric_values, serve_module
+from tests.test_server import BAD_INPUTS, TABLE_FLAGS
 from tokenizer_worker.process import TokenizerWorker
 from tokenizer_worker.template import render_chat
 
@@ -160,13 +161,8 @@ def test_the_tokenizer_worker_turns_any_failure_into_that_requests_error(tokeniz
 # ------------------------------------------------------------------------ live server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # The flags test_server.py's table of bad inputs expects.
-    srv = ServerProcess(tmp_path_factory.mktemp("hostile"), "--num-pages", "1024",
-                        "--api-key", API_KEY, "--max-request-bytes", str(1 << 20),
-                        "--max-sessions", "4", "--max-pending-requests", "96")
-    yield srv
-    assert srv.stop() == 0
-    assert [c for c in srv.children if Path(f"/proc/{c}").exists()] == []
+    yield from serve_module(tmp_path_factory.mktemp("hostile"), "--num-pages", "1024",
+                            *TABLE_FLAGS)
 
 
 class SideStream(threading.Thread):

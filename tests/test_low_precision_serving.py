@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.protocol import SamplingParams
+from tests.server_process import ServerProcess
 from tests.test_scheduler import Harness, hf_greedy, model_dir  # noqa: F401 (fixture)
-from tests.test_server import ServerProcess
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 DRIFT_MARGIN = 0.05

@@ -8,7 +8,7 @@ import csv
 import pytest
 
 from engine.cli import main as cli
-from tests.test_server import ServerProcess
+from tests.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -1,98 +1,28 @@
 """The HTTP server as a real ``radixserve serve`` process (demo model), started once for the
 module: the official openai client, sessions, a table of bad inputs, disconnects, concurrency
-and metrics. ``ServerProcess`` is shared with the other server test modules."""
+and metrics. ``tests/server_process.py`` starts and stops it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import select
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-API_KEY = "sk-radixserve-test"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
+from tests.server_process import API_KEY, AUTH, metric_values, serve_module
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-class ServerProcess:
-    """``radixserve serve`` on a free port, ready once it printed its URL. Its socket directory
-    goes under ``tmp`` (TMPDIR), so a test can see it was removed. The demo model unless the
-    args name another ``--model``."""
-
-    def __init__(self, tmp: Path, *args: str, timeout: float = 300.0) -> None:
-        if "--model" not in args:
-            args = ("--model", "demo", *args)
-        if "--dtype" not in args:
-            args = ("--dtype", "float32", *args)  # outputs stay comparable run to run
-        self.tmp = tmp
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / "server.log"
-        self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True,
-            env={**os.environ, "TMPDIR": str(tmp)},
-        )
-        deadline = time.monotonic() + timeout
-        self.ready_line = ""
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if select.select([self.proc.stdout], [], [], 1.0)[0]:
-                self.ready_line = self.proc.stdout.readline()
-                break
-        if "serving" not in self.ready_line:
-            self.stop(signal.SIGKILL)
-            raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()}")
-        self.children = children_of(self.proc.pid)
-
-    def socket_dirs(self) -> list[Path]:
-        return list(self.tmp.glob("radixserve-*"))
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        code = self.proc.wait(timeout)
-        self.log.close()
-        return code
+# The limits the table of bad inputs below expects of a server (test_hostile_inputs.py too).
+TABLE_FLAGS = ("--api-key", API_KEY, "--max-request-bytes", str(1 << 20), "--max-sessions", "4",
+               "--max-pending-requests", "96")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--num-pages", "2048",
-                        "--api-key", API_KEY, "--max-request-bytes", str(1 << 20),
-                        "--max-sessions", "4", "--max-pending-requests", "96")
-    yield srv
-    assert srv.stop() == 0
-    assert [c for c in srv.children if Path(f"/proc/{c}").exists()] == []
+    yield from serve_module(tmp_path_factory.mktemp("server"), "--num-pages", "2048",
+                            *TABLE_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +37,6 @@ def model(oai):
 
 def http(server) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
-
-
-def metric_values(server) -> dict[str, float]:
-    """Every sample of /metrics by name (labels folded into the name as name{k=v,...})."""
-    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=30).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
 
 
 # ------------------------------------------------------------------------ openai client

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server import ServerProcess, free_port
+from tests.server_process import ServerProcess, free_port
 
 
 def _cmdline(pid: int) -> str:

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.server.app import build_app
 from engine.server.service import Service
 from radix import PageAllocator, RadixTree
-from tests.test_server import API_KEY, AUTH, ServerProcess, metric_values
+from tests.server_process import API_KEY, AUTH, ServerProcess, metric_values
 from tests.test_server_app import INFO, ScriptedClient
 
 NUM_PAGES = 1024

@@ -13,7 +13,7 @@ import zmq
 from engine.server.schemas import ChatCompletionChunk, CompletionChunk
 from engine.server.zmq_client import AsyncZmqClient, ZmqAPIError, ZmqClient
 from engine.server.zmq_messages import ErrorReply, reply_decoder
-from tests.test_server import ServerProcess, free_port, metric_values
+from tests.server_process import ServerProcess, free_port, metric_values
 
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 

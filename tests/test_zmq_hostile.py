@@ -31,7 +31,7 @@ from engine.server.zmq_messages import (
     call_decoder,
     reply_decoder,
 )
-from tests.test_server import API_KEY, AUTH, ServerProcess, free_port
+from tests.server_process import API_KEY, AUTH, ServerProcess, free_port
 from tests.test_server_app import INFO, ScriptedClient
 
 DEEP = b"\x91" * 100_000 + b"\xc0"  # a msgpack array nested 10^5 deep

@@ -262,7 +262,8 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     ep, i = spec.endpoints, spec.index
     tokenizer = AutoTokenizer.from_pretrained(spec.config.model)
     tokenizer.model_max_length = 1 << 30  # the scheduler checks lengths against the context
-    context_len = spec.config.context_len or ModelConfig.from_dir(spec.config.model).max_context_len
+    model_context_len = ModelConfig.from_dir(spec.config.model).max_context_len
+    context_len = spec.config.serving_context_len(model_context_len)
     worker = TokenizerWorker(tokenizer, i, context_len=context_len,
                              special_in_content=spec.config.allow_special_tokens_in_content)
     from_frontend = ctx.socket(zmq.PULL)
