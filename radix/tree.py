@@ -18,6 +18,9 @@ inserting a duplicate prefix never invalidates a sequence's pages. ``lock`` pins
 (each node on it counts lockers); locked nodes are never evicted, and their page references
 stop counting as evictable. Unlocked leaves are evicted least-recently-used first, through a
 heap with lazy invalidation (no scan over all leaves per eviction).
+
+Holders (the scheduler, the profiler, the tests) drive the tree through ``lease``
+(radix/lease.py): match and lock, acquire a page table, release it into the tree.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radix.lease import Lease
 from radix.pages import OutOfPages, PageAllocator
 
 TokenIds = Sequence[int] | np.ndarray
@@ -176,6 +180,11 @@ class RadixTree:
             self.stats.queried_tokens += total
             self.stats.hit_tokens += length
         return PrefixMatch(length, pages, node, self.page_size)
+
+    def lease(self, tokens: TokenIds, namespace: Hashable = None, max_len: int | None = None,
+              *, count: bool = True) -> Lease:
+        """Match the longest cached prefix and lock it: how every holder starts (radix/lease.py)."""
+        return Lease(self, self.match_prefix(tokens, namespace, max_len, count=count), namespace)
 
     def peek_prefix(self, tokens: TokenIds, namespace: Hashable = None,
                     max_len: int | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radix import OutOfPages, PrefixMatch, RadixTree
+from radix import Lease, OutOfPages, RadixTree
 from scheduler.request import Seq
 
 
@@ -33,33 +33,25 @@ class SeqMemory:
         self.num_host_pages = num_host_pages
 
     # ------------------------------------------------------------- admission
-    def match(self, seq: Seq) -> PrefixMatch:
-        """Longest cached prefix (at most len - 1: the last token's logits are needed), pinned."""
-        req = seq.req
-        match = self.tree.match_prefix(seq.tokens, req.namespace, max_len=len(seq.tokens) - 1)
-        self.tree.lock(match.node)
-        seq.lock_node = match.node
-        return match
+    def match(self, seq: Seq) -> Lease:
+        """Longest cached prefix (at most len - 1: the last token's logits are needed), pinned
+        by the sequence's lease until it is released (or swapped out)."""
+        seq.lease = self.tree.lease(seq.tokens, seq.req.namespace, max_len=len(seq.tokens) - 1)
+        return seq.lease
 
-    def pages_to_admit(self, match: PrefixMatch, upto: int) -> int:
-        """Fresh pages a sequence needs to hold ``upto`` tokens on top of the match's full pages."""
-        return self.alloc.pages_for(upto) - len(match.full_pages)
-
-    def take_match(self, seq: Seq, match: PrefixMatch, upto: int, work: StepWork) -> None:
-        """Give ``seq`` the match's full pages plus fresh ones up to ``upto`` tokens; a match
+    def take_match(self, seq: Seq, upto: int, work: StepWork) -> None:
+        """Give ``seq`` its lease's full pages plus fresh ones up to ``upto`` tokens; a match
         ending inside a page copies that page's matched slots into the first fresh page."""
-        full = match.full_pages
-        fresh = self.tree.alloc_pages(self.alloc.pages_for(upto) - len(full))
-        self.alloc.incref(full)
-        seq.pages = full + fresh
-        seq.computed = match.length
-        if match.partial_len:
-            self._plan_copy(seq, match.partial_page, fresh[0], match.partial_len, work)
+        seq.pages, copy = seq.lease.acquire(upto)
+        seq.computed = seq.lease.length
+        if copy is not None:
+            seq.pending_refs.append(copy.src)
+            work.copies.append((copy.src, copy.dst, copy.num_slots))
 
     def unpin(self, seq: Seq) -> None:
-        if seq.lock_node is not None:
-            self.tree.unlock(seq.lock_node)
-            seq.lock_node = None
+        """Let the matched path go; the sequence keeps its own references."""
+        if seq.lease is not None:
+            seq.lease.unlock()
 
     # ---------------------------------------------------------------- growth
     def grow(self, seq: Seq, upto: int, work: StepWork) -> None:
@@ -84,6 +76,7 @@ class SeqMemory:
         the next step's planning, where running out of pages can preempt (a fork allocates
         nothing, so it never fails)."""
         computed = parent.computed
+        child.lease = parent.lease.fork()
         child.pages = list(parent.pages[: self.alloc.pages_for(computed)])
         self.alloc.incref(child.pages)
         child.computed = computed
@@ -105,11 +98,6 @@ class SeqMemory:
                 kept.append((src, dst, num_slots))
         work.copies = kept
 
-    def _plan_copy(self, seq: Seq, src: int, dst: int, num_slots: int, work: StepWork) -> None:
-        self.alloc.incref([src])
-        seq.pending_refs.append(src)
-        work.copies.append((src, dst, num_slots))
-
     def copies_done(self, seq: Seq) -> None:
         if seq.pending_refs:
             self.alloc.decref(seq.pending_refs)
@@ -120,11 +108,14 @@ class SeqMemory:
         """Drop everything ``seq`` holds; with ``cache``, its computed KV goes into the tree
         first (so a preempted or finished sequence's prefix stays a cache hit)."""
         # A sequence whose copy-on-write has not run yet has no valid KV in that page.
-        if cache and seq.computed and not seq.host_pages and not seq.pending_refs:
-            self.tree.insert(seq.tokens[: seq.computed], seq.pages, seq.req.namespace)
-        self.unpin(seq)
+        cache = cache and seq.computed and not seq.host_pages and not seq.pending_refs
         self.copies_done(seq)
-        self.alloc.decref([p for p in seq.pages if p >= 0])
+        if seq.lease is not None:
+            seq.lease.release([p for p in seq.pages if p >= 0],
+                              seq.tokens[: seq.computed] if cache else None)
+            seq.lease = None
+        elif seq.pages:
+            raise RuntimeError(f"sequence {seq.req.rid}/{seq.index} holds pages without a lease")
         self.host_free.extend(host for _, host in seq.host_pages)
         seq.pages, seq.host_pages, seq.computed = [], [], 0
         seq.copy_last_page = False

@@ -210,39 +210,49 @@ class StepPlanner:
             return self._admit_swapped(req, seqs, work, reserved)
         matches, need = [], 0
         for seq in seqs:
-            match = self.mem.match(seq)
-            extend = len(seq.tokens) - match.length
+            lease = self.mem.match(seq)
+            extend = len(seq.tokens) - lease.length
             if not (req.is_beam and req.forked):
                 # Beams come back whole: every beam must reach its next sample in the same step
                 # (a beam step ranks them all together), and each mostly hits the shared prompt.
                 extend = min(extend, self.config.chunked_prefill_size, max(budget, 1))
             budget -= extend
-            matches.append((seq, match, extend))
-            need += self.mem.pages_to_admit(match, match.length + extend)
+            matches.append((seq, extend))
+            need += lease.pages_to_acquire(lease.length + extend)
         if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
             self.running or need > self.tree.num_available_pages
         ):
-            for seq, _, _ in matches:
+            for seq, _ in matches:
                 self.mem.unpin(seq)
             return None
         admitted = []
-        for seq, match, extend in matches:
-            self.mem.take_match(seq, match, match.length + extend, work)
+        for seq, extend in matches:
+            self.mem.take_match(seq, seq.lease.length + extend, work)
             seq.status = Status.RUNNING
             admitted.append(Entry(seq, extend, self._samples_for(seq, extend)))
         if req.cached_tokens < 0:
-            req.cached_tokens = matches[0][1].length
+            req.cached_tokens = matches[0][0].lease.length
         return admitted
 
     def _admit_swapped(self, req: Request, seqs: list[Seq], work: StepWork,
                        reserved: int) -> list[Entry] | None:
-        need = sum(self.mem.pages_to_resume(s) for s in seqs)
+        """Bring a swapped request back whole. Its sequences that had no private page to swap
+        were released into the tree at preemption: they match it again (usually a full hit)."""
+        released = [s for s in seqs if not s.host_pages and not s.pages]
+        need = sum(self.mem.pages_to_resume(s) for s in seqs if s.host_pages or s.pages)
+        for seq in released:
+            need += self.mem.match(seq).pages_to_acquire(len(seq.tokens))
         if need + (reserved if self.running else 0) > self.tree.num_available_pages:
+            for seq in released:
+                self.mem.unpin(seq)
             return None
         admitted = []
         for seq in seqs:
-            self.mem.swap_in(seq, work)
-            self.mem.grow(seq, seq.computed + seq.remaining, work)
+            if seq in released:
+                self.mem.take_match(seq, len(seq.tokens), work)
+            else:
+                self.mem.swap_in(seq, work)
+                self.mem.grow(seq, seq.computed + seq.remaining, work)
             seq.status = Status.RUNNING
             admitted.append(Entry(seq, seq.remaining, self._samples_for(seq, seq.remaining)))
         return admitted

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.protocol import SamplingParams
-from radix import Node
+from radix import Lease
 
 
 class Status(enum.Enum):
@@ -34,7 +34,7 @@ class Seq:
     tokens: list[int]  # prompt then outputs; the last one is not yet in the KV while decoding
     pages: list[int] = field(default_factory=list)  # one reference each, position order
     computed: int = 0  # tokens whose KV sits in ``pages``
-    lock_node: Node | None = None  # the matched path this sequence pins, if any
+    lease: Lease | None = None  # its hold on the tree: the matched path it pins
     pending_refs: list[int] = field(default_factory=list)  # copy sources, held until the copy ran
     host_pages: list[tuple[int, int]] = field(default_factory=list)  # (page index, host page)
     cum_logprob: float = 0.0  # beam search

@@ -5,9 +5,9 @@ other traffic would have evicted it.
     open ─▶ turn 1 ends: pin(history 1) ─▶ turn 2 ends: pin(history 2), pin 1 dropped ─▶ ...
                           └─ ttl passed / session closed / pool needed the pages ─▶ plain LRU
 
-A pin holds one lock on the tree node that ends the history (``RadixTree.lock`` pins the whole
-path to the root) and drops it on expiry, close, the next pin of the session, or when a request
-could not otherwise be admitted. The tokens pinned by all sessions together are bounded: a new
+A pin is a lease on the history that holds no pages (its lock on the node ending the history pins
+the whole path to the root); it is let go on expiry, close, the next pin of the session, or when
+a request could not otherwise be admitted. The tokens pinned by all sessions together are bounded: a new
 pin past ``max_pinned_tokens`` releases the oldest pins first, and a history longer than the
 bound is not pinned at all. Expiries sit in a heap (stale entries skipped), so the scheduler
 loop can sleep exactly until the next one.
@@ -19,14 +19,17 @@ import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from radix import Node, RadixTree
+from radix import Lease, RadixTree
 
 
 @dataclass
 class Pin:
-    node: Node
-    num_tokens: int
+    lease: Lease  # holds the lock, no pages
     expires: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.lease.length
 
 
 class SessionPins:
@@ -58,19 +61,19 @@ class SessionPins:
         while self.pins and self.pinned_tokens + len(tokens) > self.max_pinned_tokens:
             self.unpin(next(iter(self.pins)))
         # Finding the node to lock is not a request's lookup: keep the hit rate about requests.
-        match = self.tree.match_prefix(tokens, namespace, count=False)
-        if match.length == 0:
+        lease = self.tree.lease(tokens, namespace, count=False)
+        if lease.length == 0:
+            lease.unlock()
             return
-        self.tree.lock(match.node)
-        self.pins[session_id] = Pin(match.node, match.length, now + ttl)
-        self.pinned_tokens += match.length
+        self.pins[session_id] = Pin(lease, now + ttl)
+        self.pinned_tokens += lease.length
         heapq.heappush(self._expiries, (now + ttl, session_id))
 
     def unpin(self, session_id: str) -> bool:
         pin = self.pins.pop(session_id, None)
         if pin is None:
             return False
-        self.tree.unlock(pin.node)
+        pin.lease.unlock()
         self.pinned_tokens -= pin.num_tokens
         return True
 

@@ -1,5 +1,5 @@
-"""A tiny scheduler stand-in for radix tests: admits sequences the way the scheduler does
-(match, lock, copy-on-write of a partial page, allocate) and keeps a shadow of slot contents."""
+"""A tiny scheduler stand-in for radix tests: admits sequences through a lease, as the scheduler
+does (match, lock, allocate, copy-on-write of a partial page), and keeps a shadow of slot contents."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radix import PageAllocator, PrefixMatch, RadixTree
+from radix import Lease, PageAllocator, PrefixMatch, RadixTree
 
 
 @dataclass
 class SimSeq:
     tokens: list[int]
     pages: list[int]
-    match: PrefixMatch
+    lease: Lease
 
 
 class Sim:
@@ -35,38 +35,37 @@ class Sim:
             assert got == (tokens[pos], pos), f"slot for position {pos} holds {got}"
 
     def admit(self, tokens: list[int], namespace=None) -> SimSeq:
-        """Match at most len - 1 tokens, lock, copy the partial page, allocate the rest."""
-        tree, P = self.tree, self.page_size
-        match = tree.match_prefix(tokens, namespace, max_len=len(tokens) - 1)
-        self.verify_match(tokens, match)
-        tree.lock(match.node)
-        full = match.full_pages
-        need = self.alloc.pages_for(len(tokens)) - len(full)
+        """Lease at most len - 1 tokens, acquire the table, run the copy, write the rest."""
+        lease = self.tree.lease(tokens, namespace, max_len=len(tokens) - 1)
+        self.verify_match(tokens, lease.match)
         try:
-            fresh = tree.alloc_pages(need)
+            pages, copy = lease.acquire(len(tokens))
         except Exception:
-            tree.unlock(match.node)
+            lease.unlock()
             raise
-        self.alloc.incref(full)
-        pages = full + [int(p) for p in fresh]
-        if match.partial_len:
-            src, dst = match.partial_page, pages[len(full)]
-            base_src, base_dst = src * P, dst * P
-            self.shadow[base_dst : base_dst + match.partial_len] = (
-                self.shadow[base_src : base_src + match.partial_len]
+        if copy is not None:
+            base_src, base_dst = copy.src * self.page_size, copy.dst * self.page_size
+            self.shadow[base_dst : base_dst + copy.num_slots] = (
+                self.shadow[base_src : base_src + copy.num_slots]
             )
-        for pos in range(match.length, len(tokens)):
+            self.alloc.decref([copy.src])
+        for pos in range(lease.length, len(tokens)):
             self.shadow[self.slot(pages, pos)] = (tokens[pos], pos)
-        seq = SimSeq(list(tokens), pages, match)
+        seq = SimSeq(list(tokens), pages, lease)
         self.running.append(seq)
         return seq
 
-    def finish(self, seq: SimSeq, namespace=None) -> int:
-        cached = self.tree.insert(seq.tokens, seq.pages, namespace)
-        self.tree.unlock(seq.match.node)
-        self.alloc.decref(seq.pages)
+    def finish(self, seq: SimSeq, *, cache: bool = True) -> int:
+        """Release ``seq``: with ``cache``, its tokens go into the tree first."""
         self.running.remove(seq)
-        return cached
+        return seq.lease.release(seq.pages, seq.tokens if cache else None)
+
+    def fork(self, seq: SimSeq) -> SimSeq:
+        """Another holder of ``seq``'s pages (a parallel sample), with its own lease."""
+        self.alloc.incref(seq.pages)
+        child = SimSeq(list(seq.tokens), list(seq.pages), seq.lease.fork())
+        self.running.append(child)
+        return child
 
     def external_refs(self) -> np.ndarray:
         refs = np.zeros(self.alloc.num_pages, dtype=np.int64)

@@ -149,7 +149,7 @@ def test_duplicate_insert_never_invalidates_running_sequence():
     sim.check()
     assert sim.tree.insert(b.tokens, b.pages) == 7  # already cached: tree keeps a's pages
     sim.tree.evict(100)
-    sim.verify_match(b.tokens, type(b.match)(7, b.pages, b.match.node, 4))  # b's pages intact
+    sim.verify_match(b.tokens, type(b.lease.match)(7, b.pages, b.lease.match.node, 4))  # b's pages intact
     sim.finish(b)
     sim.check()
 
@@ -159,8 +159,8 @@ def test_full_hit_recomputes_last_token_and_copies_partial_page():
     tokens = list(range(10))
     sim.finish(sim.admit(tokens))
     seq = sim.admit(tokens)
-    assert seq.match.length == 9 and seq.match.partial_len == 1
-    assert seq.pages[2] != seq.match.partial_page  # a fresh page, copied into
+    assert seq.lease.length == 9 and seq.lease.match.partial_len == 1
+    assert seq.pages[2] != seq.lease.match.partial_page  # a fresh page, copied into
     sim.check()
     sim.finish(seq)
     sim.check()

@@ -1,4 +1,6 @@
-"""Random operation sequences against the radix tree and allocator (hypothesis).
+"""Random operation sequences against the radix tree and allocator (hypothesis), driven through
+the lease API (radix/lease.py) at page sizes 1, 4 and 16: admit, finish with or without caching,
+fork, unlock early, pin without pages, evict, and pages held outside the tree.
 
 After every step: the accounting invariant (``check`` with the running sequences' references)
 and, on every match, that each matched slot holds the queried token at that position.
@@ -7,11 +9,12 @@ and, on every match, that each matched slot holds the queried token at that posi
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import radix.pages
-from radix import OutOfPages, PageAllocator, RadixTree
+from radix import Lease, OutOfPages, PageAllocator, RadixTree
 from tests.radix_sim import Sim
 
 # A small alphabet makes shared prefixes, splits and divergences common.
@@ -24,6 +27,7 @@ class RadixMachine(RuleBasedStateMachine):
     def setup(self, page_size: int, num_pages: int, vector_min: int) -> None:
         self.sim = Sim(num_pages * (16 // page_size), page_size)  # same slot budget
         self.external: list[list[int]] = []  # pages held by something other than sequences
+        self.pins: list[Lease] = []
         # The allocator's per-page loop and its vectorised path must keep identical books.
         self.saved_vector_min = radix.pages.VECTOR_MIN_PAGES
         radix.pages.VECTOR_MIN_PAGES = vector_min
@@ -40,12 +44,33 @@ class RadixMachine(RuleBasedStateMachine):
             pass  # admission failure must leave everything as it was: the invariant checks it
 
     @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000), cache=st.booleans())
+    def finish(self, index: int, cache: bool) -> None:
+        self.sim.finish(self.sim.running[index % len(self.sim.running)], cache=cache)
+
+    @precondition(lambda self: self.sim.running)
     @rule(index=st.integers(0, 1000))
-    def finish(self, index: int) -> None:
+    def fork(self, index: int) -> None:
+        self.sim.fork(self.sim.running[index % len(self.sim.running)])
+
+    @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000))
+    def unlock_early(self, index: int) -> None:
+        """A holder lets its match go (a swap-out): its own table stays valid."""
         seq = self.sim.running[index % len(self.sim.running)]
-        # The namespace the sequence was admitted under is the one its match node's root is for.
-        namespace = next(ns for ns, root in self.sim.tree._roots.items() if _root(seq.match.node) is root)
-        self.sim.finish(seq, namespace)
+        seq.lease.unlock()
+        with pytest.raises(RuntimeError):
+            seq.lease.acquire(len(seq.tokens))
+
+    @rule(tokens=token_lists, namespace=st.sampled_from([None, "b"]))
+    def pin(self, tokens: list[int], namespace) -> None:
+        """A session pin: a lease that holds no pages, only the lock."""
+        self.pins.append(self.sim.tree.lease(tokens, namespace, count=False))
+
+    @precondition(lambda self: self.pins)
+    @rule()
+    def unpin(self) -> None:
+        self.pins.pop(0).unlock()
 
     @rule(tokens=token_lists, max_len=st.integers(0, 40))
     def match(self, tokens: list[int], max_len: int) -> None:
@@ -80,12 +105,6 @@ class RadixMachine(RuleBasedStateMachine):
             for p in pages:
                 refs[p] += 1
         self.sim.tree.check(refs)
-
-
-def _root(node):
-    while node.parent is not None:
-        node = node.parent
-    return node
 
 
 TestRadixMachine = RadixMachine.TestCase

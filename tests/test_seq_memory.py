@@ -22,10 +22,12 @@ def make(num_pages: int = 6, page_size: int = 4) -> tuple[SeqMemory, Request]:
 def test_fork_on_a_full_pool_allocates_nothing_and_grow_plans_the_copy():
     mem, req = make()
     parent = Seq(req, 0, list(range(6)))
-    mem.grow(parent, 6, StepWork())  # two pages, the second holds slots 0-1 of positions 4-5
+    mem.match(parent)
+    mem.take_match(parent, 6, StepWork())  # two pages, the second holds slots 0-1 of 4-5
     parent.computed = 6
-    hog = Seq(req, 9, [])
-    mem.grow(hog, 16, StepWork())  # the other four pages: nothing free, nothing evictable
+    hog = Seq(req, 9, list(range(100, 116)))
+    mem.match(hog)
+    mem.take_match(hog, 16, StepWork())  # the other four pages: nothing free, nothing evictable
     child = Seq(req, 1, parent.tokens + [7])
     mem.fork(parent, child)
     assert child.pages == parent.pages and child.copy_last_page

@@ -1,12 +1,12 @@
 """Offline replay of a trace through the real radix tree, and through the baselines beside it.
 
-Requests run one at a time in arrival order, each driven the way the scheduler drives the tree
-(tests/radix_sim.py)::
+Requests run one at a time in arrival order, each driven through a lease (radix/lease.py), the
+way the scheduler drives the tree::
 
-    match at most len(prompt) - 1 tokens  ->  lock the matched path
-    allocate pages for prompt + output, evicting unlocked leaves when short
+    lease at most len(prompt) - 1 tokens (match, lock)
+    acquire pages for prompt + output, evicting unlocked leaves when short
       (a match ending inside a page shares the full pages and gets a fresh page for the copy)
-    insert prompt + output  ->  unlock  ->  drop the request's own page references
+    release with prompt + output (insert, unlock, drop the request's own page references)
 
 No model runs: outputs come from the trace. Replaying one at a time means a request never holds
 pages while another is admitted, so eviction pressure here is a lower bound on a busy server's.
@@ -78,28 +78,23 @@ def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy
                 f"and output, but the cache has {num_pages:,}: give at least "
                 f"{min_pages(requests, page_size) * page_size:,} cache tokens"
             )
-        match = tree.match_prefix(r.prompt, r.namespace, max_len=len(r.prompt) - 1)
-        tree.lock(match.node)
-        shared = match.full_pages
+        lease = tree.lease(r.prompt, r.namespace, max_len=len(r.prompt) - 1)
         try:
-            fresh = tree.alloc_pages(needed - len(shared))
+            pages, copy = lease.acquire(len(full))
         except OutOfPages:
             # The locked match (its partial page, and a page copy at each fork inside a page)
             # leaves too little room in a cache barely bigger than the request: drop the match
             # and run the request uncached, in a cache emptied for it.
-            tree.unlock(match.node)
+            lease.unlock()
             tree.reset()
-            match = tree.match_prefix(r.prompt, r.namespace, max_len=0)
-            tree.lock(match.node)
-            shared, fresh = [], tree.alloc_pages(needed)
+            lease = tree.lease(r.prompt, r.namespace, max_len=0)
+            pages, copy = lease.acquire(len(full))
             dropped += 1
-        alloc.incref(shared)
-        pages = shared + fresh
+        if copy is not None:
+            alloc.decref([copy.src])  # the copy has run
         peak_pages = max(peak_pages, num_pages - alloc.num_free_pages)
-        tree.insert(full, pages, r.namespace)
-        tree.unlock(match.node)
-        alloc.decref(pages)
-        cached[i] = match.length
+        lease.release(pages, full)
+        cached[i] = lease.length
         kv_tokens[i] = (num_pages - alloc.num_free_pages) * page_size
     tree.check()
     return CacheRun(label, cached, num_pages * page_size, tree.stats.evicted_pages * page_size,
