@@ -190,8 +190,10 @@ def test_limited_cache_attribution_sums_to_the_misses(requests, page_size, extra
     parts = per_request(profile)
     prompt = profile.prompt_tokens
     assert (parts["cold"] + parts["evicted"] + profile.radix.cached == prompt).all()
-    assert (parts["cold"] + parts["block_granularity"] + parts["block_evicted"]
-            + profile.block.cached == prompt).all()
+    assert (parts["cold"] + parts["short_head"] + parts["block_granularity"]
+            + parts["block_evicted"] + profile.block.cached == prompt).all()
+    unlimited = profile.unlimited.cached
+    assert (parts["short_head"] == np.where(unlimited < 16, unlimited, 0)).all()
     totals = attribute(profile)
     assert totals.missed == totals.prompt_tokens - totals.hit
     assert totals.block_missed == totals.prompt_tokens - totals.block_hit
@@ -205,6 +207,23 @@ def test_attribution_on_a_multi_turn_trace_with_eviction():
     assert totals.cold + totals.evicted == totals.prompt_tokens - totals.hit
     assert profile.radix.evicted_tokens > 0 and profile.unlimited.evicted_tokens == 0
     assert profile.radix.peak_tokens <= profile.num_pages * 4
+
+
+def test_a_shared_head_shorter_than_a_block_is_its_own_category():
+    head = list(range(100, 150))
+    requests = [req(0, head), req(1, head[:5] + list(range(900, 910))),
+                req(2, head[:40] + [950, 951]), req(3, head[:16] + [960])]
+    profile = run_profile(requests, 64, 4)
+    assert profile.unlimited.cached.tolist() == [0, 5, 40, 16]
+    assert profile.block_unlimited.cached.tolist() == [0, 0, 32, 16]
+    parts = per_request(profile)
+    # 5 shared tokens are no 16-token block; of 40, the 8 past block 2 are block granularity;
+    # 16 is a whole block, which block hashing finds.
+    assert parts["short_head"].tolist() == [0, 5, 0, 0]
+    assert parts["block_granularity"].tolist() == [0, 0, 8, 0]
+    totals = attribute(profile)
+    assert (totals.short_head, totals.block_granularity, totals.cold) == (5, 8, 50 + 10 + 2 + 1)
+    assert totals.block_missed == totals.prompt_tokens - totals.block_hit == 50 + 15 + 10 + 1
 
 
 def test_namespaces_never_share():

@@ -61,6 +61,33 @@ def test_policy_and_explicit_sweep_sizes(tmp_path, capsys):
     assert "radix p4 lfu" in printed and "1,024" in printed
 
 
+def test_sessions_and_namespaces_csv_sum_their_requests(tmp_path, capsys):
+    lines = [  # (session, namespace, prompt)
+        ("s1", None, [1, 2, 3, 4]), (None, "t", [1, 2, 3, 4]), ("s2", None, [1, 2, 3, 9]),
+        (None, "t", [1, 2, 3, 4, 5]), ("s1", "t", [1, 2, 3, 4, 5, 6, 7])]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({
+        "id": f"r{i}", "arrival": i, "prompt_token_ids": prompt, "output_token_ids": [],
+        **({"session_id": session} if session else {}),
+        **({"namespace": namespace} if namespace else {})}) + "\n"
+        for i, (session, namespace, prompt) in enumerate(lines)))
+    out = tmp_path / "out"
+    assert main(["profile", str(trace), "--page-size", "1", "--out", str(out)]) == 0
+    assert "invisible to any cache" not in capsys.readouterr().out  # a trace of tokens
+    assert json.loads((out / "summary.json").read_text())["trace_blocks"] is None
+
+    def table(name: str, key: str) -> list[tuple]:
+        with open(out / name) as f:
+            return [(r[key], int(r["requests"]), int(r["prompt_tokens"]), int(r["hit_tokens"]),
+                     int(r["cold"]), int(r["evicted"])) for r in csv.DictReader(f)]
+
+    # Hits: r2 3 (r0's head), r3 4 (r1's prompt), r4 5 (r3's, in namespace t). One row per
+    # key in the order of its first request; no session / the default namespace is "".
+    assert table("sessions.csv", "session_id") == [
+        ("s1", 2, 11, 5, 6, 0), ("", 2, 9, 4, 5, 0), ("s2", 1, 4, 3, 1, 0)]
+    assert table("namespaces.csv", "namespace") == [("", 2, 8, 3, 5, 0), ("t", 3, 16, 9, 7, 0)]
+
+
 def test_profile_errors_are_sentences(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "arrival": 0, "prompt_token_ids": [1]}\n')

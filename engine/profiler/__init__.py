@@ -2,12 +2,14 @@
 through the radix tree (offline) or against an OpenAI-compatible server (live).
 
     trace.py        the JSONL trace format, reading, writing, tokenizing
+    mooncake.py, bailian.py   Mooncake's and Alibaba Bailian's traces of hashed token blocks
+    block_trace.py  what those two share: line checks, blocks expanded into token ids
     workload.py     synthetic traces: shared-prefix, multi-turn, tree, few-shot, random
     simulate.py     offline replay through ``radix`` at a cache size, page size and policy
     policies.py     eviction policies beyond the tree's LRU (LFU)
     baselines.py    whole-block hash caching (vLLM's scheme)
-    attribution.py  misses split into cold, evicted, and block granularity
-    report.py       terminal tables, CSV and JSON
+    attribution.py  misses split into cold, evicted, short heads and block granularity
+    report.py       terminal tables, CSV (per request, session, namespace, window) and JSON
     plots.py        PNG plots
     live.py         replay against a server; measured hit rate and TTFT
     command.py, workload_command.py   the ``radixserve profile`` / ``workload`` subcommands

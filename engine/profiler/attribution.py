@@ -8,10 +8,17 @@ Per request, with U the unlimited radix hit and R the configured cache's hit::
 
     prompt = R + cold + evicted,   cold = prompt - U,   evicted = U - R
 
-Block hashing loses a third kind on top: **block granularity**, the tokens of a matched prefix
-past its last whole 16-token block. With Bu the unlimited block-hash hit, that is U - Bu: the
-extra hits token matching gets over 16-token block hashing with the capacity question taken out.
-Block hashing at the configured capacity (B) also loses Bu - B to eviction.
+Block hashing loses what token matching finds past its last whole 16-token block, U - Bu with
+Bu the unlimited block-hash hit (the extra hits of token matching with the capacity question
+taken out), in two kinds:
+
+- **shared head shorter than one block**: a request whose whole unlimited match is shorter
+  than a block (0 < U < 16), reuse block hashing can never see: short head = U there, else 0;
+- **block granularity**: the rest, the tokens of a longer match past its last whole block.
+
+Block hashing at the configured capacity (B) also loses Bu - B to eviction. Per request::
+
+    prompt = B + cold + short head + block granularity + block evicted
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from engine.profiler.baselines import BLOCK_SIZE
 from engine.profiler.simulate import Profile
 
 
@@ -32,6 +40,7 @@ class Attribution:
     cold: int
     evicted: int
     block_hit: int
+    short_head: int
     block_granularity: int
     block_evicted: int
 
@@ -41,7 +50,7 @@ class Attribution:
 
     @property
     def block_missed(self) -> int:
-        return self.cold + self.block_granularity + self.block_evicted
+        return self.cold + self.short_head + self.block_granularity + self.block_evicted
 
     def to_json(self) -> dict[str, int]:
         return {**asdict(self), "missed": self.missed, "block_missed": self.block_missed}
@@ -52,10 +61,12 @@ def per_request(profile: Profile) -> dict[str, np.ndarray]:
     prompt = profile.prompt_tokens
     radix, unlimited = profile.radix.cached, profile.unlimited.cached
     block, block_unlimited = profile.block.cached, profile.block_unlimited.cached
+    short_head = np.where(unlimited < BLOCK_SIZE, unlimited, 0)
     parts = {
         "cold": prompt - unlimited,
         "evicted": unlimited - radix,
-        "block_granularity": unlimited - block_unlimited,
+        "short_head": short_head,
+        "block_granularity": unlimited - block_unlimited - short_head,
         "block_evicted": block_unlimited - block,
     }
     for name, values in parts.items():
@@ -75,6 +86,7 @@ def attribute(profile: Profile) -> Attribution:
         cold=int(parts["cold"].sum()),
         evicted=int(parts["evicted"].sum()),
         block_hit=int(profile.block.cached.sum()),
+        short_head=int(parts["short_head"].sum()),
         block_granularity=int(parts["block_granularity"].sum()),
         block_evicted=int(parts["block_evicted"].sum()),
     )

@@ -19,15 +19,20 @@ from typing import Any
 HELP = "measure prefix-cache hit rates of a request trace, offline or against a live server"
 
 DEFAULT_CACHE_TOKENS = 131072  # fp16 KV of a Llama-3-8B-sized model in 16 GiB
+# Formats that give prompts as hash ids of token blocks, with the block size of their releases
+# (mooncake.py and bailian.py default to the same; a test checks).
+BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", type=Path, help="JSONL trace (docs/profiler.md)")
-    parser.add_argument("--format", choices=("radixserve", "mooncake"), default="radixserve",
-                        help="the trace's format: radixserve's own (token ids, text or chat) "
-                             "or Mooncake's (hash_ids of fixed-size token blocks)")
-    parser.add_argument("--block-tokens", type=int, default=512,
-                        help="tokens per hash id in a Mooncake trace (default 512)")
+    parser.add_argument("--format", choices=("radixserve", *BLOCK_TOKENS), default="radixserve",
+                        help="the trace's format: radixserve's own (token ids, text or chat), "
+                             "Mooncake's or Alibaba Bailian's (hash_ids of token blocks)")
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help="tokens per hash id in a block-hash trace (default: the format's "
+                             "own, " + ", ".join(f"{f} {n}" for f, n in BLOCK_TOKENS.items())
+                             + ")")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="Hugging Face tokenizer directory, for traces with text prompts")
     size = parser.add_mutually_exclusive_group()
@@ -94,7 +99,7 @@ def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | 
         sizes = sweep_sizes(requests, args.page_size, profile.unlimited.peak_tokens)
     if sizes:
         sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress)
-    summary = summarize(profile, args.trace.name, args.windows, sweep)
+    summary = summarize(profile, args.trace.name, args.windows, sweep, args.block_tokens)
     print(format_text(summary))
     if args.out:
         from engine.profiler.plots import write_plots
@@ -159,19 +164,26 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens, "
                      "--rate and --block-tokens must be positive")
     progress = sys.stderr.isatty()
-    if args.format == "mooncake":
+    if args.format in BLOCK_TOKENS:
         if args.url:
-            return _fail("a Mooncake trace's token ids are its block hashes, not the model's "
-                         "vocabulary: replay it offline (without --url)")
+            return _fail(f"a {args.format.capitalize()} trace's token ids are its block hashes, "
+                         "not the model's vocabulary: replay it offline (without --url)")
+        from engine.profiler.bailian import read_bailian
         from engine.profiler.mooncake import read_mooncake
 
+        read = read_mooncake if args.format == "mooncake" else read_bailian
+        if args.block_tokens is None:
+            args.block_tokens = BLOCK_TOKENS[args.format]
         try:
             sizes = _parse_sweep(args.sweep)
-            requests = read_mooncake(args.trace, args.block_tokens)
+            requests = read(args.trace, args.block_tokens)
             _offline(args, requests, sizes, progress)
         except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
             return _fail(str(exc))
         return 0
+    if args.block_tokens is not None:
+        return _fail("--block-tokens is for block-hash traces (--format mooncake or bailian): "
+                     "a radixserve trace gives its tokens")
     try:
         sizes = _parse_sweep(args.sweep)
         trace = read_trace(args.trace)

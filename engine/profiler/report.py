@@ -1,6 +1,6 @@
 """What ``radixserve profile`` prints and writes: one summary dict, rendered as aligned text
-tables for the terminal and saved as ``summary.json`` beside per-request, per-window and
-per-cache-size CSV files."""
+tables for the terminal and saved as ``summary.json`` beside per-request, per-session,
+per-namespace, per-window and per-cache-size CSV files."""
 
 from __future__ import annotations
 
@@ -57,9 +57,29 @@ def timeline(profile: Profile, windows: int) -> list[dict[str, Any]]:
     return rows
 
 
+def trace_blocks(profile: Profile, block_tokens: int) -> dict[str, Any]:
+    """What a trace hashed in ``block_tokens``-token blocks hides from every cache replaying it.
+
+    A match stops at the first block two prompts hash differently, though they may share up to
+    ``block_tokens - 1`` more tokens inside it: at most that many per request (and never the
+    always-recomputed last token) is reuse the trace cannot show."""
+    prompt, unlimited = profile.prompt_tokens, profile.unlimited.cached
+    hidden = int(np.minimum(block_tokens - 1, prompt - 1 - unlimited).sum())
+    total = int(prompt.sum())
+    return {
+        "block_tokens": block_tokens,
+        "note": f"this trace hashes {block_tokens}-token blocks: reuse shorter than a block, or "
+                "past the last shared block, is invisible to any cache here",
+        "hidden_tokens_at_most": hidden,
+        "unlimited_hit_rate_at_most": (int(unlimited.sum()) + hidden) / total if total else 0.0,
+    }
+
+
 def summarize(profile: Profile, trace_name: str, windows: int = 10,
-              sweep: list[SweepPoint] | None = None) -> dict[str, Any]:
-    """Everything the report shows, as plain JSON-ready data."""
+              sweep: list[SweepPoint] | None = None,
+              trace_block_tokens: int | None = None) -> dict[str, Any]:
+    """Everything the report shows, as plain JSON-ready data; ``trace_block_tokens`` is the
+    block size of a trace given as block hashes (Mooncake, Bailian), None for token traces."""
     prompt = profile.prompt_tokens
     cached = profile.radix.cached
     requests = profile.requests
@@ -80,6 +100,8 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
                     "dropped_matches": run.dropped_matches}
                    for run in profile.runs],
         "attribution": attribute(profile).to_json(),
+        "trace_blocks": (trace_blocks(profile, trace_block_tokens)
+                         if trace_block_tokens is not None else None),
         "cached_tokens_per_request": {
             "mean": float(cached.mean()), "p50": float(np.percentile(cached, 50)),
             "p90": float(np.percentile(cached, 90)), "max": int(cached.max()),
@@ -96,6 +118,8 @@ def format_text(s: dict[str, Any]) -> str:
     radix_label = s["caches"][0]["cache"]
     per_req = s["cached_tokens_per_request"]
     names = {"unlimited": "unlimited (upper bound)"}
+    blocks = s["trace_blocks"]
+    unlimited_rate = s["caches"][1]["hit_rate"]
     lines = [
         f"trace {s['trace']}: {s['requests']:,} requests, {s['sessions']:,} sessions, "
         f"{s['namespaces']:,} namespace(s), {s['duration_s']:,.1f} s; "
@@ -107,11 +131,19 @@ def format_text(s: dict[str, Any]) -> str:
               [[names.get(c["cache"], c["cache"]), _n(c["capacity_tokens"]), _n(c["hit_tokens"]),
                 _pct(c["hit_rate"]), _n(c["evicted_tokens"]), _n(c["peak_kv_tokens"])]
                for c in s["caches"]]),
+        *(["", blocks["note"],
+           f"so every hit rate above is a lower bound: partly shared blocks could hide at most "
+           f"{blocks['hidden_tokens_at_most']:,} more hit tokens (unlimited at most "
+           f"{_pct(blocks['unlimited_hit_rate_at_most'])} instead of {_pct(unlimited_rate)}), "
+           "besides replies re-sent by a later turn, which the format does not hash"]
+          if blocks else []),
         "",
         f"misses of {radix_label}: {att['missed']:,} tokens = cold {att['cold']:,} "
         f"+ evicted {att['evicted']:,}",
-        f"token matching over 16-token blocks: +{att['block_granularity']:,} hit tokens "
-        f"(block granularity); block hashing at this capacity also loses "
+        f"token matching over 16-token blocks: "
+        f"+{att['short_head'] + att['block_granularity']:,} hit tokens = shared head shorter "
+        f"than one block {att['short_head']:,} + block granularity "
+        f"{att['block_granularity']:,}; block hashing at this capacity also loses "
         f"{att['block_evicted']:,} to eviction",
         f"cached tokens per request: mean {per_req['mean']:,.0f}, p50 {per_req['p50']:,.0f}, "
         f"p90 {per_req['p90']:,.0f}, max {per_req['max']:,}; "
@@ -158,18 +190,59 @@ def request_rows(profile: Profile) -> list[dict[str, Any]]:
             "cached_block16": int(profile.block.cached[i]),
             "cached_block16_unlimited": int(profile.block_unlimited.cached[i]),
             "cold": int(parts["cold"][i]), "evicted": int(parts["evicted"][i]),
+            "short_head": int(parts["short_head"][i]),
+            "block_granularity": int(parts["block_granularity"][i]),
+            "block_evicted": int(parts["block_evicted"][i]),
             "kv_tokens_after": int(profile.radix.kv_tokens[i]),
         })
     return rows
 
 
+def group_rows(profile: Profile, keys: Sequence[str | None], key_name: str) -> list[dict[str, Any]]:
+    """Per-request figures summed per distinct key (a session or a namespace), one row per key
+    in the order of its first request; requests without a key (None) form the row keyed "".
+    Grouped with numpy: a trace's millions of requests cost no Python work each."""
+    parts = per_request(profile)
+    names, first, group = np.unique(np.array(["" if k is None else k for k in keys]),
+                                    return_index=True, return_inverse=True)
+
+    def total(values: np.ndarray) -> np.ndarray:
+        return np.bincount(group, weights=values, minlength=len(names)).astype(np.int64)
+
+    requests = np.bincount(group, minlength=len(names))
+    prompt, hit, block_hit = (total(profile.prompt_tokens), total(profile.radix.cached),
+                              total(profile.block.cached))
+    sums = {name: total(parts[name]) for name in ("cold", "evicted", "short_head",
+                                                  "block_granularity", "block_evicted")}
+    rows = []
+    for g in np.argsort(first, kind="stable"):
+        rows.append({
+            key_name: str(names[g]), "requests": int(requests[g]),
+            "prompt_tokens": int(prompt[g]), "hit_tokens": int(hit[g]),
+            "hit_rate": float(hit[g] / prompt[g]) if prompt[g] else 0.0,
+            "cold": int(sums["cold"][g]), "evicted": int(sums["evicted"][g]),
+            "block16_hit_tokens": int(block_hit[g]),
+            "block16_hit_rate": float(block_hit[g] / prompt[g]) if prompt[g] else 0.0,
+            "short_head": int(sums["short_head"][g]),
+            "block_granularity": int(sums["block_granularity"][g]),
+            "block16_evicted": int(sums["block_evicted"][g]),
+        })
+    return rows
+
+
 def write_outputs(out_dir: Path, profile: Profile, summary: dict[str, Any]) -> list[Path]:
-    """``summary.json``, ``requests.csv``, ``timeline.csv`` and (with a sweep) ``sweep.csv``."""
+    """``summary.json``, ``requests.csv``, ``sessions.csv``, ``namespaces.csv``,
+    ``timeline.csv`` and (with a sweep) ``sweep.csv``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "summary.json", out_dir / "requests.csv", out_dir / "timeline.csv"]
+    written = [out_dir / "summary.json", out_dir / "requests.csv", out_dir / "sessions.csv",
+               out_dir / "namespaces.csv", out_dir / "timeline.csv"]
     written[0].write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     write_csv(written[1], request_rows(profile))
-    write_csv(written[2], summary["timeline"])
+    write_csv(written[2], group_rows(profile, [r.session_id for r in profile.requests],
+                                     "session_id"))
+    write_csv(written[3], group_rows(profile, [r.namespace for r in profile.requests],
+                                     "namespace"))
+    write_csv(written[4], summary["timeline"])
     if summary["sweep"]:
         written.append(out_dir / "sweep.csv")
         write_csv(written[-1], summary["sweep"])
