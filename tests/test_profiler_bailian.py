@@ -202,7 +202,11 @@ def test_profile_command_writes_the_block_note_and_per_session_rows(tmp_path, ca
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trace_blocks"]["block_tokens"] == 16
-    assert summary["trace_blocks"]["note"] in printed
+    blocks = summary["trace_blocks"]
+    assert blocks["note"] in printed
+    assert (f"lower bound: partly shared blocks could hide at most "
+            f"{blocks['hidden_tokens_at_most']:,} more hit tokens") in printed
+    assert 0 < blocks["hidden_tokens_at_most"] <= 15 * 21
     with open(out / "requests.csv") as f:
         requests = list(csv.DictReader(f))
     with open(out / "sessions.csv") as f:

@@ -133,8 +133,8 @@ def format_text(s: dict[str, Any]) -> str:
                for c in s["caches"]]),
         *(["", blocks["note"],
            f"so every hit rate above is a lower bound: partly shared blocks could hide at most "
-           f"{blocks['hidden_tokens_at_most']:,} more hit tokens (unlimited at most "
-           f"{_pct(blocks['unlimited_hit_rate_at_most'])} instead of {_pct(unlimited_rate)}), "
+           f"{blocks['hidden_tokens_at_most']:,} more hit tokens (unlimited {_pct(unlimited_rate)}"
+           f", at most {_pct(blocks['unlimited_hit_rate_at_most'])}), "
            "besides replies re-sent by a later turn, which the format does not hash"]
           if blocks else []),
         "",
