@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 from engine.profiler.attribution import attribute, per_request
 from engine.profiler.baselines import BlockHashCache, run_block_hash
 from engine.profiler.policies import LfuRadixTree, uses
+from engine.profiler.replay import CacheTooSmall, min_pages
 from engine.profiler.simulate import (
-    CacheTooSmall,
-    min_pages,
     replay_block_hash,
     replay_radix,
     replay_unlimited,

@@ -45,6 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", nargs="?", const="auto", metavar="TOKENS,...",
                         help="also replay at several cache sizes: a comma-separated list of "
                              "token counts, or none for 8 sizes up to the trace's footprint")
+    timing = parser.add_argument_group(
+        "requests overlapping in time, and a host tier (offline; docs/profiler.md)")
+    timing.add_argument("--prefill-tps", type=float,
+                        help="requests overlap: each holds its pages while it prefills its "
+                             "uncached prompt tokens at this many tokens/s")
+    timing.add_argument("--decode-tps", type=float,
+                        help="requests overlap: ... and decodes its output at this many tokens/s")
+    timing.add_argument("--durations", type=Path, metavar="CSV",
+                        help="requests overlap as they did in a live replay: the send time, TTFT "
+                             "and latency of each request from its live_requests.csv")
+    timing.add_argument("--host-cache-tokens", type=int,
+                        help="a host tier of this many tokens behind the cache, written through "
+                             "(hits split into device and host)")
     parser.add_argument("--windows", type=int, default=10,
                         help="time windows in the hit-rate-over-time table (default 10)")
     parser.add_argument("--out", type=Path, metavar="DIR",
@@ -57,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--rate", type=float,
                       help="send at this many requests/s instead of the trace's arrival times")
     live.add_argument("--max-concurrency", type=int, default=64,
-                      help="most requests in flight at once (default 64)")
+                      help="most requests in flight at once, live and in an offline replay "
+                           "whose requests overlap (default 64)")
     live.add_argument("--timeout", type=float, default=600.0,
                       help="seconds before one request is given up (default 600)")
 
@@ -87,18 +101,30 @@ def _parse_sweep(spec: str | None) -> list[int] | str | None:
     return sizes
 
 
+def _service(args: argparse.Namespace) -> Any:
+    """The offline replay's timing: serial unless rates or a live replay's timings are given."""
+    from engine.profiler.live import read_measured
+    from engine.profiler.replay import ServiceModel
+
+    measured = read_measured(args.durations) if args.durations else None
+    return ServiceModel(args.prefill_tps, args.decode_tps, measured, args.max_concurrency)
+
+
 def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | None,
              progress: bool) -> Any:
     """Replay, print the report, write the files; returns the profile."""
     from engine.profiler.report import format_text, summarize, write_outputs
     from engine.profiler.simulate import run_profile, run_sweep, sweep_sizes
 
-    profile = run_profile(requests, _num_pages(args), args.page_size, args.policy, progress)
+    service = _service(args)
+    host_pages = -(-(args.host_cache_tokens or 0) // args.page_size)
+    profile = run_profile(requests, _num_pages(args), args.page_size, args.policy, progress,
+                          service, host_pages)
     sweep = None
     if sizes == "auto":
         sizes = sweep_sizes(requests, args.page_size, profile.unlimited.peak_tokens)
     if sizes:
-        sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress)
+        sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress, service)
     summary = summarize(profile, args.trace.name, args.windows, sweep, args.block_tokens)
     print(format_text(summary))
     if args.out:
@@ -131,6 +157,8 @@ def _live(args: argparse.Namespace, trace: list, profile: Any, progress: bool) -
     local = profile.prompt_tokens if profile is not None else None
     label = profile.radix.label if profile is not None else None
     summary = summarize_live(results, model, args.url, simulated, label, local)
+    if profile is not None:
+        summary["timed_simulation"] = _timed_simulation(args, profile, results, summary)
     print(format_live(summary))
     if profile is None:
         print("(no offline comparison: this trace has text prompts; pass --tokenizer DIR)")
@@ -148,8 +176,27 @@ def _live(args: argparse.Namespace, trace: list, profile: Any, progress: bool) -
     return 0 if summary["succeeded"] else 1
 
 
+def _timed_simulation(args: argparse.Namespace, profile: Any, results: list,
+                      summary: dict[str, Any]) -> dict[str, Any]:
+    """The offline replay again, on the live run's own timeline (each request sent, prefilled
+    and finished when the server did it): what is left of the gap is the server's doing."""
+    import numpy as np
+
+    from engine.profiler.live import measured_times
+    from engine.profiler.replay import ServiceModel
+    from engine.profiler.simulate import replay_radix
+
+    service = ServiceModel(measured=measured_times(results), max_concurrency=args.max_concurrency)
+    run = replay_radix(profile.requests, profile.num_pages, profile.page_size, profile.policy,
+                       "radix on the live timeline", service=service)
+    ok = np.array([r.error is None and r.prompt_tokens is not None for r in results])
+    hit_rate = float(run.cached[ok].sum() / max(1, profile.prompt_tokens[ok].sum()))
+    return {"hit_rate": hit_rate, "gap_points": 100 * (summary["hit_rate"] - hit_rate),
+            "peak_running": run.peak_running}
+
+
 def run(args: argparse.Namespace) -> int:
-    from engine.profiler.simulate import CacheTooSmall
+    from engine.profiler.replay import CacheTooSmall
     from engine.profiler.trace import (
         TraceError,
         load_requests,
@@ -159,10 +206,12 @@ def run(args: argparse.Namespace) -> int:
     )
 
     counts = (args.page_size, args.windows, args.max_concurrency, args.num_pages,
-              args.cache_tokens, args.rate, args.block_tokens)
+              args.cache_tokens, args.rate, args.block_tokens, args.prefill_tps,
+              args.decode_tps, args.host_cache_tokens)
     if any(value is not None and value <= 0 for value in counts):
         return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens, "
-                     "--rate and --block-tokens must be positive")
+                     "--rate, --block-tokens, --prefill-tps, --decode-tps and "
+                     "--host-cache-tokens must be positive")
     progress = sys.stderr.isatty()
     if args.format in BLOCK_TOKENS:
         if args.url:
@@ -196,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is not None or not needs_tokenizer(trace):
         try:
             profile = _offline(args, load_requests(trace, tokenizer), sizes, progress)
-        except CacheTooSmall as exc:
+        except (OSError, TraceError, CacheTooSmall) as exc:
             return _fail(str(exc))
     if args.url:
         print()

@@ -13,9 +13,11 @@ flight); the server, not this client, decides what stays cached.
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.profiler.report import table
-from engine.profiler.trace import TraceRequest
+from engine.profiler.trace import TraceError, TraceRequest
 
 
 class LiveError(RuntimeError):
@@ -239,10 +241,40 @@ def format_live(s: dict[str, Any]) -> str:
                       f"measured - simulated = {100 * (s['hit_rate'] - sim['hit_rate']):+.1f} "
                       f"points; {sim['requests_below_simulation']:,} requests got fewer cached "
                       f"tokens than simulated (mean gap {sim['mean_gap_tokens']:,.1f} tokens)"]
+        timed = s.get("timed_simulation")
+        if timed:
+            lines.append(f"offline simulation on the live timeline (each request holding its "
+                         f"pages from send to finish, {timed['peak_running']} at most at once): "
+                         f"{100 * timed['hit_rate']:.1f}%; measured - simulated = "
+                         f"{timed['gap_points']:+.1f} points")
         if sim["prompt_length_mismatches"]:
             lines.append(f"{sim['prompt_length_mismatches']:,} prompts were counted with a "
                          "different length by the server than by the local tokenizer")
     return "\n".join(lines)
+
+
+def measured_times(results: list[LiveResult]) -> dict[str, tuple[float, float, float]]:
+    """``(sent_at_s, ttft_s, latency_s)`` by request id, for the requests that completed: the
+    timeline an offline replay can follow (``ServiceModel.measured``)."""
+    return {r.id: (r.sent_at_s, r.ttft_s, r.latency_s) for r in results
+            if r.error is None and r.ttft_s is not None and r.latency_s is not None}
+
+
+def read_measured(path: str | Path) -> dict[str, tuple[float, float, float]]:
+    """``measured_times`` back from the ``live_requests.csv`` a live replay wrote."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = {"id", "sent_at_s", "ttft_s", "latency_s"} - set(reader.fieldnames or ())
+        if missing:
+            raise TraceError(f"{path}: not a live_requests.csv (no {', '.join(sorted(missing))} "
+                             "column); write one with --url URL --out DIR")
+        try:
+            return {row["id"]: (float(row["sent_at_s"]), float(row["ttft_s"]),
+                                float(row["latency_s"]))
+                    for row in reader if not row.get("error") and row["ttft_s"]
+                    and row["latency_s"]}
+        except ValueError as exc:
+            raise TraceError(f"{path}: {exc}") from None
 
 
 def result_rows(results: list[LiveResult], simulated: np.ndarray | None) -> list[dict[str, Any]]:

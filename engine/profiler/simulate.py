@@ -1,36 +1,33 @@
 """Offline replay of a trace through the real radix tree, and through the baselines beside it.
 
-Requests run one at a time in arrival order, each driven through a lease (radix/lease.py), the
-way the scheduler drives the tree::
+Every request is driven through a lease (radix/lease.py), the way the scheduler drives the
+tree::
 
     lease at most len(prompt) - 1 tokens (match, lock)
     acquire pages for prompt + output, evicting unlocked leaves when short
       (a match ending inside a page shares the full pages and gets a fresh page for the copy)
     release with prompt + output (insert, unlock, drop the request's own page references)
 
-No model runs: outputs come from the trace. Replaying one at a time means a request never holds
-pages while another is admitted, so eviction pressure here is a lower bound on a busy server's.
+No model runs: outputs come from the trace. By default requests run one at a time in arrival
+order, so a request never holds pages while another is admitted and eviction pressure is a
+lower bound on a busy server's; a ``ServiceModel`` makes them overlap, and ``host_pages`` adds
+a host tier (engine/profiler/replay.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
 from engine.profiler.baselines import BLOCK_SIZE, BlockHashCache
-from engine.profiler.policies import POLICIES
+from engine.profiler.replay import ServiceModel, min_pages, replay
 from engine.profiler.trace import Request
-from radix import OutOfPages, PageAllocator
 
 # Below this many requests a replay finishes before a progress bar is worth drawing.
 PROGRESS_MIN_REQUESTS = 2000
-
-
-class CacheTooSmall(ValueError):
-    """A single request needs more KV pages than the whole cache has."""
 
 
 @dataclass
@@ -44,6 +41,10 @@ class CacheRun:
     peak_tokens: int = 0  # most KV slots in use at once (running request included)
     kv_tokens: np.ndarray | None = None  # KV slots held by the cache after each request
     dropped_matches: int = 0  # requests run uncached because their match left no room
+    host_cached: np.ndarray | None = None  # more prompt tokens loaded from a host tier
+    visible: np.ndarray | None = None  # an unlimited cache on the same timeline (concurrency)
+    waited_s: float = 0.0  # time requests waited for room or a concurrency slot, in total
+    peak_running: int = 1  # most requests holding pages at once
 
     def hit_rate(self, prompt_tokens: np.ndarray) -> float:
         total = int(prompt_tokens.sum())
@@ -55,50 +56,16 @@ def _progress(requests: list[Request], label: str, progress: bool) -> Iterator[R
     return iter(tqdm(requests, desc=label, unit="req", leave=False, disable=not show))
 
 
-def min_pages(requests: Iterable[Request], page_size: int) -> int:
-    """The smallest cache that can run every request: room for its prompt + output."""
-    longest = max(len(r.prompt) + len(r.output) for r in requests)
-    return -(-longest // page_size)
-
-
 def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
-                 label: str = "radix", progress: bool = False) -> CacheRun:
+                 label: str = "radix", progress: bool = False,
+                 service: ServiceModel | None = None, host_pages: int = 0) -> CacheRun:
     """Replay through ``RadixTree`` (or the ``policy``'s subclass) with ``num_pages`` pages."""
-    alloc = PageAllocator(num_pages, page_size)
-    tree = POLICIES[policy](alloc)
-    cached = np.zeros(len(requests), dtype=np.int64)
-    kv_tokens = np.zeros(len(requests), dtype=np.int64)
-    peak_pages = dropped = 0
-    for i, r in enumerate(_progress(requests, label, progress)):
-        full = np.concatenate([r.prompt, r.output])
-        needed = alloc.pages_for(len(full))
-        if needed > num_pages:
-            raise CacheTooSmall(
-                f"request {r.id!r} needs {needed:,} pages of {page_size} tokens for its prompt "
-                f"and output, but the cache has {num_pages:,}: give at least "
-                f"{min_pages(requests, page_size) * page_size:,} cache tokens"
-            )
-        lease = tree.lease(r.prompt, r.namespace, max_len=len(r.prompt) - 1)
-        try:
-            pages, copy = lease.acquire(len(full))
-        except OutOfPages:
-            # The locked match (its partial page, and a page copy at each fork inside a page)
-            # leaves too little room in a cache barely bigger than the request: drop the match
-            # and run the request uncached, in a cache emptied for it.
-            lease.unlock()
-            tree.reset()
-            lease = tree.lease(r.prompt, r.namespace, max_len=0)
-            pages, copy = lease.acquire(len(full))
-            dropped += 1
-        if copy is not None:
-            alloc.decref([copy.src])  # the copy has run
-        peak_pages = max(peak_pages, num_pages - alloc.num_free_pages)
-        lease.release(pages, full)
-        cached[i] = lease.length
-        kv_tokens[i] = (num_pages - alloc.num_free_pages) * page_size
-    tree.check()
-    return CacheRun(label, cached, num_pages * page_size, tree.stats.evicted_pages * page_size,
-                    peak_pages * page_size, kv_tokens, dropped)
+    result = replay(requests, num_pages, page_size, policy, service, host_pages,
+                    _progress(requests, label, progress))
+    return CacheRun(label, result.cached, num_pages * page_size,
+                    result.evicted_pages * page_size, result.peak_pages * page_size,
+                    result.kv_pages * page_size, result.dropped, result.host_cached,
+                    result.visible, result.waited_s, result.peak_running)
 
 
 def replay_unlimited(requests: list[Request], page_size: int, progress: bool = False) -> CacheRun:
@@ -151,11 +118,14 @@ class Profile:
 
 
 def run_profile(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
-                progress: bool = False) -> Profile:
-    """The configured radix cache, the same capacity in 16-token hash blocks, and both
-    without a capacity limit (the upper bounds of token and of block matching)."""
+                progress: bool = False, service: ServiceModel | None = None,
+                host_pages: int = 0) -> Profile:
+    """The configured radix cache (with ``service``'s concurrency and a host tier if given),
+    the same capacity in 16-token hash blocks, and both without a capacity limit, serially
+    (the upper bounds of token and of block matching)."""
     label = f"radix p{page_size} {policy}"
-    radix = replay_radix(requests, num_pages, page_size, policy, label, progress)
+    radix = replay_radix(requests, num_pages, page_size, policy, label, progress, service,
+                         host_pages)
     unlimited = replay_unlimited(requests, page_size, progress)
     block = replay_block_hash(requests, max(1, num_pages * page_size // BLOCK_SIZE),
                               label=f"block hash {BLOCK_SIZE}", progress=progress)
@@ -186,12 +156,14 @@ def sweep_sizes(requests: list[Request], page_size: int, footprint_tokens: int,
 
 
 def run_sweep(requests: list[Request], sizes_tokens: list[int], page_size: int,
-              policy: str = "lru", progress: bool = False) -> list[SweepPoint]:
+              policy: str = "lru", progress: bool = False,
+              service: ServiceModel | None = None) -> list[SweepPoint]:
     prompt_tokens = np.array([len(r.prompt) for r in requests], dtype=np.int64)
     points = []
     for size in tqdm(sizes_tokens, desc="sweep", unit="size", leave=False,
                      disable=not progress or len(requests) < PROGRESS_MIN_REQUESTS):
-        radix = replay_radix(requests, max(1, size // page_size), page_size, policy)
+        radix = replay_radix(requests, max(1, size // page_size), page_size, policy,
+                             service=service)
         block = replay_block_hash(requests, max(1, size // BLOCK_SIZE))
         points.append(SweepPoint(size, radix.hit_rate(prompt_tokens),
                                  block.hit_rate(prompt_tokens), radix.evicted_tokens))

@@ -1,0 +1,121 @@
+"""The radix replay with requests overlapping in time and with a host tier (engine/profiler/replay.py)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from engine.profiler.replay import ServiceModel, replay
+from engine.profiler.simulate import replay_radix, replay_unlimited
+from engine.profiler.trace import Request
+
+
+def req(rid: str, arrival: float, prompt: list[int], output_len: int = 4,
+        namespace: str | None = None) -> Request:
+    output = np.full(output_len, 10_000 + int(rid.strip("abcdefghijklmnopqrstuvwxyz") or 0),
+                     dtype=np.int32)
+    return Request(rid, arrival, np.asarray(prompt, dtype=np.int32), output, namespace)
+
+
+HEAD = list(range(1, 65))  # a 64-token shared head
+
+
+def group(n: int, spacing: float) -> list[Request]:
+    return [req(f"r{i}", i * spacing, HEAD + [100 + i] * 8) for i in range(n)]
+
+
+def test_without_a_service_model_the_replay_is_serial():
+    requests = group(6, 0.0)
+    serial = replay(requests, 64, 16)
+    timed = replay(requests, 64, 16, service=ServiceModel())
+    assert serial.cached.tolist() == timed.cached.tolist() == [0] + [64] * 5
+    assert serial.peak_running == 1 and serial.visible is None
+
+
+def test_a_head_still_being_prefilled_is_not_a_hit_yet():
+    """Six requests 1 ms apart; prefill of 72 tokens at 10k tokens/s takes 7.2 ms: the ones that
+    arrive before the first has prefilled cannot hit its head; later ones can."""
+    requests = group(6, 0.001)
+    service = ServiceModel(prefill_tps=10_000, decode_tps=1_000)
+    run = replay(requests, 1024, 16, service=service)
+    # r0 prefills until 7.2 ms; r1..r5 arrive at 1..5 ms and miss; nothing else was in the tree.
+    assert run.cached.tolist() == [0] * 6
+    assert run.visible.tolist() == [0] * 6  # an unlimited cache on the same timeline: the same
+    assert run.peak_running == 6
+    late = requests + [req("r6", 0.008, HEAD + [106] * 8)]
+    assert replay(late, 1024, 16, service=service).cached[-1] == 64
+    # Serially every later request hits the whole head.
+    assert replay(requests, 1024, 16).cached.tolist() == [0] + [64] * 5
+
+
+def test_requests_in_flight_hold_their_pages_and_later_ones_wait_for_room():
+    """Room for two requests' pages: the third waits until the first finishes."""
+    requests = [req(f"r{i}", 0.0, [i + 1] * 60, output_len=4) for i in range(3)]  # 4 pages each
+    service = ServiceModel(prefill_tps=6_000, decode_tps=400)  # 10 ms prefill, 10 ms decode
+    run = replay(requests, 8, 16, service=service)
+    assert run.peak_running == 2
+    assert run.waited_s == pytest.approx(0.02)  # r2 started when r0 finished, at 20 ms
+    capped = replay(requests, 1024, 16, service=ServiceModel(1_000, 1_000, max_concurrency=1))
+    assert capped.peak_running == 1 and capped.waited_s > 0
+
+
+def test_live_measurements_replace_the_rates_and_the_arrivals():
+    requests = group(3, 0.001)
+    measured = {"r0": (0.0, 0.0005, 0.0006), "r1": (0.001, 0.05, 0.06)}  # r0 done at 0.6 ms
+    run = replay(requests, 1024, 16, service=ServiceModel(prefill_tps=1.0, measured=measured))
+    # r1 hits r0's head; r2 (1 token/s prefill, from its trace arrival) hits it too.
+    assert run.cached.tolist() == [0, 64, 64]
+    late = {**measured, "r0": (0.0, 0.01, 0.02)}  # r0 prefills until 10 ms: r1 and r2 miss
+    assert replay(requests, 1024, 16, service=ServiceModel(measured=late)).cached.tolist() == [
+        0, 0, 0]
+    sent_late = {**late, "r1": (0.015, 0.05, 0.06)}  # r1 was sent at 15 ms: its send time counts
+    run = replay(requests, 1024, 16, service=ServiceModel(measured=sent_late))
+    # r2 (trace arrival 2 ms) queues behind r1 until 15 ms: first come, first served.
+    assert run.cached.tolist() == [0, 64, 64] and run.waited_s == pytest.approx(0.013)
+
+
+def test_the_host_tier_serves_what_the_device_evicted():
+    a, b = [1] * 60 + [2], [3] * 60 + [4]
+    requests = [req("r0", 0, a), req("r1", 1, b), req("r2", 2, a[:-1] + [5])]
+    no_host = replay(requests, 5, 16)  # room for one request: r1 evicts r0
+    assert no_host.cached.tolist() == [0, 0, 0]
+    run = replay(requests, 5, 16, host_pages=64)
+    assert run.cached.tolist() == [0, 0, 0]
+    assert run.host_cached.tolist() == [0, 0, 60]  # found on host, loaded instead of computed
+    small_host = replay(requests, 5, 16, host_pages=5)  # the host evicted it too
+    assert small_host.host_cached.tolist() == [0, 0, 0]
+
+
+def test_replay_radix_reports_the_new_fields():
+    requests = group(4, 0.001)
+    run = replay_radix(requests, 1024, 16, service=ServiceModel(prefill_tps=10_000),
+                       host_pages=2048)
+    assert run.visible is not None and run.host_cached is not None and run.peak_running == 4
+
+
+prompts = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=48), min_size=1, max_size=24)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=prompts, page_size=st.sampled_from([1, 4, 16]), num_pages=st.integers(0, 40),
+       gaps=st.lists(st.floats(0, 0.01), min_size=24, max_size=24),
+       prefill_tps=st.sampled_from([None, 2_000.0, 20_000.0]),
+       decode_tps=st.sampled_from([None, 500.0]), host=st.sampled_from([0, 8, 200]),
+       cap=st.sampled_from([None, 1, 3]))
+def test_hits_never_exceed_what_was_visible_or_what_an_unlimited_serial_cache_finds(
+        prompts, page_size, num_pages, gaps, prefill_tps, decode_tps, host, cap):
+    arrivals = np.cumsum(gaps[: len(prompts)])
+    requests = [req(f"r{i}", float(t), p, output_len=2)
+                for i, (t, p) in enumerate(zip(arrivals, prompts, strict=True))]
+    num_pages += -(-50 // page_size)  # at least one request's worth
+    service = ServiceModel(prefill_tps, decode_tps, max_concurrency=cap)
+    run = replay(requests, num_pages, page_size, service=service, host_pages=host)
+    unlimited = replay_unlimited(requests, page_size).cached
+    prompt_len = np.array([len(p) for p in prompts])
+    assert (run.cached <= prompt_len - 1).all()
+    visible = run.visible if run.visible is not None else unlimited
+    assert (run.cached <= visible).all() and (visible <= unlimited).all()
+    if host:
+        assert (run.host_cached >= 0).all() and (run.cached + run.host_cached <= visible).all()
