@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import csv
+import json
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from engine.cli import main
 from engine.profiler.replay import ServiceModel, replay
 from engine.profiler.simulate import replay_radix, replay_unlimited
 from engine.profiler.trace import Request
@@ -119,3 +123,62 @@ def test_hits_never_exceed_what_was_visible_or_what_an_unlimited_serial_cache_fi
     assert (run.cached <= visible).all() and (visible <= unlimited).all()
     if host:
         assert (run.host_cached >= 0).all() and (run.cached + run.host_cached <= visible).all()
+
+
+def _rows(path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_profile_cli_with_overlap_and_a_host_tier(tmp_path, capsys):
+    trace = tmp_path / "shared.jsonl"
+    assert main(["workload", "gen", "shared-prefix", "--seed", "3", "--out", str(trace),
+                 "--groups", "4", "--prompts-per-group", "6", "--system-len", "200",
+                 "--question-len", "20", "--output-len", "30"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "report"
+    assert main(["profile", str(trace), "--cache-tokens", "1024", "--page-size", "16",
+                 "--prefill-tps", "200", "--decode-tps", "20", "--max-concurrency", "8",
+                 "--host-cache-tokens", "8192", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "in flight" in printed and "requests overlapping in time (prefill 200" in printed
+    assert "host tier of 8,192 tokens" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    att = summary["attribution"]
+    assert att["prompt_tokens"] == att["hit"] + att["cold"] + att["in_flight"] + att["evicted"]
+    assert att["in_flight"] > 0 and 0 < att["host_hit"] <= att["evicted"]
+    assert summary["concurrency"]["peak_running"] > 1
+    for row in _rows(out / "requests.csv"):
+        parts = [int(row[k]) for k in ("cached_tokens", "cold", "in_flight", "evicted")]
+        assert sum(parts) == int(row["prompt_tokens"]) and int(row["host_hit"]) <= parts[3]
+    # The same trace replayed serially has nothing in flight and hits more.
+    assert main(["profile", str(trace), "--cache-tokens", "1024", "--page-size", "16",
+                 "--out", str(tmp_path / "serial")]) == 0
+    serial = json.loads((tmp_path / "serial" / "summary.json").read_text())
+    assert serial["concurrency"] is None and serial["attribution"]["in_flight"] == 0
+    assert serial["caches"][0]["hit_rate"] > summary["caches"][0]["hit_rate"]
+
+
+def test_durations_come_from_a_live_requests_csv(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "gen", "shared-prefix", "--seed", "1", "--out", str(trace),
+                 "--groups", "1", "--prompts-per-group", "3", "--system-len", "64",
+                 "--question-len", "8", "--output-len", "4"]) == 0
+    ids = [json.loads(line)["id"] for line in trace.read_text().splitlines()]
+    live = tmp_path / "live_requests.csv"
+    with open(live, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "sent_at_s", "prompt_tokens", "cached_tokens", "ttft_s",
+                         "latency_s", "error"])
+        for id_ in ids:  # all sent at once, each prefilling for a second: nobody hits
+            writer.writerow([id_, 0.0, "", "", 1.0, 2.0, ""])
+    capsys.readouterr()
+    assert main(["profile", str(trace), "--durations", str(live), "--out",
+                 str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["caches"][0]["hit_tokens"] == 0 and summary["attribution"]["in_flight"] > 0
+    assert "timings of a live replay for 3 requests" in summary["concurrency"]["model"]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,latency_s\nx,1\n")
+    assert main(["profile", str(trace), "--durations", str(bad)]) == 2
+    assert "not a live_requests.csv (no sent_at_s, ttft_s column)" in capsys.readouterr().err

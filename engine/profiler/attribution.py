@@ -2,11 +2,18 @@
 
 - **cold**: even an unlimited cache misses it: no earlier sequence in the namespace had this
   prefix (this also counts the last prompt token, which is always recomputed for its logits);
+- **in flight** (only when requests overlap): an earlier request had this prefix but was
+  still prefilling it when this one was admitted;
 - **evicted**: an unlimited cache would have served it, so it was cached and then dropped.
 
-Per request, with U the unlimited radix hit and R the configured cache's hit::
+Per request, with U the unlimited radix hit (serial), V the unlimited hit on the replay's own
+timeline (V = U when requests do not overlap) and R the configured cache's hit::
 
-    prompt = R + cold + evicted,   cold = prompt - U,   evicted = U - R
+    prompt = R + cold + in flight + evicted,
+    cold = prompt - U,   in flight = U - V,   evicted = V - R
+
+With a host tier, H of the evicted tokens were found there (loaded, not recomputed): the
+``host_hit`` part of ``evicted``, H <= V - R.
 
 Block hashing loses what token matching finds past its last whole 16-token block, U - Bu with
 Bu the unlimited block-hash hit (the extra hits of token matching with the capacity question
@@ -38,7 +45,9 @@ class Attribution:
     prompt_tokens: int
     hit: int
     cold: int
+    in_flight: int
     evicted: int
+    host_hit: int
     block_hit: int
     short_head: int
     block_granularity: int
@@ -46,7 +55,7 @@ class Attribution:
 
     @property
     def missed(self) -> int:
-        return self.cold + self.evicted
+        return self.cold + self.in_flight + self.evicted
 
     @property
     def block_missed(self) -> int:
@@ -62,9 +71,15 @@ def per_request(profile: Profile) -> dict[str, np.ndarray]:
     radix, unlimited = profile.radix.cached, profile.unlimited.cached
     block, block_unlimited = profile.block.cached, profile.block_unlimited.cached
     short_head = np.where(unlimited < BLOCK_SIZE, unlimited, 0)
+    visible = profile.radix.visible if profile.radix.visible is not None else unlimited
+    host = profile.radix.host_cached
+    host = host if host is not None else np.zeros_like(radix)
     parts = {
         "cold": prompt - unlimited,
-        "evicted": unlimited - radix,
+        "in_flight": unlimited - visible,
+        "evicted": visible - radix,
+        "host_hit": host,
+        "evicted_beyond_host": visible - radix - host,
         "short_head": short_head,
         "block_granularity": unlimited - block_unlimited - short_head,
         "block_evicted": block_unlimited - block,
@@ -84,7 +99,9 @@ def attribute(profile: Profile) -> Attribution:
         prompt_tokens=int(profile.prompt_tokens.sum()),
         hit=int(profile.radix.cached.sum()),
         cold=int(parts["cold"].sum()),
+        in_flight=int(parts["in_flight"].sum()),
         evicted=int(parts["evicted"].sum()),
+        host_hit=int(parts["host_hit"].sum()),
         block_hit=int(profile.block.cached.sum()),
         short_head=int(parts["short_head"].sum()),
         block_granularity=int(parts["block_granularity"].sum()),

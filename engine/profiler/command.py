@@ -125,7 +125,8 @@ def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | 
         sizes = sweep_sizes(requests, args.page_size, profile.unlimited.peak_tokens)
     if sizes:
         sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress, service)
-    summary = summarize(profile, args.trace.name, args.windows, sweep, args.block_tokens)
+    summary = summarize(profile, args.trace.name, args.windows, sweep, args.block_tokens,
+                        service.describe(), args.host_cache_tokens)
     print(format_text(summary))
     if args.out:
         from engine.profiler.plots import write_plots

@@ -60,6 +60,18 @@ class ServiceModel:
     def overlaps(self) -> bool:
         return bool(self.prefill_tps or self.decode_tps or self.measured)
 
+    def describe(self) -> str | None:
+        """How requests are timed, for the report (None: serially)."""
+        if not self.overlaps:
+            return None
+        parts = ([f"timings of a live replay for {len(self.measured):,} requests"]
+                 if self.measured else [])
+        parts += [f"{name} {rate:,.0f} tokens/s" for name, rate in
+                  (("prefill", self.prefill_tps), ("decode", self.decode_tps)) if rate]
+        if self.max_concurrency:
+            parts.append(f"at most {self.max_concurrency} in flight")
+        return ", ".join(parts)
+
     def arrival(self, request: Request) -> float:
         if self.measured is not None and request.id in self.measured:
             return self.measured[request.id][0]

@@ -77,12 +77,25 @@ def trace_blocks(profile: Profile, block_tokens: int) -> dict[str, Any]:
 
 def summarize(profile: Profile, trace_name: str, windows: int = 10,
               sweep: list[SweepPoint] | None = None,
-              trace_block_tokens: int | None = None) -> dict[str, Any]:
+              trace_block_tokens: int | None = None, service_label: str | None = None,
+              host_tokens: int | None = None) -> dict[str, Any]:
     """Everything the report shows, as plain JSON-ready data; ``trace_block_tokens`` is the
-    block size of a trace given as block hashes (Mooncake, Bailian), None for token traces."""
+    block size of a trace given as block hashes (Mooncake, Bailian), None for token traces;
+    ``service_label`` says how overlapping requests were timed, ``host_tokens`` the host
+    tier's size."""
     prompt = profile.prompt_tokens
     cached = profile.radix.cached
     requests = profile.requests
+    attribution = attribute(profile)
+    total = max(1, int(prompt.sum()))
+    concurrency = host_tier = None
+    if profile.radix.visible is not None:
+        concurrency = {"model": service_label, "peak_running": profile.radix.peak_running,
+                       "waited_s": round(profile.radix.waited_s, 3)}
+    if profile.radix.host_cached is not None:
+        host_tier = {"capacity_tokens": host_tokens, "host_hit_tokens": attribution.host_hit,
+                     "host_hit_rate": attribution.host_hit / total,
+                     "total_hit_rate": (attribution.hit + attribution.host_hit) / total}
     return {
         "trace": trace_name,
         "requests": len(requests),
@@ -99,7 +112,9 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
                     "evicted_tokens": run.evicted_tokens, "peak_kv_tokens": run.peak_tokens,
                     "dropped_matches": run.dropped_matches}
                    for run in profile.runs],
-        "attribution": attribute(profile).to_json(),
+        "attribution": attribution.to_json(),
+        "concurrency": concurrency,
+        "host_tier": host_tier,
         "trace_blocks": (trace_blocks(profile, trace_block_tokens)
                          if trace_block_tokens is not None else None),
         "cached_tokens_per_request": {
@@ -139,7 +154,20 @@ def format_text(s: dict[str, Any]) -> str:
           if blocks else []),
         "",
         f"misses of {radix_label}: {att['missed']:,} tokens = cold {att['cold']:,} "
-        f"+ evicted {att['evicted']:,}",
+        + (f"+ in flight {att['in_flight']:,} (still being prefilled by an earlier request) "
+           if s["concurrency"] else "")
+        + f"+ evicted {att['evicted']:,}",
+        *([f"requests overlapping in time ({s['concurrency']['model']}): at most "
+           f"{s['concurrency']['peak_running']:,} at once, waiting "
+           f"{s['concurrency']['waited_s']:,.1f} s in all for room or a slot (the other caches "
+           "above replay one request at a time)"]
+          if s["concurrency"] else []),
+        *([f"host tier of {_n(s['host_tier']['capacity_tokens'])} tokens: "
+           f"{s['host_tier']['host_hit_tokens']:,} of the {att['evicted']:,} evicted tokens "
+           f"found there (loaded, not recomputed); hit rate device "
+           f"{_pct(s['caches'][0]['hit_rate'])} + host {_pct(s['host_tier']['host_hit_rate'])}"
+           f" = {_pct(s['host_tier']['total_hit_rate'])}"]
+          if s["host_tier"] else []),
         f"token matching over 16-token blocks: "
         f"+{att['short_head'] + att['block_granularity']:,} hit tokens = shared head shorter "
         f"than one block {att['short_head']:,} + block granularity "
@@ -189,7 +217,8 @@ def request_rows(profile: Profile) -> list[dict[str, Any]]:
             "cached_unlimited": int(profile.unlimited.cached[i]),
             "cached_block16": int(profile.block.cached[i]),
             "cached_block16_unlimited": int(profile.block_unlimited.cached[i]),
-            "cold": int(parts["cold"][i]), "evicted": int(parts["evicted"][i]),
+            "cold": int(parts["cold"][i]), "in_flight": int(parts["in_flight"][i]),
+            "evicted": int(parts["evicted"][i]), "host_hit": int(parts["host_hit"][i]),
             "short_head": int(parts["short_head"][i]),
             "block_granularity": int(parts["block_granularity"][i]),
             "block_evicted": int(parts["block_evicted"][i]),
@@ -212,15 +241,17 @@ def group_rows(profile: Profile, keys: Sequence[str | None], key_name: str) -> l
     requests = np.bincount(group, minlength=len(names))
     prompt, hit, block_hit = (total(profile.prompt_tokens), total(profile.radix.cached),
                               total(profile.block.cached))
-    sums = {name: total(parts[name]) for name in ("cold", "evicted", "short_head",
-                                                  "block_granularity", "block_evicted")}
+    sums = {name: total(parts[name]) for name in ("cold", "in_flight", "evicted", "host_hit",
+                                                  "short_head", "block_granularity",
+                                                  "block_evicted")}
     rows = []
     for g in np.argsort(first, kind="stable"):
         rows.append({
             key_name: str(names[g]), "requests": int(requests[g]),
             "prompt_tokens": int(prompt[g]), "hit_tokens": int(hit[g]),
             "hit_rate": float(hit[g] / prompt[g]) if prompt[g] else 0.0,
-            "cold": int(sums["cold"][g]), "evicted": int(sums["evicted"][g]),
+            "cold": int(sums["cold"][g]), "in_flight": int(sums["in_flight"][g]),
+            "evicted": int(sums["evicted"][g]), "host_hit": int(sums["host_hit"][g]),
             "block16_hit_tokens": int(block_hit[g]),
             "block16_hit_rate": float(block_hit[g] / prompt[g]) if prompt[g] else 0.0,
             "short_head": int(sums["short_head"][g]),
