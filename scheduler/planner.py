@@ -22,13 +22,12 @@ from engine.protocol import SEED_LIMIT, ForwardBatch, ModelInfo, RowSampling, pa
 from radix import OutOfPages, RadixTree
 from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory, StepWork
-from scheduler.policy import order_waiting
+from scheduler.policy import long_uncached, order_waiting, shared_head
 from scheduler.request import Request, Seq, Status
 
 logger = logging.getLogger("radixserve.scheduler")
 
 NEW_TOKEN_RATIO = (0.7, 0.1, 0.002)  # start (and after a preemption), floor, decay per step
-SHARED_HEAD = 32  # tokens two prompts must share for the second to wait for the first's prefill
 
 
 @dataclass
@@ -179,16 +178,13 @@ class StepPlanner:
             self.running.append(req)
         return None
 
-    def _head(self, req: Request) -> tuple | None:
-        """The request's first ``SHARED_HEAD`` prompt tokens (a prompt long enough to share)."""
-        if req.prompt_len <= 2 * SHARED_HEAD:
-            return None
-        return (req.namespace, *req.seqs[0].tokens[:SHARED_HEAD])
+    @staticmethod
+    def _head(req: Request) -> tuple | None:
+        return shared_head(req.seqs[0].tokens, req.namespace, req.prompt_len)
 
     @staticmethod
     def _long_uncached(req: Request, cached: int) -> bool:
-        """Whether prefilling ``req`` past ``cached`` tokens computes a long stretch itself."""
-        return req.prompt_len - max(cached, 0) > 2 * SHARED_HEAD
+        return long_uncached(req.prompt_len, cached)
 
     def _request_reserve(self, req: Request) -> int:
         """Pages ``req`` is expected to still need: every sequence it has or will fork into

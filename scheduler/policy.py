@@ -13,6 +13,22 @@ from radix import RadixTree
 from scheduler.request import Request
 
 LPM_MAX_QUEUE = 128
+SHARED_HEAD = 32  # tokens two prompts must share for the second to wait for the first's prefill
+
+
+def shared_head(tokens, namespace, prompt_len: int) -> tuple | None:
+    """A prompt's first ``SHARED_HEAD`` tokens (None for a prompt too short to share). A
+    request whose head another request is prefilling right now waits for that prefill when it
+    would otherwise compute a long stretch itself (``long_uncached``): once the prefill is in
+    the tree it hits all of it instead of computing its own copy."""
+    if prompt_len <= 2 * SHARED_HEAD:
+        return None
+    return (namespace, *tokens[:SHARED_HEAD])
+
+
+def long_uncached(prompt_len: int, cached: int) -> bool:
+    """Whether prefilling past ``cached`` tokens computes a long stretch itself."""
+    return prompt_len - max(cached, 0) > 2 * SHARED_HEAD
 
 
 def order_waiting(waiting: list[Request], policy: str, tree: RadixTree) -> list[Request]:

@@ -39,10 +39,11 @@ def test_without_a_service_model_the_replay_is_serial():
 
 
 def test_a_head_still_being_prefilled_is_not_a_hit_yet():
-    """Six requests 1 ms apart; prefill of 72 tokens at 10k tokens/s takes 7.2 ms: the ones that
-    arrive before the first has prefilled cannot hit its head; later ones can."""
+    """Six requests 1 ms apart; prefill of 72 tokens at 10k tokens/s takes 7.2 ms: without
+    waiting for a shared head (vLLM), the ones that arrive before the first has prefilled
+    cannot hit its head; later ones can."""
     requests = group(6, 0.001)
-    service = ServiceModel(prefill_tps=10_000, decode_tps=1_000)
+    service = ServiceModel(prefill_tps=10_000, decode_tps=1_000, head_wait=False)
     run = replay(requests, 1024, 16, service=service)
     # r0 prefills until 7.2 ms; r1..r5 arrive at 1..5 ms and miss; nothing else was in the tree.
     assert run.cached.tolist() == [0] * 6
@@ -52,6 +53,18 @@ def test_a_head_still_being_prefilled_is_not_a_hit_yet():
     assert replay(late, 1024, 16, service=service).cached[-1] == 64
     # Serially every later request hits the whole head.
     assert replay(requests, 1024, 16).cached.tolist() == [0] + [64] * 5
+
+
+def test_a_request_waits_for_the_shared_head_being_prefilled_then_hits_it():
+    """radixserve's scheduler (and SGLang's) hold back a request whose first 32 tokens another
+    request is prefilling, when it would compute more than 64 tokens itself."""
+    requests = group(6, 0.001)
+    run = replay(requests, 1024, 16, service=ServiceModel(prefill_tps=10_000, decode_tps=1_000))
+    assert run.cached.tolist() == [0] + [64] * 5
+    assert run.waited_s == pytest.approx(sum(0.0072 - 0.001 * i for i in range(1, 6)))
+    short = [req(f"r{i}", i * 0.001, HEAD[:40] + [100 + i] * 8) for i in range(3)]  # 48 tokens
+    run = replay(short, 1024, 16, service=ServiceModel(prefill_tps=1_000))
+    assert run.cached.tolist() == [0, 0, 0] and run.waited_s == 0  # too short to wait for
 
 
 def test_requests_in_flight_hold_their_pages_and_later_ones_wait_for_room():
@@ -72,10 +85,10 @@ def test_live_measurements_replace_the_rates_and_the_arrivals():
     # r1 hits r0's head; r2 (1 token/s prefill, from its trace arrival) hits it too.
     assert run.cached.tolist() == [0, 64, 64]
     late = {**measured, "r0": (0.0, 0.01, 0.02)}  # r0 prefills until 10 ms: r1 and r2 miss
-    assert replay(requests, 1024, 16, service=ServiceModel(measured=late)).cached.tolist() == [
-        0, 0, 0]
+    no_wait = ServiceModel(measured=late, head_wait=False)
+    assert replay(requests, 1024, 16, service=no_wait).cached.tolist() == [0, 0, 0]
     sent_late = {**late, "r1": (0.015, 0.05, 0.06)}  # r1 was sent at 15 ms: its send time counts
-    run = replay(requests, 1024, 16, service=ServiceModel(measured=sent_late))
+    run = replay(requests, 1024, 16, service=ServiceModel(measured=sent_late, head_wait=False))
     # r2 (trace arrival 2 ms) queues behind r1 until 15 ms: first come, first served.
     assert run.cached.tolist() == [0, 64, 64] and run.waited_s == pytest.approx(0.013)
 
@@ -94,7 +107,7 @@ def test_the_host_tier_serves_what_the_device_evicted():
 
 def test_replay_radix_reports_the_new_fields():
     requests = group(4, 0.001)
-    run = replay_radix(requests, 1024, 16, service=ServiceModel(prefill_tps=10_000),
+    run = replay_radix(requests, 1024, 16, service=ServiceModel(10_000, head_wait=False),
                        host_pages=2048)
     assert run.visible is not None and run.host_cached is not None and run.peak_running == 4
 
@@ -139,6 +152,7 @@ def test_profile_cli_with_overlap_and_a_host_tier(tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["profile", str(trace), "--cache-tokens", "1024", "--page-size", "16",
                  "--prefill-tps", "200", "--decode-tps", "20", "--max-concurrency", "8",
+                 "--no-head-wait",
                  "--host-cache-tokens", "8192", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "in flight" in printed and "requests overlapping in time (prefill 200" in printed
@@ -173,7 +187,8 @@ def test_durations_come_from_a_live_requests_csv(tmp_path, capsys):
         for id_ in ids:  # all sent at once, each prefilling for a second: nobody hits
             writer.writerow([id_, 0.0, "", "", 1.0, 2.0, ""])
     capsys.readouterr()
-    assert main(["profile", str(trace), "--durations", str(live), "--out",
+    # An engine that admits requests sharing a head together (vLLM): --no-head-wait.
+    assert main(["profile", str(trace), "--durations", str(live), "--no-head-wait", "--out",
                  str(tmp_path / "out")]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["caches"][0]["hit_tokens"] == 0 and summary["attribution"]["in_flight"] > 0

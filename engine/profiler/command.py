@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--durations", type=Path, metavar="CSV",
                         help="requests overlap as they did in a live replay: the send time, TTFT "
                              "and latency of each request from its live_requests.csv")
+    timing.add_argument("--no-head-wait", action="store_true",
+                        help="admit a request at once even when another one is prefilling its "
+                             "shared head (vLLM does; radixserve and SGLang hold it back)")
     timing.add_argument("--host-cache-tokens", type=int,
                         help="a host tier of this many tokens behind the cache, written through "
                              "(hits split into device and host)")
@@ -107,7 +110,8 @@ def _service(args: argparse.Namespace) -> Any:
     from engine.profiler.replay import ServiceModel
 
     measured = read_measured(args.durations) if args.durations else None
-    return ServiceModel(args.prefill_tps, args.decode_tps, measured, args.max_concurrency)
+    return ServiceModel(args.prefill_tps, args.decode_tps, measured, args.max_concurrency,
+                        head_wait=not args.no_head_wait)
 
 
 def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | None,

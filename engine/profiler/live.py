@@ -253,15 +253,42 @@ def format_live(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# First tokens the client sees less than this far apart came out of the same scheduler step.
+SAME_STEP_S = 0.002
+
+
+def server_timeline(sent: dict[str, tuple[float, float, float]]
+                    ) -> dict[str, tuple[float, float, float]]:
+    """``(admitted_at_s, prefill_s, total_s)`` by id from ``(sent_at_s, ttft_s, latency_s)``.
+
+    A server admits requests between steps, so a request sent while a step ran is matched
+    against the tree only when that step is over: after the prefixes it prefilled were cached.
+    The client sees the end of a step as first tokens; a request is taken as admitted at the
+    later of its send time and the last first token (of any request) seen before its own step
+    ended. Requests whose first tokens arrive together ran in one step and matched together."""
+    ids = list(sent)
+    first = np.array([sent[i][0] + sent[i][1] for i in ids])
+    ends = np.sort(first)
+    timeline = {}
+    for i, id_ in enumerate(ids):
+        sent_at, _, latency = sent[id_]
+        before = np.searchsorted(ends, first[i] - SAME_STEP_S)  # step ends before its own
+        admitted = max(sent_at, float(ends[before - 1])) if before else sent_at
+        admitted = min(admitted, float(first[i]))
+        timeline[id_] = (admitted, float(first[i]) - admitted, sent_at + latency - admitted)
+    return timeline
+
+
 def measured_times(results: list[LiveResult]) -> dict[str, tuple[float, float, float]]:
-    """``(sent_at_s, ttft_s, latency_s)`` by request id, for the requests that completed: the
-    timeline an offline replay can follow (``ServiceModel.measured``)."""
-    return {r.id: (r.sent_at_s, r.ttft_s, r.latency_s) for r in results
-            if r.error is None and r.ttft_s is not None and r.latency_s is not None}
+    """The server's timeline (``server_timeline``) of the requests that completed: what an
+    offline replay follows as ``ServiceModel.measured``."""
+    return server_timeline({r.id: (r.sent_at_s, r.ttft_s, r.latency_s) for r in results
+                            if r.error is None and r.ttft_s is not None
+                            and r.latency_s is not None})
 
 
 def read_measured(path: str | Path) -> dict[str, tuple[float, float, float]]:
-    """``measured_times`` back from the ``live_requests.csv`` a live replay wrote."""
+    """``measured_times`` from the ``live_requests.csv`` a live replay wrote."""
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         missing = {"id", "sent_at_s", "ttft_s", "latency_s"} - set(reader.fieldnames or ())
@@ -269,12 +296,13 @@ def read_measured(path: str | Path) -> dict[str, tuple[float, float, float]]:
             raise TraceError(f"{path}: not a live_requests.csv (no {', '.join(sorted(missing))} "
                              "column); write one with --url URL --out DIR")
         try:
-            return {row["id"]: (float(row["sent_at_s"]), float(row["ttft_s"]),
+            sent = {row["id"]: (float(row["sent_at_s"]), float(row["ttft_s"]),
                                 float(row["latency_s"]))
                     for row in reader if not row.get("error") and row["ttft_s"]
                     and row["latency_s"]}
         except ValueError as exc:
             raise TraceError(f"{path}: {exc}") from None
+    return server_timeline(sent)
 
 
 def result_rows(results: list[LiveResult], simulated: np.ndarray | None) -> list[dict[str, Any]]:

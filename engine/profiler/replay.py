@@ -12,7 +12,10 @@ At ``start + prefill_s`` the prompt goes into the tree (the scheduler caches eac
 chunk at once, so later requests sharing it hit before this one finishes); at ``start +
 total_s`` prompt + output go in and the lease is released. A request that finds no room waits
 for running ones to finish (as the scheduler's admission does), and at most ``max_concurrency``
-run at once. With no service model every request finishes before the next arrives: the serial
+run at once. Like radixserve's scheduler (and SGLang's), a request whose first
+``SHARED_HEAD`` tokens another request is prefilling right now waits for that prefill when it
+would otherwise compute a long stretch itself, and then hits it (``head_wait``; off for
+engines that do not, such as vLLM). With no service model every request finishes before the next arrives: the serial
 replay, a lower bound on eviction pressure.
 
 The model ignores that a busier server is slower per request (batching); it is about which
@@ -39,6 +42,7 @@ import numpy as np
 from engine.profiler.policies import POLICIES
 from engine.profiler.trace import Request
 from radix import Lease, OutOfPages, PageAllocator, RadixTree
+from scheduler.policy import long_uncached, shared_head
 
 
 class CacheTooSmall(ValueError):
@@ -55,6 +59,7 @@ class ServiceModel:
     decode_tps: float | None = None
     measured: dict[str, tuple[float, float, float]] | None = None
     max_concurrency: int | None = None
+    head_wait: bool = True  # hold back a request whose shared head is being prefilled
 
     @property
     def overlaps(self) -> bool:
@@ -143,6 +148,7 @@ class _Running:
     tokens: np.ndarray  # prompt + output
     prompt_len: int
     shadow: tuple[Lease, list[int]] | None  # its lease on the unlimited tree
+    head: tuple | None  # the shared head it is prefilling, that others wait for
 
 
 def replay(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
@@ -166,6 +172,7 @@ def replay(requests: list[Request], num_pages: int, page_size: int, policy: str 
     order = 0
     running = peak_running = peak_pages = dropped = 0
     clock = waited = 0.0
+    prefilling: dict[tuple, float] = {}  # shared head -> when its prefill in flight ends
 
     def insert(run: _Running, num_tokens: int) -> None:
         tokens = run.tokens[:num_tokens]
@@ -187,6 +194,8 @@ def replay(requests: list[Request], num_pages: int, page_size: int, policy: str 
         time, _, kind, run = heapq.heappop(events)
         if kind == _PREFILLED:
             insert(run, run.prompt_len)
+            if run.head is not None and prefilling.get(run.head) == time:
+                del prefilling[run.head]
         else:
             finish(run)
         return time
@@ -205,6 +214,12 @@ def replay(requests: list[Request], num_pages: int, page_size: int, policy: str 
             next_event()
         while service.max_concurrency and running >= service.max_concurrency:
             start = max(start, next_event())
+        head = shared_head(r.prompt, r.namespace, len(r.prompt)) if service.head_wait else None
+        while head in prefilling and long_uncached(len(r.prompt), device.tree.peek_prefix(
+                r.prompt, r.namespace, len(r.prompt) - 1)):
+            start = max(start, prefilling[head])
+            while events and events[0][0] <= start:
+                next_event()
         max_len = len(r.prompt) - 1
         while True:
             try:
@@ -223,7 +238,7 @@ def replay(requests: list[Request], num_pages: int, page_size: int, policy: str 
         waited += start - arrival
         clock = start
         cached[i] = lease.length
-        run = _Running(lease, pages, full, len(r.prompt), None)
+        run = _Running(lease, pages, full, len(r.prompt), None, None)
         if shadow is not None:
             run.shadow = shadow.admit(r.prompt, r.namespace, len(full), len(r.prompt) - 1)
             visible[i] = run.shadow[0].length
@@ -237,6 +252,9 @@ def replay(requests: list[Request], num_pages: int, page_size: int, policy: str 
         if total_s <= 0 or not overlaps:
             finish(run)
         else:
+            if head is not None and long_uncached(len(r.prompt), lease.length):
+                run.head = head
+                prefilling[head] = max(prefilling.get(head, 0.0), start + prefill_s)
             heapq.heappush(events, (start + prefill_s, order, _PREFILLED, run))
             heapq.heappush(events, (start + total_s, order + 1, _FINISHED, run))
             order += 2
