@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         load_requests,
         load_tokenizer,
         needs_tokenizer,
+        read_requests,
         read_trace,
     )
 
@@ -240,17 +241,18 @@ def run(args: argparse.Namespace) -> int:
                      "a radixserve trace gives its tokens")
     try:
         sizes = _parse_sweep(args.sweep)
-        trace = read_trace(args.trace)
+        # The live client sends lines as written; offline, read_requests streams them.
+        trace = read_trace(args.trace) if args.url else None
     except (OSError, TraceError, ValueError) as exc:
         return _fail(str(exc))
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    if needs_tokenizer(trace) and tokenizer is None and not args.url:
-        return _fail(f"{args.trace} has text prompts: pass --tokenizer DIR to tokenize them")
     profile = None
-    if tokenizer is not None or not needs_tokenizer(trace):
+    if trace is None or tokenizer is not None or not needs_tokenizer(trace):
         try:
-            profile = _offline(args, load_requests(trace, tokenizer), sizes, progress)
-        except (OSError, TraceError, CacheTooSmall) as exc:
+            requests = (read_requests(args.trace, tokenizer) if trace is None
+                        else load_requests(trace, tokenizer))
+            profile = _offline(args, requests, sizes, progress)
+        except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
             return _fail(str(exc))
     if args.url:
         print()

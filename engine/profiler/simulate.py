@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from engine.profiler.baselines import BLOCK_SIZE, BlockHashCache
+from engine.profiler.baselines import BLOCK_SIZE, BlockChains, BlockHashCache
 from engine.profiler.replay import ServiceModel, min_pages, replay
 from engine.profiler.trace import Request
 
@@ -78,12 +78,16 @@ def replay_unlimited(requests: list[Request], page_size: int, progress: bool = F
 
 def replay_block_hash(requests: list[Request], num_blocks: int | None,
                       block_size: int = BLOCK_SIZE, label: str = "block hash",
-                      progress: bool = False) -> CacheRun:
+                      progress: bool = False, chains: BlockChains | None = None) -> CacheRun:
+    """Replay through ``BlockHashCache``; ``chains`` (``BlockChains.of(requests,
+    block_size)``) lets several capacities share one hashing of the trace."""
+    if chains is None:
+        chains = BlockChains.of(requests, block_size)
     cache = BlockHashCache(num_blocks, block_size)
     cached = np.zeros(len(requests), dtype=np.int64)
     kv_tokens = np.zeros(len(requests), dtype=np.int64)
-    for i, r in enumerate(_progress(requests, label, progress)):
-        cached[i] = cache.serve(r.prompt, r.output, r.namespace)
+    for i, _ in enumerate(_progress(requests, label, progress)):
+        cached[i] = cache.serve_chain(chains, i)
         kv_tokens[i] = cache.num_cached_blocks * block_size
     capacity = None if num_blocks is None else num_blocks * block_size
     return CacheRun(label, cached, capacity, cache.evicted_blocks * block_size,
@@ -127,10 +131,11 @@ def run_profile(requests: list[Request], num_pages: int, page_size: int, policy:
     radix = replay_radix(requests, num_pages, page_size, policy, label, progress, service,
                          host_pages)
     unlimited = replay_unlimited(requests, page_size, progress)
+    chains = BlockChains.of(requests)
     block = replay_block_hash(requests, max(1, num_pages * page_size // BLOCK_SIZE),
-                              label=f"block hash {BLOCK_SIZE}", progress=progress)
+                              label=f"block hash {BLOCK_SIZE}", progress=progress, chains=chains)
     block_unlimited = replay_block_hash(requests, None, label=f"block hash {BLOCK_SIZE} unlimited",
-                                        progress=progress)
+                                        progress=progress, chains=chains)
     return Profile(requests, page_size, num_pages, policy, radix, unlimited, block,
                    block_unlimited)
 
@@ -159,12 +164,13 @@ def run_sweep(requests: list[Request], sizes_tokens: list[int], page_size: int,
               policy: str = "lru", progress: bool = False,
               service: ServiceModel | None = None) -> list[SweepPoint]:
     prompt_tokens = np.array([len(r.prompt) for r in requests], dtype=np.int64)
+    chains = BlockChains.of(requests)
     points = []
     for size in tqdm(sizes_tokens, desc="sweep", unit="size", leave=False,
                      disable=not progress or len(requests) < PROGRESS_MIN_REQUESTS):
         radix = replay_radix(requests, max(1, size // page_size), page_size, policy,
                              service=service)
-        block = replay_block_hash(requests, max(1, size // BLOCK_SIZE))
+        block = replay_block_hash(requests, max(1, size // BLOCK_SIZE), chains=chains)
         points.append(SweepPoint(size, radix.hit_rate(prompt_tokens),
                                  block.hit_rate(prompt_tokens), radix.evicted_tokens))
     return points

@@ -5,18 +5,24 @@ flag help) and a generator that draws ``Draft``s: prompts as role-tagged runs of
 the same draw renders either as token ids or, through a tokenizer, as text::
 
     shared-prefix  [system g][question]                       groups of prompts, one prefix each
-    multi-turn     [system][u1][a1][u2][a2]..[uk]             each turn re-sends the history
+    multi-turn     [system s][u1][a1][u2][a2]..[uk]           each turn re-sends the history
     tree           [problem][b1][t1][b2][t2]..[bd]            forks: width children per node
     few-shot       [instruction][ex i][ex j]..[query]         examples drawn from a task's pool
     random         [prompt]                                   nothing shared
 
 Arrivals are Poisson at ``rate``; a conversation's next turn (a tree's next level) follows its
 predecessor after an exponential think time.
+
+A trace renders as radixserve's JSONL (``iter_trace``) or, for traces too big to check by eye
+in token ids, as Mooncake's hash-id format (``iter_mooncake``): the same draw either way, so
+both readers can be timed on the same content. Drafts share their history arrays, and lines
+are rendered one at a time, so a 145M-token trace is written without holding it as lists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +52,8 @@ class SharedPrefixParams:
 class MultiTurnParams:
     conversations: int = _param(16, "number of conversations")
     turns: int = _param(6, "user turns per conversation")
-    system_len: int = _param(250, "length of the system prompt all conversations share")
+    systems: int = _param(1, "distinct system prompts; each conversation picks one at random")
+    system_len: int = _param(250, "system prompt length in tokens")
     turn_len: int = _param(64, "median user turn length (lognormal)")
     output_len: int = _param(128, "median reply length (lognormal)")
     sigma: float = _param(0.6, "lognormal sigma of turn and reply lengths")
@@ -129,9 +136,11 @@ def shared_prefix(p: SharedPrefixParams, rng: np.random.Generator, sample: Sampl
 
 
 def multi_turn(p: MultiTurnParams, rng: np.random.Generator, sample: Sample) -> list[Draft]:
-    system = sample(p.system_len)
+    systems = [sample(p.system_len) for _ in range(p.systems)]
     drafts = []
     for conv, start in enumerate(_poisson(rng, p.conversations, p.rate)):
+        # One system prompt draws nothing here, so its traces stay what they were for a seed.
+        system = systems[int(rng.integers(p.systems))] if p.systems > 1 else systems[0]
         history: list[tuple[str, np.ndarray]] = [("system", system)]
         arrival = float(start)
         for _ in range(p.turns):
@@ -233,21 +242,67 @@ class TextCodec:
         return self.tokenizer.encode(reply, add_special_tokens=False)
 
 
-def generate(kind: str, params: Any, seed: int, tokenizer: Any = None,
-             vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[TraceRequest]:
-    """Draw a trace of ``kind``: token ids, or text when a tokenizer is given."""
-    spec = KINDS[kind]
+def _drafts(kind: str, params: Any, seed: int, codec: TextCodec | None,
+            vocab_size: int) -> list[Draft]:
+    """The draw of a trace, in arrival order (stable)."""
     rng = np.random.default_rng(seed)
-    codec = TextCodec(tokenizer) if tokenizer is not None else None
     if codec is None:
         def sample(n: int) -> np.ndarray:
             return rng.integers(0, vocab_size, n, dtype=np.int32)
     else:
         def sample(n: int) -> np.ndarray:
             return rng.choice(codec.ids, n)
-    drafts = spec.generate(params, rng, sample)
+    drafts = KINDS[kind].generate(params, rng, sample)
     drafts.sort(key=lambda d: d.arrival)
-    return [_render(f"{kind}-{i:05d}", d, codec, spec.chat) for i, d in enumerate(drafts)]
+    return drafts
+
+
+def iter_trace(kind: str, params: Any, seed: int, tokenizer: Any = None,
+               vocab_size: int = DEFAULT_VOCAB_SIZE) -> Iterator[TraceRequest]:
+    """Draw a trace of ``kind`` (now: a bad combination of parameters raises here) and render
+    it a line at a time as it is iterated: token ids, or text when a tokenizer is given."""
+    codec = TextCodec(tokenizer) if tokenizer is not None else None
+    chat = KINDS[kind].chat
+    drafts = _drafts(kind, params, seed, codec, vocab_size)
+    return (_render(f"{kind}-{i:05d}", d, codec, chat) for i, d in enumerate(drafts))
+
+
+def generate(kind: str, params: Any, seed: int, tokenizer: Any = None,
+             vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[TraceRequest]:
+    """``iter_trace`` as a list."""
+    return list(iter_trace(kind, params, seed, tokenizer, vocab_size))
+
+
+class BlockHashes:
+    """Mooncake's hash ids: one per ``block_tokens``-token block of a prompt (the last may be
+    partial), numbered in order of first appearance, equal exactly where two prompts share that
+    block and every block before it (the id of a block is looked up by its parent's id and its
+    own tokens)."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._ids: dict[tuple[int, bytes], int] = {}
+
+    def __call__(self, prompt: np.ndarray) -> list[int]:
+        data = np.ascontiguousarray(prompt, dtype=np.int32).tobytes()
+        step = 4 * self.block_tokens
+        chain, parent = [], -1
+        for start in range(0, len(data), step):
+            digest = hashlib.blake2b(data[start : start + step], digest_size=16).digest()
+            parent = self._ids.setdefault((parent, digest), len(self._ids))
+            chain.append(parent)
+        return chain
+
+
+def iter_mooncake(kind: str, params: Any, seed: int, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                  block_tokens: int = 512) -> Iterator[dict[str, Any]]:
+    """The trace ``iter_trace`` draws for these arguments (token ids), as Mooncake lines:
+    milliseconds, lengths and the prompt's block hash ids. Request ids and sessions are not in
+    the format; ``radixserve profile --format mooncake`` reads it back."""
+    hashes = BlockHashes(block_tokens)
+    drafts = _drafts(kind, params, seed, None, vocab_size)
+    return ({"timestamp": round(round(d.arrival, 3) * 1000), "input_length": len(d.prompt),
+             "output_length": len(d.output), "hash_ids": hashes(d.prompt)} for d in drafts)
 
 
 def _render(request_id: str, draft: Draft, codec: TextCodec | None, chat: bool) -> TraceRequest:

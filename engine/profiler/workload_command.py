@@ -1,16 +1,22 @@
 """``radixserve workload gen KIND --seed S --out FILE ...``: write a synthetic trace.
 
 Each KIND's flags are the fields of its parameter dataclass in ``engine.profiler.workload``;
-``radixserve workload gen KIND --help`` lists them with their defaults.
+``radixserve workload gen KIND --help`` lists them with their defaults. ``--format mooncake``
+writes the same draw as Mooncake's hash ids of ``--block-tokens``-token blocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.profiler.trace import TraceRequest
 
 HELP = "generate synthetic request traces (JSONL) for `radixserve profile`"
 
@@ -47,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="trace file to write")
         sub.add_argument("--tokenizer", metavar="DIR", help="write text (prompt / messages) "
                          "through this Hugging Face tokenizer instead of token ids")
+        sub.add_argument("--format", choices=("radixserve", "mooncake"), default="radixserve",
+                         help="radixserve's JSONL (token ids or text) or Mooncake's hash_ids "
+                              "of fixed-size token blocks (default radixserve)")
+        sub.add_argument("--block-tokens", type=_positive(int), default=512,
+                         help="tokens per hash id with --format mooncake (default 512)")
         sub.add_argument("--vocab-size", type=_positive(int), default=32000,
                          help="token ids are drawn from [0, vocab size) (without --tokenizer; "
                               "default 32000)")
@@ -62,21 +73,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              help=f"{field.metadata['help']} (default {field.default})")
 
 
+def _write_mooncake(path: Path, lines: Iterable[dict[str, Any]]) -> tuple[int, int]:
+    """Lines and prompt tokens written."""
+    count = tokens = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+            count += 1
+            tokens += line["input_length"]
+    return count, tokens
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.profiler.trace import load_tokenizer, write_trace
-    from engine.profiler.workload import KINDS, generate
+    from engine.profiler.workload import KINDS, iter_mooncake, iter_trace
 
     kind = KINDS[args.kind]
     params = kind.params(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind.params)})
+    if args.format == "mooncake" and args.tokenizer:
+        print("radixserve workload: --format mooncake hashes token ids: drop --tokenizer",
+              file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     try:
-        trace = generate(args.kind, params, args.seed, tokenizer, args.vocab_size)
+        if args.format == "mooncake":
+            lines = iter_mooncake(args.kind, params, args.seed, args.vocab_size,
+                                  args.block_tokens)
+        else:
+            trace = iter_trace(args.kind, params, args.seed, tokenizer, args.vocab_size)
     except ValueError as exc:
         print(f"radixserve workload: {exc}", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    count = write_trace(args.out, trace)
-    tokens = sum(len(r.prompt_token_ids or ()) for r in trace)
-    described = f", {tokens:,} prompt tokens" if tokens else " (text)"
+    if args.format == "mooncake":
+        count, tokens = _write_mooncake(args.out, lines)
+        described = f", {tokens:,} prompt tokens in {args.block_tokens}-token blocks"
+    else:
+        tokens = 0
+
+        def counted(requests: Iterable[TraceRequest]) -> Iterator[TraceRequest]:
+            nonlocal tokens
+            for request in requests:
+                tokens += len(request.prompt_token_ids or ())
+                yield request
+
+        count = write_trace(args.out, counted(trace))
+        described = f", {tokens:,} prompt tokens" if tokens else " (text)"
     print(f"wrote {count:,} {args.kind} requests{described} to {args.out}")
     return 0
