@@ -18,7 +18,6 @@ hash id, so no prompt ever matches a reply.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.profiler.trace import Request, TraceError
+from engine.profiler.trace import Request, TraceError, jsonl_objects
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Hash ids stay below half of int32 so the output ids above them fit too.
@@ -46,20 +45,11 @@ class BlockPrompt:
 
 
 def json_objects(path: str | Path) -> Iterator[tuple[dict[str, Any], int, str]]:
-    """Each non-blank line of ``path`` decoded, with its number and ``path:number`` (for error
-    messages)."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: a line must be a JSON object")
-            yield obj, number, where
+    """``jsonl_objects`` whose every line must be a JSON object."""
+    for obj, number, where in jsonl_objects(path):
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: a line must be a JSON object")
+        yield obj, number, where
 
 
 def count_field(obj: dict[str, Any], name: str, where: str) -> int:

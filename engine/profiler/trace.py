@@ -150,8 +150,9 @@ def parse_line(obj: Any, where: str, *, arrays: bool = False) -> TraceRequest:
 _decoder = msgspec.json.Decoder()
 
 
-def _objects(path: str | Path) -> Iterator[tuple[Any, str]]:
-    """Each non-blank line of a JSONL file decoded, with ``path:number`` for error messages.
+def jsonl_objects(path: str | Path) -> Iterator[tuple[Any, int, str]]:
+    """Each non-blank line of a JSONL file decoded, with its number and ``path:number`` (for
+    error messages).
 
     msgspec decodes (about 2.5x faster than ``json`` on lines of token ids); a line it refuses
     is decoded again by ``json``, whose verdict and messages stay the format's (it also takes
@@ -168,12 +169,12 @@ def _objects(path: str | Path) -> Iterator[tuple[Any, str]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
-            yield obj, where
+            yield obj, number, where
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
     """Read a JSONL trace as written, sorted by arrival (stable: equal times keep file order)."""
-    requests = [parse_line(obj, where) for obj, where in _objects(path)]
+    requests = [parse_line(obj, where) for obj, _, where in jsonl_objects(path)]
     if not requests:
         raise TraceError(f"{path}: the trace has no requests")
     requests.sort(key=lambda r: r.arrival)
@@ -186,7 +187,7 @@ def read_requests(path: str | Path, tokenizer: Any = None) -> list[Request]:
     a tokenizer is an error."""
     vocab_size = len(tokenizer) if tokenizer is not None else DEFAULT_VOCAB_SIZE
     requests = [to_request(parse_line(obj, where, arrays=True), tokenizer, vocab_size)
-                for obj, where in _objects(path)]
+                for obj, _, where in jsonl_objects(path)]
     if not requests:
         raise TraceError(f"{path}: the trace has no requests")
     requests.sort(key=lambda r: r.arrival)
