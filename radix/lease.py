@@ -84,7 +84,7 @@ class Lease:
         if self.match.partial_len:
             copy = PageCopy(self.match.partial_page, fresh[0], self.match.partial_len)
             alloc.incref([copy.src])
-        return full + fresh, copy
+        return full.tolist() + fresh, copy
 
     def unlock(self) -> None:
         """Let the matched path be evicted again (idempotent). The table stays valid."""

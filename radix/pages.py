@@ -112,20 +112,25 @@ class PageAllocator:
         """Add one reference per listed page; the pages must be in use."""
         self._shift(pages, 1, 1 if evictable else 0)
 
-    def decref(self, pages: PageList, *, evictable: bool = False) -> int:
-        """Drop one reference per listed page; returns how many pages became free."""
+    def decref(self, pages: PageList, *, evictable: bool = False, distinct: bool = False) -> int:
+        """Drop one reference per listed page; returns how many pages became free.
+
+        ``distinct``: the caller guarantees no page is listed twice (the tree's own page lists
+        at page size 1), which spares the vectorised path its duplicate check."""
+        if evictable and distinct and len(pages) >= VECTOR_MIN_PAGES:
+            return self._drop_node_refs(np.asarray(pages, dtype=np.intp))
         before = len(self._free)
-        self._shift(pages, -1, -1 if evictable else 0)
+        self._shift(pages, -1, -1 if evictable else 0, distinct)
         return len(self._free) - before
 
-    def set_evictable(self, pages: PageList, evictable: bool) -> None:
+    def set_evictable(self, pages: PageList, evictable: bool, *, distinct: bool = False) -> None:
         """Turn existing references of tree nodes into evictable ones (unlock) or back (lock).
 
         The tree's lock and unlock walk long paths on every admission, so this is a plain loop:
         each occurrence moves one reference, and the counts stay within range by construction
         (a node only flips references it holds); a violation is a tree bug and raises."""
         if len(pages) >= VECTOR_MIN_PAGES:
-            self._shift_vectorised(pages, 0, 1 if evictable else -1)
+            self._shift_vectorised(pages, 0, 1 if evictable else -1, distinct)
             return
         rc, er = self._rc, self._er
         step = 1 if evictable else -1
@@ -141,46 +146,49 @@ class PageAllocator:
         self._num_evictable += delta
 
     # ------------------------------------------------------------- internals
-    def _shift(self, pages: PageList, d_ref: int, d_evictable: int) -> None:
+    def _shift(self, pages: PageList, d_ref: int, d_evictable: int,
+               distinct: bool = False) -> None:
         # Validate every occurrence before writing anything, so a caught error loses nothing.
         if len(pages) >= VECTOR_MIN_PAGES:
-            self._shift_vectorised(pages, d_ref, d_evictable)
+            self._shift_vectorised(pages, d_ref, d_evictable, distinct)
             return
         if isinstance(pages, np.ndarray):
             pages = pages.tolist()
+        if not distinct and len(set(pages)) != len(pages):
+            self._shift_repeated(np.asarray(pages, dtype=np.intp), d_ref, d_evictable)
+            return
         rc, er = self._rc, self._er
-        after: dict[int, list[int]] = {}
         for p in pages:
-            counts = after.get(p)
-            if counts is None:
-                if rc[p] <= 0 and d_ref >= 0:
-                    raise PageError(f"use of free page {p}")
-                counts = after[p] = [rc[p], er[p]]
-            counts[0] += d_ref
-            counts[1] += d_evictable
-            if counts[0] < 0 or counts[1] < 0 or counts[1] > counts[0]:
-                raise PageError(f"reference on page {p} dropped below zero "
-                                f"(refs {rc[p]}, evictable {er[p]})")
+            ref, ev = rc[p] + d_ref, er[p] + d_evictable
+            if (ref - d_ref <= 0 and d_ref >= 0) or ref < 0 or ev < 0 or ev > ref:
+                index = np.asarray(pages, dtype=np.intp)
+                self._raise_misuse(index, self.refcount[index], self.evictable_refs[index],
+                                   d_ref, d_evictable)
         delta = 0
-        for p, (ref, ev) in after.items():
-            delta += (ref == ev and ref > 0) - (rc[p] == er[p] and rc[p] > 0)
-            rc[p] = ref
-            er[p] = ev
-            if ref == 0:
+        for p in pages:
+            ref, ev = rc[p], er[p]
+            new_ref, new_ev = ref + d_ref, ev + d_evictable
+            delta += (new_ref == new_ev and new_ref > 0) - (ref == ev and ref > 0)
+            rc[p] = new_ref
+            er[p] = new_ev
+            if new_ref == 0:
                 self._free.append(p)
         self._num_evictable += delta
 
-    def _shift_vectorised(self, pages: PageList, d_ref: int, d_evictable: int) -> None:
+    def _shift_vectorised(self, pages: PageList, d_ref: int, d_evictable: int,
+                          distinct: bool = False) -> None:
         """``_shift`` over numpy, with the same checks before any write. Each (d_ref,
         d_evictable) the allocator uses moves one reference per page, so one comparison finds
         any misuse and one finds the pages whose every reference turns (or stops being)
-        evictable; a list that repeats a page goes through ``_shift_repeated``."""
+        evictable; a list that repeats a page goes through ``_shift_repeated`` (unless the
+        caller vouches for ``distinct``). An ``array('q')`` list is read without a copy."""
         index = np.asarray(pages, dtype=np.intp)
-        mark, arange = self._mark, self._arange[: len(index)]
-        mark[index] = arange
-        if (mark[index] != arange).any():
-            self._shift_repeated(index, d_ref, d_evictable)
-            return
+        if not distinct:
+            mark, arange = self._mark, self._arange[: len(index)]
+            mark[index] = arange
+            if (mark[index] != arange).any():
+                self._shift_repeated(index, d_ref, d_evictable)
+                return
         rc, er = self.refcount, self.evictable_refs
         ref, ev = rc[index], er[index]
         if d_ref > 0:  # incref: every page in use; evictable or not, no page changes state
@@ -190,7 +198,7 @@ class PageAllocator:
         elif d_ref < 0 and d_evictable < 0:  # a node's references dropped
             if (ev <= 0).any():
                 self._raise_misuse(index, ref, ev, d_ref, d_evictable)
-            changed = -int(np.count_nonzero((ref == ev) & (ref == 1)))
+            changed = -int(np.count_nonzero(ref == 1))  # see _drop_node_refs
         elif d_ref < 0:  # a sequence's references dropped
             if (ev >= ref).any():
                 self._raise_misuse(index, ref, ev, d_ref, d_evictable)
@@ -210,6 +218,23 @@ class PageAllocator:
             er[index] = ev + d_evictable
         if d_ref < 0:
             self._free.extend(index[ref == 1].tolist())
+
+    def _drop_node_refs(self, index: np.ndarray) -> int:
+        """Eviction's hot path: drop one evictable reference from each of ``index``'s distinct
+        pages; returns how many became free. With 0 < evictable <= refs, a page whose one
+        reference goes was counted evictable and is freed; other pages keep their state."""
+        rc, er = self.refcount, self.evictable_refs
+        ref, ev = rc[index], er[index]
+        if ev.min() <= 0:
+            self._raise_misuse(index, ref, ev, -1, -1)
+        ref -= 1
+        ev -= 1
+        rc[index] = ref
+        er[index] = ev
+        freed = index[ref == 0]
+        self._num_evictable -= len(freed)
+        self._free.extend(freed.tolist())
+        return len(freed)
 
     def _shift_repeated(self, index: np.ndarray, d_ref: int, d_evictable: int) -> None:
         """``_shift_vectorised`` for a list that repeats pages: each occurrence is one move."""

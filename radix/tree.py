@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,17 @@ TokenIds = Sequence[int] | np.ndarray
 
 def _as_key(tokens: TokenIds) -> bytes:
     return np.asarray(tokens, dtype=np.int32).tobytes()
+
+
+def _page_array(pages: Sequence[int] | np.ndarray) -> array:
+    """Page indices as ``array('q')``: how nodes and matches hold them. Python code indexes,
+    slices and iterates it like a list, and numpy reads it without a copy (the allocator's
+    vectorised path, where a page-1 node holds one page per token)."""
+    if isinstance(pages, np.ndarray):
+        out = array("q")
+        out.frombytes(np.ascontiguousarray(pages, dtype=np.int64).tobytes())
+        return out
+    return array("q", pages)
 
 
 def _common_tokens(key: bytes, query: bytes, offset: int, limit: int) -> int:
@@ -56,7 +68,7 @@ class Node:
     __slots__ = ("key", "start", "num_tokens", "pages", "parent", "children", "lock_ref",
                  "last_access", "evicted")
 
-    def __init__(self, key: bytes, start: int, pages: list[int], parent: Node | None) -> None:
+    def __init__(self, key: bytes, start: int, pages: array, parent: Node | None) -> None:
         self.key = key  # int32 token ids, packed
         self.start = start
         self.num_tokens = len(key) // 4
@@ -72,25 +84,25 @@ class Node:
         return self.start + self.num_tokens
 
     def __repr__(self) -> str:
-        return f"Node([{self.start}, {self.end}), pages={self.pages}, lock={self.lock_ref})"
+        return f"Node([{self.start}, {self.end}), pages={self.pages.tolist()}, lock={self.lock_ref})"
 
 
 @dataclass
 class PrefixMatch:
     """The longest cached prefix of a query.
 
-    ``pages`` covers positions ``[0, length)``: the fully shared pages, then, when the match ends
-    inside a page, that page (``partial_page``) whose first ``partial_len`` slots the caller
-    copies into a fresh page of its own before writing (copy-on-write).
+    ``pages`` (an ``array('q')``) covers positions ``[0, length)``: the fully shared pages, then,
+    when the match ends inside a page, that page (``partial_page``) whose first ``partial_len``
+    slots the caller copies into a fresh page of its own before writing (copy-on-write).
     """
 
     length: int
-    pages: list[int]
+    pages: array
     node: Node
     page_size: int
 
     @property
-    def full_pages(self) -> list[int]:
+    def full_pages(self) -> array:
         return self.pages[: self.length // self.page_size]
 
     @property
@@ -139,6 +151,9 @@ class RadixTree:
         self._lru = _Lru()
         self._clock = 0
         self._num_nodes = 0
+        # At page size 1 no page is shared between nodes (nothing starts inside a page), so the
+        # pages of distinct nodes never repeat and the allocator can skip its duplicate check.
+        self._distinct_paths = self.page_size == 1
 
     # ---------------------------------------------------------------- queries
     @property
@@ -213,9 +228,7 @@ class RadixTree:
             raise ValueError(f"{total} tokens need {needed} pages, got {len(pages)}")
         node, cached, _ = self._walk(self._root(namespace), query, total, collect=False)
         if cached < total:
-            new_pages = pages[cached // self.page_size : needed]
-            new_pages = (new_pages.tolist() if isinstance(new_pages, np.ndarray)
-                         else list(new_pages))
+            new_pages = _page_array(pages[cached // self.page_size : needed])
             self.allocator.incref(new_pages, evictable=True)
             leaf = Node(query[4 * cached :], cached, new_pages, node)
             node.children[query[4 * cached : 4 * cached + 4]] = leaf
@@ -236,25 +249,25 @@ class RadixTree:
 
     def lock(self, node: Node) -> None:
         """Pin the path from ``node`` to its root against eviction."""
-        newly_locked: list[int] = []
+        newly_locked = array("q")
         while node.parent is not None:
             if node.lock_ref == 0:
-                newly_locked.extend(node.pages)
+                newly_locked += node.pages
             node.lock_ref += 1
             node = node.parent
-        self.allocator.set_evictable(newly_locked, False)
+        self.allocator.set_evictable(newly_locked, False, distinct=self._distinct_paths)
 
     def unlock(self, node: Node) -> None:
-        newly_unlocked: list[int] = []
+        newly_unlocked = array("q")
         leaf = node
         while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {node!r}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                newly_unlocked.extend(node.pages)
+                newly_unlocked += node.pages
             node = node.parent
-        self.allocator.set_evictable(newly_unlocked, True)
+        self.allocator.set_evictable(newly_unlocked, True, distinct=self._distinct_paths)
         if leaf.parent is not None and leaf.lock_ref == 0 and not leaf.children:
             self._push_lru(leaf)
 
@@ -266,20 +279,30 @@ class RadixTree:
         then their references are dropped in one call (at page size 1 a leaf holds one page per
         token: one vectorised decref instead of one per leaf); pages still held elsewhere free
         nothing, and then the next leaves go."""
-        freed = 0
+        freed = unlinked = 0
         heap = self._lru.heap
+        pop = heapq.heappop
         while freed < num_pages and heap:
-            pages: list[int] = []
-            while freed + len(pages) < num_pages and heap:
-                stamp, _, node = heapq.heappop(heap)
+            pages = array("q")
+            want = num_pages - freed
+            while len(pages) < want and heap:
+                stamp, _, node = pop(heap)
                 if node.evicted or node.children or node.lock_ref or node.parent is None:
                     continue
                 if stamp != node.last_access:
                     self._push_lru(node)  # touched since it was queued: requeue at its real age
                     continue
                 pages += node.pages
-                self._unlink_leaf(node)
-            freed += self.allocator.decref(pages, evictable=True)
+                # Unlink the leaf; its parent may become an evictable leaf itself.
+                parent = node.parent
+                del parent.children[node.key[:4]]
+                node.evicted = True
+                unlinked += 1
+                if parent.parent is not None and not parent.children and not parent.lock_ref:
+                    self._push_lru(parent)
+            freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
+        self._num_nodes -= unlinked
+        self.stats.evicted_nodes += unlinked
         self.stats.evicted_pages += freed
         return freed
 
@@ -308,13 +331,13 @@ class RadixTree:
                 # count doubles keeps this O(1) amortised.
                 self._roots = {ns: r for ns, r in self._roots.items() if r.children}
                 self._roots_limit = 2 * len(self._roots) + 64
-            root = self._roots[namespace] = Node(b"", 0, [], None)
+            root = self._roots[namespace] = Node(b"", 0, array("q"), None)
         return root
 
     def _walk(self, node: Node, query: bytes, limit: int, collect: bool,
-              split: bool = True) -> tuple[Node, int, list[int]]:
+              split: bool = True) -> tuple[Node, int, array]:
         page_size = self.page_size
-        pages: list[int] = []
+        pages = array("q")
         pos = 0
         while pos < limit:
             child = node.children.get(query[4 * pos : 4 * pos + 4])
@@ -324,7 +347,7 @@ class RadixTree:
             if collect:
                 first = pos // page_size
                 del pages[first:]  # the deeper node's copy of a shared boundary page wins
-                pages.extend(child.pages[: (pos + matched - 1) // page_size - first + 1])
+                pages += child.pages[: (pos + matched - 1) // page_size - first + 1]
             pos += matched
             if matched < child.num_tokens:
                 node = self._split(child, matched) if split else node
@@ -354,16 +377,6 @@ class RadixTree:
         upper.children[node.key[:4]] = node
         self._num_nodes += 1
         return upper
-
-    def _unlink_leaf(self, node: Node) -> None:
-        """Take a leaf out of the tree (the caller drops its page references)."""
-        parent = node.parent
-        del parent.children[node.key[:4]]
-        node.evicted = True
-        self._num_nodes -= 1
-        self.stats.evicted_nodes += 1
-        if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-            self._push_lru(parent)
 
     def _touch(self, node: Node) -> None:
         self._clock += 1

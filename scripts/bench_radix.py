@@ -66,7 +66,7 @@ def run_radix(requests, num_pages: int, page_size: int) -> dict:
             t0 = clock()
             tree.evict(short)
             t_evict.append(clock() - t0)
-        pages = shared + alloc.alloc(need)
+        pages = shared.tolist() + alloc.alloc(need)
         alloc.incref(shared)
         t0 = clock()
         tree.insert(full, pages)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from array import array
 
 import numpy as np
 import pytest
@@ -82,6 +83,26 @@ def test_misuse_of_long_page_lists_is_loud_and_changes_nothing():
     alloc.check()
 
 
+def test_evictions_distinct_drop_is_checked_and_frees_only_last_references():
+    """The tree's page-1 eviction path (``decref(..., distinct=True)``, no duplicate check):
+    a page still held by a sequence is not freed, and dropping references that are not evictable
+    raises before any write."""
+    alloc = PageAllocator(100, 1)
+    pages = array("q", alloc.alloc(40))
+    alloc.incref(pages, evictable=True)  # the tree's reference
+    alloc.decref(pages[:30])  # the sequence lets go of 30; keeps 10
+    assert alloc.num_evictable_pages == 30
+    held = array("q", alloc.alloc(1))  # a sequence's page: no evictable reference on it
+    before = (alloc.refcount.copy(), alloc.evictable_refs.copy(), alloc.num_free_pages)
+    with pytest.raises(PageError, match="dropped below zero"):
+        alloc.decref(pages + held, evictable=True, distinct=True)
+    assert (alloc.refcount == before[0]).all() and (alloc.evictable_refs == before[1]).all()
+    assert alloc.decref(pages, evictable=True, distinct=True) == 30
+    assert alloc.num_free_pages == 100 - 11 and alloc.num_evictable_pages == 0
+    assert (alloc.refcount[pages[30:]] == 1).all()  # the sequence's pages stay
+    alloc.check()
+
+
 def test_repeated_page_in_one_call_counts_twice():
     alloc = PageAllocator(4, 1)
     page = alloc.alloc(1)
@@ -97,9 +118,9 @@ def test_match_at_token_granularity_inside_a_page():
     pages = cache(tree, list(range(10)))  # pages cover 0-3, 4-7, 8-9
     m = tree.match_prefix(list(range(7)) + [99])
     assert m.length == 7
-    assert m.full_pages == pages[:1]
+    assert m.full_pages.tolist() == pages[:1]
     assert m.partial_page == pages[1] and m.partial_len == 3
-    assert m.pages == pages[:2]
+    assert m.pages.tolist() == pages[:2]
     tree.check()
 
 
@@ -135,7 +156,7 @@ def test_insert_returns_cached_length_and_keeps_tree_pages():
     # The tree keeps its own pages for 0..5 and references the sequence's page for 4..9.
     m = tree.match_prefix(tokens)
     assert m.length == 10
-    assert m.pages == [first[0], seq_pages[1], seq_pages[2]]
+    assert m.pages.tolist() == [first[0], seq_pages[1], seq_pages[2]]
     assert alloc.refcount[seq_pages[0]] == 1  # only the sequence: the tree took no reference
     alloc.decref(seq_pages)
     tree.check()
@@ -288,7 +309,7 @@ def test_chained_insert_gives_parent_the_childs_boundary_page():
     # The parent now references the child's copy; its own half page went back to the free list.
     assert alloc.refcount[a1] == 0
     m = tree.match_prefix(list(range(10)))
-    assert m.length == 10 and m.pages == seq.pages
+    assert m.length == 10 and m.pages.tolist() == seq.pages
     sim.verify_match(list(range(10)), m)
 
 
