@@ -33,6 +33,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_pinned_tokens: int | None = None  # defaults to half the KV pool
     # processes
     tokenizer_workers: int = 1
+    # KV cache events for gateways (scheduler/kv_events.py): a ZMQ PUB endpoint, and the block
+    # size their hashes cover (default: the page size)
+    kv_events_endpoint: str | None = None
+    kv_events_block_size: int | None = None
     # Chat text that spells a special token (<|im_end|>) is encoded as text, so a user cannot
     # forge a turn; set this only when every client is trusted with control tokens.
     allow_special_tokens_in_content: bool = False
@@ -41,6 +45,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def serving_context_len(self, model_context_len: int) -> int:
         """The context requests get: ``--context-len`` if given, else the model's."""
         return self.context_len or model_context_len
+
+    @property
+    def kv_events_block(self) -> int:
+        """Tokens per block of the KV events."""
+        return self.kv_events_block_size or self.page_size
 
     def validate(self) -> None:
         if self.page_size < 1:
@@ -57,6 +66,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                      "tokenizer_workers", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(
+                ("tcp://", "ipc://")):
+            raise ValueError("--kv-events-endpoint must be a tcp:// or ipc:// ZMQ address such "
+                             f"as tcp://*:5557, got {self.kv_events_endpoint!r}")
+        if self.kv_events_block_size is not None:
+            if self.kv_events_endpoint is None:
+                raise ValueError("--kv-events-block-size needs --kv-events-endpoint")
+            if self.kv_events_block_size < 1:
+                raise ValueError(
+                    f"--kv-events-block-size must be at least 1, got {self.kv_events_block_size}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(
                 f"--attention-backend must be auto, torch or flashinfer, got {self.attention_backend!r}"

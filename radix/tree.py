@@ -30,6 +30,7 @@ import itertools
 from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -128,6 +129,21 @@ class CacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+class TreeListener(Protocol):
+    """Told what the tree caches and drops (scheduler/kv_events.py publishes it to gateways).
+
+    ``inserted``: ``leaf`` now ends a path of ``key`` (int32 token ids, packed) in ``namespace``,
+    whose tokens from ``cached`` on were not in the tree before. ``evicted``: ``node`` (a leaf)
+    was unlinked; its ``parent`` chain still leads to its root. ``cleared``: a reset left the
+    tree empty."""
+
+    def inserted(self, leaf: Node, key: bytes, cached: int, namespace: Hashable) -> None: ...
+
+    def evicted(self, node: Node) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 @dataclass
 class _Lru:
     heap: list[tuple[int, int, Node]] = field(default_factory=list)
@@ -154,6 +170,7 @@ class RadixTree:
         # At page size 1 no page is shared between nodes (nothing starts inside a page), so the
         # pages of distinct nodes never repeat and the allocator can skip its duplicate check.
         self._distinct_paths = self.page_size == 1
+        self.listener: TreeListener | None = None  # None costs one check per insert / eviction
 
     # ---------------------------------------------------------------- queries
     @property
@@ -242,6 +259,8 @@ class RadixTree:
             self._num_nodes += 1
             node = leaf
             self.stats.inserted_tokens += total - cached
+            if self.listener is not None:
+                self.listener.inserted(leaf, query, cached, namespace)
         self._touch(node)
         if not node.children and node.parent is not None:
             self._push_lru(node)
@@ -282,6 +301,7 @@ class RadixTree:
         freed = unlinked = 0
         heap = self._lru.heap
         pop = heapq.heappop
+        listener = self.listener
         while freed < num_pages and heap:
             pages = array("q")
             want = num_pages - freed
@@ -298,6 +318,8 @@ class RadixTree:
                 del parent.children[node.key[:4]]
                 node.evicted = True
                 unlinked += 1
+                if listener is not None:
+                    listener.evicted(node)
                 if parent.parent is not None and not parent.children and not parent.lock_ref:
                     self._push_lru(parent)
             freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
@@ -321,6 +343,8 @@ class RadixTree:
     def reset(self) -> None:
         """Drop every unlocked node (all of them when nothing runs)."""
         self.evict(self.allocator.num_pages)
+        if self.listener is not None and not self._num_nodes:
+            self.listener.cleared()
 
     # -------------------------------------------------------------- internals
     def _root(self, namespace: Hashable) -> Node:

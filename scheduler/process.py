@@ -28,6 +28,7 @@ from engine.protocol import (
     decode,
     encode,
 )
+from scheduler.kv_events import BlockEvents, KVEventPublisher
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -54,6 +55,11 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     hello = decode(from_worker.recv())
     assert isinstance(hello, WorkerReady), f"expected WorkerReady, got {type(hello).__name__}"
     sched = Scheduler(spec.config, hello.info)
+    kv_events = publisher = None
+    if spec.config.kv_events_endpoint:
+        kv_events = BlockEvents(spec.config.kv_events_block)
+        kv_events.attach(sched.tree)
+        publisher = KVEventPublisher(ctx, spec.config.kv_events_endpoint)
     control.send(encode(Ready("scheduler", os.getpid(), hello.info)))
 
     poller = zmq.Poller()
@@ -66,6 +72,8 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
 
     def flush() -> None:
         nonlocal last_stats, next_stats
+        if publisher is not None:
+            publisher.publish(kv_events.take())  # one batch per step that changed the tree
         batches = sched.take_outputs()
         stats, now = None, time.monotonic()
         if sched.idle or now >= next_stats:
@@ -99,6 +107,8 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
                 elif isinstance(msg, SessionClose):
                     sched.sessions.close(msg.session_id)
                 elif isinstance(msg, Shutdown):
+                    if publisher is not None:
+                        publisher.close()
                     return
         if from_worker in events:
             result = decode(from_worker.recv())

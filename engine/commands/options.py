@@ -36,6 +36,9 @@ _HELP = {
     "session_ttl": "seconds a session's KV stays pinned after its last turn",
     "max_pinned_tokens": "tokens pinned by sessions at most (default: half the pool)",
     "tokenizer_workers": "tokenizer processes",
+    "kv_events_endpoint": "publish KV cache events (vLLM's format: ZMQ PUB, msgpack) for "
+                          "cache-aware gateways: tcp://*:5557 binds, tcp://HOST:PORT connects",
+    "kv_events_block_size": "tokens per block in the KV events (default: --page-size)",
     "allow_special_tokens_in_content": "encode special tokens spelled in chat message text as "
                                        "control tokens (lets any client forge a system turn)",
     "log_level": "debug, info, warning or error",

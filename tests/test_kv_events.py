@@ -1,0 +1,313 @@
+"""KV cache events (scheduler/kv_events.py): the blocks the events say are stored equal the
+blocks the tree holds, under random inserts, evictions and resets; and a live ``radixserve
+serve`` publishes batches that decode with vLLM's schema, written here independently of ours.
+
+The gateway test at the end runs only where ``smg`` (SGLang's model gateway, ``pip install
+smg``) is installed, in this interpreter's environment or in the virtual environment named by
+``SMG_VENV`` (default /work/smg-venv); it is skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import time
+from hashlib import blake2b
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from engine.commands.options import add_engine_arguments
+from engine.config import EngineConfig
+from radix import OutOfPages
+from scheduler.kv_events import BlockEvents, KVEventPublisher
+from tests.radix_sim import Sim
+from tests.server_process import AUTH, ServerProcess, free_port
+
+
+# ------------------------------------------------------------------ vLLM's schema, written anew
+class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM's base event: a map tagged "type" with the class name (vLLM >= 0.26)."""
+
+
+class VBlockStored(VKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VKVEventBatch(VEventBatch):
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+
+
+vllm_decoder = msgspec.msgpack.Decoder(VKVEventBatch)
+
+
+# ------------------------------------------------------------------ the documented hash, anew
+def reference_hash(parent: int | None, namespace: str | None, tokens: list[int]) -> int:
+    if parent is None:
+        head = b"radixserve-kv\x00" if namespace is None else b"radixserve-kv\x01" + namespace.encode()
+        parent = int.from_bytes(blake2b(head, digest_size=8).digest(), "little")
+    data = parent.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little", signed=True)
+                                                   for t in tokens)
+    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+
+
+def tree_blocks(tree, block_size: int) -> dict[int, tuple[str | None, list[int]]]:
+    """Every whole block on every cached path, from scratch: hash → (namespace, prefix)."""
+    blocks = {}
+    for namespace, root in tree._roots.items():
+        stack = [(root, [])]
+        while stack:
+            node, prefix = stack.pop()
+            path = prefix + np.frombuffer(node.key, dtype=np.int32).tolist()
+            parent = None
+            for end in range(block_size, len(path) + 1, block_size):
+                parent = reference_hash(parent, namespace, path[end - block_size : end])
+                blocks[parent] = (namespace, path[:end])
+            stack.extend((child, path) for child in node.children.values())
+    return blocks
+
+
+class Subscriber:
+    """What a gateway keeps: the set of stored block hashes, from the events alone."""
+
+    def __init__(self) -> None:
+        self.stored: set[int] = set()
+
+    def apply(self, event) -> None:
+        name = type(event).__name__
+        if name.endswith("BlockStored"):
+            assert event.parent_block_hash is None or event.parent_block_hash in self.stored, (
+                "a block stored under a parent the gateway does not hold")
+            size = event.block_size
+            parent = event.parent_block_hash
+            salt = event.extra_keys[0][0] if event.extra_keys and event.extra_keys[0] else None
+            for i, block_hash in enumerate(event.block_hashes):
+                assert block_hash not in self.stored, "a block stored twice"
+                if parent is None:  # a path's first block: its hash starts from the namespace
+                    assert block_hash == reference_hash(None, salt, event.token_ids[:size])
+                else:
+                    assert block_hash == reference_hash(
+                        parent, None, event.token_ids[i * size : (i + 1) * size])
+                self.stored.add(block_hash)
+                parent = block_hash
+        elif name.endswith("BlockRemoved"):
+            for block_hash in event.block_hashes:
+                assert block_hash in self.stored, "a block removed that was never stored"
+                self.stored.remove(block_hash)
+        else:
+            self.stored.clear()
+
+
+@pytest.mark.parametrize("page_size,block_size", [(1, 1), (1, 4), (4, 4), (4, 3), (16, 16),
+                                                  (16, 5), (16, 32)])
+def test_events_track_the_tree_exactly(page_size, block_size):
+    rng = random.Random(page_size * 100 + block_size)
+    sim = Sim(num_pages=max(8, 320 // page_size), page_size=page_size)
+    events = BlockEvents(block_size)
+    events.attach(sim.tree)
+    gateway = Subscriber()
+    heads = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    for step in range(400):
+        op = rng.random()
+        if op < 0.55 or not sim.running:
+            tokens = list(rng.choice(heads)) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+            tokens = tokens[: rng.randrange(2, len(tokens) + 1)]
+            try:
+                sim.admit(tokens, rng.choice([None, None, "tenant-a", "tenant-b"]))
+            except OutOfPages:
+                pass
+        elif op < 0.9:
+            sim.finish(rng.choice(sim.running), cache=rng.random() < 0.9)
+        elif op < 0.98:
+            sim.tree.evict(rng.randrange(1, 12))
+        else:
+            for seq in list(sim.running):
+                sim.finish(seq)
+            sim.tree.reset()
+        for event in events.take():
+            gateway.apply(event)
+        assert gateway.stored == set(tree_blocks(sim.tree, block_size)), f"step {step}"
+        sim.check()
+
+
+def test_salted_paths_differ_and_name_their_salt():
+    sim = Sim(num_pages=64, page_size=4)
+    events = BlockEvents(4)
+    events.attach(sim.tree)
+    tokens = list(range(1, 14))
+    for namespace in (None, "tenant-a"):
+        sim.finish(sim.admit(tokens, namespace))
+    plain, salted = events.take()
+    assert plain.token_ids == salted.token_ids == tokens[:12]
+    assert set(plain.block_hashes).isdisjoint(salted.block_hashes)
+    assert plain.extra_keys is None and salted.extra_keys == [("tenant-a",), None, None]
+
+
+def test_attach_refuses_a_tree_that_already_holds_blocks():
+    sim = Sim(num_pages=16, page_size=4)
+    sim.finish(sim.admit([1, 2, 3, 4, 5]))
+    with pytest.raises(RuntimeError, match="empty tree"):
+        BlockEvents(4).attach(sim.tree)
+
+
+def recv_batches(sub: zmq.Socket, timeout: float, until) -> list[tuple[int, VKVEventBatch]]:
+    got = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not until(got):
+        if sub.poll(100):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b""
+            got.append((int.from_bytes(seq, "big"), vllm_decoder.decode(payload)))
+    return got
+
+
+def test_publisher_frames_decode_with_vllm_schema():
+    ctx = zmq.Context.instance()
+    port = free_port()
+    publisher = KVEventPublisher(ctx, f"tcp://*:{port}")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sim = Sim(num_pages=32, page_size=4)
+        events = BlockEvents(4)
+        events.attach(sim.tree)
+        # PUB drops what it sends before the subscription arrives: probe until one lands.
+        while not recv_batches(sub, 0.2, lambda g: g):
+            publisher.publish([VAllBlocksCleared()])
+        recv_batches(sub, 0.3, lambda g: False)  # drain the probes still on their way
+        sim.finish(sim.admit(list(range(20))))
+        first = publisher.sequence
+        publisher.publish(events.take(), ts=123.5)
+        (seq, batch), = recv_batches(sub, 5.0, lambda g: g)
+        assert seq == first and batch.ts == 123.5 and batch.data_parallel_rank == 0
+        (stored,) = batch.events
+        assert isinstance(stored, VBlockStored) and stored.medium == "GPU"
+        assert stored.token_ids == list(range(20)) and stored.block_size == 4
+        assert stored.parent_block_hash is None and len(stored.block_hashes) == 5
+        publisher.publish([])  # a step that changed nothing sends nothing
+        sim.tree.reset()
+        publisher.publish(events.take())
+        (seq2, batch2), = recv_batches(sub, 5.0, lambda g: g)
+        assert seq2 == seq + 1
+        assert [type(e) for e in batch2.events] == [VBlockRemoved, VAllBlocksCleared]
+        assert sorted(batch2.events[0].block_hashes) == sorted(stored.block_hashes)
+    finally:
+        sub.close(0)
+        publisher.close()
+
+
+# ------------------------------------------------------------------ a live server
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    srv = ServerProcess(tmp_path_factory.mktemp("kv-events"), "--num-pages", "24",
+                        "--page-size", "16", "--kv-events-endpoint", f"tcp://*:{port}",
+                        "--kv-events-block-size", "8")
+    srv.events_port = port
+    yield srv
+    assert srv.stop() == 0
+
+
+def generate(server, input_ids: list[int], cache_salt: str | None = None) -> list[int]:
+    body = {"input_ids": input_ids, "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    reply = httpx.post(f"{server.url}/generate", json=body, headers=AUTH, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["token_ids"]
+
+
+def test_a_live_server_publishes_what_it_caches_and_evicts(server):
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{server.events_port}")
+    gateway = Subscriber()
+    try:
+        time.sleep(1.0)  # let the subscription reach the publisher (PUB keeps no history)
+        prompt = [(7 * i) % 500 + 3 for i in range(70)]
+        output = generate(server, prompt)
+        batches = recv_batches(sub, 10.0, lambda g: any(
+            isinstance(e, VBlockStored) for _, b in g for e in b.events))
+        assert batches, "no KV events from the server"
+        chain = []
+        for _, batch in batches:
+            assert batch.data_parallel_rank == 0
+            for event in batch.events:
+                gateway.apply(event)
+                if isinstance(event, VBlockStored):
+                    assert event.block_size == 8
+                    chain += event.token_ids
+        assert len(chain) >= 64 and chain == (prompt + output)[: len(chain)]
+        salted = generate(server, prompt, cache_salt="tenant-a")
+        assert salted == output
+        # 24 pages of 16 slots: a few more distinct prompts evict the first ones.
+        for k in range(1, 6):
+            generate(server, [(11 * i + k) % 500 + 3 for i in range(90)])
+        more = recv_batches(sub, 10.0, lambda g: any(
+            isinstance(e, VBlockRemoved) for _, b in g for e in b.events))
+        seqs = [seq for seq, _ in batches + more]
+        for _, batch in more:
+            for event in batch.events:
+                gateway.apply(event)
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a gap in sequence numbers"
+        assert any(isinstance(e, VBlockRemoved) for _, b in more for e in b.events)
+        salted_events = [e for _, b in more for e in b.events
+                         if isinstance(e, VBlockStored) and e.extra_keys]
+        # The scheduler's namespace is the salt's digest (engine/server/service.py), never the salt.
+        digest = hashlib.sha256(msgspec.json.encode([None, "tenant-a"])).hexdigest()
+        assert salted_events and salted_events[0].extra_keys[0] == (digest,)
+    finally:
+        sub.close(0)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"kv_events_endpoint": "localhost:5557"}, "tcp:// or ipc://"),
+    ({"kv_events_block_size": 16}, "needs --kv-events-endpoint"),
+    ({"kv_events_endpoint": "tcp://*:5557", "kv_events_block_size": 0}, "at least 1"),
+])
+def test_bad_kv_event_flags_are_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **values).validate()
+
+
+def test_kv_event_flags_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-events-endpoint", "tcp://*:5557"])
+    config = EngineConfig(**{f: getattr(args, f) for f in ("kv_events_endpoint",
+                                                            "kv_events_block_size")}, model="m")
+    assert config.kv_events_endpoint == "tcp://*:5557" and config.kv_events_block == 16
+    assert EngineConfig(model="m", kv_events_block_size=8).kv_events_block == 8
