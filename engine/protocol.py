@@ -13,8 +13,12 @@ No Python-object serialisation crosses a socket. Token ids travel as packed int3
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 import numpy as np
+
+from engine.batch import BatchInput
 
 
 def pack_ids(ids: np.ndarray | list[int]) -> bytes:
@@ -263,25 +267,17 @@ class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
-    """Scheduler → worker: one step. Arrays are packed int32 (see ``engine.batch.BatchInput``).
+    """Scheduler → worker: one step (``engine.batch.BatchInput``, its arrays as int32 msgpack
+    extensions) and how to sample it.
 
     Order of work: swap_out, swap_in, copies, forward, then sample one token per ``sampling``
-    row (rows of ``logits_rows``, which may repeat a row: parallel samples share one prefill).
+    row (rows of ``step.logits_rows``, which may repeat a row: parallel samples share one
+    prefill).
     """
 
     batch_id: int
-    input_ids: bytes
-    positions: bytes
-    extend_lens: bytes
-    seq_lens: bytes
-    page_indptr: bytes
-    page_indices: bytes
-    out_slots: bytes
-    logits_rows: bytes
+    step: BatchInput
     sampling: list[RowSampling]
-    copies: bytes = b""  # int32 [K, 3]
-    swap_out: bytes = b""  # int32 [K, 2]
-    swap_in: bytes = b""  # int32 [K, 2]
 
 
 class BatchResult(msgspec.Struct, tag=True, kw_only=True):
@@ -338,8 +334,35 @@ Message = (
     | SchedulerStats | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
 )
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+# Integer numpy arrays (a step's) travel as one msgpack extension each: ndim, shape, then the
+# int32 values; they decode as read-only views of the message, with no copy.
+_ARRAY_EXT = 1
+
+
+def _enc_hook(obj: object) -> msgspec.msgpack.Ext:
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "iu":
+        values = np.ascontiguousarray(obj, dtype=np.int32)
+        header = struct.pack(f"<B{values.ndim}I", values.ndim, *values.shape)
+        return msgspec.msgpack.Ext(_ARRAY_EXT, header + values.tobytes())
+    raise TypeError(f"cannot encode {type(obj).__name__} {getattr(obj, 'dtype', '')} in a message")
+
+
+def _ext_hook(code: int, data: memoryview) -> np.ndarray:
+    if code != _ARRAY_EXT:
+        raise ValueError(f"unknown msgpack extension {code}")
+    ndim = data[0]
+    shape = struct.unpack_from(f"<{ndim}I", data, 1)
+    return np.frombuffer(data, dtype=np.int32, offset=1 + 4 * ndim).reshape(shape)
+
+
+def _dec_hook(kind: type, obj: object) -> object:
+    if kind is np.ndarray and isinstance(obj, np.ndarray):
+        return obj
+    raise NotImplementedError(f"expected {kind.__name__}, got {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder(Message, ext_hook=_ext_hook, dec_hook=_dec_hook)
 
 
 def encode(message: Message) -> bytes:

@@ -1,5 +1,5 @@
-"""The GPU worker process: receives a ForwardBatch, runs copies/swaps, the forward and the
-sampler, and replies with one token per sampling row. It decides nothing about memory."""
+"""The GPU worker process: receives a ForwardBatch, runs its step (copies/swaps, the forward)
+and the sampler, and replies with one token per sampling row. It decides nothing about memory."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import numpy as np
 import zmq
 
-from engine.batch import BatchInput
 from engine.config import EngineConfig, LaunchSpec
 from engine.protocol import (
     BatchResult,
@@ -22,26 +21,6 @@ from engine.protocol import (
 )
 
 logger = logging.getLogger("radixserve.worker")
-
-
-def _pairs(data: bytes, width: int) -> np.ndarray:
-    return unpack_ids(data).reshape(-1, width) if data else np.zeros((0, width), dtype=np.int32)
-
-
-def to_batch_input(msg: ForwardBatch) -> BatchInput:
-    return BatchInput(
-        input_ids=unpack_ids(msg.input_ids),
-        positions=unpack_ids(msg.positions),
-        extend_lens=unpack_ids(msg.extend_lens),
-        seq_lens=unpack_ids(msg.seq_lens),
-        page_indptr=unpack_ids(msg.page_indptr),
-        page_indices=unpack_ids(msg.page_indices),
-        out_slots=unpack_ids(msg.out_slots),
-        logits_rows=unpack_ids(msg.logits_rows),
-        copies=_pairs(msg.copies, 3),
-        swap_out=_pairs(msg.swap_out, 2),
-        swap_in=_pairs(msg.swap_in, 2),
-    )
 
 
 class Worker:
@@ -66,7 +45,7 @@ class Worker:
     def step(self, msg: ForwardBatch) -> BatchResult:
         from engine.sampler import SamplingRow, sample
 
-        logits = self.runner.forward(to_batch_input(msg))
+        logits = self.runner.forward(msg.step)
         rows = []
         for row in msg.sampling:
             history = unpack_ids(row.history)

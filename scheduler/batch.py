@@ -1,73 +1,47 @@
-"""Turn a planned step into a ForwardBatch message (packed int32 arrays, see engine/batch.py)."""
+"""Turn a planned step into a ForwardBatch message: the step's arrays through
+``engine.batch.StepBuilder`` (the one builder), plus each sampled row's parameters."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import msgspec
 
-import numpy as np
-
-from engine.protocol import ForwardBatch, RowSampling
+from engine.batch import StepBuilder
+from engine.protocol import SEED_LIMIT, ForwardBatch, RowSampling, pack_ids
 from scheduler.kv import StepWork
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Entry
+from scheduler.planner import Entry
 
 
-def _pack(rows: list[tuple[int, ...]]) -> bytes:
-    return np.asarray(rows, dtype=np.int32).tobytes() if rows else b""
-
-
-def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: int,
-                sampling_rows: Callable[[Entry], list[RowSampling]]) -> ForwardBatch:
-    # Plain lists, then one array each: a decode entry is a handful of ints, and per-entry
-    # numpy calls would cost more than the values (256 decodes: 8 ms -> 1 ms per step).
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    page_indices: list[int] = []
-    indptr = [0]
-    extend_lens: list[int] = []
-    seq_lens: list[int] = []
-    logits_rows: list[int] = []
+def build_batch(batch_id: int, entries: list[Entry], work: StepWork,
+                page_size: int) -> ForwardBatch:
+    builder = StepBuilder(page_size)
     sampling: list[RowSampling] = []
     for entry in entries:
         seq = entry.seq
-        start, end = seq.computed, seq.computed + entry.extend
-        table = seq.pages[: -(-end // page_size)]
-        if entry.extend == 1:
-            input_ids.append(seq.tokens[start])
-            positions.append(start)
-            slots.append(table[start // page_size] * page_size + start % page_size)
-        else:
-            pos = np.arange(start, end)
-            input_ids.extend(seq.tokens[start:end])
-            positions.extend(range(start, end))
-            slots.extend((np.asarray(table)[pos // page_size] * page_size
-                          + pos % page_size).tolist())
-        page_indices.extend(table)
-        indptr.append(len(page_indices))
-        extend_lens.append(entry.extend)
-        seq_lens.append(end)
+        start = seq.computed
+        builder.add(seq.pages, start, seq.tokens[start : start + entry.extend], entry.samples)
         if entry.samples:
-            logits_rows.extend([len(input_ids) - 1] * entry.samples)
             sampling.extend(sampling_rows(entry))
-    return ForwardBatch(
-        batch_id=batch_id,
-        input_ids=_ints(input_ids),
-        positions=_ints(positions),
-        extend_lens=_ints(extend_lens),
-        seq_lens=_ints(seq_lens),
-        page_indptr=_ints(indptr),
-        page_indices=_ints(page_indices),
-        out_slots=_ints(slots),
-        logits_rows=_ints(logits_rows),
-        sampling=sampling,
-        copies=_pack(work.copies),
-        swap_out=_pack(work.swap_out),
-        swap_in=_pack(work.swap_in),
-    )
+    step = builder.finish(work.copies, work.swap_out, work.swap_in)
+    return ForwardBatch(batch_id=batch_id, step=step, sampling=sampling)
 
 
-def _ints(values: list[int]) -> bytes:
-    return np.array(values, dtype=np.int32).tobytes()
+def sampling_rows(entry: Entry) -> list[RowSampling]:
+    """The sampling parameters of ``entry``'s logits rows."""
+    seq, req = entry.seq, entry.seq.req
+    params = req.params
+    if req.is_beam:
+        params = msgspec.structs.replace(params, logprobs=2 * params.beam_width,
+                                         temperature=0.0)
+    penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                 or params.presence_penalty != 0.0)
+    history = pack_ids(seq.tokens) if penalties else b""
+    rows = []
+    for i in range(entry.samples):
+        row_params = params
+        if params.seed is not None and (seq.index or i):
+            # Parallel samples of a seeded request need distinct, reproducible seeds; they
+            # wrap to stay uint64, what the wire (and the sampler's mixing) carries.
+            seed = (params.seed + seq.index + i) % SEED_LIMIT
+            row_params = msgspec.structs.replace(params, seed=seed)
+        rows.append(RowSampling(row_params, seq.num_outputs, req.prompt_len, history))
+    return rows

@@ -1,6 +1,7 @@
 """Planning one step: which sequences run, how far each extends, who is admitted, who is
-preempted. Part of ``Scheduler`` (a mixin over its state: running / waiting requests, the
-sequences' memory ``mem``, the radix ``tree``, ``config`` and ``info``).
+preempted. ``StepPlanner`` is a part the ``Scheduler`` owns: it holds the request queues
+(running / waiting) and plans over the sequences' memory ``mem``, the radix ``tree`` and the
+session pins; it ends no request itself (one it can never schedule comes back in the plan).
 
 Order of a step: running requests first, most progress first, each sequence extending by one
 decode token or a prefill chunk within the prefill budget; growth that finds no page preempts
@@ -13,17 +14,15 @@ back whole); then, unless something was preempted, waiting requests by policy wh
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
-import msgspec
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.protocol import SEED_LIMIT, ForwardBatch, ModelInfo, RowSampling, pack_ids
+from engine.protocol import ModelInfo
 from radix import OutOfPages, RadixTree
-from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory, StepWork
 from scheduler.policy import long_uncached, order_waiting, shared_head
 from scheduler.request import Request, Seq, Status
+from scheduler.sessions import SessionPins
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -39,23 +38,32 @@ class Entry:
     samples: int  # logits rows drawn for it: 0 mid-prefill, n for a fork, else 1
 
 
+@dataclass
+class Plan:
+    """One planned step: what runs (``entries``; none when nothing can), the page work before
+    it, and a request that can never be scheduled (the scheduler fails it)."""
+
+    entries: list[Entry] = field(default_factory=list)
+    work: StepWork = field(default_factory=StepWork)
+    unschedulable: Request | None = None
+
 
 class StepPlanner:
-    # State owned by Scheduler, which this plans over.
-    config: EngineConfig
-    info: ModelInfo
-    tree: RadixTree
-    mem: SeqMemory
-    running: list[Request]
-    waiting: list[Request]
-    carry: StepWork
-    inflight: list[Entry] | None
-    batch_id: int
-    new_token_ratio: float
-    num_preemptions: int
-    def schedule(self) -> ForwardBatch | None:
-        """Plan the next step; None when there is nothing to run."""
-        assert self.inflight is None, "one batch at a time"
+    def __init__(self, config: EngineConfig, info: ModelInfo, mem: SeqMemory,
+                 sessions: SessionPins) -> None:
+        self.config = config
+        self.info = info
+        self.mem = mem
+        self.tree: RadixTree = mem.tree
+        self.sessions = sessions
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.carry = StepWork()  # swaps planned by a step that ran nothing, for the next
+        self.new_token_ratio = NEW_TOKEN_RATIO[0]
+        self.num_preemptions = 0
+
+    def plan(self) -> Plan:
+        """Plan the next step (its entries are empty when nothing can run)."""
         work, self.carry = self.carry, StepWork()
         entries: list[Entry] = []
         budget = self.config.max_prefill_tokens
@@ -74,25 +82,21 @@ class StepPlanner:
             self.new_token_ratio = NEW_TOKEN_RATIO[0]
         else:
             blocked = self._admit_waiting(entries, work, budget)
-        if not entries:
-            if self.waiting and not self.running and not preempted and self.sessions.unpin_oldest():
-                self.carry = work  # pinned sessions give way before a request is refused
-                return None
-            if self.waiting and not self.running and not preempted and self._unswap_waiting():
-                self.carry = work  # swapped requests give their device pages back, then retry
-                return None
-            if self.waiting and not self.running and not preempted:
-                # Nothing runs and the request first in line cannot be admitted into a pool that
-                # nothing else holds: it never will be (e.g. samples of a preempted n > 1
-                # request whose diverged KV outgrew the pool). It fails; the others go on.
-                self._fail(blocked or self.waiting[0], 503, "the request cannot be scheduled: "
-                           "the KV pool is too small for it")
-            self.carry = work
-            return None
-        self.new_token_ratio = max(NEW_TOKEN_RATIO[1], self.new_token_ratio - NEW_TOKEN_RATIO[2])
-        self.inflight = entries
-        self.batch_id += 1
-        return build_batch(self.batch_id, entries, work, self.info.page_size, self._sampling_rows)
+        if entries:
+            self.new_token_ratio = max(NEW_TOKEN_RATIO[1],
+                                       self.new_token_ratio - NEW_TOKEN_RATIO[2])
+            return Plan(entries, work)
+        self.carry = work
+        if not self.waiting or self.running or preempted:
+            return Plan()
+        if self.sessions.unpin_oldest():
+            return Plan()  # pinned sessions give way before a request is refused
+        if self._unswap_waiting():
+            return Plan()  # swapped requests give their device pages back, then retry
+        # Nothing runs and the request first in line cannot be admitted into a pool that nothing
+        # else holds: it never will be (e.g. samples of a preempted n > 1 request whose diverged
+        # KV outgrew the pool). It fails; the others go on.
+        return Plan(unschedulable=blocked or self.waiting[0])
 
     def _plan_running(self, req: Request, order: list[Request], position: int,
                       preempted: set[int], work: StepWork, budget: int) -> list[Entry] | None:
@@ -278,24 +282,3 @@ class StepPlanner:
         logger.info("preempted %s (%s)", req.rid, "swap" if swap else "recompute")
         self.running.remove(req)
         self.waiting.append(req)
-
-    def _sampling_rows(self, entry: Entry) -> list[RowSampling]:
-        seq, req = entry.seq, entry.seq.req
-        params = req.params
-        if req.is_beam:
-            params = msgspec.structs.replace(params, logprobs=2 * params.beam_width,
-                                             temperature=0.0)
-        penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                     or params.presence_penalty != 0.0)
-        history = pack_ids(seq.tokens) if penalties else b""
-        rows = []
-        for i in range(entry.samples):
-            row_params = params
-            if params.seed is not None and (seq.index or i):
-                # Parallel samples of a seeded request need distinct, reproducible seeds; they
-                # wrap to stay uint64, what the wire (and the sampler's mixing) carries.
-                seed = (params.seed + seq.index + i) % SEED_LIMIT
-                row_params = msgspec.structs.replace(params, seed=seed)
-            rows.append(RowSampling(row_params, seq.num_outputs, req.prompt_len, history))
-        return rows
-

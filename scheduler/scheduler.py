@@ -20,6 +20,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.protocol import (
     BatchResult,
+    ForwardBatch,
     ModelInfo,
     SeqOutput,
     TokenizedRequest,
@@ -28,14 +29,16 @@ from engine.protocol import (
 )
 from radix import PageAllocator, RadixTree
 from scheduler import beam
-from scheduler.kv import SeqMemory, StepWork
-from scheduler.planner import NEW_TOKEN_RATIO, Entry, StepPlanner
+from scheduler.batch import build_batch
+from scheduler.kv import SeqMemory
+from scheduler.planner import Entry, StepPlanner
 from scheduler.request import Request, Seq, Status
 from scheduler.sessions import SessionPins
 
 logger = logging.getLogger("radixserve.scheduler")
 
-class Scheduler(StepPlanner):
+
+class Scheduler:
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
         self.config = config
         self.info = info
@@ -43,21 +46,29 @@ class Scheduler(StepPlanner):
         self.alloc = PageAllocator(info.num_pages, info.page_size)
         self.tree = RadixTree(self.alloc)
         self.mem = SeqMemory(self.tree, info.num_host_pages)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.outputs: dict[int, list[SeqOutput]] = {}
-        self.carry = StepWork()  # swaps planned by a step that ran nothing, for the next
-        self.inflight: list[Entry] | None = None
-        self.batch_id = 0
-        self.new_token_ratio = NEW_TOKEN_RATIO[0]
-        self.num_preemptions = 0
         pinnable = config.max_pinned_tokens
         if pinnable is None:
             pinnable = info.num_pages * info.page_size // 2
         self.sessions = SessionPins(self.tree, pinnable)
+        self.planner = StepPlanner(config, info, self.mem, self.sessions)
+        self.requests: dict[str, Request] = {}
+        self.outputs: dict[int, list[SeqOutput]] = {}
+        self.inflight: list[Entry] | None = None
+        self.batch_id = 0
 
     # ------------------------------------------------------------- requests
+    @property
+    def waiting(self) -> list[Request]:
+        return self.planner.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.planner.running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.planner.num_preemptions
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and self.inflight is None
@@ -122,13 +133,24 @@ class Scheduler(StepPlanner):
         for seq in req.live_seqs():
             if index >= 0 and seq.index != index:
                 continue
-            self._release(seq, cache=seq.status is Status.RUNNING)
-            seq.status = Status.FINISHED
-            self._emit(req, seq.index, [], finish_reason=reason)
+            self._end(seq, reason, cache=seq.status is Status.RUNNING, emit=True)
         if not req.live_seqs():
             self._retire(req)
 
-    # ------------------------------------------------------------- results
+    # ---------------------------------------------------------------- steps
+    def schedule(self) -> ForwardBatch | None:
+        """Plan the next step; None when there is nothing to run."""
+        assert self.inflight is None, "one batch at a time"
+        plan = self.planner.plan()
+        if plan.unschedulable is not None:
+            self._fail(plan.unschedulable, 503,
+                       "the request cannot be scheduled: the KV pool is too small for it")
+        if not plan.entries:
+            return None
+        self.inflight = plan.entries
+        self.batch_id += 1
+        return build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size)
+
     def process_result(self, result: BatchResult) -> None:
         entries, self.inflight = self.inflight, None
         assert entries is not None and result.batch_id == self.batch_id
@@ -211,9 +233,18 @@ class Scheduler(StepPlanner):
             # through the model (one step, no sample) so the history is cached to its end.
             seq.closing, seq.finish_reason = True, reason
             return
-        self._release(seq, cache=True)
+        self._end(seq, reason, cache=True)
+
+    def _end(self, seq: Seq, reason: str, *, cache: bool, emit: bool = False,
+             error: str | None = None, status: int = 200) -> None:
+        """The one way a sequence ends: its pages released (with ``cache``, its KV into the
+        tree first), its status finished, and with ``emit`` its closing output sent (a sampled
+        token's output closes it already)."""
+        self._release(seq, cache=cache)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        if emit:
+            self._emit(seq.req, seq.index, [], finish_reason=reason, error=error, status=status)
 
     def _release(self, seq: Seq, *, cache: bool) -> None:
         """Release ``seq``'s pages; a session's cached turn becomes the session's pinned history."""
@@ -303,9 +334,7 @@ class Scheduler(StepPlanner):
     def _fail(self, req: Request, status: int, message: str) -> None:
         logger.warning("request %s failed: %s", req.rid, message)
         for seq in req.live_seqs():
-            self.mem.release(seq, cache=False)
-            seq.status = Status.FINISHED
-            self._emit(req, seq.index, [], finish_reason="error", error=message, status=status)
+            self._end(seq, "error", cache=False, emit=True, error=message, status=status)
         if not req.seqs:
             self._emit(req, 0, [], finish_reason="error", error=message, status=status)
         self._retire(req)

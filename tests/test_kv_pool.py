@@ -9,6 +9,7 @@ import torch
 
 from engine.batch import BatchInput
 from engine.kv_pool import KVPool
+from engine.protocol import ForwardBatch, RowSampling, SamplingParams, decode, encode
 from engine.runner import ModelRunner
 from tests.conftest_models import write_checkpoint
 
@@ -95,6 +96,25 @@ def test_build_follows_the_page_convention() -> None:
     assert batch.last_page_lens(4).tolist() == [1, 1]
     assert not batch.is_decode
     batch.validate(page_size=4, num_pages=8)
+
+
+def test_a_step_crosses_the_wire_unchanged() -> None:
+    """The step the scheduler builds is the step the worker runs: every array (2-D copies and
+    swaps included) comes back equal, int32, as a view of the message; other arrays and dtypes
+    are refused rather than silently cast."""
+    step = BatchInput.build([([7, 2], 3, [11, 12]), ([5, 1, 0], 0, [13])], page_size=4,
+                            copies=[(7, 6, 3)], swap_out=[(1, 0), (0, 1)])
+    sampling = [RowSampling(SamplingParams(temperature=0.0), 0)]
+    got = decode(encode(ForwardBatch(batch_id=3, step=step, sampling=sampling)))
+    assert isinstance(got, ForwardBatch) and got.batch_id == 3 and got.sampling == sampling
+    for name in step.__struct_fields__:
+        sent, back = getattr(step, name), getattr(got.step, name)
+        assert back.dtype == np.int32 and back.shape == sent.shape, name
+        assert (back == sent).all(), name
+    got.step.validate(page_size=4, num_pages=8, num_host_pages=2)
+    step.input_ids = np.array([1.5, 2.0])
+    with pytest.raises(TypeError, match="cannot encode ndarray float64"):
+        encode(ForwardBatch(batch_id=4, step=step, sampling=sampling))
 
 
 def test_build_rejects_too_few_pages_and_empty_sequences() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.demo_model import build_demo_model
-from engine.protocol import SamplingParams, TokenizedRequest, pack_ids, unpack_ids
+from engine.protocol import SamplingParams, TokenizedRequest, decode, encode, pack_ids, unpack_ids
 from engine.worker import Worker
 from scheduler.scheduler import Scheduler
 
@@ -57,7 +57,9 @@ class Harness:
     def step(self) -> bool:
         batch = self.sched.schedule()
         if batch is not None:
-            self.sched.process_result(self.worker.step(batch))
+            # Through the wire format both ways, as between the processes.
+            result = self.worker.step(decode(encode(batch)))
+            self.sched.process_result(decode(encode(result)))
             self.steps += 1
         self.sched.check()  # accounting after every step
         for out in self.sched.take_outputs().get(0, []):
@@ -257,14 +259,12 @@ def test_beams_that_cannot_grow_wait_and_come_back_whole(model_dir, mode, monkey
     alone.run()
 
     import scheduler.planner
-    import scheduler.scheduler
-    for module in (scheduler.planner, scheduler.scheduler):
-        monkeypatch.setattr(module, "NEW_TOKEN_RATIO", (0.05, 0.05, 0.0))
+    monkeypatch.setattr(scheduler.planner, "NEW_TOKEN_RATIO", (0.05, 0.05, 0.0))
     h = Harness(model_dir, num_pages=32, page_size=4, preemption_mode=mode,
                 num_host_pages=64 if mode == "swap" else 0)
     beam_preemptions = []
-    preempt = h.sched._preempt
-    monkeypatch.setattr(h.sched, "_preempt", lambda req, work: (
+    preempt = h.sched.planner._preempt
+    monkeypatch.setattr(h.sched.planner, "_preempt", lambda req, work: (
         beam_preemptions.append(req.rid) if req.is_beam else None, preempt(req, work)))
     for i in range(6):
         h.add(f"g{i}", list(range(90 + i, 96 + i)),
