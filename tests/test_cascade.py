@@ -100,3 +100,27 @@ def test_fused_cpu_partial_equals_math():
     out_b, lse_b = partial_math(q, k, v, mask, 0.3)
     torch.testing.assert_close(out_a, out_b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_a, lse_b, rtol=1e-5, atol=1e-5)
+
+
+def test_math_partials_in_bf16_are_as_accurate_as_plain_attention():
+    """The GPU path of the torch backend (``partial_math``) over bf16 activations: splitting the
+    keys in two and merging by log-sum-exp must not cost accuracy over one plain bf16 attention
+    (scores and log-sum-exp kept in bf16 made it 3.6x worse here; now 1.04x)."""
+    from engine.attention.cascade import merge_partials, partial_math
+
+    torch.manual_seed(0)
+    heads, rows, keys, dim, split = 8, 4, 600, 64, 512
+    q, k, v = (torch.randn(2, heads, n, dim, dtype=torch.float64) * 2
+               for n in (rows, keys, keys))
+    scale = dim**-0.5
+    want = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    plain = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, scale=scale)
+    no_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)
+    out_a, lse_a = partial_math(qb, kb[:, :, :split], vb[:, :, :split], no_mask, scale)
+    out_b, lse_b = partial_math(qb, kb[:, :, split:], vb[:, :, split:], no_mask, scale)
+    merged = merge_partials(out_a, lse_a, out_b, lse_b)
+    assert merged.dtype == torch.bfloat16
+    plain_err = (plain.double() - want).abs().mean()
+    merged_err = (merged.double() - want).abs().mean()
+    assert merged_err <= 1.5 * plain_err, (float(merged_err), float(plain_err))
