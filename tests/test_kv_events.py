@@ -2,18 +2,25 @@
 blocks the tree holds, under random inserts, evictions and resets; and a live ``radixserve
 serve`` publishes batches that decode with vLLM's schema, written here independently of ours.
 
-The gateway test at the end runs only where ``smg`` (SGLang's model gateway, ``pip install
-smg``) is installed, in this interpreter's environment or in the virtual environment named by
-``SMG_VENV`` (default /work/smg-venv); it is skipped otherwise.
+The smg test runs smg's own KV event relay (the Rust gRPC servicer inside ``pip install smg``,
+which turns an engine's ZMQ events into the ``SubscribeKvEvents`` stream its router indexes)
+against our publisher. smg keeps its own virtual environment: ``SMG_VENV`` (default
+/work/smg-venv) with ``smg`` and ``smg-grpc-proto`` installed; the test is skipped when that
+environment is missing. smg cannot route to a radixserve server end to end: its event-driven
+mode serves gRPC workers only (docs/scale-out.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import os
 import random
+import subprocess
 import time
 from hashlib import blake2b
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +32,7 @@ import zmq
 from engine.commands.options import add_engine_arguments
 from engine.config import EngineConfig
 from radix import OutOfPages
-from scheduler.kv_events import BlockEvents, KVEventPublisher
+from scheduler.kv_events import BlockEvents, BlockStored, KVEventPublisher
 from tests.radix_sim import Sim
 from tests.server_process import AUTH, ServerProcess, free_port
 
@@ -311,3 +318,91 @@ def test_kv_event_flags_reach_the_config():
                                                             "kv_events_block_size")}, model="m")
     assert config.kv_events_endpoint == "tcp://*:5557" and config.kv_events_block == 16
     assert EngineConfig(model="m", kv_events_block_size=8).kv_events_block == 8
+
+
+SMG_PYTHON = Path(os.environ.get("SMG_VENV", "/work/smg-venv")) / "bin" / "python"
+RELAY_SCRIPT = """
+import json, sys, grpc
+from smg.servicer import VllmGrpcServer
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+events, grpc_port, handshake_port, ipc_dir, model, seconds = sys.argv[1:]
+server = VllmGrpcServer(f"127.0.0.1:{grpc_port}", f"ipc://{ipc_dir}/engine",
+                        f"tcp://127.0.0.1:{handshake_port}", model, block_size=4,
+                        kv_events_endpoint=events)
+stub = vllm_engine_pb2_grpc.VllmEngineStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+try:
+    for batch in stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(),
+                                        timeout=float(seconds), wait_for_ready=True):
+        out = []
+        for e in batch.events:
+            kind = e.WhichOneof("data")
+            if kind == "stored":
+                out.append(["stored", [[b.block_hash, list(b.token_ids)] for b in e.stored.blocks],
+                            e.stored.parent_block_hash if e.stored.HasField("parent_block_hash")
+                            else None])
+            elif kind == "removed":
+                out.append(["removed", list(e.removed.block_hashes)])
+            else:
+                out.append([kind])
+        print(json.dumps([batch.sequence_number, out]), flush=True)
+except grpc.RpcError as exc:
+    print(json.dumps(["end", str(exc.code())]), flush=True)
+server.stop()
+"""
+
+
+def smg_relay_available() -> bool:
+    if not SMG_PYTHON.exists():
+        return False
+    probe = subprocess.run([str(SMG_PYTHON), "-c", "import smg.servicer, smg_grpc_proto, grpc"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def as_int64(value: int) -> int:
+    """smg's proto carries block hashes as int64."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@pytest.mark.skipif(not smg_relay_available(), reason="smg (+ smg-grpc-proto) not in SMG_VENV")
+def test_smg_relay_reads_our_events(tmp_path):
+    ctx = zmq.Context.instance()
+    port = free_port()
+    publisher = KVEventPublisher(ctx, f"tcp://*:{port}")
+    (tmp_path / "model").mkdir()
+    relay = subprocess.Popen(
+        [str(SMG_PYTHON), "-c", RELAY_SCRIPT, f"tcp://127.0.0.1:{port}", str(free_port()),
+         str(free_port()), str(tmp_path), str(tmp_path / "model"), "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sim = Sim(num_pages=12, page_size=4)
+    events = BlockEvents(4)
+    events.attach(sim.tree)
+    sent = {}
+    try:
+        # The relay subscribes when the stream opens; PUB keeps no history, so publish a new
+        # path every 0.2 s (eviction makes room, and removals) until the relay has passed a few.
+        for k in range(30):
+            sim.finish(sim.admit([k + 1] + [100 + k * 10 + i for i in range(14)]))
+            sent[publisher.sequence] = events.take()
+            publisher.publish(sent[publisher.sequence])
+            time.sleep(0.2)
+    finally:
+        publisher.close()
+        out, _ = relay.communicate(timeout=60)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("[")]
+    received = [line for line in lines if line[0] != "end"]
+    assert len(received) >= 5, out
+    saw_removal = False
+    for seq, got in received:
+        expected = []
+        for event in sent[seq]:
+            if isinstance(event, BlockStored):
+                blocks = [[as_int64(h), event.token_ids[4 * i : 4 * i + 4]]
+                          for i, h in enumerate(event.block_hashes)]
+                parent = event.parent_block_hash
+                expected.append(["stored", blocks, None if parent is None else as_int64(parent)])
+            else:
+                saw_removal = True
+                expected.append(["removed", [as_int64(h) for h in event.block_hashes]])
+        assert got == expected, f"batch {seq}"
+    assert saw_removal
