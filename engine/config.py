@@ -26,6 +26,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     chunked_prefill_size: int = 2048
     preemption_mode: str = "recompute"
     max_queued_requests: int = 4096
+    disable_overlap_schedule: bool = False  # plan step k+1 while the worker runs step k
     context_len: int | None = None  # defaults to the model's
     # sessions
     max_sessions: int = 1024
@@ -37,6 +38,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # size their hashes cover (default: the page size)
     kv_events_endpoint: str | None = None
     kv_events_block_size: int | None = None
+    # data parallel (tokenizer_worker/dispatch.py): replicas (a scheduler + worker each, with
+    # its own KV pool), how requests are spread over them, and the cache-aware rule's limits
+    dp_size: int = 1
+    dp_policy: str = "cache_aware"
+    dp_cache_threshold: float = 0.5
+    dp_balance_abs: int = 32
+    dp_balance_rel: float = 1.5
     # Chat text that spells a special token (<|im_end|>) is encoded as text, so a user cannot
     # forge a turn; set this only when every client is trusted with control tokens.
     allow_special_tokens_in_content: bool = False
@@ -71,15 +79,47 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--kv-events-endpoint must be a tcp:// or ipc:// ZMQ address such "
                              f"as tcp://*:5557, got {self.kv_events_endpoint!r}")
         if self.kv_events_block_size is not None:
-            if self.kv_events_endpoint is None:
-                raise ValueError("--kv-events-block-size needs --kv-events-endpoint")
+            if self.kv_events_endpoint is None and self.dp_size == 1:
+                raise ValueError("--kv-events-block-size needs --kv-events-endpoint (or "
+                                 "--dp-size > 1, whose dispatcher reads the events)")
             if self.kv_events_block_size < 1:
                 raise ValueError(
                     f"--kv-events-block-size must be at least 1, got {self.kv_events_block_size}")
+        self._validate_dp()
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(
                 f"--attention-backend must be auto, torch or flashinfer, got {self.attention_backend!r}"
             )
+
+    def _validate_dp(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
+        if self.dp_policy not in ("cache_aware", "round_robin"):
+            raise ValueError("--dp-policy must be 'cache_aware' or 'round_robin', got "
+                             f"{self.dp_policy!r}")
+        if not 0.0 <= self.dp_cache_threshold <= 1.0:
+            raise ValueError("--dp-cache-threshold is a fraction of the prompt, from 0 to 1, "
+                             f"got {self.dp_cache_threshold}")
+        if self.dp_balance_abs < 0:
+            raise ValueError(f"--dp-balance-abs must be 0 or more, got {self.dp_balance_abs}")
+        if not self.dp_balance_rel >= 1.0:
+            raise ValueError(f"--dp-balance-rel must be at least 1, got {self.dp_balance_rel}")
+        if self.dp_size > 1 and self.kv_events_endpoint is not None:
+            # Each replica publishes to the dispatcher on its own ipc:// endpoint; one
+            # user endpoint cannot be bound by several replicas.
+            raise ValueError("--kv-events-endpoint publishes one engine's events; with "
+                             "--dp-size > 1 the replicas publish to the dispatcher instead "
+                             "(run one radixserve serve per engine behind a gateway to use it)")
+
+
+class ReplicaEndpoints(msgspec.Struct, kw_only=True):
+    """One data-parallel replica's addresses (a scheduler and its worker)."""
+
+    scheduler_in: str  # tokenizers → this scheduler
+    tokenizer_from_scheduler: list[str]  # this scheduler → tokenizer i
+    worker_in: str
+    worker_out: str
+    kv_events: str | None = None  # this scheduler's KV events → the tokenizers' dispatchers
 
 
 class Endpoints(msgspec.Struct, kw_only=True):
@@ -92,6 +132,18 @@ class Endpoints(msgspec.Struct, kw_only=True):
     scheduler_in: str  # tokenizers → scheduler
     worker_in: str  # scheduler → worker
     worker_out: str  # worker → scheduler
+    # --dp-size > 1: every replica's addresses (the fields above are replica 0's), and where
+    # the tokenizers' dispatchers send their per-replica counters (the frontend's metrics)
+    replicas: list[ReplicaEndpoints] = []
+    dispatch_stats: str | None = None
+
+    def for_replica(self, index: int) -> Endpoints:
+        """The addresses replica ``index``'s scheduler and worker use: its own in the fields
+        a single engine reads, so those processes need not know about replicas."""
+        rep = self.replicas[index]
+        return msgspec.structs.replace(
+            self, scheduler_in=rep.scheduler_in, worker_in=rep.worker_in,
+            worker_out=rep.worker_out, tokenizer_from_scheduler=rep.tokenizer_from_scheduler)
 
 
 class LaunchSpec(msgspec.Struct, kw_only=True):

@@ -5,6 +5,10 @@
       ├─ scheduler         python -m engine.child  (role scheduler)
       └─ tokenizer-0..N-1  python -m engine.child  (role tokenizer)
 
+With ``--dp-size R`` > 1 there is one scheduler and one worker per replica (``scheduler-r``,
+``worker-r``), each pair with its own sockets and KV events endpoint; the tokenizers dispatch
+between them (tokenizer_worker/dp_process.py).
+
 Children get their LaunchSpec as msgpack on stdin and talk over ``ipc://`` sockets in a fresh
 0700 directory. Any child exiting while the group runs ends the whole group: ``on_death`` is
 called (the frontend fails pending requests with an error), the other children are stopped and
@@ -12,6 +16,12 @@ the socket directory is removed. Children die with the launcher (PR_SET_PDEATHSI
 process outlives it even on SIGKILL. The directory of a launcher killed that way stays behind
 until the next launch by the same user removes it: a launcher holds a lock on its directory's
 ``owner.lock`` while it lives, and a directory whose lock anyone can take is stale.
+
+Data parallel: a replica whose scheduler or worker exits is a replica down, not a group down,
+while another replica serves. Its other process is stopped and every tokenizer gets a
+``ReplicaDown``: the requests in flight there fail at once (503) and no more are routed there.
+The last replica going down ends the group as above. A dead replica stays down until the
+server restarts.
 """
 
 from __future__ import annotations
@@ -33,8 +43,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from engine.config import Endpoints, EngineConfig, LaunchSpec
-from engine.protocol import Fatal, ModelInfo, Ready, decode
+from engine.config import Endpoints, EngineConfig, LaunchSpec, ReplicaEndpoints
+from engine.protocol import Fatal, ModelInfo, Ready, ReplicaDown, decode, encode
 
 logger = logging.getLogger("radixserve.launcher")
 
@@ -46,11 +56,11 @@ class EngineError(RuntimeError):
     """The engine could not start, or a process of it died."""
 
 
-def make_endpoints(root: Path, num_tokenizers: int) -> Endpoints:
+def make_endpoints(root: Path, num_tokenizers: int, dp_size: int = 1) -> Endpoints:
     def ipc(name: str) -> str:
         return f"ipc://{root / name}"
 
-    return Endpoints(
+    endpoints = Endpoints(
         control=ipc("control"),
         tokenizer_in=[ipc(f"tokenizer-{i}-in") for i in range(num_tokenizers)],
         tokenizer_from_scheduler=[ipc(f"tokenizer-{i}-out") for i in range(num_tokenizers)],
@@ -59,6 +69,17 @@ def make_endpoints(root: Path, num_tokenizers: int) -> Endpoints:
         worker_in=ipc("worker-in"),
         worker_out=ipc("worker-out"),
     )
+    if dp_size == 1:
+        return endpoints
+    endpoints.replicas = [ReplicaEndpoints(
+        scheduler_in=ipc(f"r{r}-scheduler-in"),
+        tokenizer_from_scheduler=[ipc(f"r{r}-tokenizer-{i}-out") for i in range(num_tokenizers)],
+        worker_in=ipc(f"r{r}-worker-in"),
+        worker_out=ipc(f"r{r}-worker-out"),
+        kv_events=ipc(f"r{r}-kv-events"),
+    ) for r in range(dp_size)]
+    endpoints.dispatch_stats = ipc("dispatch-stats")
+    return endpoints.for_replica(0)
 
 
 def remove_stale_socket_dirs(root: Path) -> list[Path]:
@@ -104,10 +125,12 @@ class Launcher:
         self.ctx = zmq.Context.instance()
         remove_stale_socket_dirs(Path(tempfile.gettempdir()))
         self.socket_dir, self._owner_lock = _own_socket_dir()
-        self.endpoints = make_endpoints(self.socket_dir, config.tokenizer_workers)
+        self.endpoints = make_endpoints(self.socket_dir, config.tokenizer_workers, config.dp_size)
         self.children: dict[str, subprocess.Popen] = {}
         self.info: ModelInfo | None = None
         self.dead: str | None = None  # why the group stopped, once it has
+        self.replicas_down: dict[int, str] = {}  # data parallel: replica → why it stopped
+        self._to_tokenizers: list[zmq.Socket] = []  # ReplicaDown goes out on these
         self._stopping = False
         self._lock = threading.Lock()
 
@@ -119,8 +142,11 @@ class Launcher:
         control = self.ctx.socket(zmq.PULL)
         control.bind(self.endpoints.control)
         try:
-            self._spawn("worker", "worker", 0)
-            self._spawn("scheduler", "scheduler", 0)
+            if self.config.dp_size == 1:
+                self._spawn("worker", "worker", 0)
+                self._spawn("scheduler", "scheduler", 0)
+            for r in range(self.config.dp_size if self.config.dp_size > 1 else 0):
+                self._spawn_replica(r)
             for i in range(self.config.tokenizer_workers):
                 self._spawn(f"tokenizer-{i}", "tokenizer", i)
             self._wait_ready(control, timeout)
@@ -129,16 +155,40 @@ class Launcher:
             raise
         finally:
             control.close(linger=0)
+        if self.config.dp_size > 1:
+            for address in self.endpoints.tokenizer_in:
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+                self._to_tokenizers.append(sock)
         for name, proc in self.children.items():
             threading.Thread(target=self._watch, args=(name, proc), daemon=True,
                              name=f"watch-{name}").start()
         assert self.info is not None
         return self.info
 
-    def _spawn(self, name: str, role: str, index: int) -> None:
-        spec = LaunchSpec(role=role, index=index, config=self.config, endpoints=self.endpoints)
+    def _spawn_replica(self, r: int) -> None:
+        """Replica ``r``'s worker and scheduler: a single engine's processes, handed the
+        replica's own addresses and a config whose KV events go to the dispatchers."""
+        rep = self.endpoints.replicas[r]
+        config = msgspec.structs.replace(self.config, dp_size=1, kv_events_endpoint=rep.kv_events)
+        endpoints = self.endpoints.for_replica(r)
+        env = None
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Each replica's worker gets its share of the cores: R workers each spinning up
+            # one thread per core would fight over every core.
+            threads = max(1, (os.cpu_count() or 1) // self.config.dp_size)
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self._spawn(f"worker-{r}", "worker", r, config, endpoints, env)
+        self._spawn(f"scheduler-{r}", "scheduler", r, config, endpoints)
+
+    def _spawn(self, name: str, role: str, index: int, config: EngineConfig | None = None,
+               endpoints: Endpoints | None = None, env: dict[str, str] | None = None) -> None:
+        spec = LaunchSpec(role=role, index=index, config=config or self.config,
+                          endpoints=endpoints or self.endpoints)
         # The name in argv only labels the process for ps and tests; the spec comes on stdin.
-        proc = subprocess.Popen([sys.executable, "-m", "engine.child", name], stdin=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", "engine.child", name], stdin=subprocess.PIPE,
+                                env=env)
         assert proc.stdin is not None
         proc.stdin.write(msgspec.msgpack.encode(spec))
         proc.stdin.close()
@@ -147,6 +197,7 @@ class Launcher:
 
     def _wait_ready(self, control: zmq.Socket, timeout: float) -> None:
         pending = set(self.children)
+        names = {proc.pid: name for name, proc in self.children.items()}
         deadline = time.monotonic() + timeout
         while pending:
             if control.poll(200):
@@ -154,10 +205,12 @@ class Launcher:
                 if isinstance(msg, Fatal):
                     raise EngineError(f"{msg.name} failed to start: {msg.error}")
                 if isinstance(msg, Ready):
-                    pending.discard(msg.name)
+                    name = names.get(msg.pid, msg.name)  # all replicas' schedulers say "scheduler"
+                    pending.discard(name)
                     if msg.info is not None:
                         self.info = msg.info
-                        pending.discard("worker")  # the scheduler is ready only after the worker
+                        # the scheduler is ready only after its worker
+                        pending.discard(name.replace("scheduler", "worker"))
             for name, proc in self.children.items():
                 if proc.poll() is not None:
                     raise EngineError(f"{name} exited with code {proc.returncode} while starting")
@@ -166,18 +219,39 @@ class Launcher:
 
     def _watch(self, name: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
+        reason = f"the {name} process exited unexpectedly (exit code {code})"
+        replica = _replica_of(name)
         with self._lock:
-            if self._stopping:
+            if self._stopping or replica in self.replicas_down:
                 return
-            self.dead = f"the {name} process exited unexpectedly (exit code {code})"
+            if replica is not None and len(self.replicas_down) + 1 < self.config.dp_size:
+                self._replica_down(replica, reason)
+                return
+            self.dead = reason
         logger.error("%s; stopping the engine", self.dead)
         if self.on_death is not None:
             self.on_death(self.dead)
         self.shutdown()
 
+    def _replica_down(self, replica: int, reason: str) -> None:
+        """Called with the lock held: the replica stops serving, the others go on."""
+        self.replicas_down[replica] = reason
+        logger.error("%s; data-parallel replica %d is down, %d of %d still serve", reason,
+                     replica, self.config.dp_size - len(self.replicas_down), self.config.dp_size)
+        for sock in self._to_tokenizers:
+            sock.send(encode(ReplicaDown(replica, reason)))
+        for role in ("scheduler", "worker"):
+            proc = self.children[f"{role}-{replica}"]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)
+                threading.Thread(target=_reap, args=(proc,), daemon=True).start()
+
     def shutdown(self, grace: float = 5.0) -> None:
         with self._lock:
             self._stopping = True
+            for sock in self._to_tokenizers:
+                sock.close(linger=0)
+            self._to_tokenizers = []
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGUSR1)  # children ignore SIGTERM (see engine/child.py)
@@ -193,3 +267,17 @@ class Launcher:
             owner_lock, self._owner_lock = self._owner_lock, -1
         if owner_lock >= 0:
             os.close(owner_lock)
+
+
+def _replica_of(name: str) -> int | None:
+    """The data-parallel replica a child belongs to (``scheduler-1``: 1), None for the others."""
+    role, _, index = name.rpartition("-")
+    return int(index) if role in ("scheduler", "worker") else None
+
+
+def _reap(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

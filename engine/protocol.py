@@ -329,9 +329,43 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+# ------------------------------------------------------------------- data parallel
+class ReplicaDown(msgspec.Struct, tag=True):
+    """Launcher → tokenizer (``--dp-size`` > 1): a replica's scheduler or worker exited. Its
+    requests that had output fail, those that had none go to another replica, and nothing
+    more is routed to it."""
+
+    replica: int
+    reason: str
+
+
+class ReplicaLoad(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One replica as one tokenizer worker's dispatcher sees it. Counters only grow; the cached
+    token counters cover the same requests (those that finished after the replica admitted
+    them): what the dispatcher predicted from the replica's KV events and what the replica
+    reported in ``cached_tokens``."""
+
+    alive: bool = True
+    in_flight: int = 0
+    routed: int = 0
+    predicted_cached_tokens: int = 0
+    actual_cached_tokens: int = 0
+    cached_blocks: int = 0  # blocks the dispatcher's copy of the replica's cache holds
+    resets: int = 0  # times that copy was dropped (a gap in the events, a restart)
+    stats: SchedulerStats | None = None  # the replica scheduler's latest stats seen here
+
+
+class DispatchStats(msgspec.Struct, tag=True):
+    """Tokenizer → frontend (on its own socket): the dispatcher's replicas, whenever changed."""
+
+    tokenizer: int
+    replicas: list[ReplicaLoad]
+
+
 Message = (
     GenerateRequest | AbortRequest | TokenizedRequest | SessionOpen | SessionClose | TokenOutputs
     | SchedulerStats | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
+    | ReplicaDown | DispatchStats
 )
 
 # Integer numpy arrays (a step's) travel as one msgpack extension each: ndim, shape, then the

@@ -266,6 +266,9 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     context_len = spec.config.serving_context_len(model_context_len)
     worker = TokenizerWorker(tokenizer, i, context_len=context_len,
                              special_in_content=spec.config.allow_special_tokens_in_content)
+    if spec.config.dp_size > 1:  # replicas behind a cache-aware dispatcher
+        from tokenizer_worker import dp_process
+        return dp_process.run(spec, ctx, worker)
     from_frontend = ctx.socket(zmq.PULL)
     from_frontend.bind(ep.tokenizer_in[i])
     from_scheduler = ctx.socket(zmq.PULL)

@@ -31,6 +31,9 @@ _HELP = {
     "chunked_prefill_size": "longest prompt chunk of one request in one step",
     "preemption_mode": "recompute or swap",
     "max_queued_requests": "waiting requests before new ones get 503",
+    "disable_overlap_schedule": "plan each step only after the previous one's outputs are back "
+                                "(by default the next step is planned and sent while the "
+                                "worker runs the current one)",
     "context_len": "override the model's context length",
     "max_sessions": "open multi-turn sessions at most",
     "session_ttl": "seconds a session's KV stays pinned after its last turn",
@@ -38,7 +41,18 @@ _HELP = {
     "tokenizer_workers": "tokenizer processes",
     "kv_events_endpoint": "publish KV cache events (vLLM's format: ZMQ PUB, msgpack) for "
                           "cache-aware gateways: tcp://*:5557 binds, tcp://HOST:PORT connects",
-    "kv_events_block_size": "tokens per block in the KV events (default: --page-size)",
+    "kv_events_block_size": "tokens per block in the KV events, also the granularity of "
+                            "the --dp-size dispatcher's cache view (default: --page-size)",
+    "dp_size": "data-parallel replicas: engines (a scheduler and a worker each, with its own KV "
+               "pool; --num-pages and --kv-cache-gb are per replica) behind one frontend",
+    "dp_policy": "how requests are spread over the replicas: cache_aware (longest cached "
+                 "prefix, from the replicas' KV events, unless loads are imbalanced) or "
+                 "round_robin",
+    "dp_cache_threshold": "cache_aware: a prompt whose best cached match is below this fraction "
+                          "of it goes to the least-loaded replica",
+    "dp_balance_abs": "cache_aware: loads (requests in flight) are imbalanced, and the "
+                      "least-loaded replica is chosen, when max - min exceeds this",
+    "dp_balance_rel": "cache_aware: ... and max exceeds min times this",
     "allow_special_tokens_in_content": "encode special tokens spelled in chat message text as "
                                        "control tokens (lets any client forge a system turn)",
     "log_level": "debug, info, warning or error",

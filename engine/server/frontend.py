@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from engine.launcher import EngineError, Launcher
 from engine.protocol import ModelInfo
 from engine.server.app import build_app
+from engine.server.dp_monitor import DispatchMonitor
 from engine.server.service import Service
 from engine.server.zmq_frontend import ZmqFrontend
 
@@ -164,9 +165,14 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
                  relay: _DeathRelay) -> int:
     client = EngineClient(launcher.endpoints, info.num_pages)
     client.start()
+    dispatch = None
+    if config.dp_size > 1:
+        dispatch = DispatchMonitor(launcher.endpoints.dispatch_stats, config.dp_size,
+                                   info.num_pages)
+        dispatch.start()
     service = Service(client, info, config, max_pending=options.max_pending_requests,
                       default_max_tokens=options.default_max_tokens,
-                      salt_from_user=options.salt_from_user)
+                      salt_from_user=options.salt_from_user, dispatch=dispatch)
     app = build_app(service, api_key=options.api_key,
                     max_request_bytes=options.max_request_bytes,
                     metrics_open=options.metrics_open)
@@ -229,6 +235,8 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
         if zmq_door is not None:
             await zmq_door.stop()
         client.close()
+        if dispatch is not None:
+            dispatch.close()
     if death:
         print(f"radixserve serve: {death[0]}", file=sys.stderr)
         return 1

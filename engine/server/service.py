@@ -36,6 +36,7 @@ from engine.protocol import (
 )
 from engine.server import sampling
 from engine.server.choices import Choice, Choices, TokenInfo, chat_logprobs, completion_logprobs
+from engine.server.dp_monitor import DispatchMonitor
 from engine.server.errors import APIError
 from engine.server.metrics import FrontendState, Metrics, RequestTimer
 from engine.server.schemas import (
@@ -85,7 +86,7 @@ class Call:
 class Service:
     def __init__(self, client: EngineClient, info: ModelInfo, config: EngineConfig, *,
                  max_pending: int = 4096, default_max_tokens: int = 256,
-                 salt_from_user: bool = False) -> None:
+                 salt_from_user: bool = False, dispatch: DispatchMonitor | None = None) -> None:
         self.client = client
         self.info = info
         self.config = config
@@ -99,7 +100,11 @@ class Service:
         self.shutting_down = False  # set on SIGTERM: new requests get 503, running ones finish
         self.door_failure: str | None = None  # why a front door (ZMQ) stopped receiving
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
-        self.metrics = Metrics(lambda: client.stats, self._frontend_state)
+        if dispatch is None:
+            self.metrics = Metrics(lambda: client.stats, self._frontend_state)
+        else:  # data parallel: the replicas' stats summed, and each replica's own
+            self.metrics = Metrics(dispatch.reports.total_stats, self._frontend_state)
+            self.metrics.registry.register(dispatch.reports.collector())
         self.created = int(time.time())
 
     def _frontend_state(self) -> FrontendState:

@@ -1,0 +1,89 @@
+"""The dispatcher's copy of what one data-parallel replica caches, rebuilt from that replica's
+own KV events (``scheduler/kv_events.py``), plus the prompts it is about to cache.
+
+The events name blocks of ``block_size`` tokens by chained hashes: a block's hash covers every
+token before it too, so "the replica holds block k of this prompt" means it caches the
+prompt's first ``(k + 1) * block_size`` tokens. The copy is therefore a set of block hashes, and
+a prompt's match is how many of its leading block hashes the set holds::
+
+    prompt's blocks    h0  h1  h2  h3  h4  [ tail shorter than a block ]
+    replica holds      h0  h1  h2  ..  h4          → match 3 blocks (h3 was evicted; h4 alone
+                                                     cannot be reached: it needs h3's prefix)
+
+Why a set and not ``radix/RadixTree``: the events say which blocks were removed, by hash, in
+the replica's own eviction order. A RadixTree evicts by its own LRU and has no "remove this
+path", so it would drift from the replica; a set applies every event exactly, in O(1) per
+block, and still answers "longest cached prefix" because the hashes chain. The cost sits on
+the request path: one blake2b per prompt block (once per request, shared by every replica)
+and one set lookup per block and replica.
+
+Order: batches carry sequence numbers from 0. A gap (a batch lost) means the copy can no longer
+be trusted: it is dropped and rebuilt from the batches that follow (``resets`` counts it). A
+replica's copy then lacks the paths it had cached before the gap until they are stored anew;
+a restarted replica (0 again) starts empty, and so does its copy.
+
+``coming``: block hashes of prompts this dispatcher sent to the replica that have not finished.
+The replica caches them as it prefills (its scheduler holds back a prompt whose head another
+request is prefilling, then hits it), so a burst of one group's prompts goes where the first
+went instead of spreading before the first prefill's events arrive.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+
+from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+class ReplicaCache:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: set[int] = set()
+        self.coming: Counter[int] = Counter()
+        self.next_sequence = 0
+        self.resets = 0
+
+    def apply(self, sequence: int, payload: bytes) -> None:
+        """Apply one published batch (its sequence number and msgpack payload)."""
+        if sequence != self.next_sequence:
+            self.drop()
+        self.next_sequence = sequence + 1
+        for event in _decoder.decode(payload).events:
+            if isinstance(event, BlockStored):
+                if event.block_size != self.block_size:
+                    raise ValueError(f"KV events of {event.block_size}-token blocks, expected "
+                                     f"{self.block_size}")
+                self.blocks.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.blocks.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.blocks.clear()
+
+    def drop(self) -> None:
+        """Forget everything cached (a gap in the events, or the replica died)."""
+        self.blocks.clear()
+        self.resets += 1
+
+    def match(self, hashes: list[int]) -> int:
+        """Leading blocks of a prompt (its chained hashes) cached here or coming."""
+        blocks, coming = self.blocks, self.coming
+        for k, h in enumerate(hashes):
+            if h not in blocks and h not in coming:
+                return k
+        return len(hashes)
+
+    def add_coming(self, hashes: list[int]) -> None:
+        self.coming.update(hashes)
+
+    def drop_coming(self, hashes: list[int]) -> None:
+        coming = self.coming
+        for h in hashes:
+            left = coming[h] - 1
+            if left > 0:
+                coming[h] = left
+            else:
+                del coming[h]
