@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from engine.config import EngineConfig
 from engine.protocol import SamplingParams, SeqOutput, TokenizedRequest, pack_ids
 from engine.server.dp_monitor import DispatchReports
 from radix import OutOfPages
@@ -248,3 +249,17 @@ def test_predicted_and_actual_cached_tokens_are_counted_per_replica():
     view = reports.replicas()[0]
     assert (view.routed, view.predicted_cached_tokens, view.actual_cached_tokens) == (4, 80, 80)
     assert reports.total_stats().kv_pages_total == 200  # no replica has reported stats yet
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(dp_size=0), "--dp-size must be at least 1"),
+    (dict(dp_size=2, dp_policy="random"), "--dp-policy must be"),
+    (dict(dp_size=2, dp_cache_threshold=1.5), "--dp-cache-threshold is a fraction"),
+    (dict(dp_size=2, dp_balance_rel=0.5), "--dp-balance-rel must be at least 1"),
+    (dict(dp_size=2, kv_events_endpoint="tcp://*:5557"), "publishes one engine's events"),
+    (dict(kv_events_block_size=8), "needs --kv-events-endpoint"),
+])
+def test_bad_dp_flags_are_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **values).validate()
+    EngineConfig(model="m", dp_size=2, kv_events_block_size=8).validate()  # the dispatcher's
