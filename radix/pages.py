@@ -183,6 +183,9 @@ class PageAllocator:
         evictable; a list that repeats a page goes through ``_shift_repeated`` (unless the
         caller vouches for ``distinct``). An ``array('q')`` list is read without a copy."""
         index = np.asarray(pages, dtype=np.intp)
+        if len(index) > self.num_pages:  # longer than the pool: it repeats a page
+            self._shift_repeated(index, d_ref, d_evictable)
+            return
         if not distinct:
             mark, arange = self._mark, self._arange[: len(index)]
             mark[index] = arange
