@@ -41,11 +41,27 @@ class Worker:
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),
             attention_backend=self.runner.attention_backend,
         )
+        # The previous batch's sampled tokens: a step planned while that batch ran (overlap
+        # scheduling) names them as input ids ``-1 - row``.
+        self.last_tokens = np.zeros(0, dtype=np.int32)
 
     def step(self, msg: ForwardBatch) -> BatchResult:
         from engine.sampler import SamplingRow, sample
 
-        logits = self.runner.forward(msg.step)
+        # Until this batch samples, a failure leaves placeholder rows for the next batch to read
+        # (their sequences fail with this batch; the scheduler drops what the next one computes
+        # for them).
+        sampled, self.last_tokens = self.last_tokens, np.zeros(len(msg.sampling), dtype=np.int32)
+        step = msg.step
+        placeholders = step.input_ids < 0
+        if placeholders.any():
+            rows = -1 - step.input_ids[placeholders]
+            if rows.max() >= len(sampled):
+                raise ValueError(f"input ids name row {rows.max()} of the previous batch, which "
+                                 f"sampled {len(sampled)}")
+            step.input_ids = step.input_ids.copy()
+            step.input_ids[placeholders] = sampled[rows]
+        logits = self.runner.forward(step)
         rows = []
         for row in msg.sampling:
             history = unpack_ids(row.history)
@@ -56,6 +72,7 @@ class Worker:
                 prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
             rows.append(SamplingRow(row.params, prompt, output))
         out = sample(logits, rows)
+        self.last_tokens = out.token_ids.astype(np.int32)
         result = BatchResult(
             batch_id=msg.batch_id,
             token_ids=out.token_ids.astype(np.int32).tobytes(),

@@ -43,7 +43,7 @@ class SeqMemory:
         """Give ``seq`` its lease's full pages plus fresh ones up to ``upto`` tokens; a match
         ending inside a page copies that page's matched slots into the first fresh page."""
         seq.pages, copy = seq.lease.acquire(upto)
-        seq.computed = seq.lease.length
+        seq.computed = seq.settled = seq.lease.length
         if copy is not None:
             seq.pending_refs.append(copy.src)
             work.copies.append((copy.src, copy.dst, copy.num_slots))
@@ -79,7 +79,7 @@ class SeqMemory:
         child.lease = parent.lease.fork()
         child.pages = list(parent.pages[: self.alloc.pages_for(computed)])
         self.alloc.incref(child.pages)
-        child.computed = computed
+        child.computed = child.settled = computed
         child.copy_last_page = computed % self.page_size != 0
 
     def unplan_copies(self, seq: Seq, work: StepWork) -> None:
@@ -105,19 +105,20 @@ class SeqMemory:
 
     # --------------------------------------------------------------- release
     def release(self, seq: Seq, *, cache: bool) -> None:
-        """Drop everything ``seq`` holds; with ``cache``, its computed KV goes into the tree
-        first (so a preempted or finished sequence's prefix stays a cache hit)."""
+        """Drop everything ``seq`` holds; with ``cache``, its settled KV goes into the tree
+        first (so a preempted or finished sequence's prefix stays a cache hit). The tree only
+        ever gets KV whose batch came back: what a batch in flight computes is not cached."""
         # A sequence whose copy-on-write has not run yet has no valid KV in that page.
-        cache = cache and seq.computed and not seq.host_pages and not seq.pending_refs
+        cache = cache and seq.settled and not seq.host_pages and not seq.pending_refs
         self.copies_done(seq)
         if seq.lease is not None:
             seq.lease.release([p for p in seq.pages if p >= 0],
-                              seq.tokens[: seq.computed] if cache else None)
+                              seq.tokens[: seq.settled] if cache else None)
             seq.lease = None
         elif seq.pages:
             raise RuntimeError(f"sequence {seq.req.rid}/{seq.index} holds pages without a lease")
         self.host_free.extend(host for _, host in seq.host_pages)
-        seq.pages, seq.host_pages, seq.computed = [], [], 0
+        seq.pages, seq.host_pages, seq.computed, seq.settled = [], [], 0, 0
         seq.copy_last_page = False
 
     # ----------------------------------------------------------------- swaps

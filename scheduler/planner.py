@@ -29,6 +29,11 @@ logger = logging.getLogger("radixserve.scheduler")
 NEW_TOKEN_RATIO = (0.7, 0.1, 0.002)  # start (and after a preemption), floor, decay per step
 
 
+def is_placeholder(token: int) -> bool:
+    """A sequence's token that a batch in flight is sampling (``-1 - row`` of that batch)."""
+    return token < 0
+
+
 @dataclass
 class Entry:
     """One sequence's part of a planned step."""
@@ -36,6 +41,8 @@ class Entry:
     seq: Seq
     extend: int
     samples: int  # logits rows drawn for it: 0 mid-prefill, n for a fork, else 1
+    end: int = 0  # the sequence's computed tokens once this step has run (set when sent)
+    token_index: int = -1  # where its sampled token goes in ``seq.tokens`` (its placeholder)
 
 
 @dataclass
@@ -46,6 +53,7 @@ class Plan:
     entries: list[Entry] = field(default_factory=list)
     work: StepWork = field(default_factory=StepWork)
     unschedulable: Request | None = None
+    starved: bool = False  # a look-ahead plan skipped growth that needed a preemption
 
 
 class StepPlanner:
@@ -61,9 +69,13 @@ class StepPlanner:
         self.carry = StepWork()  # swaps planned by a step that ran nothing, for the next
         self.new_token_ratio = NEW_TOKEN_RATIO[0]
         self.num_preemptions = 0
+        self._lookahead = self._starved = False
 
-    def plan(self) -> Plan:
-        """Plan the next step (its entries are empty when nothing can run)."""
+    def plan(self, lookahead: bool = False) -> Plan:
+        """Plan the next step (its entries are empty when nothing can run). ``lookahead``: a
+        batch is still in flight; sequences it ends for certain (at their length limit) are left
+        out, and growth short of pages skips the sequence instead of preempting (``starved``)."""
+        self._lookahead, self._starved = lookahead, False
         work, self.carry = self.carry, StepWork()
         entries: list[Entry] = []
         budget = self.config.max_prefill_tokens
@@ -85,10 +97,10 @@ class StepPlanner:
         if entries:
             self.new_token_ratio = max(NEW_TOKEN_RATIO[1],
                                        self.new_token_ratio - NEW_TOKEN_RATIO[2])
-            return Plan(entries, work)
+            return Plan(entries, work, starved=self._starved)
         self.carry = work
         if not self.waiting or self.running or preempted:
-            return Plan()
+            return Plan(starved=self._starved)
         if self.sessions.unpin_oldest():
             return Plan()  # pinned sessions give way before a request is refused
         if self._unswap_waiting():
@@ -103,30 +115,40 @@ class StepPlanner:
         """Entries for ``req`` (``order[position]``)'s running sequences; None when it had to
         be preempted. It may preempt only requests after it in ``order`` (less progress)."""
         planned = []
+        limit = min(req.params.max_tokens + req.prompt_len, self.info.context_len)
         for seq in req.live_seqs():
             if seq.status is not Status.RUNNING:
                 continue
+            if seq.remaining < 1 or (is_placeholder(seq.tokens[-1])
+                                     and (len(seq.tokens) >= limit or seq.closing)):
+                continue  # the batch in flight samples its last token, or runs its closing step
             extend = seq.remaining
             if extend > 1:
                 extend = min(extend, self.config.chunked_prefill_size, budget)
                 if extend <= 0:
                     continue
                 budget -= extend
-            if not self._grow(seq, seq.computed + extend, order, position, preempted, work):
+            grown = self._grow(seq, seq.computed + extend, order, position, preempted, work)
+            if grown is None:
+                continue  # look-ahead, short of pages
+            if not grown:
                 return None
             planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
         return planned
 
     def _grow(self, seq: Seq, upto: int, order: list[Request], position: int,
-              preempted: set[int], work: StepWork) -> bool:
+              preempted: set[int], work: StepWork) -> bool | None:
         """Pages for ``upto`` tokens, preempting lower-progress requests; False when the
-        sequence's own request had to go."""
+        sequence's own request had to go, None when a look-ahead plan skips it."""
         req = order[position]
         while True:
             try:
                 self.mem.grow(seq, upto, work)
                 return True
             except OutOfPages:
+                if self._lookahead:
+                    self._starved = True
+                    return None
                 victim = next((r for r in reversed(order[position + 1 :])
                                if id(r) not in preempted and not r.is_beam and r.live_seqs()),
                               None)
@@ -158,13 +180,20 @@ class StepPlanner:
         # right now waits: once that prefill is in the tree it hits all of it, instead of
         # computing its own copy of the rest (and holding private pages for it).
         busy_heads = {self._head(r) for r in self.running
-                      if r.seqs[0].computed < r.prompt_len and self._long_uncached(r, r.cached_tokens)}
+                      if (r.seqs[0].computed < r.prompt_len or r.seqs[0].prefills_in_flight)
+                      and self._long_uncached(r, r.cached_tokens)}
         busy_heads.discard(None)
+        # A session's next turn waits while its previous turn's closing step runs: the history
+        # reaches the tree when that step comes back (only a look-ahead plan can see both).
+        closing = {r.session_id for r in self.running
+                   if r.session_id is not None and any(s.closing for s in r.live_seqs())}
         for req in order_waiting(self.waiting, self.config.policy, self.tree):
             seqs = req.live_seqs()
             width = len(seqs) if req.forked else max(req.params.n, req.params.beam_width)
             if num_running + width > self.config.max_running_requests or budget <= 0:
                 return req
+            if req.session_id in closing:
+                continue
             head = self._head(req)
             if head is not None and head in busy_heads and self._long_uncached(
                     req, self.tree.peek_prefix(req.seqs[0].tokens, req.namespace)):

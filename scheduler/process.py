@@ -87,7 +87,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
             stats = None
 
     while True:
-        runnable = sched.inflight is None and (sched.waiting or sched.running)
+        runnable = sched.can_schedule()
         timeout = 0.0 if runnable else sched.sessions.seconds_to_next_expiry(time.monotonic())
         events = dict(poller.poll(None if timeout is None else math.ceil(1000 * timeout)))
         sched.sessions.expire(time.monotonic())
@@ -111,11 +111,17 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
                         publisher.close()
                     return
         if from_worker in events:
-            result = decode(from_worker.recv())
-            assert isinstance(result, BatchResult)
-            sched.process_result(result)
-        if sched.inflight is None:
-            # Aborts wait for the batch in flight: its sequences' pages are in use until it ends.
+            while True:
+                try:
+                    result = decode(from_worker.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                assert isinstance(result, BatchResult)
+                sched.process_result(result)
+        if len(sched.inflight) <= 1:
+            # An abort frees pages the batch in flight may still write: only batches sent after
+            # it, which the worker runs later, can reuse them. Its tokens that batch samples are
+            # not cached (Scheduler._release).
             for msg in aborts:
                 sched.abort(msg.rid, msg.reason, msg.index)
             aborts.clear()

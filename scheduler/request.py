@@ -6,6 +6,10 @@ the pages of its table, so siblings share prefix pages through refcounts::
 
     positions   0 ............ cached ............ computed ........ len(tokens)
     sequence    [ matched in the tree | computed here | sampled, not yet run ]
+
+``computed`` advances when a batch is sent and ``settled`` when it comes back: with overlap
+scheduling one batch may be in flight, and the token it samples is a placeholder (``-1 - row``)
+at the end of ``tokens`` until then.
     pages       [ shared: refcount > 1 ][ private ... ][last, maybe partial ]
 """
 
@@ -33,7 +37,8 @@ class Seq:
     index: int  # sample / beam number within the request
     tokens: list[int]  # prompt then outputs; the last one is not yet in the KV while decoding
     pages: list[int] = field(default_factory=list)  # one reference each, position order
-    computed: int = 0  # tokens whose KV sits in ``pages``
+    computed: int = 0  # tokens whose KV sits in ``pages`` once the batches sent have run
+    settled: int = 0  # of those, the ones whose batch came back: all the tree may be given
     lease: Lease | None = None  # its hold on the tree: the matched path it pins
     pending_refs: list[int] = field(default_factory=list)  # copy sources, held until the copy ran
     host_pages: list[tuple[int, int]] = field(default_factory=list)  # (page index, host page)
@@ -42,6 +47,7 @@ class Seq:
     finish_reason: str | None = None
     closing: bool = False  # a session turn's last token runs for its KV; no more samples
     copy_last_page: bool = False  # a fork's last page is its parent's, until grow() copies it
+    prefills_in_flight: int = 0  # batches in flight prefilling a chunk of it (not in the tree yet)
 
     @property
     def num_outputs(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from radix import PageAllocator, RadixTree
 from scheduler import beam
 from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory
-from scheduler.planner import Entry, StepPlanner
+from scheduler.planner import Entry, StepPlanner, is_placeholder
 from scheduler.request import Request, Seq, Status
 from scheduler.sessions import SessionPins
 
@@ -53,8 +54,12 @@ class Scheduler:
         self.planner = StepPlanner(config, info, self.mem, self.sessions)
         self.requests: dict[str, Request] = {}
         self.outputs: dict[int, list[SeqOutput]] = {}
-        self.inflight: list[Entry] | None = None
+        # Batches sent and not yet answered, oldest first: one, or two while overlapping.
+        self.inflight: deque[tuple[int, list[Entry]]] = deque()
         self.batch_id = 0
+        self.overlap = not config.disable_overlap_schedule
+        self._serial_next = False  # a look-ahead plan went short of pages: wait, then preempt
+        self._looked_ahead = False  # a look-ahead plan found nothing; retry after news
 
     # ------------------------------------------------------------- requests
     @property
@@ -71,7 +76,21 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and self.inflight is None
+        return not self.waiting and not self.running and not self.inflight
+
+    def can_schedule(self) -> bool:
+        """Whether ``schedule`` may plan now: nothing in flight, or one batch whose outputs the
+        next step need not wait for (overlap scheduling, see ``schedule``)."""
+        if not (self.waiting or self.running):
+            return False
+        if not self.inflight:
+            return True
+        if not self.overlap or len(self.inflight) > 1 or self._serial_next or self._looked_ahead:
+            return False
+        # The batch in flight must decide nothing the next plan depends on: no forks or beam
+        # steps (sequences appear or reorder), no penalties (the sampler reads the whole history).
+        return all(e.samples <= 1 and not e.seq.req.is_beam and not _penalties(e.seq.req)
+                   for e in self.inflight[0][1])
 
     def add_request(self, msg: TokenizedRequest) -> None:
         prompt = unpack_ids(msg.prompt_ids).copy()
@@ -94,6 +113,7 @@ class Scheduler:
         req.seqs.append(Seq(req, 0, prompt.tolist()))
         self.requests[req.rid] = req
         self.waiting.append(req)
+        self._looked_ahead = False
 
     def _reject_reason(self, req: Request) -> tuple[int, str] | None:
         p = req.params
@@ -139,21 +159,44 @@ class Scheduler:
 
     # ---------------------------------------------------------------- steps
     def schedule(self) -> ForwardBatch | None:
-        """Plan the next step; None when there is nothing to run."""
-        assert self.inflight is None, "one batch at a time"
-        plan = self.planner.plan()
+        """Plan the next step; None when there is nothing to run now.
+
+        Overlap: while the worker runs batch k, the next step is planned and sent, so the worker
+        starts it the moment k ends while k's outputs are handled here. Each sequence is advanced
+        as its batch is sent (``computed``, and a placeholder ``-1 - row`` for the token it will
+        sample, which the worker resolves from its previous batch's samples). Pages freed while
+        a batch is in flight are only reused by later batches, which the worker runs after it.
+        A look-ahead plan preempts nothing: short of pages, it skips, and the step after waits
+        for the pipeline to drain and preempts as usual."""
+        if not self.can_schedule():
+            return None
+        lookahead = bool(self.inflight)
+        plan = self.planner.plan(lookahead=lookahead)
+        self._serial_next = plan.starved
         if plan.unschedulable is not None:
             self._fail(plan.unschedulable, 503,
                        "the request cannot be scheduled: the KV pool is too small for it")
         if not plan.entries:
+            self._looked_ahead = lookahead
             return None
-        self.inflight = plan.entries
         self.batch_id += 1
-        return build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size)
+        batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size)
+        row = 0
+        for entry in plan.entries:
+            seq = entry.seq
+            seq.computed = entry.end = seq.computed + entry.extend
+            seq.prefills_in_flight += entry.extend > 1
+            if entry.samples == 1 and not seq.req.is_beam:
+                entry.token_index = len(seq.tokens)
+                seq.tokens.append(-1 - row)
+            row += entry.samples
+        self.inflight.append((self.batch_id, plan.entries))
+        return batch
 
     def process_result(self, result: BatchResult) -> None:
-        entries, self.inflight = self.inflight, None
-        assert entries is not None and result.batch_id == self.batch_id
+        batch_id, entries = self.inflight.popleft()
+        assert result.batch_id == batch_id, f"result of batch {result.batch_id}, expected {batch_id}"
+        self._looked_ahead = False
         if result.error is not None:
             for req in {id(e.seq.req): e.seq.req for e in entries}.values():
                 self._fail(req, 500, f"the model runner failed on this request's batch "
@@ -169,15 +212,22 @@ class Scheduler:
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
         for entry in entries:
             seq = entry.seq
-            seq.computed += entry.extend
             self.mem.copies_done(seq)
+            seq.prefills_in_flight -= entry.extend > 1
             if seq.status is not Status.RUNNING:
+                row += entry.samples
+                continue
+            seq.settled = entry.end
+            if seq.closing and entry.samples:
+                # A session turn that ended in the step before this one: this step computed its
+                # last token's KV (its sample is dropped), so the turn is cached to its end.
+                self._finish(seq, seq.finish_reason)
                 row += entry.samples
                 continue
             if entry.extend > 1:
                 # A prefilled chunk goes into the tree now: waiting requests that share it hit it
                 # from the next step on, long before this one finishes.
-                self.tree.insert(seq.tokens[: seq.computed], seq.pages, seq.req.namespace)
+                self.tree.insert(seq.tokens[: entry.end], seq.pages, seq.req.namespace)
             if entry.samples == 0:
                 if seq.closing:
                     self._finish(seq, seq.finish_reason)
@@ -188,7 +238,8 @@ class Scheduler:
                 self._fork_samples(seq, tokens[row : row + entry.samples], logprobs, top_ids,
                                    top_lps, row)
             else:
-                self._append(seq, int(tokens[row]), logprobs, top_ids, top_lps, row)
+                self._append(seq, int(tokens[row]), logprobs, top_ids, top_lps, row,
+                             entry.token_index)
             row += entry.samples
         for rows in beam_rows.values():
             try:
@@ -202,10 +253,16 @@ class Scheduler:
         for req in [r for r in self.running if not r.live_seqs()]:
             self._retire(req)
 
-    def _append(self, seq: Seq, token: int, logprobs, top_ids, top_lps, row: int) -> None:
-        seq.tokens.append(token)
+    def _append(self, seq: Seq, token: int, logprobs, top_ids, top_lps, row: int,
+                index: int = -1) -> None:
+        """``token`` is ``seq``'s output at ``tokens[index]`` (its placeholder), or a new one."""
+        if index < 0:
+            index = len(seq.tokens)
+            seq.tokens.append(token)
+        else:
+            seq.tokens[index] = token
         req = seq.req
-        reason = self._finish_reason(seq, token)
+        reason = self._finish_reason(seq, token, index + 1)
         want = req.params.logprobs
         lp = logprobs[row : row + 1].tobytes() if want is not None else b""
         tid = tlp = b""
@@ -217,11 +274,12 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason)
 
-    def _finish_reason(self, seq: Seq, token: int) -> str | None:
+    def _finish_reason(self, seq: Seq, token: int, length: int) -> str | None:
+        """Why ``seq`` ends with ``token`` as its ``length``-th token, if it does."""
         p = seq.req.params
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if seq.num_outputs >= p.max_tokens or len(seq.tokens) >= self.info.context_len:
+        if length - seq.req.prompt_len >= p.max_tokens or length >= self.info.context_len:
             return "length"
         return None
 
@@ -230,7 +288,8 @@ class Scheduler:
         if (req.session_id is not None and not seq.closing and not req.is_beam
                 and seq.index == 0 and self.sessions.is_open(req.session_id)):
             # The next turn's prompt starts with this whole sequence: run its last sampled token
-            # through the model (one step, no sample) so the history is cached to its end.
+            # through the model (one step, no sample; or the step in flight already does) so
+            # the history is cached to its end.
             seq.closing, seq.finish_reason = True, reason
             return
         self._end(seq, reason, cache=True)
@@ -247,8 +306,12 @@ class Scheduler:
             self._emit(seq.req, seq.index, [], finish_reason=reason, error=error, status=status)
 
     def _release(self, seq: Seq, *, cache: bool) -> None:
-        """Release ``seq``'s pages; a session's cached turn becomes the session's pinned history."""
-        history = seq.tokens[: seq.computed]
+        """Release ``seq``'s pages; a session's cached turn becomes the session's pinned history.
+        A token the batch in flight samples for it is dropped; pages that batch still writes
+        can only go to batches sent after it, which the worker runs later."""
+        while seq.tokens and is_placeholder(seq.tokens[-1]):
+            seq.tokens.pop()
+        history = seq.tokens[: seq.settled]
         self.mem.release(seq, cache=cache)
         req = seq.req
         if cache and req.session_id is not None and seq.index == 0 and not req.is_beam:
@@ -366,3 +429,8 @@ class Scheduler:
             "sessions_pinned": len(self.sessions.pins),
             "pinned_tokens": self.sessions.pinned_tokens,
         }
+
+
+def _penalties(req: Request) -> bool:
+    p = req.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

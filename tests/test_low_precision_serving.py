@@ -7,10 +7,12 @@ Greedy outputs are compared by their common prefix (one bf16 near-tie flips a to
 everything after it legitimately differs). The demo model's random weights give flat logits
 with many near-ties, so bf16 drifts from fp32 early even in transformers: over the 16 grouped
 requests × 12 tokens, transformers' bf16 keeps 166 of 192 of its fp32 greedy tokens (86%),
-the engine's bf16 (float32 residual stream) keeps 174 of its fp32 ones and agrees with
-transformers' bf16 on 173. The test
-computes transformers' drift on the same prompts and allows the engine 5 points more; it
-asserts agreement with transformers' bf16 tokens of at least 75%.
+the engine's bf16 (float32 residual stream) keeps 163-174 of its fp32 ones (which step a
+request joins changes its batch, and bf16 rounding with it) and agrees with transformers' bf16
+on 173. A count over 192 tokens moves 6 points with one early flip, so the test asserts what
+bf16 may do instead: every token where the engine's bf16 leaves its fp32 path is a near-tie in
+fp32 (top-2 logit lead under ``NEAR_TIE``; transformers' own bf16 flips leads up to 0.13 on
+these prompts), and at least 75% agreement with transformers' bf16 tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tests.server_process import ServerProcess
 from tests.test_scheduler import Harness, hf_greedy, model_dir  # noqa: F401 (fixture)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-DRIFT_MARGIN = 0.05
+NEAR_TIE = 0.25  # fp32 logit lead of the greedy token over the next one
 AGREEMENT_FLOOR = 0.75
 
 
@@ -87,16 +89,26 @@ def test_scheduler_paths_in_bf16_agree_with_fp32(model_dir, mode):  # noqa: F811
     ref16 = [hf_greedy(hf16, p, GREEDY.max_tokens) for p in prompts]
     ref32 = [hf_greedy(hf32, p, GREEDY.max_tokens) for p in prompts]
     assert ours32 == ref32  # the fp32 run is the oracle's
-    hf_drift = agreement(ref16, ref32)
-    assert agreement(ours16, ours32) >= hf_drift - DRIFT_MARGIN, hf_drift
+    for prompt, low_out, exact_out in zip(prompts, ours16, ours32, strict=True):
+        at = common_prefix(low_out, exact_out)
+        if at < len(exact_out):
+            ids = torch.tensor([prompt + exact_out[:at]])
+            with torch.no_grad():
+                top = hf32(ids).logits[0, -1].topk(2).values
+            lead = float(top[0] - top[1])
+            assert lead < NEAR_TIE, f"bf16 flipped token {at} of {prompt[:4]}..., fp32 lead {lead}"
     assert agreement(ours16, ref16) >= AGREEMENT_FLOOR
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def agreement(runs: list[list[int]], references: list[list[int]]) -> float:
     """The fraction of reference tokens in the common prefixes of each pair of outputs."""
     agreed = total = 0
     for ours, want in zip(runs, references, strict=True):
-        agreed += next((i for i, (a, b) in enumerate(zip(ours, want, strict=False)) if a != b), len(want))
+        agreed += common_prefix(ours, want)
         total += len(want)
     return agreed / total
 

@@ -3,6 +3,8 @@ accounting invariant checked after every step, against transformers as the oracl
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -49,16 +51,23 @@ class Harness:
         self.outputs: dict[str, dict[int, list[int]]] = {}
         self.finals: dict[str, list] = {}
         self.steps = 0
+        self.queued: deque = deque()
+        self.ahead = 0
 
     def add(self, rid: str, prompt, params: SamplingParams) -> None:
         self.sched.add_request(TokenizedRequest(rid=rid, prompt_ids=pack_ids(prompt), params=params,
                                                 reply_to=0))
 
     def step(self) -> bool:
+        """Plan a step; run the oldest batch once the scheduler plans no further ahead (with
+        overlap, one batch stays queued behind the one the worker runs, as between processes)."""
         batch = self.sched.schedule()
         if batch is not None:
             # Through the wire format both ways, as between the processes.
-            result = self.worker.step(decode(encode(batch)))
+            self.queued.append(decode(encode(batch)))
+            self.ahead += len(self.queued) > 1  # planned while another batch was queued
+        if self.queued and (batch is None or len(self.queued) > 1):
+            result = self.worker.step(self.queued.popleft())
             self.sched.process_result(decode(encode(result)))
             self.steps += 1
         self.sched.check()  # accounting after every step
