@@ -35,6 +35,9 @@ def _role(name: str):
     if name == "worker":
         from engine import worker
         return worker.run
+    if name == "tp_worker":
+        from engine import tp_worker
+        return tp_worker.run
     if name == "scheduler":
         from scheduler import process
         return process.run
@@ -51,7 +54,8 @@ def main() -> int:
     # decides how to shut down (it drains, then stops children with SIGUSR1).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    name = spec.role if spec.role != "tokenizer" else f"tokenizer-{spec.index}"
+    name = {"tokenizer": f"tokenizer-{spec.index}",
+            "tp_worker": f"tp-rank-{spec.index}"}.get(spec.role, spec.role)
     logging.basicConfig(level=spec.config.log_level.upper(),
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
     ctx = zmq.Context()

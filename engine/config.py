@@ -45,6 +45,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dp_cache_threshold: float = 0.5
     dp_balance_abs: int = 32
     dp_balance_rel: float = 1.5
+    # tensor parallel (engine/distributed.py): ranks sharing each layer's heads and MLP, how
+    # many machines they span (tp_size / nnodes ranks each), this machine's place, and where
+    # they meet (HOST:PORT on node 0; default on one machine: a free port on 127.0.0.1)
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     # Chat text that spells a special token (<|im_end|>) is encoded as text, so a user cannot
     # forge a turn; set this only when every client is trusted with control tokens.
     allow_special_tokens_in_content: bool = False
@@ -53,6 +60,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def serving_context_len(self, model_context_len: int) -> int:
         """The context requests get: ``--context-len`` if given, else the model's."""
         return self.context_len or model_context_len
+
+    @property
+    def tp_ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def kv_events_block(self) -> int:
@@ -86,6 +97,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(
                     f"--kv-events-block-size must be at least 1, got {self.kv_events_block_size}")
         self._validate_dp()
+        self._validate_tp()
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(
                 f"--attention-backend must be auto, torch or flashinfer, got {self.attention_backend!r}"
@@ -110,6 +122,28 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--kv-events-endpoint publishes one engine's events; with "
                              "--dp-size > 1 the replicas publish to the dispatcher instead "
                              "(run one radixserve serve per engine behind a gateway to use it)")
+
+
+    def _validate_tp(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"--nnodes must divide --tp-size ({self.tp_size}): each machine "
+                             f"runs the same number of ranks; got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be from 0 to --nnodes - 1 ({self.nnodes - 1}), "
+                             f"got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT, an address of "
+                             "node 0 that every node can reach")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("--dist-init-addr must be HOST:PORT (node 0's address), got "
+                                 f"{self.dist_init_addr!r}")
+        if self.tp_size > 1 and self.dp_size > 1:
+            raise ValueError("--tp-size > 1 with --dp-size > 1 is not supported: run one "
+                             "radixserve serve per tensor-parallel engine behind a gateway")
 
 
 class ReplicaEndpoints(msgspec.Struct, kw_only=True):

@@ -5,6 +5,11 @@
       ├─ scheduler         python -m engine.child  (role scheduler)
       └─ tokenizer-0..N-1  python -m engine.child  (role tokenizer)
 
+With ``--tp-size N`` > 1 the worker is rank 0 of a tensor-parallel group and ranks 1..N-1 are
+children too (``tp-rank-r``, python -m engine.child tp_worker; engine/distributed.py). Across
+machines (``--nnodes``), node 0 runs everything above plus its share of the ranks, and every
+other node's launcher runs only its ranks, until the group ends.
+
 With ``--dp-size R`` > 1 there is one scheduler and one worker per replica (``scheduler-r``,
 ``worker-r``), each pair with its own sockets and KV events endpoint; the tokenizers dispatch
 between them (tokenizer_worker/dp_process.py).
@@ -31,6 +36,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -120,6 +126,8 @@ def _own_socket_dir() -> tuple[Path, int]:
 class Launcher:
     def __init__(self, config: EngineConfig, on_death: Callable[[str], None] | None = None) -> None:
         config.validate()
+        if config.tp_size > 1 and config.dist_init_addr is None:
+            config = msgspec.structs.replace(config, dist_init_addr=f"127.0.0.1:{_free_port()}")
         self.config = config
         self.on_death = on_death
         self.ctx = zmq.Context.instance()
@@ -133,6 +141,7 @@ class Launcher:
         self._to_tokenizers: list[zmq.Socket] = []  # ReplicaDown goes out on these
         self._stopping = False
         self._lock = threading.Lock()
+        self._ended = threading.Event()  # the group is dead
 
     @property
     def pids(self) -> dict[str, int]:
@@ -141,13 +150,13 @@ class Launcher:
     def start(self, timeout: float = 600.0) -> ModelInfo:
         control = self.ctx.socket(zmq.PULL)
         control.bind(self.endpoints.control)
+        serves = self.config.node_rank == 0  # the other nodes of a TP group run only ranks
         try:
             if self.config.dp_size == 1:
-                self._spawn("worker", "worker", 0)
-                self._spawn("scheduler", "scheduler", 0)
+                self._spawn_engine()
             for r in range(self.config.dp_size if self.config.dp_size > 1 else 0):
                 self._spawn_replica(r)
-            for i in range(self.config.tokenizer_workers):
+            for i in range(self.config.tokenizer_workers if serves else 0):
                 self._spawn(f"tokenizer-{i}", "tokenizer", i)
             self._wait_ready(control, timeout)
         except BaseException:
@@ -164,8 +173,34 @@ class Launcher:
         for name, proc in self.children.items():
             threading.Thread(target=self._watch, args=(name, proc), daemon=True,
                              name=f"watch-{name}").start()
+        if not serves:
+            ranks = self._local_ranks()
+            logger.warning("node %d: tensor-parallel ranks %d-%d ready; serving until the group "
+                           "ends", self.config.node_rank, ranks.start, ranks.stop - 1)
+            self._ended.wait()
+            raise EngineError(f"node {self.config.node_rank}'s tensor-parallel ranks stopped: "
+                              f"{self.dead}")
         assert self.info is not None
         return self.info
+
+    def _local_ranks(self) -> range:
+        per_node = self.config.tp_ranks_per_node
+        return range(self.config.node_rank * per_node, (self.config.node_rank + 1) * per_node)
+
+    def _spawn_engine(self) -> None:
+        """One engine: on node 0 the worker (tensor-parallel rank 0) and the scheduler; on
+        every node its tensor-parallel ranks."""
+        env = None
+        if self.config.tp_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # As for data parallel: the ranks on one machine share its cores.
+            threads = max(1, (os.cpu_count() or 1) // self.config.tp_ranks_per_node)
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        for rank in self._local_ranks():
+            if rank == 0:
+                self._spawn("worker", "worker", 0, env=env)
+                self._spawn("scheduler", "scheduler", 0)
+            else:
+                self._spawn(f"tp-rank-{rank}", "tp_worker", rank, env=env)
 
     def _spawn_replica(self, r: int) -> None:
         """Replica ``r``'s worker and scheduler: a single engine's processes, handed the
@@ -232,6 +267,7 @@ class Launcher:
         if self.on_death is not None:
             self.on_death(self.dead)
         self.shutdown()
+        self._ended.set()
 
     def _replica_down(self, replica: int, reason: str) -> None:
         """Called with the lock held: the replica stops serving, the others go on."""
@@ -267,6 +303,12 @@ class Launcher:
             owner_lock, self._owner_lock = self._owner_lock, -1
         if owner_lock >= 0:
             os.close(owner_lock)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _replica_of(name: str) -> int | None:

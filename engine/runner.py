@@ -5,6 +5,10 @@ Memory contract: the runner owns the device KV pages (``pool.kv``) and the host 
 out / in and which partial pages to copy (done first, in that order), which slot each new
 token's KV goes to, and which pages every sequence reads. A page's contents stay until a later
 batch overwrites them.
+
+Tensor parallel (``tp`` given): the model is this rank's share, the pool holds this rank's KV
+heads of the same page numbers (so the page count is agreed by all ranks: the smallest any can
+hold), and ``forward`` returns logits on rank 0 only.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from engine.attention import make_backend
 from engine.batch import BatchInput
+from engine.distributed import TensorParallel
 from engine.kv_pool import KVPool
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
@@ -75,24 +80,30 @@ class ModelRunner:
         dtype: str | torch.dtype | None = None,
         attention_backend: str = "auto",
         seed: int = 0,
+        tp: TensorParallel | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         torch.manual_seed(seed)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tp = tp
+        self.device = tp.device if tp else torch.device(
+            device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = ModelConfig.from_dir(model_dir)
-        self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config)
+        self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config,
+                                tp=tp)
         self.page_size, self.num_host_pages = page_size, num_host_pages
-        c = self.config
+        c, plan = self.config, self.model.plan
         page_bytes = KVPool.bytes_per_page(
             num_layers=c.num_layers,
             page_size=page_size,
-            num_kv_heads=c.num_kv_heads,
+            num_kv_heads=plan.num_kv_heads,
             head_dim=c.head_dim,
             dtype=self.dtype,
         )
         self.num_pages, how = self._size_pool(page_bytes, num_pages, kv_cache_gb, mem_fraction)
+        if tp is not None:
+            self.num_pages = tp.agree_min(self.num_pages)
         self.kv_cache_bytes = self.num_pages * page_bytes
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %s) on %s, %d host pages",
@@ -107,7 +118,7 @@ class ModelRunner:
             num_layers=c.num_layers,
             num_pages=self.num_pages,
             page_size=page_size,
-            num_kv_heads=c.num_kv_heads,
+            num_kv_heads=plan.num_kv_heads,
             head_dim=c.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -116,8 +127,8 @@ class ModelRunner:
         self.attention = make_backend(
             attention_backend,
             self.pool,
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
+            num_heads=plan.num_heads,
+            num_kv_heads=plan.num_kv_heads,
             head_dim=c.head_dim,
             sliding_windows=c.sliding_windows,
         )
@@ -147,10 +158,8 @@ class ModelRunner:
             )
         return chosen, how
 
-    @torch.inference_mode()
-    def forward(self, batch: BatchInput) -> torch.Tensor:
-        """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
-        ``batch.logits_rows`` (default: each sequence's last new token)."""
+    def check(self, batch: BatchInput) -> None:
+        """Raise ValueError, before anything runs, for a batch this runner cannot run."""
         batch.validate(self.page_size, self.num_pages, self.num_host_pages)
         longest = int(batch.seq_lens.max())
         if longest > self.config.max_context_len:
@@ -158,6 +167,19 @@ class ModelRunner:
                 f"a sequence reaches {longest} tokens but the model's context is "
                 f"{self.config.max_context_len}"
             )
+        if self.tp is not None and len(batch.input_ids) and not (
+                0 <= int(batch.input_ids.min()) and int(batch.input_ids.max())
+                < self.config.vocab_size):
+            # Unsharded, the embedding lookup refuses these; sharded, it would read zeros.
+            raise ValueError(f"input ids must be from 0 to {self.config.vocab_size - 1}")
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInput, *, checked: bool = False) -> torch.Tensor | None:
+        """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
+        ``batch.logits_rows`` (default: each sequence's last new token); under tensor parallel
+        on rank 0 only, None on the others. ``checked``: ``check`` has passed already."""
+        if not checked:
+            self.check(batch)
         self.pool.swap_out(batch.swap_out)
         self.pool.swap_in(batch.swap_in)
         self.pool.copy_pages(batch.copies)

@@ -1,5 +1,9 @@
 """The GPU worker process: receives a ForwardBatch, runs its step (copies/swaps, the forward)
-and the sampler, and replies with one token per sampling row. It decides nothing about memory."""
+and the sampler, and replies with one token per sampling row. It decides nothing about memory.
+
+With ``--tp-size`` > 1 it is rank 0 of the tensor-parallel group (engine/distributed.py): it
+hands every step, its input ids resolved, to the other ranks (engine/tp_worker.py) before
+running its own share of the forward."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import numpy as np
 import zmq
 
 from engine.config import EngineConfig, LaunchSpec
+from engine.distributed import GroupBroken, TensorParallel, start_tensor_parallel
 from engine.protocol import (
     BatchResult,
     ForwardBatch,
@@ -23,15 +28,21 @@ from engine.protocol import (
 logger = logging.getLogger("radixserve.worker")
 
 
-class Worker:
-    def __init__(self, c: EngineConfig) -> None:
-        from engine.runner import ModelRunner
+def make_runner(c: EngineConfig, tp: TensorParallel | None = None):
+    """The model runner ``c`` describes (``tp``: this rank's share of it)."""
+    from engine.runner import ModelRunner
 
-        self.runner = ModelRunner(
-            c.model, page_size=c.page_size, num_pages=c.num_pages, kv_cache_gb=c.kv_cache_gb,
-            mem_fraction=c.mem_fraction, num_host_pages=c.num_host_pages, device=c.device,
-            dtype=c.dtype, attention_backend=c.attention_backend, seed=c.seed,
-        )
+    return ModelRunner(
+        c.model, page_size=c.page_size, num_pages=c.num_pages, kv_cache_gb=c.kv_cache_gb,
+        mem_fraction=c.mem_fraction, num_host_pages=c.num_host_pages, device=c.device,
+        dtype=c.dtype, attention_backend=c.attention_backend, seed=c.seed, tp=tp,
+    )
+
+
+class Worker:
+    def __init__(self, c: EngineConfig, tp: TensorParallel | None = None) -> None:
+        self.tp = tp
+        self.runner = make_runner(c, tp)
         mc = self.runner.config
         self.info = ModelInfo(
             model=c.served_model_name or c.model, architecture=mc.architecture,
@@ -61,7 +72,10 @@ class Worker:
                                  f"sampled {len(sampled)}")
             step.input_ids = step.input_ids.copy()
             step.input_ids[placeholders] = sampled[rows]
-        logits = self.runner.forward(step)
+        if self.tp is None:
+            logits = self.runner.forward(step)
+        else:
+            logits = self._forward_all_ranks(msg.batch_id, step)
         rows = []
         for row in msg.sampling:
             history = unpack_ids(row.history)
@@ -84,20 +98,36 @@ class Worker:
             result.top_logprobs = out.top_logprobs.astype(np.float32).tobytes()
         return result
 
+    def _forward_all_ranks(self, batch_id: int, step):
+        """Tensor parallel: the step (input ids resolved) to every rank, then this rank's
+        forward. A batch the runner refuses fails alone, before any other rank sees it."""
+        self.runner.check(step)
+        self.tp.send_step(encode(ForwardBatch(batch_id=batch_id, step=step, sampling=[])))
+        try:
+            return self.runner.forward(step, checked=True)
+        except Exception as exc:
+            raise GroupBroken(f"batch {batch_id} failed inside the tensor-parallel forward "
+                              f"({type(exc).__name__}: {exc})") from exc
+
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     pull = ctx.socket(zmq.PULL)
     pull.bind(spec.endpoints.worker_in)
     push = ctx.socket(zmq.PUSH)
     push.connect(spec.endpoints.worker_out)
-    worker = Worker(spec.config)
+    tp = start_tensor_parallel(spec.config, rank=0) if spec.config.tp_size > 1 else None
+    worker = Worker(spec.config, tp)
     push.send(encode(WorkerReady(worker.info)))
     while True:
         msg = decode(pull.recv())
         if isinstance(msg, Shutdown):
+            if tp is not None:
+                tp.send_step(encode(msg))
             return
         try:
             result = worker.step(msg)
+        except GroupBroken:
+            raise  # the ranks may be out of step: the group ends (engine/child.py reports it)
         except Exception as exc:
             # The scheduler fails this batch's requests (logging their ids) and keeps serving.
             # The traceback stays in this log: the error reaches clients, so it names only the

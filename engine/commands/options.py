@@ -53,6 +53,15 @@ _HELP = {
     "dp_balance_abs": "cache_aware: loads (requests in flight) are imbalanced, and the "
                       "least-loaded replica is chosen, when max - min exceeds this",
     "dp_balance_rel": "cache_aware: ... and max exceeds min times this",
+    "tp_size": "tensor-parallel ranks: each holds 1/N of every layer's attention heads, KV heads "
+               "and MLP, and of the vocabulary (torch.distributed: NCCL on GPU, gloo on CPU; "
+               "--num-pages and --kv-cache-gb are per rank)",
+    "nnodes": "machines the --tp-size ranks span (tp-size / nnodes ranks on each; run the same "
+              "command on every machine with its own --node-rank)",
+    "node_rank": "this machine's place among --nnodes: 0 runs the server and rank 0, the others "
+                 "only their ranks",
+    "dist_init_addr": "HOST:PORT of node 0 where the tensor-parallel ranks meet (needed with "
+                      "--nnodes > 1; default on one machine: a free port on 127.0.0.1)",
     "allow_special_tokens_in_content": "encode special tokens spelled in chat message text as "
                                        "control tokens (lets any client forge a system turn)",
     "log_level": "debug, info, warning or error",
@@ -94,4 +103,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     values["served_model_name"] = values["served_model_name"] or source.name
     config = EngineConfig(**values)
     config.validate()
+    if config.tp_size > 1:  # a model that does not split that many ways: refused before starting
+        from engine.model.config import ModelConfig
+        from engine.model.parallel import ShardPlan
+
+        ShardPlan.for_rank(ModelConfig.from_dir(config.model), 0, config.tp_size)
     return config

@@ -15,7 +15,8 @@ implementations of the same checkpoints (the parity oracle); only the data layou
   still run in the weights' dtype, on the normalised activations.
 
 Weights are created directly on the target device and dtype and owned by the model; the loader
-copies checkpoint tensors into the views ``weight_targets`` names.
+copies checkpoint tensors into the views ``weight_targets`` names (under tensor parallel, the
+slices ``weight_sources`` names: engine/model/parallel.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
+from engine.model.parallel import (
+    Collectives,
+    ShardPlan,
+    Slice,
+    embed_vocab_parallel,
+    row_parallel_add_,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,12 +149,16 @@ class _Weights(nn.Module):
 
 
 class DecoderLayer(_Weights):
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """One layer, or (``tp`` given) this rank's share of it: ``plan``'s heads and MLP rows."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 plan: ShardPlan, tp: Collectives | None = None) -> None:
         super().__init__(device, dtype)
         c = config
-        self.eps = c.rms_norm_eps
-        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps, self.tp = c.rms_norm_eps, tp
+        self.q_size, self.kv_size = plan.num_heads * c.head_dim, plan.num_kv_heads * c.head_dim
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
+        self.head_dim, self.intermediate_size = c.head_dim, plan.intermediate_size
         qkv_rows = self.q_size + 2 * self.kv_size
         self.input_norm = self._new(c.hidden_size)
         self.qkv = self._new(qkv_rows, c.hidden_size)
@@ -156,18 +168,18 @@ class DecoderLayer(_Weights):
         self.o = self._new(c.hidden_size, self.q_size)
         self.o_bias = self._new(c.hidden_size) if c.o_bias else None
         self.post_norm = self._new(c.hidden_size)
-        self.gate_up = self._new(2 * c.intermediate_size, c.hidden_size)
-        self.gate_up_bias = self._new(2 * c.intermediate_size) if c.mlp_bias else None
-        self.down = self._new(c.hidden_size, c.intermediate_size)
+        self.gate_up = self._new(2 * plan.intermediate_size, c.hidden_size)
+        self.gate_up_bias = self._new(2 * plan.intermediate_size) if c.mlp_bias else None
+        self.down = self._new(c.hidden_size, plan.intermediate_size)
         self.down_bias = self._new(c.hidden_size) if c.mlp_bias else None
         # On CPU, glibc serves allocations over 32 MiB with fresh mmaps, whose page faults cost
         # more than the GEMM that fills them; on GPU the bound just caps activation memory.
         budget = (16 << 20) if device.type == "cpu" else (1 << 30)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.mlp_chunk_tokens = max(1, budget // (2 * c.intermediate_size * itemsize))
+        self.mlp_chunk_tokens = max(1, budget // (2 * plan.intermediate_size * itemsize))
 
-    def weight_targets(self, prefix: str, c: ModelConfig) -> dict[str, torch.Tensor]:
-        q, kv, inter = self.q_size, self.kv_size, c.intermediate_size
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         targets = {
             prefix + "input_layernorm.weight": self.input_norm,
@@ -218,8 +230,11 @@ class DecoderLayer(_Weights):
             )
         # q and k rotate together: one set of elementwise ops instead of two.
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attention.forward(index, q, k, v)
-        add_linear_(hidden, out.reshape(num_tokens, self.q_size), self.o, self.o_bias)
+        out = attention.forward(index, q, k, v).reshape(num_tokens, self.q_size)
+        if self.tp is None:
+            add_linear_(hidden, out, self.o, self.o_bias)
+        else:
+            row_parallel_add_(hidden, out, self.o, self.o_bias, self.tp)
         x = rms_norm(hidden, self.post_norm, self.eps)
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
@@ -227,36 +242,61 @@ class DecoderLayer(_Weights):
             hidden.split(self.mlp_chunk_tokens), x.split(self.mlp_chunk_tokens), strict=True
         ):
             gate, up = F.linear(x_rows, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-            add_linear_(rows, F.silu(gate).mul_(up), self.down, self.down_bias)
+            if self.tp is None:
+                add_linear_(rows, F.silu(gate).mul_(up), self.down, self.down_bias)
+            else:
+                row_parallel_add_(rows, F.silu(gate).mul_(up), self.down, self.down_bias, self.tp)
         return hidden
 
 
 class LlamaForCausalLM(_Weights):
-    """Every supported architecture: their differences are flags in ``ModelConfig``."""
+    """Every supported architecture: their differences are flags in ``ModelConfig``. With
+    ``tp``, this rank's share of it (engine/model/parallel.py); without, the whole model and
+    no collective anywhere."""
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 tp: Collectives | None = None) -> None:
         super().__init__(device, dtype)
-        self.config = config
-        self.embed = self._new(config.vocab_size, config.hidden_size)
+        self.config, self.tp = config, tp
+        self.plan = ShardPlan.for_rank(config, tp.rank if tp else 0, tp.size if tp else 1)
+        self.embed = self._new(self.plan.vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, device, dtype) for _ in range(config.num_layers)
+            DecoderLayer(config, device, dtype, self.plan, tp) for _ in range(config.num_layers)
         )
         self.norm = self._new(config.hidden_size)
         self.lm_head = (
             self.embed
             if config.tie_word_embeddings
-            else self._new(config.vocab_size, config.hidden_size)
+            else self._new(self.plan.vocab_rows, config.hidden_size)
         )
         self.rope = RotaryEmbedding(config, device)
+        real_rows = self.plan.vocab_stop - self.plan.vocab_start
+        with torch.no_grad():  # the last rank's rows past the vocabulary: never loaded
+            self.embed[real_rows:].zero_()
+            self.lm_head[real_rows:].zero_()
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the tensor (or slice of a fused one) it is copied into."""
-        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        real_rows = self.plan.vocab_stop - self.plan.vocab_start
+        targets = {"model.embed_tokens.weight": self.embed[:real_rows],
+                   "model.norm.weight": self.norm}
         if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head
+            targets["lm_head.weight"] = self.lm_head[:real_rows]
         for i, layer in enumerate(self.layers):
-            targets.update(layer.weight_targets(f"model.layers.{i}.", self.config))
+            targets.update(layer.weight_targets(f"model.layers.{i}."))
         return targets
+
+    def weight_sources(self) -> dict[str, Slice]:
+        """The checkpoint tensors this rank reads only a slice of (none without ``tp``)."""
+        if self.tp is None:
+            return {}
+        vocab = self.plan.vocab_slice(self.config)
+        sources = {"model.embed_tokens.weight": vocab}
+        if not self.config.tie_word_embeddings:
+            sources["lm_head.weight"] = vocab
+        for i in range(self.config.num_layers):
+            sources.update(self.plan.layer_sources(f"model.layers.{i}.", self.config))
+        return sources
 
     def forward(
         self,
@@ -264,11 +304,17 @@ class LlamaForCausalLM(_Weights):
         positions: torch.Tensor,
         attention: AttentionBackend,
         logits_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]."""
-        hidden = F.embedding(input_ids, self.embed).float()
+    ) -> torch.Tensor | None:
+        """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]; under
+        tensor parallel on rank 0 only (None on the others)."""
+        if self.tp is None:
+            hidden = F.embedding(input_ids, self.embed).float()
+        else:
+            hidden = embed_vocab_parallel(input_ids, self.embed, self.plan, self.tp).float()
         cos, sin = self.rope(positions, self.embed.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(index, hidden, cos, sin, attention)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head).float()
+        if self.tp is None:
+            return F.linear(hidden, self.lm_head).float()
+        return self.tp.gather_vocab(F.linear(hidden, self.lm_head), self.config.vocab_size)

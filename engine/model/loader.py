@@ -3,7 +3,8 @@
 Reads ``config.json`` (+ ``generation_config.json``) and the safetensors weights: one
 ``model.safetensors``, a sharded set listed by ``model.safetensors.index.json``, or any
 ``*.safetensors`` files. Tensors are read one at a time and copied straight into the model's
-(fused) parameters on the target device and dtype, so peak host memory is one tensor.
+(fused) parameters on the target device and dtype, so peak host memory is one tensor. Under
+tensor parallel each rank reads only its slice of the tensors it splits (``weight_sources``).
 
 Every failure is a sentence naming the file and key: missing config or weights, unsupported
 architecture (from ``ModelConfig``), a key the model does not have, a missing key, a shape
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.model.parallel import Collectives, Slice
 
 # Checkpoint entries that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -55,13 +57,15 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     config: ModelConfig | None = None,
+    tp: Collectives | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for ``model_dir``'s config on ``device`` and fill every weight."""
+    """Build the model (``tp``: this rank's share of it) for ``model_dir``'s config on
+    ``device`` and fill every weight."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
     files = weight_files(model_dir)
-    model = LlamaForCausalLM(config, device, dtype)
-    targets = model.weight_targets()
+    model = LlamaForCausalLM(config, device, dtype, tp)
+    targets, sources = model.weight_targets(), model.weight_sources()
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
@@ -77,11 +81,16 @@ def load_model(
                             f"{file.name} has tensor {name!r}, which {config.architecture} with this "
                             "config.json does not have; is config.json from the same checkpoint?"
                         )
-                    tensor = reader.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(target.shape):
+                    source = sources.get(name)
+                    if source is None:
+                        tensor = reader.get_tensor(name)
+                        shape, expected = tuple(tensor.shape), tuple(target.shape)
+                    else:
+                        tensor, shape, expected = _read_slice(reader, name, source, target)
+                    if shape != expected:
                         raise ValueError(
-                            f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)} but "
-                            f"config.json implies {tuple(target.shape)}"
+                            f"{file.name}: tensor {name!r} has shape {shape} but "
+                            f"config.json implies {expected}"
                         )
                     target.copy_(tensor)
                     loaded.add(name)
@@ -93,3 +102,17 @@ def load_model(
         names = ", ".join(f.name for f in files)
         raise ValueError(f"weights missing from {names}: {shown}")
     return model
+
+
+def _read_slice(reader, name: str, source: Slice, target: torch.Tensor
+                ) -> tuple[torch.Tensor | None, tuple[int, ...], tuple[int, ...]]:
+    """This rank's slice of checkpoint tensor ``name``, the tensor's full shape and the full
+    shape the config implies (the slice is read only when the two agree)."""
+    piece = reader.get_slice(name)
+    shape = tuple(piece.get_shape())
+    expected = list(target.shape)
+    expected[source.dim] = source.full
+    if shape != tuple(expected):
+        return None, shape, tuple(expected)
+    index = (slice(None),) * source.dim + (slice(source.start, source.stop),)
+    return piece[index], shape, shape
