@@ -232,6 +232,9 @@ class TokenOutputs(msgspec.Struct, tag=True):
 
     outputs: list[SeqOutput]
     stats: SchedulerStats | None = None
+    # time.monotonic() when the scheduler got the step result these outputs come from (0: not
+    # from a step), carried on to the frontend to time the hops (its delivery histogram)
+    result_at: float = 0.0
 
 
 class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
@@ -250,6 +253,7 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replace: bool = False
+    result_at: float = 0.0  # TokenOutputs.result_at of the step that produced these tokens
     # With logprobs: each token's text, then each top alternative's (tokens x N, row-major).
     token_texts: list[str] = []
     top_texts: list[str] = []

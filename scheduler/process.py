@@ -70,7 +70,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     last_stats: SchedulerStats | None = None
     next_stats = 0.0
 
-    def flush() -> None:
+    def flush(result_at: float = 0.0) -> None:
         nonlocal last_stats, next_stats
         if publisher is not None:
             publisher.publish(kv_events.take())  # one batch per step that changed the tree
@@ -83,7 +83,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
                 next_stats = now + STATS_INTERVAL
                 batches = batches or {0: []}
         for reply_to, outputs in batches.items():
-            to_tokenizers[reply_to].send(encode(TokenOutputs(outputs, stats)))
+            to_tokenizers[reply_to].send(encode(TokenOutputs(outputs, stats, result_at)))
             stats = None
 
     while True:
@@ -110,6 +110,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
                     if publisher is not None:
                         publisher.close()
                     return
+        result_at = 0.0
         if from_worker in events:
             while True:
                 try:
@@ -117,7 +118,13 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
                 except zmq.Again:
                     break
                 assert isinstance(result, BatchResult)
+                result_at = time.monotonic()
                 sched.process_result(result)
+        if result_at and sched.inflight:
+            # The worker already has its next batch (overlap): the tokens go out before the
+            # step after it is planned. Without a batch in flight, planning comes first.
+            flush(result_at)
+            result_at = 0.0
         if len(sched.inflight) <= 1:
             # An abort frees pages the batch in flight may still write: only batches sent after
             # it, which the worker runs later, can reuse them. Its tokens that batch samples are
@@ -131,4 +138,4 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
             elif sched.idle and not checked:
                 sched.check()
                 checked = True
-        flush()
+        flush(result_at)

@@ -350,6 +350,10 @@ def test_metrics_parse_and_count_what_happened(server):
     assert values["radixserve_requests_total{endpoint=completions,status=200}"] >= 64
     assert values["radixserve_requests_total{endpoint=completions,status=400}"] >= 10
     assert values["radixserve_time_to_first_token_seconds_count"] >= 64
+    # Every token delivery is timed from the scheduler's step result, across processes.
+    delivered = values["radixserve_token_delivery_seconds_count"]
+    assert delivered >= 64
+    assert 0 < values["radixserve_token_delivery_seconds_sum"] < delivered  # seconds, < 1 each
     assert 0 < values["radixserve_prefix_cache_hit_rate"] < 1
     assert values["radixserve_kv_pages_total"] == 2048
 

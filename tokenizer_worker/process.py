@@ -180,6 +180,7 @@ class TokenizerWorker:
                 continue
             if stopped:
                 aborts.append(AbortRequest(out.rid, "stop", out.index))
+            result.result_at = msg.result_at
             outputs.append(result)
             if state.finished >= state.width:
                 self.states.pop(out.rid, None)

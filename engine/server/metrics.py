@@ -20,6 +20,8 @@ from engine.protocol import SchedulerStats
 PREFIX = "radixserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+DELIVERY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.006, 0.008, 0.012, 0.02,
+                    0.04, 0.08, 0.16)
 
 
 @dataclass
@@ -89,6 +91,10 @@ class Metrics:
                              registry=self.registry)
         self.latency = Histogram(f"{PREFIX}_request_latency_seconds", "Arrival to last token.",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.delivery = Histogram(f"{PREFIX}_token_delivery_seconds", "From the scheduler "
+                                  "getting a step's result to the frontend handing its tokens "
+                                  "to the response: the hops through the tokenizer worker.",
+                                  buckets=DELIVERY_BUCKETS, registry=self.registry)
         self.registry.register(_SchedulerCollector(stats, frontend))
 
     def render(self) -> bytes:
@@ -108,10 +114,14 @@ class RequestTimer:
         self.last: dict[int, float] = {}  # choice → when its last token came
         self.done = False
 
-    def tokens(self, choice: int, count: int) -> None:
+    def tokens(self, choice: int, count: int, result_at: float = 0.0) -> None:
+        """``count`` tokens of ``choice`` delivered now; ``result_at``: when the scheduler got
+        the step result they come from (monotonic, the same clock in every process)."""
         if count <= 0:
             return
         now = time.monotonic()
+        if result_at:
+            self.metrics.delivery.observe(now - result_at)
         if not self.last:
             self.metrics.ttft.observe(now - self.start)
         last = self.last.get(choice)

@@ -260,7 +260,7 @@ class Service:
                         raise APIError(status, out.error or "the request failed",
                                        param=call.prompt_param if status == 400 else None)
                     choice, ids, tokens = call.choices.add(index, out)
-                    call.timer.tokens(choice.index, len(ids))
+                    call.timer.tokens(choice.index, len(ids), out.result_at)
                     yield choice, out, ids, tokens
             status = 200
         except APIError as exc:
