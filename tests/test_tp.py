@@ -257,3 +257,36 @@ def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
         engine.close()
     for proc in engine.launcher.children.values():
         assert proc.poll() is not None
+
+
+def test_two_nodes_on_one_machine(model_dir, tmp_path):
+    """--nnodes 2 with both nodes on 127.0.0.1: node 1 is `radixserve serve --node-rank 1`,
+    which runs only rank 1; node 0 runs the engine and rank 0. Outputs equal tp 1's, and node
+    1 exits non-zero, saying why, once node 0's group is gone."""
+    import subprocess
+    import sys
+
+    from tests.server_process import free_port
+
+    prompts = shared_prefix_prompts(4, seed=4)
+    ref = Harness(model_dir, num_pages=256)
+    for i, p in enumerate(prompts):
+        ref.add(str(i), p, GREEDY)
+    ref.run()
+    dist = dict(tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in dist.items()]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", model_dir, "--dtype", "float32",
+         "--num-pages", "256", "--port", str(free_port()), "--node-rank", "1", *flags],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        with Engine(model_dir, num_pages=256, dtype="float32", **dist) as node0:
+            assert "tp-rank-1" not in node0.launcher.children
+            results = node0.generate(prompts, GREEDY)
+        _, stderr = node1.communicate(timeout=30)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    assert [r.token_ids for r in results] == [ref.outputs[str(i)][0] for i in range(4)]
+    assert node1.returncode == 1
+    assert "node 1's tensor-parallel ranks stopped" in stderr
