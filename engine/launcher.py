@@ -124,7 +124,8 @@ def _own_socket_dir() -> tuple[Path, int]:
 
 
 class Launcher:
-    def __init__(self, config: EngineConfig, on_death: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, on_death: Callable[[str], None] | None = None,
+                 publish_kv_events: bool = False) -> None:
         config.validate()
         if config.tp_size > 1 and config.dist_init_addr is None:
             config = msgspec.structs.replace(config, dist_init_addr=f"127.0.0.1:{_free_port()}")
@@ -133,6 +134,10 @@ class Launcher:
         self.ctx = zmq.Context.instance()
         remove_stale_socket_dirs(Path(tempfile.gettempdir()))
         self.socket_dir, self._owner_lock = _own_socket_dir()
+        if publish_kv_events and config.kv_events_endpoint is None:
+            # The gRPC door relays the events; nobody else needs to reach them.
+            self.config = config = msgspec.structs.replace(
+                config, kv_events_endpoint=f"ipc://{self.socket_dir / 'kv-events'}")
         self.endpoints = make_endpoints(self.socket_dir, config.tokenizer_workers, config.dp_size)
         self.children: dict[str, subprocess.Popen] = {}
         self.info: ModelInfo | None = None

@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import uvicorn
 import zmq
@@ -39,6 +40,9 @@ from engine.server.dp_monitor import DispatchMonitor
 from engine.server.service import Service
 from engine.server.zmq_frontend import ZmqFrontend
 
+if TYPE_CHECKING:
+    from engine.server.grpc_frontend import GrpcFrontend
+
 logger = logging.getLogger("radixserve.server")
 
 
@@ -48,6 +52,7 @@ class ServeOptions:
     port: int = 30000
     api_key: str | None = None
     zmq_port: int | None = None
+    grpc_port: int | None = None
     max_request_bytes: int = 8 << 20
     max_pending_requests: int = 4096
     default_max_tokens: int = 256
@@ -136,9 +141,27 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
             print(f"radixserve serve: cannot listen on {address}: {exc}", file=sys.stderr)
             sock.close()
             return 1
+    grpc_door = None
+    if options.grpc_port is not None:
+        from engine.server.grpc_frontend import GrpcFrontend
+
+        try:
+            _bind(options.host, options.grpc_port).close()  # taken: fail before the engine
+            # The endpoint is filled in once the launcher has chosen it.
+            grpc_door = GrpcFrontend(sock.getsockname()[0], options.grpc_port, "")
+        except (ImportError, OSError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            print(f"radixserve serve: --grpc-port {options.grpc_port}: {reason}",
+                  file=sys.stderr)
+            sock.close()
+            if zmq_door is not None:
+                zmq_door.close()
+            return 1
     relay = _DeathRelay()
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    launcher = Launcher(config, on_death=relay)
+    launcher = Launcher(config, on_death=relay, publish_kv_events=grpc_door is not None)
+    if grpc_door is not None:
+        grpc_door.kv_events_endpoint = launcher.config.kv_events_endpoint
     try:
         info = launcher.start()
         code = None
@@ -151,7 +174,8 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         if code is None:
-            code = asyncio.run(_serve(config, options, launcher, info, sock, zmq_door, relay))
+            code = asyncio.run(_serve(config, options, launcher, info, sock, zmq_door, relay,
+                                      grpc_door))
         return code
     finally:
         if zmq_door is not None:
@@ -162,7 +186,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
 
 async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher,
                  info: ModelInfo, sock: socket.socket, zmq_door: ZmqFrontend | None,
-                 relay: _DeathRelay) -> int:
+                 relay: _DeathRelay, grpc_door: GrpcFrontend | None = None) -> int:
     client = EngineClient(launcher.endpoints, info.num_pages)
     client.start()
     dispatch = None
@@ -178,10 +202,19 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
                     metrics_open=options.metrics_open)
     if zmq_door is not None:
         zmq_door.start(service)
+    if grpc_door is not None:
+        try:
+            await grpc_door.start(service)
+        except OSError as exc:
+            print(f"radixserve serve: {exc}", file=sys.stderr)
+            client.close()
+            return 1
 
     def ready() -> None:
         url = f"http://{_url_host(options.host)}:{sock.getsockname()[1]}"
         extra = f", ZMQ at {zmq_door.address}" if zmq_door is not None else ""
+        if grpc_door is not None:
+            extra += f", gRPC (smg's vLLM service) on port {grpc_door.port}"
         print(f"radixserve: serving {service.model_name} at {url} (OpenAI API at {url}/v1"
               f"{extra})", flush=True)
 
@@ -234,6 +267,8 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
             client.fail_all("the server stopped")
         if zmq_door is not None:
             await zmq_door.stop()
+        if grpc_door is not None:
+            await grpc_door.stop()
         client.close()
         if dispatch is not None:
             dispatch.close()

@@ -1,0 +1,263 @@
+"""The gRPC front door (``radixserve serve --grpc-port``): smg's worker service, so the SGLang
+model gateway (``smg launch --worker-urls grpc://HOST:PORT``) tokenizes requests itself, sends
+token ids here and routes by this engine's KV events.
+
+The service is ``vllm.grpc.engine.VllmEngine`` from ``smg-grpc-proto`` (the optional ``grpc``
+extra); smg finds it by calling each runtime's HealthCheck and taking the one that answers.
+What each RPC is served from:
+
+    Generate           Service.generate_call / generate_stream: the /generate path, token ids in
+                       (or text), token ids streamed out, usage and finish reason at the end
+    HealthCheck        Service.unhealthy() (the same answer as /health)
+    Abort              cancels the named Generate streams, which aborts their engine requests
+    GetModelInfo       the ModelInfo the engine reported at start
+    GetServerInfo      requests in flight, uptime, block_size (the KV events' block size)
+    GetLoads           the scheduler's latest SchedulerStats (what /metrics reads)
+    SubscribeKvEvents  the engine's KV events through ``KvEventRelay`` (engine/server/kv_relay.py)
+
+The other RPCs (Embed, FlushCache, profiling, GetTokenizer) answer UNIMPLEMENTED: smg loads
+the tokenizer from ``--model-path`` or the model_path this worker reports. smg's request ids
+are its own; the engine gives each request a fresh one, as it does for HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+from datetime import datetime, timezone
+from types import ModuleType
+from typing import Any
+
+from engine.server.errors import APIError
+from engine.server.kv_relay import KvEventRelay
+from engine.server.schemas import GenerateBody
+from engine.server.service import Service
+
+HEARTBEAT_SECONDS = 1.0
+INSTALL_HINT = "pip install 'radixserve[grpc]' (grpcio and smg-grpc-proto)"
+
+# HTTP status of an APIError -> the gRPC status code smg maps back to an HTTP error.
+_STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
+                 413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+def load_grpc() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
+    """grpc and smg-grpc-proto's modules, or an ImportError saying how to install them."""
+    try:
+        import grpc
+        from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+    except ImportError as exc:
+        raise ImportError(f"--grpc-port needs grpcio and smg-grpc-proto, which are not "
+                          f"installed ({exc}); install them with {INSTALL_HINT}") from None
+    return grpc, common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+
+def sampling_values(params: Any) -> dict[str, Any]:
+    """smg's SamplingParams proto as /generate's ``sampling_params``; unset proto3 scalars (0,
+    empty) leave radixserve's defaults. Raises APIError 400 for what radixserve does not do."""
+    which = params.WhichOneof("constraint")
+    unsupported = [name for name, given in (
+        (which or "", which is not None), ("min_tokens", params.min_tokens > 0),
+        ("logit_bias", bool(params.logit_bias)),
+        ("prompt_logprobs", params.HasField("prompt_logprobs")),
+        ("truncate_prompt_tokens", params.HasField("truncate_prompt_tokens")),
+        ("logprobs", params.HasField("logprobs") and params.logprobs < 0)) if given]
+    if unsupported:
+        raise APIError(400, f"radixserve does not support the sampling parameter "
+                       f"{unsupported[0]!r} over gRPC", param=unsupported[0])
+    values: dict[str, Any] = {}
+    for name in ("temperature", "max_tokens", "seed", "logprobs"):
+        if params.HasField(name):
+            values[name] = getattr(params, name)
+    for name in ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "n", "ignore_eos"):
+        if getattr(params, name):
+            values[name] = getattr(params, name)
+    if params.stop:
+        values["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        values["stop_token_ids"] = list(params.stop_token_ids)
+    return values
+
+
+class VllmEngineDoor:
+    """The servicer's methods; ``GrpcFrontend`` joins them with the generated base class (whose
+    defaults answer UNIMPLEMENTED), which exists only once grpc is imported."""
+
+    def __init__(self, service: Service, relay: KvEventRelay, modules: tuple) -> None:
+        self.service = service
+        self.relay = relay
+        self.grpc, self.common, self.pb, _ = modules
+        self.started = time.time()
+        self.streams: dict[str, asyncio.Task] = {}  # smg's request id -> its Generate
+
+    async def _refuse(self, context: Any, exc: APIError) -> None:
+        code = getattr(self.grpc.StatusCode, _STATUS_CODES.get(exc.status, "INTERNAL"))
+        await context.abort(code, exc.body().error.message)
+
+    # ------------------------------------------------------------------ generate
+    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 (the RPC's name)
+        pb, service = self.pb, self.service
+        try:
+            values = sampling_values(request.sampling_params)
+            values.setdefault("max_tokens", service.default_max_tokens)
+            if request.WhichOneof("input") == "tokenized":
+                body = GenerateBody(input_ids=list(request.tokenized.input_ids),
+                                    sampling_params=values)
+            else:
+                body = GenerateBody(text=request.text, sampling_params=values)
+            call = service.generate_call(body)
+        except APIError as exc:
+            service.metrics.requests.labels("generate", str(exc.status)).inc()
+            await self._refuse(context, exc)
+            return
+        if request.request_id:
+            self.streams[request.request_id] = asyncio.current_task()
+        output_ids: dict[int, list[int]] = {}
+        logprobs: dict[int, list[float]] = {}
+        finish: dict[int, str] = {}
+        usage = None
+        try:
+            async with aclosing(service.generate_stream(call)) as chunks:
+                async for chunk in chunks:
+                    for choice in chunk.choices:
+                        output_ids.setdefault(choice.index, []).extend(choice.token_ids)
+                        logprobs.setdefault(choice.index, []).extend(choice.logprobs or ())
+                        if choice.finish_reason is not None:
+                            finish[choice.index] = choice.finish_reason
+                        if request.stream and choice.token_ids:
+                            yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
+                                token_ids=choice.token_ids, index=choice.index,
+                                completion_tokens=len(output_ids[choice.index]),
+                                output_logprobs=self._logprobs(choice.token_ids,
+                                                               choice.logprobs)))
+                    if chunk.usage:  # only the last chunk carries it
+                        usage = chunk.usage
+        except APIError as exc:
+            await self._refuse(context, exc)
+            return
+        finally:
+            self.streams.pop(request.request_id, None)
+        details = usage.prompt_tokens_details
+        for index in sorted(output_ids):
+            ids = output_ids[index]
+            # Streamed tokens went out in chunks already: the end names only how it ended.
+            yield pb.GenerateResponse(complete=pb.GenerateComplete(
+                output_ids=[] if request.stream else ids, finish_reason=finish.get(index, ""),
+                prompt_tokens=usage.prompt_tokens, completion_tokens=len(ids),
+                cached_tokens=details.cached_tokens, index=index,
+                output_logprobs=None if request.stream else self._logprobs(ids,
+                                                                           logprobs[index])))
+
+    def _logprobs(self, ids: list[int], values: list[float] | None) -> Any:
+        if not values:
+            return None
+        return self.pb.OutputLogProbs(token_logprobs=values, token_ids=ids)
+
+    async def Abort(self, request: Any, context: Any) -> Any:  # noqa: N802
+        for rid in request.request_ids:
+            task = self.streams.pop(rid, None)
+            if task is not None:
+                task.cancel()
+        return self.pb.AbortResponse()
+
+    # -------------------------------------------------------------- information
+    async def HealthCheck(self, request: Any, context: Any) -> Any:  # noqa: N802
+        reason = self.service.unhealthy()
+        return self.pb.HealthCheckResponse(healthy=reason is None, message=reason or "ok")
+
+    async def GetModelInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
+        service, info = self.service, self.service.info
+        return self.pb.GetModelInfoResponse(
+            model_path=service.config.model, tokenizer_path=service.config.model,
+            served_model_name=service.model_name, is_generation=True,
+            max_context_length=info.context_len, max_req_input_len=info.context_len - 1,
+            vocab_size=info.vocab_size, architectures=[info.architecture],
+            eos_token_ids=info.eos_token_ids)
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
+        config = self.service.config
+        return self.pb.GetServerInfoResponse(
+            active_requests=self.service.client.num_pending, uptime_seconds=time.time()
+            - self.started, server_type="radixserve-grpc", data_parallel_size=1,
+            block_size=config.kv_events_block, model_dtype=self.service.info.dtype,
+            max_num_seqs=config.max_running_requests)
+
+    async def GetLoads(self, request: Any, context: Any) -> Any:  # noqa: N802
+        stats, page = self.service.client.stats, self.service.info.page_size
+        total = stats.kv_pages_total * page
+        load = self.pb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=stats.running, num_waiting_reqs=stats.waiting,
+            num_total_reqs=stats.running + stats.waiting,
+            num_used_tokens=stats.kv_pages_used * page, max_total_num_tokens=total,
+            token_usage=stats.kv_pages_used / stats.kv_pages_total if total else 0.0,
+            cache_hit_rate=stats.hit_tokens / stats.queried_tokens if stats.queried_tokens
+            else 0.0, max_running_requests=self.service.config.max_running_requests)
+        return self.pb.GetLoadsResponse(
+            timestamp=datetime.now(timezone.utc).isoformat(), version="radixserve",
+            dp_rank_count=1, loads=[load])
+
+    async def SubscribeKvEvents(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """The relay's batches, with a load record (a ``load_only`` batch repeating the last
+        sequence sent) when the stream opens with nothing to replay and after each second
+        without a batch: smg takes a stream that sends nothing within 2 s, or a worker it has
+        not heard from in a few, for a dead one. Before the stream's first batch a load record
+        is numbered 0, which only a subscriber that asks for it
+        (``load_records_before_first_batch``) knows not to take for batch 0."""
+        last_sent: int | None = None
+        samples = 0
+        async with aclosing(self.relay.subscribe(request.start_sequence_number,
+                                                 HEARTBEAT_SECONDS)) as batches:
+            async for batch in batches:
+                if batch is not None:
+                    last_sent = batch.sequence_number
+                    yield batch
+                elif last_sent is not None or request.load_records_before_first_batch:
+                    samples += 1
+                    yield self.common.KvEventBatch(
+                        sequence_number=last_sent or 0, timestamp=time.time(), dp_rank=0,
+                        load=self._engine_load(samples))
+
+    def _engine_load(self, sample: int) -> Any:
+        stats, config = self.service.client.stats, self.service.config
+        return self.common.EngineLoad(
+            running_requests=stats.running, waiting_requests=stats.waiting,
+            token_usage=stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total
+            else 0.0, max_running_requests=config.max_running_requests, sample=sample,
+            load_only=True)
+
+
+class GrpcFrontend:
+    """The gRPC server and its KV event relay. Built before the engine starts (so a missing
+    dependency fails at once); ``start`` binds and serves on the running event loop."""
+
+    def __init__(self, host: str, port: int, kv_events_endpoint: str) -> None:
+        self.modules = load_grpc()
+        self.host, self.port = host, port
+        self.kv_events_endpoint = kv_events_endpoint
+        self.server: Any = None
+        self.relay: KvEventRelay | None = None
+
+    async def start(self, service: Service) -> None:
+        grpc, common, _, pb_grpc = self.modules
+        # Subscribed before the door opens: no request reaches the engine before the relay.
+        self.relay = KvEventRelay(self.kv_events_endpoint, common)
+        self.relay.start()
+        servicer = type("VllmEngineServicer", (VllmEngineDoor, pb_grpc.VllmEngineServicer),
+                        {})(service, self.relay, self.modules)
+        # so_reuseport off: a second server on the same port must fail, not share it.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_VllmEngineServicer_to_server(servicer, self.server)
+        address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        try:
+            self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+        await self.server.start()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.relay is not None:
+            self.relay.close()
+        if self.server is not None:
+            await self.server.stop(grace)

@@ -1,0 +1,257 @@
+"""The gRPC front door (``radixserve serve --grpc-port``) driven by smg-grpc-proto's own client
+stub: Generate equal to /generate, the information RPCs, errors, SubscribeKvEvents; then smg
+itself (``smg launch --policy cache_aware`` from SMG_VENV, default /work/smg-venv) routing over
+two servers by their KV events."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_process import AUTH, ServerProcess, free_port, metric_values
+
+grpc = pytest.importorskip("grpc", reason="the grpc extra is not installed")
+pytest.importorskip("smg_grpc_proto", reason="the grpc extra is not installed")
+from smg_grpc_proto.generated import common_pb2  # noqa: E402
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb  # noqa: E402
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc  # noqa: E402
+
+SMG = Path(os.environ.get("SMG_VENV", "/work/smg-venv")) / "bin" / "smg"
+
+
+class Door:
+    """A server with --grpc-port and a stub on it."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.grpc_port = free_port()
+        self.server = ServerProcess(tmp, "--api-key", AUTH["Authorization"][7:],
+                                    "--grpc-port", str(self.grpc_port), *args)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        self.stub = pb_grpc.VllmEngineStub(self.channel)
+
+    def generate(self, ids: list[int], stream: bool = True, **params) -> list:
+        request = pb.GenerateRequest(
+            request_id=f"t-{time.monotonic_ns()}", stream=stream,
+            tokenized=pb.TokenizedInput(input_ids=ids),
+            sampling_params=pb.SamplingParams(**params))
+        return list(self.stub.Generate(request, timeout=60))
+
+    def http_generate(self, ids: list[int], **params) -> dict:
+        body = {"input_ids": ids, "sampling_params": params}
+        return httpx.post(f"{self.server.url}/generate", json=body, headers=AUTH,
+                          timeout=60).json()
+
+    def cached_tokens(self) -> float:
+        return metric_values(self.server).get("radixserve_cached_prompt_tokens_total", 0.0)
+
+    def stop(self) -> None:
+        self.channel.close()
+        assert self.server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory):
+    d = Door(tmp_path_factory.mktemp("grpc"))
+    yield d
+    d.stop()
+
+
+PROMPT = [(7 * i + 3) % 3000 + 10 for i in range(40)]
+
+
+def test_generate_streams_the_tokens_http_generates(door):
+    expected = door.http_generate(PROMPT, temperature=0, max_tokens=8)["choices"][0]
+    replies = door.generate(PROMPT, temperature=0, max_tokens=8)
+    chunks = [r.chunk for r in replies if r.WhichOneof("response") == "chunk"]
+    complete = replies[-1].complete
+    assert [t for c in chunks for t in c.token_ids] == expected["token_ids"]
+    assert complete.finish_reason == expected["finish_reason"] == "length"
+    assert (complete.prompt_tokens, complete.completion_tokens) == (40, 8)
+    assert complete.cached_tokens > 0  # the same prompt ran just before, over HTTP
+    # Not streaming: one complete message with every output token.
+    [whole] = door.generate(PROMPT, stream=False, temperature=0, max_tokens=8)
+    assert list(whole.complete.output_ids) == expected["token_ids"]
+
+
+def test_health_model_server_info_and_loads(door):
+    assert door.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+    info = door.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.served_model_name == "radixserve-demo"
+    assert Path(info.model_path, "tokenizer.json").is_file()  # smg can load the tokenizer
+    assert info.vocab_size > 0 and info.max_context_length > 0 and info.eos_token_ids
+    server = door.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert server.block_size == 16 and server.data_parallel_size == 1
+    loads = door.stub.GetLoads(pb.GetLoadsRequest(), timeout=10)
+    assert loads.dp_rank_count == 1
+    assert loads.loads[0].max_total_num_tokens > 0
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"json_schema": "{}"}, "json_schema"),
+    ({"min_tokens": 3}, "min_tokens"),
+])
+def test_unsupported_parameters_are_refused(door, params, words):
+    with pytest.raises(grpc.RpcError) as info:
+        door.generate(PROMPT, max_tokens=2, **params)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in info.value.details()
+
+
+def test_out_of_vocabulary_ids_are_invalid(door):
+    with pytest.raises(grpc.RpcError) as info:
+        door.generate([10, 999_999], max_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token ids must be in" in info.value.details()
+
+
+def test_kv_events_carry_the_stored_blocks(door):
+    prompt = [(11 * i + 5) % 3000 + 20 for i in range(50)]
+    door.generate(prompt, temperature=0, max_tokens=2)
+    # The relay keeps what the engine published since it started: a late subscriber sees it.
+    stream = door.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=5)
+    blocks, parents, seqs = {}, [], []
+    try:
+        for batch in stream:
+            if batch.load.load_only:  # a heartbeat: no events, the last sequence again
+                assert not batch.events and batch.sequence_number == seqs[-1]
+                continue
+            seqs.append(batch.sequence_number)
+            for event in batch.events:
+                if event.WhichOneof("data") == "stored":
+                    stored = event.stored
+                    parents.append(stored.parent_block_hash
+                                   if stored.HasField("parent_block_hash") else None)
+                    for block in stored.blocks:
+                        assert block.block_size == 16
+                        blocks[block.block_hash] = list(block.token_ids)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # live: it never ends by itself
+    assert seqs == list(range(len(seqs))) and seqs
+    for k in range(3):  # the prompt's three whole blocks
+        assert prompt[16 * k:16 * k + 16] in blocks.values()
+    assert all(p is None or p in blocks for p in parents)
+
+
+def test_bad_configurations_are_refused(tmp_path):
+    from engine.cli import build_parser
+    from engine.commands.options import config_from_args
+    from engine.commands.serve import _grpc_refusal
+
+    def refusal(*flags: str) -> str | None:
+        args = build_parser().parse_args(["serve", "--model", "demo", *flags])
+        return _grpc_refusal(config_from_args(args))
+
+    assert "--dp-size > 1" in refusal("--dp-size", "2")
+    assert "must be an address this server binds" in refusal(
+        "--kv-events-endpoint", "tcp://gateway:5557")
+    assert refusal("--kv-events-endpoint", "tcp://*:5557") is None
+
+
+def test_missing_extra_is_a_sentence(monkeypatch):
+    from engine.server.grpc_frontend import load_grpc
+
+    monkeypatch.setitem(sys.modules, "grpc", None)
+    with pytest.raises(ImportError, match=r"pip install 'radixserve\[grpc\]'"):
+        load_grpc()
+
+
+# ------------------------------------------------------------------------------------- smg
+class Smg:
+    """``smg launch --policy cache_aware`` over gRPC workers, on free ports."""
+
+    def __init__(self, tmp: Path, model_path: str, worker_urls: list[str]) -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "smg.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [str(SMG), "launch", "--policy", "cache_aware", "--host", "127.0.0.1",
+             "--port", str(self.port), "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(self.metrics_port), "--model-path", model_path,
+             "--worker-urls", *worker_urls], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels``."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            match = re.match(rf"{name}(?:\{{(.*)\}})? (\S+)$", line)
+            if match and all(f'{k}="{v}"' in (match.group(1) or "")
+                             for k, v in labels.items()):
+                total += float(match.group(2))
+        return total
+
+    def wait_for(self, what: str, ready, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if ready():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"smg: {what} did not happen:\n{self.log_path.read_text()[-4000:]}")
+
+    def complete(self, prompt: str) -> dict:
+        body = {"model": "radixserve-demo", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.mark.skipif(not SMG.exists(), reason=f"smg is not installed at {SMG} (set SMG_VENV)")
+def test_smg_routes_by_the_engines_kv_events(tmp_path):
+    """A prefix cached on one server behind smg's back (a direct HTTP request smg never saw)
+    draws smg's later requests with that prefix to that server: smg learned it only from the
+    server's KV events. smg's metrics name the branch (event_hit), the events applied, and the
+    worker each request went to; the servers' own counters show the cache hits."""
+    doors = [Door(tmp_path / name) for name in ("a", "b") if (tmp_path / name).mkdir() is None]
+    smg = None
+    try:
+        model_path = doors[0].stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_path
+        urls = [f"grpc://127.0.0.1:{d.grpc_port}" for d in doors]
+        smg = Smg(tmp_path, model_path, urls)
+        smg.wait_for("both KV event streams connected", lambda: all(
+            smg.value("smg_kv_event_subscriptions_total", worker=u) >= 1 for u in urls))
+        prefix = "def shared_prefix(alpha, beta):\n    " + "total = alpha * beta + 1\n    " * 12
+        for k, (door, url) in enumerate(zip(doors, urls, strict=True)):
+            # Cached on this server only, by a request that does not pass through smg.
+            httpx.post(f"{door.server.url}/v1/completions", headers=AUTH, timeout=60, json={
+                "model": "radixserve-demo", "prompt": f"# {k}\n{prefix}", "max_tokens": 1})
+            smg.wait_for(f"{url}'s stored blocks applied", lambda url=url: smg.value(
+                "smg_kv_event_blocks_total", worker=url, op="stored") >= 7)  # 124 tokens
+        before = [d.cached_tokens() for d in doors]
+        for k, url in enumerate(urls):
+            for suffix in ("x = 1", "y = 2", "z = 3"):
+                sent = smg.value("smg_worker_requests_total", worker=url)
+                usage = smg.complete(f"# {k}\n{prefix}{suffix}")["usage"]
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= 112
+                assert smg.value("smg_worker_requests_total", worker=url) == sent + 1
+        after = [d.cached_tokens() for d in doors]
+        assert all(a - b >= 3 * 112 for a, b in zip(after, before, strict=True))  # each served its own
+        assert smg.value("smg_cache_aware_policy_branch_total", branch="event_hit") == 6
+    finally:
+        for door in doors:
+            door.stop()
+        if smg is not None:
+            smg.stop()
