@@ -32,9 +32,7 @@ def sampling_rows(entry: Entry) -> list[RowSampling]:
     if req.is_beam:
         params = msgspec.structs.replace(params, logprobs=2 * params.beam_width,
                                          temperature=0.0)
-    penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                 or params.presence_penalty != 0.0)
-    history = pack_ids(seq.tokens) if penalties else b""
+    history = pack_ids(seq.tokens) if req.has_penalties else b""
     rows = []
     for i in range(entry.samples):
         row_params = params

@@ -83,6 +83,13 @@ class Request:
     def is_beam(self) -> bool:
         return self.params.beam_width > 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, frequency or presence penalties: its sampler reads the whole history."""
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0)
+
     def live_seqs(self) -> list[Seq]:
         return [s for s in self.seqs if s.status is not Status.FINISHED]
 

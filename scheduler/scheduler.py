@@ -30,6 +30,7 @@ from engine.protocol import (
 )
 from radix import PageAllocator, RadixTree
 from scheduler import beam
+from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory
 from scheduler.planner import Entry, StepPlanner, is_placeholder
@@ -89,7 +90,7 @@ class Scheduler:
             return False
         # The batch in flight must decide nothing the next plan depends on: no forks or beam
         # steps (sequences appear or reorder), no penalties (the sampler reads the whole history).
-        return all(e.samples <= 1 and not e.seq.req.is_beam and not _penalties(e.seq.req)
+        return all(e.samples <= 1 and not e.seq.req.is_beam and not e.seq.req.has_penalties
                    for e in self.inflight[0][1])
 
     def add_request(self, msg: TokenizedRequest) -> None:
@@ -97,7 +98,7 @@ class Scheduler:
         req = Request(msg.rid, prompt, msg.params, msg.reply_to, msg.namespace,
                       msg.arrival or time.monotonic(), msg.session_id)
         try:
-            error = self._reject_reason(req)
+            error = reject_reason(req, self.config, self.info, self.alloc, len(self.waiting))
         except Exception:
             # A request must never take the scheduler (and every other request) down.
             logger.exception("checking request %s failed", req.rid)
@@ -114,35 +115,6 @@ class Scheduler:
         self.requests[req.rid] = req
         self.waiting.append(req)
         self._looked_ahead = False
-
-    def _reject_reason(self, req: Request) -> tuple[int, str] | None:
-        p = req.params
-        try:
-            p.validate(vocab_size=self.info.vocab_size, context_len=self.info.context_len)
-        except ValueError as exc:
-            return 400, str(exc)
-        if req.prompt_len == 0:
-            return 400, "the prompt is empty"
-        if int(req.prompt_ids.min()) < 0 or int(req.prompt_ids.max()) >= self.info.vocab_size:
-            return 400, f"prompt token ids must be in [0, {self.info.vocab_size})"
-        context = self.info.context_len
-        if req.prompt_len + p.max_tokens > context:
-            return 400, (f"the prompt has {req.prompt_len:,} tokens and max_tokens is "
-                         f"{p.max_tokens:,}, but the model's context is {context:,} tokens")
-        width = max(p.n, p.beam_width)
-        if width > self.config.max_running_requests:
-            return 400, (f"the request runs {width:,} sequences (n / beam width) but the server "
-                         f"runs at most {self.config.max_running_requests:,} at once")
-        need = (self.alloc.pages_for(req.prompt_len)
-                + width * (self.alloc.pages_for(p.max_tokens) + 1))
-        if need > self.alloc.num_pages:
-            return 400, (f"the request needs up to {need:,} KV pages ({width} sequence(s) of "
-                         f"{req.prompt_len:,} + {p.max_tokens:,} tokens) but the KV pool has "
-                         f"{self.alloc.num_pages:,}")
-        if len(self.waiting) >= self.config.max_queued_requests:
-            return 503, (f"the queue is full ({self.config.max_queued_requests:,} waiting "
-                         "requests); retry later")
-        return None
 
     def abort(self, rid: str, reason: str = "abort", index: int = -1) -> None:
         """Release the request's pages now (between steps) and close its outputs; ``index``
@@ -430,7 +402,3 @@ class Scheduler:
             "pinned_tokens": self.sessions.pinned_tokens,
         }
 
-
-def _penalties(req: Request) -> bool:
-    p = req.params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 
 from engine.batch import BatchInput
+from engine.demo_model import build_demo_model
 from engine.protocol import ForwardBatch, RowSampling, SamplingParams, TokenizedRequest, pack_ids
-from tests.test_scheduler import Harness, model_dir  # noqa: F401  (the fixture)
+from tests.test_scheduler import Harness
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(build_demo_model())
 
 
 def _mixed_workload(h: Harness, stop_token: int) -> None:

@@ -1,0 +1,102 @@
+"""The radix tree's records: a node (a run of tokens and the pages under it), a prefix match,
+the hit-rate counters, the listener interface. Pages are held as ``array('q')`` (see
+``page_array``)."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+def page_array(pages: Sequence[int] | np.ndarray) -> array:
+    """Page indices as ``array('q')``: how nodes and matches hold them. Python code indexes,
+    slices and iterates it like a list, and numpy reads it without a copy (the allocator's
+    vectorised path, where a page-1 node holds one page per token)."""
+    if isinstance(pages, np.ndarray):
+        out = array("q")
+        out.frombytes(np.ascontiguousarray(pages, dtype=np.int64).tobytes())
+        return out
+    return array("q", pages)
+
+
+class Node:
+    __slots__ = ("key", "start", "num_tokens", "pages", "parent", "children", "lock_ref",
+                 "last_access", "evicted")
+
+    def __init__(self, key: bytes, start: int, pages: array, parent: Node | None) -> None:
+        self.key = key  # int32 token ids, packed
+        self.start = start
+        self.num_tokens = len(key) // 4
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        self.evicted = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def __repr__(self) -> str:
+        return f"Node([{self.start}, {self.end}), pages={self.pages.tolist()}, lock={self.lock_ref})"
+
+
+@dataclass
+class PrefixMatch:
+    """The longest cached prefix of a query.
+
+    ``pages`` (an ``array('q')``) covers positions ``[0, length)``: the fully shared pages, then,
+    when the match ends inside a page, that page (``partial_page``) whose first ``partial_len``
+    slots the caller copies into a fresh page of its own before writing (copy-on-write).
+    """
+
+    length: int
+    pages: array
+    node: Node
+    page_size: int
+
+    @property
+    def full_pages(self) -> array:
+        return self.pages[: self.length // self.page_size]
+
+    @property
+    def partial_len(self) -> int:
+        return self.length % self.page_size
+
+    @property
+    def partial_page(self) -> int | None:
+        return self.pages[self.length // self.page_size] if self.partial_len else None
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    inserted_tokens: int = 0
+    evicted_pages: int = 0
+    evicted_nodes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class TreeListener(Protocol):
+    """Told what the tree caches and drops (scheduler/kv_events.py publishes it to gateways).
+
+    ``inserted``: ``leaf`` now ends a path of ``key`` (int32 token ids, packed) in ``namespace``,
+    whose tokens from ``cached`` on were not in the tree before. ``evicted``: ``node`` (a leaf)
+    was unlinked; its ``parent`` chain still leads to its root. ``cleared``: a reset left the
+    tree empty."""
+
+    def inserted(self, leaf: Node, key: bytes, cached: int, namespace: Hashable) -> None: ...
+
+    def evicted(self, node: Node) -> None: ...
+
+    def cleared(self) -> None: ...
