@@ -396,7 +396,7 @@ def _ext_hook(code: int, data: memoryview) -> np.ndarray:
 def _dec_hook(kind: type, obj: object) -> object:
     if kind is np.ndarray and isinstance(obj, np.ndarray):
         return obj
-    raise NotImplementedError(f"expected {kind.__name__}, got {type(obj).__name__}")
+    raise TypeError(f"expected {kind.__name__}, got {type(obj).__name__}")
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)

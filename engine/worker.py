@@ -89,7 +89,7 @@ class Worker:
         self.last_tokens = out.token_ids.astype(np.int32)
         result = BatchResult(
             batch_id=msg.batch_id,
-            token_ids=out.token_ids.astype(np.int32).tobytes(),
+            token_ids=self.last_tokens.tobytes(),
             logprobs=out.logprobs.astype(np.float32).tobytes(),
         )
         if out.top_ids is not None:

@@ -117,8 +117,6 @@ class PageAllocator:
 
         ``distinct``: the caller guarantees no page is listed twice (the tree's own page lists
         at page size 1), which spares the vectorised path its duplicate check."""
-        if evictable and distinct and len(pages) >= VECTOR_MIN_PAGES:
-            return self._drop_node_refs(np.asarray(pages, dtype=np.intp))
         before = len(self._free)
         self._shift(pages, -1, -1 if evictable else 0, distinct)
         return len(self._free) - before
@@ -192,16 +190,15 @@ class PageAllocator:
             if (mark[index] != arange).any():
                 self._shift_repeated(index, d_ref, d_evictable)
                 return
+        if d_ref < 0 and d_evictable < 0:  # a node's references dropped (eviction)
+            self._drop_node_refs(index)
+            return
         rc, er = self.refcount, self.evictable_refs
         ref, ev = rc[index], er[index]
         if d_ref > 0:  # incref: every page in use; evictable or not, no page changes state
             if (ref <= 0).any():
                 self._raise_misuse(index, ref, ev, d_ref, d_evictable)
             changed = 0 if d_evictable else -int(np.count_nonzero(ref == ev))
-        elif d_ref < 0 and d_evictable < 0:  # a node's references dropped
-            if (ev <= 0).any():
-                self._raise_misuse(index, ref, ev, d_ref, d_evictable)
-            changed = -int(np.count_nonzero(ref == 1))  # see _drop_node_refs
         elif d_ref < 0:  # a sequence's references dropped
             if (ev >= ref).any():
                 self._raise_misuse(index, ref, ev, d_ref, d_evictable)
@@ -222,10 +219,10 @@ class PageAllocator:
         if d_ref < 0:
             self._free.extend(index[ref == 1].tolist())
 
-    def _drop_node_refs(self, index: np.ndarray) -> int:
+    def _drop_node_refs(self, index: np.ndarray) -> None:
         """Eviction's hot path: drop one evictable reference from each of ``index``'s distinct
-        pages; returns how many became free. With 0 < evictable <= refs, a page whose one
-        reference goes was counted evictable and is freed; other pages keep their state."""
+        pages. With 0 < evictable <= refs, a page whose one reference goes was counted
+        evictable and is freed; other pages keep their state."""
         rc, er = self.refcount, self.evictable_refs
         ref, ev = rc[index], er[index]
         if ev.min() <= 0:
@@ -237,7 +234,6 @@ class PageAllocator:
         freed = index[ref == 0]
         self._num_evictable -= len(freed)
         self._free.extend(freed.tolist())
-        return len(freed)
 
     def _shift_repeated(self, index: np.ndarray, d_ref: int, d_evictable: int) -> None:
         """``_shift_vectorised`` for a list that repeats pages: each occurrence is one move."""

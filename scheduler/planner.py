@@ -115,7 +115,7 @@ class StepPlanner:
         """Entries for ``req`` (``order[position]``)'s running sequences; None when it had to
         be preempted. It may preempt only requests after it in ``order`` (less progress)."""
         planned = []
-        limit = min(req.params.max_tokens + req.prompt_len, self.info.context_len)
+        limit = req.max_len(self.info.context_len)
         for seq in req.live_seqs():
             if seq.status is not Status.RUNNING:
                 continue

@@ -83,6 +83,10 @@ class Request:
     def is_beam(self) -> bool:
         return self.params.beam_width > 1
 
+    def max_len(self, context_len: int) -> int:
+        """Tokens a sequence of this request may reach: prompt + max_tokens, within the context."""
+        return min(self.prompt_len + self.params.max_tokens, context_len)
+
     @property
     def has_penalties(self) -> bool:
         """Repetition, frequency or presence penalties: its sampler reads the whole history."""

@@ -251,7 +251,7 @@ class Scheduler:
         p = seq.req.params
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if length - seq.req.prompt_len >= p.max_tokens or length >= self.info.context_len:
+        if length >= seq.req.max_len(self.info.context_len):
             return "length"
         return None
 
@@ -339,7 +339,7 @@ class Scheduler:
         best_running = max(s.cum_logprob for s in next_beams)
         done = beam.is_done([s for s, _ in req.finished_beams], best_running, generated, width,
                             p.length_penalty)
-        at_limit = generated >= p.max_tokens or len(next_beams[0].tokens) >= self.info.context_len
+        at_limit = len(next_beams[0].tokens) >= req.max_len(self.info.context_len)
         if not (done or at_limit):
             return
         hyps = list(req.finished_beams)
