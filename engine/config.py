@@ -18,6 +18,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str | None = None
     dtype: str | None = None
     attention_backend: str = "auto"
+    # FlashInfer's decode kernel on tensor cores: fa2 (default: on Hopper, auto means FA3, which
+    # is slower for decode), fa3 or auto (FlashInfer's own choice)
+    flashinfer_decode_backend: str = "fa2"
+    # CUDA graphs for decode steps (flashinfer backend only), captured at start for batch sizes
+    # up to cuda_graph_max_bs; off until scripts/gpu_check.sh has shown them token-identical
+    enable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+    # weights: auto reads the checkpoint; dummy fills random weights on the device from the
+    # config alone (benchmarks of large shapes without the files, like vLLM's --load-format)
+    load_format: str = "auto"
     seed: int = 0
     # scheduling
     policy: str = "lpm"
@@ -102,6 +112,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--attention-backend must be auto, torch or flashinfer, got {self.attention_backend!r}"
             )
+        if self.flashinfer_decode_backend not in ("fa2", "fa3", "auto"):
+            raise ValueError("--flashinfer-decode-backend must be fa2, fa3 or auto, got "
+                             f"{self.flashinfer_decode_backend!r}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be at least 1, got {self.cuda_graph_max_bs}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
 
     def _validate_dp(self) -> None:
         if self.dp_size < 1:

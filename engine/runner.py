@@ -81,6 +81,9 @@ class ModelRunner:
         attention_backend: str = "auto",
         seed: int = 0,
         tp: TensorParallel | None = None,
+        load_format: str = "auto",
+        decode_backend: str = "fa2",
+        cuda_graph_max_bs: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
@@ -91,7 +94,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = ModelConfig.from_dir(model_dir)
         self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config,
-                                tp=tp)
+                                tp=tp, load_format=load_format, seed=seed)
         self.page_size, self.num_host_pages = page_size, num_host_pages
         c, plan = self.config, self.model.plan
         page_bytes = KVPool.bytes_per_page(

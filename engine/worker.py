@@ -36,6 +36,8 @@ def make_runner(c: EngineConfig, tp: TensorParallel | None = None):
         c.model, page_size=c.page_size, num_pages=c.num_pages, kv_cache_gb=c.kv_cache_gb,
         mem_fraction=c.mem_fraction, num_host_pages=c.num_host_pages, device=c.device,
         dtype=c.dtype, attention_backend=c.attention_backend, seed=c.seed, tp=tp,
+        load_format=c.load_format, decode_backend=c.flashinfer_decode_backend,
+        cuda_graph_max_bs=c.cuda_graph_max_bs if c.enable_cuda_graph else 0,
     )
 
 

@@ -173,3 +173,32 @@ def test_rope_frequencies_match_transformers(rope_scaling: dict) -> None:
     )
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
     assert scale == pytest.approx(expected_scale)
+
+
+def test_dummy_load_format_needs_only_the_config(llama_dir: Path, tmp_path: Path) -> None:
+    only_config = tmp_path / "config_only"
+    only_config.mkdir()
+    (only_config / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(only_config, device=CPU, dtype=F32)
+    first = load_model(only_config, device=CPU, dtype=F32, load_format="dummy", seed=3)
+    again = load_model(only_config, device=CPU, dtype=F32, load_format="dummy", seed=3)
+    other = load_model(only_config, device=CPU, dtype=F32, load_format="dummy", seed=4)
+    weights = first.weight_targets()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, again.weight_targets()[name]), name
+        if name.endswith("norm.weight"):
+            assert torch.all(tensor == 1), name
+        else:
+            assert 0.015 < tensor.float().std() < 0.025, name
+    assert not torch.equal(weights["model.embed_tokens.weight"],
+                           other.weight_targets()["model.embed_tokens.weight"])
+    # The runner takes the same path: random weights give finite logits through every layer.
+    from engine.batch import BatchInput
+    from engine.runner import ModelRunner
+
+    runner = ModelRunner(only_config, num_pages=4, dtype="float32", load_format="dummy")
+    logits = runner.forward(BatchInput.build([([0, 1], 0, list(range(20)))], 16))
+    assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="load_format must be auto or dummy"):
+        load_model(only_config, device=CPU, dtype=F32, load_format="pt")

@@ -24,6 +24,13 @@ _HELP = {
     "dtype": "float32, bfloat16 or float16 (default: bf16 on GPU and on CPUs with native bf16 "
              "(AMX or AVX512_BF16: about twice fp32's speed), else fp32)",
     "attention_backend": "auto, torch or flashinfer",
+    "flashinfer_decode_backend": "FlashInfer decode kernel on tensor cores: fa2, fa3 or auto "
+                                 "(FlashInfer's pick: FA3 on Hopper, slower for decode)",
+    "enable_cuda_graph": "capture decode steps as CUDA graphs at start (flashinfer backend; "
+                         "off by default until verified token-identical on a GPU)",
+    "cuda_graph_max_bs": "largest decode batch run as a CUDA graph (larger ones run eagerly)",
+    "load_format": "auto (read the checkpoint's weights) or dummy (random weights from "
+                   "config.json alone, for benchmarks)",
     "seed": "seed for unseeded sampling",
     "policy": "waiting-queue order: lpm (longest cached prefix first) or fcfs",
     "max_running_requests": "most sequences decoding at once",

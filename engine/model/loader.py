@@ -58,11 +58,20 @@ def load_model(
     dtype: torch.dtype,
     config: ModelConfig | None = None,
     tp: Collectives | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LlamaForCausalLM:
     """Build the model (``tp``: this rank's share of it) for ``model_dir``'s config on
-    ``device`` and fill every weight."""
+    ``device`` and fill every weight: from the checkpoint's files, or (``load_format`` "dummy")
+    with random values drawn on the device from ``seed``, which needs only config.json."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
+    if load_format == "dummy":
+        model = LlamaForCausalLM(config, device, dtype, tp)
+        _fill_random(model, seed)
+        return model
+    if load_format != "auto":
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     files = weight_files(model_dir)
     model = LlamaForCausalLM(config, device, dtype, tp)
     targets, sources = model.weight_targets(), model.weight_sources()
@@ -102,6 +111,20 @@ def load_model(
         names = ", ".join(f.name for f in files)
         raise ValueError(f"weights missing from {names}: {shown}")
     return model
+
+
+@torch.no_grad()
+def _fill_random(model: LlamaForCausalLM, seed: int) -> None:
+    """Weights like a freshly initialised checkpoint's: norms 1, biases 0, matrices N(0, 0.02)
+    (small enough that activations stay finite through any number of layers)."""
+    generator = torch.Generator(device=model.embed.device).manual_seed(seed)
+    for name, target in model.weight_targets().items():
+        if name.endswith("norm.weight"):
+            target.fill_(1.0)
+        elif name.endswith(".bias"):
+            target.zero_()
+        else:
+            target.normal_(0.0, 0.02, generator=generator)
 
 
 def _read_slice(reader, name: str, source: Slice, target: torch.Tensor
