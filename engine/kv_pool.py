@@ -15,6 +15,13 @@ paged kernels take as ``(k_cache, v_cache)`` in NHD layout)::
 
 The device pool starts zeroed: attention kernels may read (and mask) slots no token was ever
 written to, and zeros keep those reads finite.
+
+Swaps on CUDA go through one pinned staging buffer (made on the first swap, grown when a swap
+needs more pages): a copy between the device and pageable memory is synchronous and bounces
+through a driver buffer, one from pinned memory is a direct, non-blocking DMA. The rule that
+keeps the buffer safe: the host touches it only after the last copy that used it has finished
+(an event recorded after each copy). On CPU there is nothing to stage; pages are copied
+directly between the two tensors.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ class KVPool:
         ]
         # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, head_dim].
         self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, head_dim)
+        # CUDA swaps: a flat pinned buffer and the event after the last copy that used it.
+        self._staging = torch.empty(0, dtype=dtype)
+        self._staging_used = torch.cuda.Event() if self.device.type == "cuda" else None
 
     @staticmethod
     def bytes_per_page(
@@ -89,23 +99,67 @@ class KVPool:
         self._all_slots.index_copy_(2, dst_t, self._all_slots.index_select(2, src_t))
 
     def swap_out(self, pairs: np.ndarray) -> None:
-        """Copy whole device pages to host pages, (device_page, host_page) per row. Synchronous:
-        when it returns the device pages may be reused."""
+        """Copy whole device pages to host pages, (device_page, host_page) per row.
+
+        Synchronous: when it returns the host pages hold the data and every read of the device
+        pages has finished, so later work on any stream may overwrite them."""
         if len(pairs) == 0:
             return
         pairs = np.asarray(pairs, dtype=np.int64)
-        device_pages = torch.from_numpy(pairs[:, 0]).to(self.device)
-        staged = self.kv.index_select(2, device_pages).to("cpu")
-        self.host.index_copy_(2, torch.from_numpy(pairs[:, 1]), staged)
+        device_pages = _to_device(pairs[:, 0], self.device)
+        host_pages = torch.from_numpy(pairs[:, 1])
+        pages = self.kv.index_select(2, device_pages)
+        if self._staging_used is not None:
+            staged = self._staging_for(pages.shape)
+            staged.copy_(pages, non_blocking=True)
+            self._staging_used.record()
+            self._staging_used.synchronize()  # the host reads the buffer next
+            pages = staged
+        self.host.index_copy_(2, host_pages, pages)
 
     def swap_in(self, pairs: np.ndarray) -> None:
-        """Copy whole host pages back to device pages, (host_page, device_page) per row."""
+        """Copy whole host pages back to device pages, (host_page, device_page) per row.
+
+        The host pages are read before it returns, so they may be reused at once. On CUDA the
+        copy to the device is queued on the current stream, not waited for: the device pages
+        hold the data for work queued after it on that stream (another stream must wait on it
+        first)."""
         if len(pairs) == 0:
             return
         pairs = np.asarray(pairs, dtype=np.int64)
-        staged = self.host.index_select(2, torch.from_numpy(pairs[:, 0]))
-        device_pages = torch.from_numpy(pairs[:, 1]).to(self.device)
-        self.kv.index_copy_(2, device_pages, staged.to(self.device))
+        host_pages = torch.from_numpy(pairs[:, 0])
+        device_pages = _to_device(pairs[:, 1], self.device)
+        if self._staging_used is None:
+            self.kv.index_copy_(2, device_pages, self.host.index_select(2, host_pages))
+            return
+        shape = (*self.host.shape[:2], len(pairs), *self.host.shape[3:])
+        staged = self._staging_for(shape)
+        torch.index_select(self.host, 2, host_pages, out=staged)
+        pages = staged.to(self.device, non_blocking=True)
+        self._staging_used.record()
+        self.kv.index_copy_(2, device_pages, pages)
+
+    def _staging_for(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """A contiguous ``shape`` view of the pinned staging buffer (CUDA only), once the last
+        copy that used the buffer has finished: the caller may write it from the host."""
+        self._staging_used.synchronize()
+        numel = int(np.prod(shape))
+        if self._staging.numel() < numel:
+            # Not an inference tensor, though the runner swaps under inference mode: those
+            # cannot be written outside it.
+            with torch.inference_mode(False):
+                self._staging = torch.empty(numel, dtype=self.kv.dtype, pin_memory=True)
+        return self._staging[:numel].view(shape)
+
+
+def _to_device(pages: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Page numbers on ``device``; on CUDA from pinned memory, so the host does not wait for the
+    device's queued work (torch's caching host allocator keeps the buffer until it is copied).
+    Contiguous first: a strided source would be copied through a pageable temporary."""
+    tensor = torch.from_numpy(np.ascontiguousarray(pages))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _zeros(

@@ -16,10 +16,17 @@ the request was preempted and resumed. Unseeded rows draw from torch's default g
 device (``torch.manual_seed`` makes them reproducible in tests).
 
 Per-request Python work builds the small parameter tensors; everything per token is torch ops.
+
+Sync points: one per step. Everything shape-related (how many top-k candidates to rank, how
+many top logprobs to report) is decided on the host from the rows' ``SamplingParams``; the small
+parameter and index arrays go to the device as non-blocking copies from pinned memory; seeded
+rows re-seed one generator per device instead of creating one each; and every result comes back
+in a single device-to-host copy (``_to_host``) at the end of ``sample``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +62,25 @@ class SampleOutput:
     top_logprobs: np.ndarray | None  # float32 [B, N]
 
 
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting for the device.
+
+    A copy from pageable memory makes the host wait for all work queued before it (the forward
+    pass, at this point); from pinned memory it is queued like a kernel. The pinned buffer comes
+    from torch's caching host allocator, which does not reuse it until the copy has run. The
+    array is made contiguous first: a strided source would go through a pageable temporary.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _to_host(parts: list[torch.Tensor]) -> np.ndarray:
+    """The step's one device-to-host copy, and so its one sync: int32 parts, flattened, joined."""
+    return torch.cat([part.reshape(-1) for part in parts]).cpu().numpy()
+
+
 def _row_index_and_ids(
     id_arrays: list[np.ndarray], row_numbers: list[int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +88,8 @@ def _row_index_and_ids(
     lengths = np.array([len(ids) for ids in id_arrays], dtype=np.int64)
     rows = np.repeat(np.asarray(row_numbers, dtype=np.int64), lengths)
     ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in id_arrays])
-    return torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device)
+    rows_and_ids = _to_device(np.stack([rows, ids]), device)
+    return rows_and_ids[0], rows_and_ids[1]
 
 
 def _token_counts(
@@ -101,32 +128,41 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     output_counts = _token_counts(
         [rows[i].output_ids for i in output_rows], output_rows, shape, device
     )
+    penalties = _to_device(
+        np.array(
+            [
+                [r.params.repetition_penalty for r in rows],
+                [r.params.frequency_penalty for r in rows],
+                [r.params.presence_penalty for r in rows],
+            ],
+            dtype=np.float32,
+        ),
+        device,
+    )
     logits = logits.clone()
     if repetition:
         prompt_counts = _token_counts(
             [rows[i].prompt_ids for i in repetition], repetition, shape, device
         )
         seen = (prompt_counts > 0) | (output_counts > 0)
-        penalty = torch.tensor(
-            [r.params.repetition_penalty for r in rows], dtype=torch.float32, device=device
-        ).unsqueeze(1)
+        penalty = penalties[0].unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if additive:
-        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
-        presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+        frequency, presence = penalties[1], penalties[2]
         logits -= frequency.unsqueeze(1) * output_counts
         logits -= presence.unsqueeze(1) * (output_counts > 0).float()
     return logits
 
 
 def apply_filters(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray
 ) -> torch.Tensor:
     """Set every token outside a row's top-k / top-p / min-p set to -inf.
 
     ``logits`` [B, V] (already temperature-scaled); per-row ``top_k`` (<= 0: off), ``top_p``
-    (1: off) and ``min_p`` (0: off), each of shape [B]. Applied in that order:
+    (1: off) and ``min_p`` (0: off), each a host array of shape [B] (host, so that how many
+    candidates to rank is known without reading the device). Applied in that order:
 
     - top-k keeps the k highest logits;
     - top-p keeps the smallest prefix of the remaining tokens, by descending probability,
@@ -137,7 +173,8 @@ def apply_filters(
       top-k set.
     """
     vocab_size = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    top_k = np.asarray(top_k, dtype=np.int64)
+    k = np.where(top_k > 0, np.minimum(top_k, vocab_size), vocab_size)
     # Nothing past the largest k can survive: when every row sets top-k, rank only that many
     # candidates instead of sorting the whole vocabulary.
     num_candidates = int(k.max())
@@ -145,6 +182,9 @@ def apply_filters(
         sorted_logits, order = logits.topk(num_candidates, dim=-1)
     else:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
+    # float64 holds every k exactly, and each p as the float32 it is compared as.
+    params = _to_device(np.stack([k, top_p, min_p]).astype(np.float64), logits.device)
+    k, top_p, min_p = params[0].long(), params[1].float(), params[2].float()
     positions = torch.arange(num_candidates, device=logits.device)
     drop = positions.unsqueeze(0) >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
@@ -166,17 +206,30 @@ def _mix_seed(seed: int, step: int) -> int:
     return value ^ (value >> 31)
 
 
+@functools.cache
+def _seeded_generator(device: torch.device) -> torch.Generator:
+    """The generator seeded rows re-seed, one per device, made once: creating a CUDA generator
+    costs far more than ``manual_seed``, which only sets host-side state. Re-seeding it for the
+    next row while the last row's draw is still queued is safe: a CUDA kernel takes its seed
+    and offset by value at launch."""
+    return torch.Generator(device=device)
+
+
 def _exponential_noise(
     rows: list[SamplingRow], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
     """[len(rows), V] Exp(1) draws: per-(seed, step) generators for seeded rows, else global."""
     noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
+    if len(unseeded) == len(rows):
+        noise.exponential_()
+    elif unseeded:
+        # Same draws from the global generator as filling all rows would give these rows alone.
+        draws = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
+        noise.index_copy_(0, _to_device(np.array(unseeded, dtype=np.int64), device), draws)
+    generator = _seeded_generator(device)
     for i, row in enumerate(rows):
         if row.params.seed is not None:
-            generator = torch.Generator(device=device)
             generator.manual_seed(_mix_seed(row.params.seed, len(row.output_ids)))
             noise[i].exponential_(generator=generator)
     # Exp(1) can round to exactly 0, which would turn a filtered token's 0 / 0 into NaN.
@@ -186,22 +239,25 @@ def _exponential_noise(
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, filters and an exponential race for non-greedy rows; returns ids [R]."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
-    logits = logits / temperature.unsqueeze(1)
+    temperature = np.array([r.params.temperature for r in rows], dtype=np.float32)
+    logits = logits / _to_device(temperature, device).unsqueeze(1)
     # Decided on the host: the sort behind the filters is the costliest op here, skip it if unused.
     if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
         logits = apply_filters(
             logits,
-            torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device),
-            torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device),
-            torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=device),
+            np.array([r.params.top_k for r in rows]),
+            np.array([r.params.top_p for r in rows]),
+            np.array([r.params.min_p for r in rows]),
         )
     probs = logits.softmax(dim=-1)
     return (probs / _exponential_noise(rows, logits.shape[-1], device)).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
-    """Pick one token per row of ``logits`` [B, V] following each row's ``SamplingParams``."""
+    """Pick one token per row of ``logits`` [B, V] following each row's ``SamplingParams``.
+
+    The returned arrays are views of one host buffer: the step's single device-to-host copy.
+    """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -210,20 +266,25 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     token_ids = penalised.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        token_ids[index] = _sample_random(penalised[index], [rows[i] for i in random_rows])
+        index = _to_device(np.array(random_rows, dtype=np.int64), logits.device)
+        sampled = _sample_random(penalised.index_select(0, index), [rows[i] for i in random_rows])
+        token_ids.index_copy_(0, index, sampled)
 
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    top_ids = top_logprobs = None
+    # One int32 buffer for every result; float32 values travel as their bits, exactly.
+    parts = [token_ids.to(torch.int32), chosen.view(torch.int32)]
     requested = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    top_n = min(max(requested), logits.shape[-1]) if requested else 0
     if requested:
-        top_n = min(max(requested), logits.shape[-1])
         values, indices = raw_logprobs.topk(top_n, dim=-1)
-        top_ids = indices.to(torch.int32).cpu().numpy()
-        top_logprobs = values.cpu().numpy()
+        parts += [indices.to(torch.int32), values.view(torch.int32)]
+    num_rows = len(rows)
+    ids, chosen_bits, top_ids, top_bits = np.split(
+        _to_host(parts), np.cumsum([num_rows, num_rows, num_rows * top_n])
+    )
     return SampleOutput(
-        token_ids=token_ids.to(torch.int32).cpu().numpy(),
-        logprobs=chosen.cpu().numpy(),
-        top_ids=top_ids,
-        top_logprobs=top_logprobs,
+        token_ids=ids,
+        logprobs=chosen_bits.view(np.float32),
+        top_ids=top_ids.reshape(num_rows, top_n) if requested else None,
+        top_logprobs=top_bits.view(np.float32).reshape(num_rows, top_n) if requested else None,
     )

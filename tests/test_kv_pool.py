@@ -14,14 +14,19 @@ from engine.runner import ModelRunner
 from tests.conftest_models import write_checkpoint
 
 
-def make_pool(page_size: int = 4, num_pages: int = 8, num_host_pages: int = 4) -> KVPool:
+def make_pool(
+    page_size: int = 4,
+    num_pages: int = 8,
+    num_host_pages: int = 4,
+    dtype: torch.dtype = torch.float32,
+) -> KVPool:
     return KVPool(
         num_layers=3,
         num_pages=num_pages,
         page_size=page_size,
         num_kv_heads=2,
         head_dim=5,
-        dtype=torch.float32,
+        dtype=dtype,
         device="cpu",
         num_host_pages=num_host_pages,
     )
@@ -59,6 +64,42 @@ def test_swap_out_then_in_restores_pages_elsewhere() -> None:
     pool.swap_in(np.array([[3, 6], [0, 2]]))
     assert torch.equal(pool.kv[:, :, [6, 2]], original)
     assert int((pool.kv[:, :, [0, 1, 3, 4, 5, 7]] != 0).sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swaps_of_mixed_sizes_round_trip_exactly(dtype: torch.dtype) -> None:
+    """Several calls of different sizes out, the device pages overwritten, several calls back
+    in to other pages, mixing host pages of different calls: every layer's K and V exact."""
+    pool = make_pool(num_pages=10, num_host_pages=7, dtype=dtype)
+    pool.kv.copy_(torch.randn(pool.kv.shape))
+    swapped_out = [0, 3, 4, 7, 9, 5]
+    original = pool.kv[:, :, swapped_out].clone()
+    pool.swap_out(np.array([[0, 6]]))
+    pool.swap_out(np.array([[3, 2], [4, 0], [7, 5]]))
+    pool.swap_out(np.array([[9, 1], [5, 3]]))
+    host_of = {0: 6, 3: 2, 4: 0, 7: 5, 9: 1, 5: 3}
+    pool.kv.copy_(torch.randn(pool.kv.shape))  # the pages are reused by other sequences
+    untouched_host = pool.host[:, :, 4].clone()
+    moved_to = {3: 8, 9: 0, 0: 3, 5: 1, 7: 6, 4: 2}
+    calls = [[3, 9], [0, 5, 7, 4]]  # sizes 2 then 4, against 1, 3 and 2 on the way out
+    for call in calls:
+        pool.swap_in(np.array([[host_of[page], moved_to[page]] for page in call]))
+    for i, page in enumerate(swapped_out):
+        assert torch.equal(pool.kv[:, :, moved_to[page]], original[:, :, i]), page
+    assert torch.equal(pool.host[:, :, 4], untouched_host)  # a host page no pair named
+
+
+def test_host_pages_are_free_once_swap_in_returns() -> None:
+    # swap_in reads its host pages before returning: a swap_out into them right after must not
+    # reach the pages just swapped in.
+    pool = make_pool()
+    pool.kv.normal_()
+    original = pool.kv[:, :, [2, 5]].clone()
+    pool.swap_out(np.array([[2, 0], [5, 1]]))
+    pool.swap_in(np.array([[0, 6], [1, 7]]))
+    pool.swap_out(np.array([[3, 0], [4, 1]]))
+    assert torch.equal(pool.kv[:, :, [6, 7]], original)
+    assert torch.equal(pool.host[:, :, [0, 1]], pool.kv[:, :, [3, 4]])
 
 
 def test_bytes_per_page_counts_k_and_v_of_every_layer() -> None:

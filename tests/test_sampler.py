@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.protocol import SamplingParams
-from engine.sampler import SamplingRow, apply_filters, apply_penalties, sample
+from engine.sampler import SamplingRow, _mix_seed, apply_filters, apply_penalties, sample
 
 
 def row(
@@ -26,7 +26,7 @@ def survivors(
     logits: list[float], top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
 ) -> list[int]:
     filtered = apply_filters(
-        torch.tensor([logits]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])
+        torch.tensor([logits]), np.array([top_k]), np.array([top_p]), np.array([min_p])
     )
     return torch.isfinite(filtered[0]).nonzero().flatten().tolist()
 
@@ -70,10 +70,7 @@ def test_filters_compose_in_order_top_k_then_top_p_then_min_p() -> None:
 def test_filters_are_per_row() -> None:
     logits = torch.tensor([SCRAMBLED, SCRAMBLED, SCRAMBLED])
     filtered = apply_filters(
-        logits,
-        torch.tensor([1, -1, -1]),
-        torch.tensor([1.0, 0.65, 1.0]),
-        torch.tensor([0.0, 0.0, 0.6]),
+        logits, np.array([1, -1, -1]), np.array([1.0, 0.65, 1.0]), np.array([0.0, 0.0, 0.6])
     )
     kept = torch.isfinite(filtered)
     assert kept.tolist() == [
@@ -90,15 +87,15 @@ def test_partial_ranking_matches_full_sort() -> None:
     # vocabulary is sorted. Both must keep the same tokens.
     torch.manual_seed(2)
     logits = torch.randn(6, 500) * 2
-    top_k = torch.tensor([1, 5, 40, 200, 499, 500])
-    top_p = torch.tensor([1.0, 0.5, 0.9, 0.99, 0.3, 0.8])
-    min_p = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.02])
+    top_k = np.array([1, 5, 40, 200, 499, 500])
+    top_p = np.array([1.0, 0.5, 0.9, 0.99, 0.3, 0.8])
+    min_p = np.array([0.0, 0.1, 0.0, 0.05, 0.0, 0.02])
     for i in range(6):
         alone = apply_filters(
             logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], min_p[i : i + 1]
         )
         batch = apply_filters(
-            logits[[i, 0]], torch.stack([top_k[i], torch.tensor(-1)]), top_p[[i, 0]], min_p[[i, 0]]
+            logits[[i, 0]], np.array([top_k[i], -1]), top_p[[i, 0]], min_p[[i, 0]]
         )
         assert torch.equal(torch.isfinite(alone[0]), torch.isfinite(batch[0]))
         assert torch.isfinite(alone[0]).sum() >= 1
@@ -192,6 +189,99 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
     again = [sample(logits[:1], [row([1] * step, seed=5)]).token_ids[0] for step in range(30)]
     assert first == again
     assert len(set(first)) > 5  # the step index moves the draw
+
+
+def reference_race(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """The exponential race as first written, without filters or penalties: unseeded rows' noise
+    in one block from the global generator, a fresh generator for each seeded row."""
+    noise = torch.empty(logits.shape)
+    unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), logits.shape[1]).exponential_()
+    for i, r in enumerate(rows):
+        if r.params.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(_mix_seed(r.params.seed, len(r.output_ids)))
+            noise[i].exponential_(generator=generator)
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    temperature = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
+    return ((logits / temperature).softmax(dim=-1) / noise).argmax(dim=-1).tolist()
+
+
+def test_reused_generators_draw_what_fresh_ones_did() -> None:
+    # Batches of every composition over many steps: how many seeded rows came before a row, and
+    # whether unseeded rows share its batch, must not change its token, which must be the one a
+    # fresh generator per row gave.
+    rng = np.random.default_rng(0)
+    logits = torch.zeros(1, 64)  # uniform: the token is the noise's argmin, a tell-tale
+    drawn: set[tuple[int, int]] = set()
+    for step in range(40):
+        rows = []
+        for _ in range(int(rng.integers(1, 9))):
+            seeded = rng.random() < 0.7
+            rows.append(
+                row(
+                    [0] * int(rng.integers(0, 6)),
+                    seed=int(rng.integers(0, 4)) if seeded else None,
+                    temperature=float(rng.choice([0.5, 1.0, 1.7])),
+                )
+            )
+        batch_logits = logits.expand(len(rows), -1) + torch.randn(len(rows), 64)
+        torch.manual_seed(step)
+        got = sample(batch_logits, rows).token_ids.tolist()
+        torch.manual_seed(step)
+        assert got == reference_race(batch_logits, rows)
+        for r, token, row_logits in zip(rows, got, batch_logits, strict=True):
+            if r.params.seed is not None:
+                single = sample(row_logits.unsqueeze(0), [r]).token_ids[0]
+                assert token == single
+                drawn.add((r.params.seed, len(r.output_ids)))
+    assert len(drawn) > 10  # many (seed, step) pairs were drawn, in many batch positions
+
+
+def test_sample_returns_host_arrays_with_fixed_dtypes_and_shapes() -> None:
+    logits = torch.randn(3, 40)
+    out = sample(logits, [row(seed=1, logprobs=4), row(temperature=0.0), row(top_k=3)])
+    for array, dtype, shape in [
+        (out.token_ids, np.int32, (3,)),
+        (out.logprobs, np.float32, (3,)),
+        (out.top_ids, np.int32, (3, 4)),
+        (out.top_logprobs, np.float32, (3, 4)),
+    ]:
+        assert isinstance(array, np.ndarray) and array.dtype == dtype and array.shape == shape
+    # Logprobs that are -inf (a masked token) survive the trip as bits.
+    logits[:, 5] = float("-inf")
+    out = sample(logits[:2], [row(logprobs=40), row(logprobs=0)])
+    assert out.top_logprobs is not None and np.isneginf(out.top_logprobs[:, -1]).all()
+    assert (out.top_ids[:, -1] == 5).all()
+    out = sample(logits[:1], [row(logprobs=0)])
+    assert out.top_ids is not None and out.top_ids.shape == (1, 0)
+    assert out.top_logprobs is not None and out.top_logprobs.shape == (1, 0)
+
+
+def test_a_step_reads_the_device_once(monkeypatch) -> None:
+    """On CUDA each read of a device value waits for the queued work; on the CPU the same calls
+    are spied on. One ``.cpu()`` per step, and nothing else reads a tensor's value."""
+    reads: list[str] = []
+    for name in ("cpu", "item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, name=name, original=original, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    logits = torch.randn(6, 80)
+    rows = [
+        row(temperature=0.0, logprobs=2),
+        row([1, 2], [3], seed=4, repetition_penalty=1.2, top_k=5),
+        row([7], frequency_penalty=0.5, presence_penalty=0.1, top_p=0.9),
+        row(min_p=0.1, logprobs=5),
+        row(seed=9, temperature=0.6),
+        row(),
+    ]
+    sample(logits, rows)
+    assert reads == ["cpu"]
 
 
 def test_different_seeds_give_different_tokens() -> None:
