@@ -9,6 +9,11 @@ batch overwrites them.
 Tensor parallel (``tp`` given): the model is this rank's share, the pool holds this rank's KV
 heads of the same page numbers (so the page count is agreed by all ranks: the smallest any can
 hold), and ``forward`` returns logits on rank 0 only.
+
+A step's index arrays reach the device in one copy (engine/staging.py). With CUDA graphs
+(``cuda_graph_max_bs`` > 0, the flashinfer backend, no tensor parallel) decode steps of up to that
+many sequences replay graphs captured at start (engine/cuda_graphs.py); asking for them gives
+the pool one scratch page past ``num_pages`` for the padding rows.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.attention import make_backend
 from engine.batch import BatchInput
+from engine.cuda_graphs import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.kv_pool import KVPool
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
+from engine.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +125,12 @@ class ModelRunner:
             self.device,
             num_host_pages,
         )
+        # With CUDA graphs, a scratch page past the pages the scheduler sees: the graphs'
+        # padding rows write and read it, and nothing else does.
+        self.scratch_page = self.num_pages if cuda_graph_max_bs > 0 else None
         self.pool = KVPool(
             num_layers=c.num_layers,
-            num_pages=self.num_pages,
+            num_pages=self.num_pages + (self.scratch_page is not None),
             page_size=page_size,
             num_kv_heads=plan.num_kv_heads,
             head_dim=c.head_dim,
@@ -134,8 +145,27 @@ class ModelRunner:
             num_kv_heads=plan.num_kv_heads,
             head_dim=c.head_dim,
             sliding_windows=c.sliding_windows,
+            decode_backend=decode_backend,
         )
         self.attention_backend = self.attention.name
+        self.staging = HostStaging(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_bs > 0:
+            why_not = self._why_no_graphs()
+            if why_not:
+                logger.warning("CUDA graphs off: %s; decode runs eagerly", why_not)
+            else:
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
+
+    def _why_no_graphs(self) -> str | None:
+        if self.device.type != "cuda":
+            return f"the model runs on {self.device}"
+        if not self.attention.supports_cuda_graph:
+            return f"the {self.attention.name} attention backend cannot be captured"
+        if self.tp is not None:
+            return "not captured under tensor parallel"
+        return None
 
     def _size_pool(
         self, page_bytes: int, num_pages: int | None, kv_cache_gb: float | None, mem_fraction: float
@@ -186,8 +216,12 @@ class ModelRunner:
         self.pool.swap_out(batch.swap_out)
         self.pool.swap_in(batch.swap_in)
         self.pool.copy_pages(batch.copies)
-        self.attention.plan(batch)
-        input_ids = torch.from_numpy(batch.input_ids.astype("int64")).to(self.device)
-        positions = torch.from_numpy(batch.positions.astype("int64")).to(self.device)
-        rows = torch.from_numpy(batch.resolved_logits_rows()).to(self.device)
+        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(batch, bucket)
+        input_ids, positions, rows, out_slots, *staged = self.staging.stage(
+            [batch.input_ids.astype(np.int64), batch.positions.astype(np.int64),
+             batch.resolved_logits_rows(), batch.out_slots.astype(np.int64),
+             *self.attention.device_arrays(batch)])
+        self.attention.plan(batch, out_slots, staged=staged)
         return self.model(input_ids, positions, self.attention, rows)

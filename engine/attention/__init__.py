@@ -62,7 +62,10 @@ def make_backend(
     num_kv_heads: int,
     head_dim: int,
     sliding_windows: Sequence[int | None],
+    decode_backend: str = "fa2",
 ) -> AttentionBackend:
+    """The backend ``name`` resolves to; flashinfer's kernels are built and warmed up here
+    (``decode_backend``: its decode kernel on tensor cores, see engine/attention/flashinfer.py)."""
     shape = dict(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -73,13 +76,13 @@ def make_backend(
     if resolved == "torch":
         return TorchNativeBackend(pool, **shape)
     if name == "flashinfer":
-        backend = FlashInferBackend(pool, **shape)
+        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend)
         backend.warm_up()
         return backend
     # auto: a mismatched install fails at import with more than ImportError, a kernel that does
     # not compile fails at its first plan or run; either way the torch backend serves instead.
     try:
-        backend = FlashInferBackend(pool, **shape)
+        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend)
         backend.warm_up()
     except Exception as exc:
         logger.warning("attention backend auto: flashinfer failed to start (%s: %s); using torch",

@@ -1,7 +1,9 @@
 """The interface every attention backend implements.
 
 One step: ``plan(batch)`` once (build page tables / masks / kernel plans from the batch's arrays),
-then ``forward(layer, q, k, v)`` for each layer in order. ``forward`` first stores the new
+then ``forward(layer, q, k, v)`` for each layer in order. ``plan(batch, graph=True)`` prepares
+a step that replays a captured CUDA graph (engine/cuda_graphs.py): a backend that supports
+capture (``supports_cuda_graph``) then plans kernels over fixed buffers the graph reads. ``forward`` first stores the new
 tokens' K and V in the pool at ``batch.out_slots``, then attends each new token over its
 sequence's pages (cached prefix + new tokens) with a causal mask at absolute positions, and a
 sliding window on the layers that have one.
@@ -15,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.batch import BatchInput
@@ -23,6 +26,7 @@ from engine.kv_pool import KVPool
 
 class AttentionBackend(ABC):
     name: str
+    supports_cuda_graph = False
 
     def __init__(
         self,
@@ -40,11 +44,25 @@ class AttentionBackend(ABC):
         self.sliding_windows = tuple(sliding_windows)
         self._out_slots: torch.Tensor | None = None
 
-    def plan(self, batch: BatchInput) -> None:
-        self._out_slots = torch.from_numpy(batch.out_slots.astype("int64")).to(
-            self.device, non_blocking=True
-        )
-        self._plan(batch)
+    def plan(self, batch: BatchInput, out_slots: torch.Tensor | None = None, *,
+             staged: Sequence[torch.Tensor] = (), graph: bool = False) -> None:
+        """Prepare the step. The runner stages the step's arrays in one copy
+        (engine/staging.py): ``out_slots`` is ``batch.out_slots`` on the device as int64 and
+        ``staged`` holds ``device_arrays(batch)`` on the device; given neither, both are copied
+        from the batch here."""
+        if out_slots is None:
+            out_slots = torch.from_numpy(batch.out_slots.astype("int64")).to(self.device)
+        self._out_slots = out_slots
+        self._plan(batch, graph, staged)
+
+    def device_arrays(self, batch: BatchInput) -> list[np.ndarray]:
+        """Arrays of ``batch`` this backend's plan wants on the device."""
+        return []
+
+    def graph_fits(self, batch: BatchInput, max_batch: int) -> bool:
+        """Whether a decode step of this shape can replay a graph captured for ``max_batch``
+        sequences (FlashInfer's fixed page-index buffer bounds its pages)."""
+        return True
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -53,8 +71,10 @@ class AttentionBackend(ABC):
         return self._attend(layer, q)
 
     @abstractmethod
-    def _plan(self, batch: BatchInput) -> None:
-        """Prepare whatever every layer of this step reuses."""
+    def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[torch.Tensor]) -> None:
+        """Prepare whatever every layer of this step reuses (``graph``: over the fixed
+        buffers of a captured graph; ``staged``: ``device_arrays(batch)`` on the device, or
+        empty)."""
 
     @abstractmethod
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,9 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
 
-    def _plan(self, batch: BatchInput) -> None:
+    def _plan(self, batch: BatchInput, graph: bool = False, staged=()) -> None:
+        # No fixed buffers (``supports_cuda_graph`` is False): a graph step plans like any
+        # other, which is what DecodeGraphs(capture=False) runs on CPU.
         decode = batch.extend_lens == 1
         groups = [np.nonzero(decode)[0]]
         # Extends pad to their group's longest: bucket them by length within a factor of 2, so
