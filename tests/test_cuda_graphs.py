@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def runner(checkpoint) -> ModelRunner:
     return ModelRunner(checkpoint, page_size=PAGE, num_pages=NUM_PAGES, dtype="float32",
-                       cuda_graph_max_bs=8)
+                       device="cpu", cuda_graph_max_bs=8)
 
 
 def test_buckets_cover_every_size_up_to_the_largest() -> None:
@@ -68,7 +68,7 @@ def test_graphs_are_off_on_cpu_but_the_scratch_page_is_there(runner, checkpoint,
     assert runner.pool.kv.shape[2] == NUM_PAGES + 1 and runner.num_pages == NUM_PAGES
     with caplog.at_level(logging.WARNING, logger="engine.runner"):
         other = ModelRunner(checkpoint, page_size=PAGE, num_pages=8, dtype="float32",
-                            cuda_graph_max_bs=4)
+                            device="cpu", cuda_graph_max_bs=4)
     assert other.graphs is None
     assert "CUDA graphs off: the model runs on cpu" in caplog.text
 
