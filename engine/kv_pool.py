@@ -29,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.staging import to_device
+
 
 class KVPool:
     def __init__(
@@ -106,7 +108,7 @@ class KVPool:
         if len(pairs) == 0:
             return
         pairs = np.asarray(pairs, dtype=np.int64)
-        device_pages = _to_device(pairs[:, 0], self.device)
+        device_pages = to_device(pairs[:, 0], self.device)
         host_pages = torch.from_numpy(pairs[:, 1])
         pages = self.kv.index_select(2, device_pages)
         if self._staging_used is not None:
@@ -128,7 +130,7 @@ class KVPool:
             return
         pairs = np.asarray(pairs, dtype=np.int64)
         host_pages = torch.from_numpy(pairs[:, 0])
-        device_pages = _to_device(pairs[:, 1], self.device)
+        device_pages = to_device(pairs[:, 1], self.device)
         if self._staging_used is None:
             self.kv.index_copy_(2, device_pages, self.host.index_select(2, host_pages))
             return
@@ -150,16 +152,6 @@ class KVPool:
             with torch.inference_mode(False):
                 self._staging = torch.empty(numel, dtype=self.kv.dtype, pin_memory=True)
         return self._staging[:numel].view(shape)
-
-
-def _to_device(pages: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Page numbers on ``device``; on CUDA from pinned memory, so the host does not wait for the
-    device's queued work (torch's caching host allocator keeps the buffer until it is copied).
-    Contiguous first: a strided source would be copied through a pageable temporary."""
-    tensor = torch.from_numpy(np.ascontiguousarray(pages))
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _zeros(

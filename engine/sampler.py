@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engine.protocol import SamplingParams
+from engine.staging import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -62,20 +63,6 @@ class SampleOutput:
     top_logprobs: np.ndarray | None  # float32 [B, N]
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on ``device`` without waiting for the device.
-
-    A copy from pageable memory makes the host wait for all work queued before it (the forward
-    pass, at this point); from pinned memory it is queued like a kernel. The pinned buffer comes
-    from torch's caching host allocator, which does not reuse it until the copy has run. The
-    array is made contiguous first: a strided source would go through a pageable temporary.
-    """
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def _to_host(parts: list[torch.Tensor]) -> np.ndarray:
     """The step's one device-to-host copy, and so its one sync: int32 parts, flattened, joined."""
     return torch.cat([part.reshape(-1) for part in parts]).cpu().numpy()
@@ -88,7 +75,7 @@ def _row_index_and_ids(
     lengths = np.array([len(ids) for ids in id_arrays], dtype=np.int64)
     rows = np.repeat(np.asarray(row_numbers, dtype=np.int64), lengths)
     ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in id_arrays])
-    rows_and_ids = _to_device(np.stack([rows, ids]), device)
+    rows_and_ids = to_device(np.stack([rows, ids]), device)
     return rows_and_ids[0], rows_and_ids[1]
 
 
@@ -128,7 +115,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     output_counts = _token_counts(
         [rows[i].output_ids for i in output_rows], output_rows, shape, device
     )
-    penalties = _to_device(
+    penalties = to_device(
         np.array(
             [
                 [r.params.repetition_penalty for r in rows],
@@ -183,7 +170,7 @@ def apply_filters(
     else:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
     # float64 holds every k exactly, and each p as the float32 it is compared as.
-    params = _to_device(np.stack([k, top_p, min_p]).astype(np.float64), logits.device)
+    params = to_device(np.stack([k, top_p, min_p]).astype(np.float64), logits.device)
     k, top_p, min_p = params[0].long(), params[1].float(), params[2].float()
     positions = torch.arange(num_candidates, device=logits.device)
     drop = positions.unsqueeze(0) >= k.unsqueeze(1)
@@ -226,7 +213,7 @@ def _exponential_noise(
     elif unseeded:
         # Same draws from the global generator as filling all rows would give these rows alone.
         draws = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
-        noise.index_copy_(0, _to_device(np.array(unseeded, dtype=np.int64), device), draws)
+        noise.index_copy_(0, to_device(np.array(unseeded, dtype=np.int64), device), draws)
     generator = _seeded_generator(device)
     for i, row in enumerate(rows):
         if row.params.seed is not None:
@@ -240,7 +227,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     """Temperature, filters and an exponential race for non-greedy rows; returns ids [R]."""
     device = logits.device
     temperature = np.array([r.params.temperature for r in rows], dtype=np.float32)
-    logits = logits / _to_device(temperature, device).unsqueeze(1)
+    logits = logits / to_device(temperature, device).unsqueeze(1)
     # Decided on the host: the sort behind the filters is the costliest op here, skip it if unused.
     if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
         logits = apply_filters(
@@ -266,7 +253,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     token_ids = penalised.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        index = _to_device(np.array(random_rows, dtype=np.int64), logits.device)
+        index = to_device(np.array(random_rows, dtype=np.int64), logits.device)
         sampled = _sample_random(penalised.index_select(0, index), [rows[i] for i in random_rows])
         token_ids.index_copy_(0, index, sampled)
 

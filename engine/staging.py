@@ -10,6 +10,9 @@ Reuse: two buffer pairs alternate. Before a host buffer is written again, the ev
 after its last copy is waited on, so a copy still in flight is never overwritten; a device
 buffer is rewritten only by a copy queued on the same stream after the step that read it.
 On CPU nothing is copied: the returned tensors are views of the packed host buffer.
+
+``to_device`` is the one-array form, for arrays outside a step's pack (sampling parameters,
+swap page lists).
 """
 
 from __future__ import annotations
@@ -65,6 +68,20 @@ class HostStaging:
             if self._cuda:
                 self._device[turn] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return host
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting for the device.
+
+    A copy from pageable memory makes the host wait for all work queued before it; from pinned
+    memory it is queued like a kernel. The pinned buffer comes from torch's caching host
+    allocator, which does not reuse it until the copy has run. The array is made contiguous
+    first: a strided source would go through a pageable temporary. On CPU, no copy.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
