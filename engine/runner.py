@@ -155,8 +155,12 @@ class ModelRunner:
             if why_not:
                 logger.warning("CUDA graphs off: %s; decode runs eagerly", why_not)
             else:
-                with torch.inference_mode():
-                    self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
+                try:
+                    with torch.inference_mode():
+                        self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
+                except Exception as exc:  # a capture that fails leaves eager decode working
+                    logger.warning("CUDA graphs off: capture failed (%s: %s); decode runs "
+                                   "eagerly", type(exc).__name__, exc)
 
     def _why_no_graphs(self) -> str | None:
         if self.device.type != "cuda":

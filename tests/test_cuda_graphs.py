@@ -116,3 +116,20 @@ def test_steps_that_are_not_small_decodes_run_eagerly(runner: ModelRunner) -> No
     beam = BatchInput.build([one], PAGE)
     beam.logits_rows = np.array([0, 0], dtype=np.int32)
     assert graphs.bucket_for(beam) is None
+
+
+def test_a_failed_capture_leaves_eager_decode(checkpoint, monkeypatch, caplog) -> None:
+    import engine.runner
+
+    def broken_capture(runner, max_batch):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine.runner.ModelRunner, "_why_no_graphs", lambda self: None)
+    monkeypatch.setattr(engine.runner, "DecodeGraphs", broken_capture)
+    with caplog.at_level(logging.WARNING, logger="engine.runner"):
+        runner = ModelRunner(checkpoint, page_size=PAGE, num_pages=8, dtype="float32",
+                             device="cpu", cuda_graph_max_bs=4)
+    assert runner.graphs is None
+    assert "CUDA graphs off: capture failed (RuntimeError: operation not permitted" in caplog.text
+    logits = runner.forward(BatchInput.build([([0, 1], 0, [5, 6, 7])], PAGE))
+    assert torch.isfinite(logits).all()
