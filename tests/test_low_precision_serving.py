@@ -55,8 +55,8 @@ def run_mix(directory: str, dtype: str, mode: str) -> tuple[Harness, list[int]]:
     backend = h.worker.runner.attention
     plan, cascade_groups = backend._plan, []
 
-    def recording_plan(batch) -> None:
-        plan(batch)
+    def recording_plan(batch, *args) -> None:
+        plan(batch, *args)
         cascade_groups.extend(g.cascade.num_groups for g in backend._groups if g.cascade)
 
     backend._plan = recording_plan
