@@ -103,6 +103,7 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(model_dir)
         self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config,
                                 tp=tp, load_format=load_format, seed=seed)
+        self.model.prepack()
         self.page_size, self.num_host_pages = page_size, num_host_pages
         c, plan = self.config, self.model.plan
         page_bytes = KVPool.bytes_per_page(

@@ -240,3 +240,30 @@ def test_every_attention_path_in_low_precision(checkpoints, kind: str, page_size
             agree += int((got.logits.argmax(-1).numpy() == hf).sum())
             total += len(hf)
     assert agree / total >= AGREEMENT_FLOOR[dtype], f"greedy agreement {agree}/{total}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+def test_prepacked_cpu_projections_give_the_same_bits(checkpoints, kind: str) -> None:
+    """bf16 on CPU runs the projections through oneDNN's prepacked layout (``prepack``): the
+    logits are bit-identical to the plain ``F.linear`` model's, and the plain copies are freed
+    (the embedding stays, tied or not)."""
+    from engine.model.llama import can_prepack
+
+    path = checkpoints[kind]
+    packed = ModelRunner(path, page_size=16, num_pages=64, dtype=torch.bfloat16)
+    # The same model unpacked again: each matrix back in its plain layout, run by F.linear.
+    plain = ModelRunner(path, page_size=16, num_pages=64, dtype=torch.bfloat16)
+    for module in (plain.model, *plain.model.layers):
+        for name, weight in list(module.packed.items()):
+            getattr(module, name).data = weight.to_dense()
+        module.packed.clear()
+    layer = packed.model.layers[0]
+    if not can_prepack(torch.device("cpu"), torch.bfloat16):
+        assert not layer.packed and layer.qkv.numel() > 0
+        return
+    assert set(layer.packed) == {"qkv", "o", "gate_up", "down"} and layer.qkv.numel() == 0
+    assert packed.model.embed.numel() > 0 and "lm_head" in packed.model.packed
+    rng = np.random.default_rng(0)
+    batch = BatchInput.build([(list(range(4)), 0, rng.integers(0, 96, 50)),
+                              (list(range(4, 6)), 0, rng.integers(0, 96, 9))], 16, "all")
+    assert torch.equal(packed.forward(batch), plain.forward(batch))

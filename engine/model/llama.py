@@ -138,18 +138,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class _Weights(nn.Module):
-    """Holds uninitialised, gradient-free parameters; the loader fills every one of them."""
+    """Holds uninitialised, gradient-free parameters; the loader fills every one of them.
+
+    ``prepack`` (CPU, bf16): the matrices named in ``_LINEARS`` are re-laid out once for
+    oneDNN (``torch.ops.mkldnn``, the layout inductor's CPU path uses) and ``_linear`` runs them
+    there: the same bits as ``F.linear``, at half its per-call cost for the few-row GEMMs of a
+    decode step (60 -> 27 us for a batch-8 [576 x 1728] product). The plain copy is freed,
+    unless something else reads it (a tied embedding)."""
+
+    _LINEARS: tuple[str, ...] = ()
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self._factory = dict(device=device, dtype=dtype)
+        self.packed: dict[str, torch.Tensor] = {}
 
     def _new(self, *shape: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(shape, **self._factory), requires_grad=False)
 
+    def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        packed = self.packed.get(name)
+        if packed is None:
+            return F.linear(x, getattr(self, name), bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def _prepack(self, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        for name in self._LINEARS:
+            weight = getattr(self, name)
+            self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if not any(weight is other for other in keep):
+                weight.data = weight.data.new_empty(0)
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``prepack`` applies: bf16 on a CPU whose oneDNN runs bf16."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
 
 class DecoderLayer(_Weights):
     """One layer, or (``tp`` given) this rank's share of it: ``plan``'s heads and MLP rows."""
+
+    _LINEARS = ("qkv", "o", "gate_up", "down")
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  plan: ShardPlan, tp: Collectives | None = None) -> None:
@@ -219,7 +251,7 @@ class DecoderLayer(_Weights):
         residual stream, in place (the model's forward owns it), and return it."""
         num_tokens = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self._linear("qkv", x, self.qkv_bias)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -231,7 +263,9 @@ class DecoderLayer(_Weights):
         # q and k rotate together: one set of elementwise ops instead of two.
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attention.forward(index, q, k, v).reshape(num_tokens, self.q_size)
-        if self.tp is None:
+        if self.packed:
+            hidden.add_(self._linear("o", out, self.o_bias))
+        elif self.tp is None:
             add_linear_(hidden, out, self.o, self.o_bias)
         else:
             row_parallel_add_(hidden, out, self.o, self.o_bias, self.tp)
@@ -241,8 +275,10 @@ class DecoderLayer(_Weights):
         for rows, x_rows in zip(
             hidden.split(self.mlp_chunk_tokens), x.split(self.mlp_chunk_tokens), strict=True
         ):
-            gate, up = F.linear(x_rows, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-            if self.tp is None:
+            gate, up = self._linear("gate_up", x_rows, self.gate_up_bias).chunk(2, dim=-1)
+            if self.packed:
+                rows.add_(self._linear("down", F.silu(gate).mul_(up), self.down_bias))
+            elif self.tp is None:
                 add_linear_(rows, F.silu(gate).mul_(up), self.down, self.down_bias)
             else:
                 row_parallel_add_(rows, F.silu(gate).mul_(up), self.down, self.down_bias, self.tp)
@@ -253,6 +289,8 @@ class LlamaForCausalLM(_Weights):
     """Every supported architecture: their differences are flags in ``ModelConfig``. With
     ``tp``, this rank's share of it (engine/model/parallel.py); without, the whole model and
     no collective anywhere."""
+
+    _LINEARS = ("lm_head",)
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  tp: Collectives | None = None) -> None:
@@ -274,6 +312,16 @@ class LlamaForCausalLM(_Weights):
         with torch.no_grad():  # the last rank's rows past the vocabulary: never loaded
             self.embed[real_rows:].zero_()
             self.lm_head[real_rows:].zero_()
+
+    def prepack(self) -> None:
+        """Lay the projection matrices out for oneDNN (see ``_Weights``), once the weights are
+        loaded; only where ``can_prepack`` holds and without tensor parallel. Afterwards
+        ``weight_targets`` no longer names loadable tensors."""
+        if self.tp is not None or not can_prepack(self.embed.device, self.embed.dtype):
+            return
+        self._prepack(keep=(self.embed,))
+        for layer in self.layers:
+            layer._prepack()
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the tensor (or slice of a fused one) it is copied into."""
@@ -316,5 +364,5 @@ class LlamaForCausalLM(_Weights):
             hidden = layer(index, hidden, cos, sin, attention)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         if self.tp is None:
-            return F.linear(hidden, self.lm_head).float()
+            return self._linear("lm_head", hidden).float()
         return self.tp.gather_vocab(F.linear(hidden, self.lm_head), self.config.vocab_size)
