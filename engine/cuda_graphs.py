@@ -70,6 +70,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.out_slots = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.rows = torch.arange(self.max_batch, dtype=torch.int64, device=device)
+        runner.attention.prepare_graphs(self.max_batch)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture_all()
@@ -78,7 +79,7 @@ class DecodeGraphs:
         """The bucket this step runs in as a graph, or None to run it eagerly."""
         if (batch.num_seqs > self.max_batch or not batch.is_decode
                 or not np.array_equal(batch.resolved_logits_rows(), np.arange(batch.num_seqs))
-                or not self.runner.attention.graph_fits(batch, self.max_batch)):
+                or not self.runner.attention.graph_fits(batch)):
             return None
         return next(b for b in self.buckets if b >= batch.num_seqs)
 

@@ -59,9 +59,13 @@ class AttentionBackend(ABC):
         """Arrays of ``batch`` this backend's plan wants on the device."""
         return []
 
-    def graph_fits(self, batch: BatchInput, max_batch: int) -> bool:
-        """Whether a decode step of this shape can replay a graph captured for ``max_batch``
-        sequences (FlashInfer's fixed page-index buffer bounds its pages)."""
+    def prepare_graphs(self, max_batch: int) -> None:  # noqa: B027 (optional hook)
+        """Make whatever fixed buffers graph steps of up to ``max_batch`` sequences need
+        (none here)."""
+
+    def graph_fits(self, batch: BatchInput) -> bool:
+        """Whether this decode step, padded to any bucket, fits the graphs' fixed buffers
+        (FlashInfer's page-index buffer bounds the pages a step may list)."""
         return True
 
     def forward(

@@ -68,6 +68,17 @@ def import_flashinfer() -> ModuleType:
     return flashinfer
 
 
+def check_pool(pool: KVPool) -> None:
+    """Raise unless FlashInfer can run over this pool: CUDA, fp16 or bf16."""
+    if pool.device.type != "cuda":
+        raise RuntimeError(f"{INSTALL_HINT} (the KV pool is on {pool.device}, not CUDA)")
+    if pool.kv.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"the flashinfer backend runs float16 or bfloat16, not {pool.kv.dtype}; "
+            "pass dtype='bfloat16' or attention_backend='torch'"
+        )
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
@@ -99,13 +110,7 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)}, "
                              f"got {decode_backend!r}")
         self.flashinfer = import_flashinfer()
-        if self.device.type != "cuda":
-            raise RuntimeError(f"{INSTALL_HINT} (the KV pool is on {self.device}, not CUDA)")
-        if pool.kv.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"the flashinfer backend runs float16 or bfloat16, not {pool.kv.dtype}; "
-                "pass dtype='bfloat16' or attention_backend='torch'"
-            )
+        check_pool(pool)
         self.decode_backend = decode_backend
         # Wrappers run one after another on one stream, so they can share the scratch space.
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -173,8 +178,19 @@ class FlashInferBackend(AttentionBackend):
     def device_arrays(self, batch: BatchInput) -> list[np.ndarray]:
         return [batch.page_indices.astype(np.int32, copy=False)]
 
-    def graph_fits(self, batch: BatchInput, max_batch: int) -> bool:
+    def prepare_graphs(self, max_batch: int) -> None:
+        """One set of fixed index buffers for every captured batch size (each uses a prefix)."""
         capacity = _GRAPH_INDICES_PER_PAGE * self.pool.num_pages + max_batch
+        self._graph_buffers = (
+            torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device),
+            torch.zeros(capacity, dtype=torch.int32, device=self.device),
+            torch.zeros(max_batch, dtype=torch.int32, device=self.device),
+        )
+
+    def graph_fits(self, batch: BatchInput) -> bool:
+        if self._graph_buffers is None:
+            return False
+        max_batch, capacity = len(self._graph_buffers[2]), len(self._graph_buffers[1])
         return len(batch.page_indices) + max_batch - batch.num_seqs <= capacity
 
     def _plan(self, batch: BatchInput, graph: bool = False,
@@ -206,14 +222,6 @@ class FlashInferBackend(AttentionBackend):
         """Batch size ``batch_size``'s CUDA-graph decode wrappers, made at its capture."""
         wrappers = self._graph_decode.get(batch_size)
         if wrappers is None:
-            if self._graph_buffers is None:
-                # Made once, for the first (largest) size captured; smaller sizes use prefixes.
-                capacity = _GRAPH_INDICES_PER_PAGE * self.pool.num_pages + batch_size
-                self._graph_buffers = (
-                    torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
-                    torch.zeros(capacity, dtype=torch.int32, device=self.device),
-                    torch.zeros(batch_size, dtype=torch.int32, device=self.device),
-                )
             wrappers = {w: self._decode_wrapper(batch_size) for w in set(self.sliding_windows)}
             self._graph_decode[batch_size] = wrappers
         return wrappers
@@ -235,7 +243,8 @@ class FlashInferBackend(AttentionBackend):
                             dtype=self.pool.kv.dtype, device=self.device)
             for layer in first_layer.values():
                 self._attend(layer, q)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         wrapper = self._active[self.sliding_windows[layer]]
