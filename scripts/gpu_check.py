@@ -1,9 +1,10 @@
 """GPU check: the flashinfer attention backend against the torch backend, then decode timings.
 
-Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along first). Five parts
+Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along first). Four parts
 (``--parts``, default all), each printed as a markdown table as soon as it is done:
 
-0. prebuild: every FlashInfer kernel module the backends below load, compiled in one parallel
+0. prebuild: every FlashInfer kernel module the backends here and in check_cuda_graphs.py load
+   (bf16, head_dim 128), compiled in one parallel
    ninja run, timed (a second run finds them in FlashInfer's cache and compiles nothing);
 1. attention parity, bfloat16: random pool contents, random shuffled page tables, prefill /
    decode / mixed / cached-prefix batches, page sizes 1 and 16, GQA groups 2 and 4, a sliding
@@ -14,10 +15,9 @@ Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along fi
 2. decode attention time per step (32 layer calls + the per-step plan) at batch 1/32/128: torch,
    and flashinfer with its tensor-core decode on FA2 and on FA3 (the choice on Hopper);
 3. the whole ModelRunner on a random Llama-shaped checkpoint: logits of both backends on a mixed
-   batch, and decode tokens/s at batch 1/32/128;
-4. CUDA graphs: greedy decode of the runner with captured graphs against the same runner eager
-   (tokens identical, logits' largest difference), capture time, then the engine's greedy
-   outputs eager vs ``enable_cuda_graph`` on a batch of prompts (identical token ids).
+   batch, and decode tokens/s at batch 1/32/128.
+
+CUDA graphs against eager decode: scripts/check_cuda_graphs.py.
 
 Exit status 1 when a check fails.
 """
@@ -335,105 +335,6 @@ def check_model(context: int, steps: int) -> bool:
     return ok
 
 
-GRAPH_MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
-                   num_attention_heads=16, num_key_value_heads=4, head_dim=HEAD_DIM,
-                   vocab_size=32000, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                   rope_theta=500000.0, torch_dtype="bfloat16")
-
-
-def greedy_decode(runner, seqs, steps: int) -> tuple[np.ndarray, list[torch.Tensor]]:
-    """``steps`` greedy decode steps of ``seqs`` ((pages, cached_len, [next id])); the tokens
-    [steps, B] and each step's logits."""
-    tokens, logits = [], []
-    for _ in range(steps):
-        out = runner.forward(BatchInput.build(seqs, 16))
-        logits.append(out)
-        chosen = out.argmax(-1).cpu().numpy()
-        tokens.append(chosen)
-        seqs = [(p, n + 1, [int(t)]) for (p, n, _), t in zip(seqs, chosen, strict=True)]
-    return np.array(tokens), logits
-
-
-def check_graphs(steps: int = 8) -> bool:
-    from engine.runner import ModelRunner
-    from scripts.bench_gpu import write_config
-
-    print("\n## CUDA graphs: greedy decode replayed vs eager (dummy-weight Llama, "
-          "16/4 heads of 128, 8 layers, bfloat16)\n")
-    options = dict(num_pages=8192, load_format="dummy", dtype="bfloat16",
-                   attention_backend="flashinfer")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp)
-        write_config(model_dir, GRAPH_MODEL)
-        eager = ModelRunner(model_dir, **options)
-        start = time.perf_counter()
-        graphs = ModelRunner(model_dir, **options, cuda_graph_max_bs=128)
-        build_s = time.perf_counter() - start
-        if graphs.graphs is None:
-            print("FAIL: the runner did not capture graphs (see the log for why)")
-            return False
-        print(f"runner built and {len(graphs.graphs.buckets)} batch sizes captured in "
-              f"{build_s:.1f} s\n")
-        print("| batch | graph bucket | sequences identical | max abs logit diff |")
-        print("|---:|---:|---:|---:|")
-        ok = True
-        rng = np.random.default_rng(0)
-        for batch_size in (1, 3, 16, 50, 128, 160):
-            lengths = rng.integers(10, 600, batch_size)
-            pages_per_seq = -(-(int(lengths.max()) + steps) // 16)
-            pages = rng.permutation(8192)[: batch_size * pages_per_seq].reshape(batch_size, -1)
-            prompts = [rng.integers(0, 32000, n) for n in lengths]
-            results = []
-            for runner in (eager, graphs):
-                runner.forward(BatchInput.build(
-                    [(p, 0, ids) for p, ids in zip(pages, prompts, strict=True)], 16))
-                seqs = [(p, int(n), [7]) for p, n in zip(pages, lengths, strict=True)]
-                results.append(greedy_decode(runner, seqs, steps))
-            (tokens_e, logits_e), (tokens_g, logits_g) = results
-            same = int((tokens_e == tokens_g).all(axis=0).sum())
-            diff = max((a - b).abs().max().item() for a, b in zip(logits_e, logits_g,
-                                                                  strict=True))
-            bucket = graphs.graphs.bucket_for(BatchInput.build(seqs, 16))
-            ok &= same == batch_size
-            print(f"| {batch_size} | {bucket or 'eager'} | {same}/{batch_size} | {diff:.3g} |",
-                  flush=True)
-        del eager, graphs
-        torch.cuda.empty_cache()
-        ok &= check_engine_graphs(model_dir)
-    return ok
-
-
-def check_engine_graphs(model_dir: Path) -> bool:
-    """The engine's greedy outputs, eager and with ``enable_cuda_graph``."""
-    import shutil
-
-    from engine import Engine, SamplingParams
-    from engine.demo_model import TOKENIZER_VOCAB_SIZE, build_demo_model
-    from scripts.bench_gpu import TOKENIZER_FILES
-
-    for name in TOKENIZER_FILES:
-        shutil.copy(build_demo_model() / name, model_dir / name)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, TOKENIZER_VOCAB_SIZE, int(n)).tolist()
-               for n in rng.integers(5, 400, 48)]
-    params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True)
-              for n in rng.integers(4, 48, len(prompts))]
-    outputs = {}
-    for graphs in (False, True):
-        start = time.perf_counter()
-        with Engine(str(model_dir), load_format="dummy", dtype="bfloat16", num_pages=8192,
-                    attention_backend="flashinfer", enable_cuda_graph=graphs,
-                    cuda_graph_max_bs=64) as engine:
-            results = engine.generate(prompts, params, use_tqdm=False)
-        outputs[graphs] = [r.token_ids for r in results]
-        print(f"\nengine, CUDA graphs {'on' if graphs else 'off'}: {len(prompts)} requests in "
-              f"{time.perf_counter() - start:.1f} s (start-up included)", flush=True)
-    same = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
-    print(f"engine greedy outputs identical eager vs graphs: {same}/{len(prompts)} "
-          f"{'ok' if same == len(prompts) else 'FAIL'}\n", flush=True)
-    return same == len(prompts)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -441,7 +342,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="decode context for part 2")
     parser.add_argument("--model-context", type=int, default=512, help="decode context for part 3")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed in part 3")
-    parser.add_argument("--parts", default="prebuild,parity,decode,model,graphs",
+    parser.add_argument("--parts", default="prebuild,parity,decode,model",
                         help="comma-separated parts to run (default: all)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -462,8 +363,6 @@ def main() -> None:
         time_decode_attention(args.context)
     if "model" in parts:
         ok &= check_model(args.model_context, args.steps)
-    if "graphs" in parts:
-        ok &= check_graphs()
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     sys.exit(0 if ok else 1)
 

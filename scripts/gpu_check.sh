@@ -17,8 +17,8 @@
 #   3. scripts/gpu_check.py: FlashInfer kernels prebuilt in parallel (timed; kept in
 #      ./.flashinfer-cache, so a second run in the same machine session compiles nothing),
 #      flashinfer vs torch attention parity (prefill, decode, mixed, cached prefix,
-#      copy-on-write; page sizes 1 and 16), decode FA2 vs FA3, the model runner, and CUDA
-#      graphs vs eager (runner and engine greedy tokens identical);
+#      copy-on-write; page sizes 1 and 16), decode FA2 vs FA3; then scripts/check_cuda_graphs.py:
+#      CUDA graphs vs eager (runner and engine greedy tokens identical);
 #   4. scripts/bench_gpu.py at Llama-3-8B's shapes (decode vs the HBM floor, prefill, prefix
 #      caching on vs off), eager and with CUDA graphs, numbers also as JSON in $OUT;
 #   5. the CUDA tests of tests/test_attention.py.
@@ -87,7 +87,7 @@ PY
 
 step 240 "kernels" "$PYTHON" scripts/gpu_check.py --parts prebuild
 step 120 "parity and decode timings" "$PYTHON" scripts/gpu_check.py --parts parity,decode
-step 120 "CUDA graphs vs eager" "$PYTHON" scripts/gpu_check.py --parts graphs
+step 120 "CUDA graphs vs eager" "$PYTHON" scripts/check_cuda_graphs.py
 step 180 "bench_gpu.py, CUDA graphs" "$PYTHON" scripts/bench_gpu.py --enable-cuda-graph \
     --json "$OUT/bench_gpu_graphs.json"
 step 60 "bench_gpu.py, eager decode" "$PYTHON" scripts/bench_gpu.py --skip-engine \
