@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.batch import BatchInput  # noqa: E402
 
 HEAD_DIM = 128
+NUM_PAGES = 8192  # of 16 tokens, for every sequence below at once
 
 GRAPH_MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=4, head_dim=HEAD_DIM,
@@ -51,7 +52,7 @@ def check_graphs(steps: int = 8) -> bool:
 
     print("\n## CUDA graphs: greedy decode replayed vs eager (dummy-weight Llama, "
           "16/4 heads of 128, 8 layers, bfloat16)\n")
-    options = dict(num_pages=8192, load_format="dummy", dtype="bfloat16",
+    options = dict(num_pages=NUM_PAGES, load_format="dummy", dtype="bfloat16",
                    attention_backend="flashinfer")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
@@ -72,8 +73,8 @@ def check_graphs(steps: int = 8) -> bool:
         for batch_size in (1, 3, 16, 50, 128, 160):
             lengths = rng.integers(10, 600, batch_size)
             pages_per_seq = -(-(int(lengths.max()) + steps) // 16)
-            pages = rng.permutation(8192)[: batch_size * pages_per_seq].reshape(batch_size, -1)
-            prompts = [rng.integers(0, 32000, n) for n in lengths]
+            pages = rng.permutation(NUM_PAGES)[: batch_size * pages_per_seq].reshape(batch_size, -1)
+            prompts = [rng.integers(0, GRAPH_MODEL["vocab_size"], n) for n in lengths]
             results = []
             for runner in (eager, graphs):
                 runner.forward(BatchInput.build(
@@ -112,7 +113,7 @@ def check_engine_graphs(model_dir: Path) -> bool:
     outputs = {}
     for graphs in (False, True):
         start = time.perf_counter()
-        with Engine(str(model_dir), load_format="dummy", dtype="bfloat16", num_pages=8192,
+        with Engine(str(model_dir), load_format="dummy", dtype="bfloat16", num_pages=NUM_PAGES,
                     attention_backend="flashinfer", enable_cuda_graph=graphs,
                     cuda_graph_max_bs=64) as engine:
             results = engine.generate(prompts, params, use_tqdm=False)
