@@ -44,6 +44,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_pinned_tokens: int | None = None  # defaults to half the KV pool
     # processes
     tokenizer_workers: int = 1
+    # CPU threads of each model worker process (default: engine/launcher.py worker_threads)
+    worker_threads: int | None = None
     # KV cache events for gateways (scheduler/kv_events.py): a ZMQ PUB endpoint, and the block
     # size their hashes cover (default: the page size)
     kv_events_endpoint: str | None = None
@@ -91,6 +93,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError("--preemption-mode swap needs --num-host-pages > 0")
+        if self.worker_threads is not None and self.worker_threads < 1:
+            raise ValueError(f"--worker-threads must be at least 1, got {self.worker_threads}")
         for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
                      "tokenizer_workers", "max_queued_requests"):
             if getattr(self, name) < 1:

@@ -46,6 +46,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
+    @property
+    def num_params(self) -> int:
+        """Weights in the matrices (norms and biases left out: they are tiny)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
