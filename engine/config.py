@@ -44,7 +44,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_pinned_tokens: int | None = None  # defaults to half the KV pool
     # processes
     tokenizer_workers: int = 1
-    # CPU threads of each model worker process (default: engine/launcher.py worker_threads)
+    # CPU threads of each model worker process (default: its share of the cores)
     worker_threads: int | None = None
     # KV cache events for gateways (scheduler/kv_events.py): a ZMQ PUB endpoint, and the block
     # size their hashes cover (default: the page size)

@@ -123,23 +123,12 @@ def _own_socket_dir() -> tuple[Path, int]:
     return path, fd
 
 
-# Under this many parameters a model's ops (a few-row GEMM of a 256-wide layer: ~20 us) are too
-# small to gain from a second thread, and a worker spinning on every core slows the scheduler,
-# tokenizer and frontend beside it: on 2 cores the 4.4M-parameter demo model served with one
-# worker thread reaches its first token in 0.80x / 0.75x the time (shared prefixes / multi-turn)
-# at the same req/s, while SmolLM2-135M on one thread loses a third of its req/s.
-SMALL_MODEL_PARAMS = 30_000_000
-
-
 def worker_threads(config: EngineConfig, cpu_count: int, sharing: int = 1) -> int:
-    """OpenMP threads of one model worker: ``--worker-threads`` if given; else its share of
-    the cores (``sharing`` workers on this machine), and one for a small model."""
+    """OpenMP threads of one model worker: ``--worker-threads`` if given, else its share of the
+    cores (``sharing`` workers on this machine). Steps too small to gain from them run on one
+    (engine/runner.py, ``SMALL_STEP_FLOPS``)."""
     if config.worker_threads is not None:
         return config.worker_threads
-    from engine.model.config import ModelConfig
-
-    if ModelConfig.from_dir(config.model).num_params < SMALL_MODEL_PARAMS:
-        return 1
     return max(1, cpu_count // sharing)
 
 

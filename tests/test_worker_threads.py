@@ -1,15 +1,16 @@
-"""How many OpenMP threads a model worker gets (engine/launcher.py ``worker_threads``), and that
-the launcher hands it to the worker process."""
+"""How many OpenMP threads a model worker gets (engine/launcher.py ``worker_threads``), that
+the launcher hands it to the worker process, and that steps too small to share run on one
+(engine/runner.py ``SMALL_STEP_FLOPS``)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+import torch
 
+from engine.batch import BatchInput
 from engine.config import EngineConfig
-from engine.launcher import SMALL_MODEL_PARAMS, Launcher, worker_threads
-from engine.model.config import ModelConfig
+from engine.launcher import Launcher, worker_threads
+from engine.runner import SMALL_STEP_FLOPS, ModelRunner
 from tests.conftest_models import write_checkpoint
 
 
@@ -18,31 +19,18 @@ def small(tmp_path_factory) -> str:
     return str(write_checkpoint(tmp_path_factory.mktemp("small"), "llama"))
 
 
-@pytest.fixture(scope="module")
-def large(tmp_path_factory) -> str:
-    # Only config.json is read: a 30M+ parameter shape without writing its weights.
-    path = write_checkpoint(tmp_path_factory.mktemp("large"), "llama")
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_size=2048, intermediate_size=8192)
-    (path / "config.json").write_text(json.dumps(config))
-    assert ModelConfig.from_dir(path).num_params >= SMALL_MODEL_PARAMS
-    return str(path)
-
-
-def test_a_small_model_gets_one_thread_a_large_one_its_share(small, large) -> None:
-    assert ModelConfig.from_dir(small).num_params < SMALL_MODEL_PARAMS
-    assert worker_threads(EngineConfig(model=small), cpu_count=8) == 1
-    assert worker_threads(EngineConfig(model=large), cpu_count=8) == 8
-    assert worker_threads(EngineConfig(model=large), cpu_count=8, sharing=2) == 4
-    assert worker_threads(EngineConfig(model=large), cpu_count=2, sharing=4) == 1
+def test_a_worker_gets_its_share_of_the_cores(small) -> None:
+    assert worker_threads(EngineConfig(model=small), cpu_count=8) == 8
+    assert worker_threads(EngineConfig(model=small), cpu_count=8, sharing=2) == 4
+    assert worker_threads(EngineConfig(model=small), cpu_count=2, sharing=4) == 1
     assert worker_threads(EngineConfig(model=small, worker_threads=3), cpu_count=8) == 3
 
 
 def test_the_users_omp_num_threads_wins(small, monkeypatch) -> None:
-    launcher = Launcher(EngineConfig(model=small))
+    launcher = Launcher(EngineConfig(model=small, worker_threads=2))
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        assert launcher._worker_env(1)["OMP_NUM_THREADS"] == "1"
+        assert launcher._worker_env(1)["OMP_NUM_THREADS"] == "2"
         monkeypatch.setenv("OMP_NUM_THREADS", "5")
         assert launcher._worker_env(1) is None  # the child inherits the user's 5
     finally:
@@ -52,3 +40,22 @@ def test_the_users_omp_num_threads_wins(small, monkeypatch) -> None:
 def test_worker_threads_must_be_positive(small) -> None:
     with pytest.raises(ValueError, match="--worker-threads must be at least 1"):
         EngineConfig(model=small, worker_threads=0).validate()
+
+
+def test_small_steps_run_on_one_thread_large_ones_on_all(small) -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        runner = ModelRunner(small, page_size=16, num_pages=2048, dtype="float32", device="cpu")
+        per_token = 2 * runner.config.num_params
+        num_seqs = int(SMALL_STEP_FLOPS // per_token) // 240 + 1  # 240-token prompts past it
+        assert num_seqs * 240 * per_token >= SMALL_STEP_FLOPS and num_seqs * 15 <= 2048
+        runner.forward(BatchInput.build([([0], 0, [1, 2, 3])], 16))
+        assert torch.get_num_threads() == 1
+        prompts = [(list(range(15 * i, 15 * i + 15)), 0, [5] * 240) for i in range(num_seqs)]
+        runner.forward(BatchInput.build(prompts, 16))
+        assert torch.get_num_threads() == 2
+        runner.forward(BatchInput.build([([0], 0, [1])], 16))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

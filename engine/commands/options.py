@@ -47,9 +47,8 @@ _HELP = {
     "max_pinned_tokens": "tokens pinned by sessions at most (default: half the pool)",
     "tokenizer_workers": "tokenizer processes",
     "worker_threads": "CPU threads (OpenMP) of each model worker (default: the machine's cores, "
-                      "shared among --tp-size ranks or --dp-size replicas; one for models under "
-                      "30M parameters, whose ops are too small to gain from threads while the "
-                      "other processes want a core; OMP_NUM_THREADS, if set, wins)",
+                      "shared among --tp-size ranks or --dp-size replicas; OMP_NUM_THREADS, if "
+                      "set, wins); steps under 1 GFLOP run on one of them",
     "kv_events_endpoint": "publish KV cache events (vLLM's format: ZMQ PUB, msgpack) for "
                           "cache-aware gateways: tcp://*:5557 binds, tcp://HOST:PORT connects",
     "kv_events_block_size": "tokens per block in the KV events, also the granularity of "
