@@ -36,11 +36,15 @@ from engine.staging import HostStaging
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-# A CPU step under this many FLOPs (2 x parameters x tokens: a batch-8 decode of a 5M-parameter
-# model is 0.08 GFLOP, of SmolLM2-135M 2.2) runs on one thread: its ops (~20 us GEMMs) gain
-# nothing from a second, and a worker spinning on every core slows the scheduler, tokenizer and
-# frontend beside it. Served on 2 cores, the demo model's TTFT median is 0.78x / 0.82x (shared
-# prefixes / multi-turn) at req/s 1.06x / 1.01x against always two threads.
+# A CPU step of a model under SMALL_MODEL_BYTES of weights and under SMALL_STEP_FLOPS (2 x
+# parameters x tokens) runs on one thread: its ops (~20 us GEMMs) gain nothing from a second,
+# and a worker spinning on every core slows the scheduler, tokenizer and frontend beside it.
+# Served on 2 cores, the demo model (10 MB; a batch-8 decode is 0.08 GFLOP) reaches its first
+# token in 0.78x / 0.82x the time (shared prefixes / multi-turn) at req/s 1.06x / 1.01x against
+# always two threads. Bigger models keep every thread on every step: reading their weights is
+# bandwidth-bound, and a second thread adds bandwidth (SmolLM2-135M, 270 MB, batch-1 decode:
+# 43.9 ms on one thread, 28.7 on two).
+SMALL_MODEL_BYTES = 32 << 20
 SMALL_STEP_FLOPS = 1e9
 _DTYPES = {
     "float32": torch.float32,
@@ -110,6 +114,8 @@ class ModelRunner:
         self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config,
                                 tp=tp, load_format=load_format, seed=seed)
         self._flops_per_token = 2 * self.config.num_params
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self._small_model = self.config.num_params * itemsize < SMALL_MODEL_BYTES
         self._max_threads = self._threads = torch.get_num_threads()
         self.model.prepack()
         self.page_size, self.num_host_pages = page_size, num_host_pages
@@ -172,9 +178,10 @@ class ModelRunner:
                                    "eagerly", type(exc).__name__, exc)
 
     def _set_threads(self, batch: BatchInput) -> None:
-        """On CPU, a step too small to gain from parallel threads runs on one, leaving the
-        other cores to the scheduler, tokenizer and frontend processes."""
-        if self.device.type != "cpu" or self._max_threads == 1:
+        """On CPU, a step too small to gain from parallel threads (a small model's, with few
+        tokens) runs on one, leaving the other cores to the scheduler, tokenizer and frontend
+        processes."""
+        if self.device.type != "cpu" or self._max_threads == 1 or not self._small_model:
             return
         small = batch.num_tokens * self._flops_per_token < SMALL_STEP_FLOPS
         threads = 1 if small else self._max_threads

@@ -10,7 +10,7 @@ import torch
 from engine.batch import BatchInput
 from engine.config import EngineConfig
 from engine.launcher import Launcher, worker_threads
-from engine.runner import SMALL_STEP_FLOPS, ModelRunner
+from engine.runner import SMALL_MODEL_BYTES, SMALL_STEP_FLOPS, ModelRunner
 from tests.conftest_models import write_checkpoint
 
 
@@ -47,6 +47,9 @@ def test_small_steps_run_on_one_thread_large_ones_on_all(small) -> None:
     try:
         torch.set_num_threads(2)
         runner = ModelRunner(small, page_size=16, num_pages=2048, dtype="float32", device="cpu")
+        large_model = ModelRunner(small, page_size=16, num_pages=64, dtype="float32",
+                                  device="cpu")
+        large_model._small_model = False  # as if its weights were past SMALL_MODEL_BYTES
         per_token = 2 * runner.config.num_params
         num_seqs = int(SMALL_STEP_FLOPS // per_token) // 240 + 1  # 240-token prompts past it
         assert num_seqs * 240 * per_token >= SMALL_STEP_FLOPS and num_seqs * 15 <= 2048
@@ -57,5 +60,10 @@ def test_small_steps_run_on_one_thread_large_ones_on_all(small) -> None:
         assert torch.get_num_threads() == 2
         runner.forward(BatchInput.build([([0], 0, [1])], 16))
         assert torch.get_num_threads() == 1
+        # A model past SMALL_MODEL_BYTES keeps every thread: its steps are bandwidth-bound.
+        assert runner.config.num_params * 4 < SMALL_MODEL_BYTES
+        torch.set_num_threads(2)  # where its own worker process would be
+        large_model.forward(BatchInput.build([([0], 0, [1])], 16))
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)

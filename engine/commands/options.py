@@ -48,7 +48,8 @@ _HELP = {
     "tokenizer_workers": "tokenizer processes",
     "worker_threads": "CPU threads (OpenMP) of each model worker (default: the machine's cores, "
                       "shared among --tp-size ranks or --dp-size replicas; OMP_NUM_THREADS, if "
-                      "set, wins); steps under 1 GFLOP run on one of them",
+                      "set, wins); a small model's small steps (under 32 MB of weights and 1 "
+                      "GFLOP) run on one of them",
     "kv_events_endpoint": "publish KV cache events (vLLM's format: ZMQ PUB, msgpack) for "
                           "cache-aware gateways: tcp://*:5557 binds, tcp://HOST:PORT connects",
     "kv_events_block_size": "tokens per block in the KV events, also the granularity of "
