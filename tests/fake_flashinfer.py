@@ -170,6 +170,7 @@ def module() -> types.ModuleType:
     package.jit.gen_batch_decode_module = gen_batch_decode_module
     package.jit.gen_batch_prefill_module = gen_batch_prefill_module
     package.jit.build_jit_specs = build_jit_specs
+    package.jit.env = types.SimpleNamespace(FLASHINFER_JIT_DIR="(the fake builds nothing)")
     package.utils = types.ModuleType("flashinfer.utils")
     package.utils.determine_attention_backend = determine_attention_backend
     return package
