@@ -36,7 +36,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     chunked_prefill_size: int = 2048
     preemption_mode: str = "recompute"
     max_queued_requests: int = 4096
-    disable_overlap_schedule: bool = False  # plan step k+1 while the worker runs step k
+    # plan step k+1 while the worker runs step k: on, off, or auto (on when the model runs on a
+    # GPU; off on CPU, where the forward uses every core and a new request would wait a step)
+    overlap_schedule: str = "auto"
     context_len: int | None = None  # defaults to the model's
     # sessions
     max_sessions: int = 1024
@@ -116,6 +118,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--attention-backend must be auto, torch or flashinfer, got {self.attention_backend!r}"
             )
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"--overlap-schedule must be auto, on or off, got "
+                             f"{self.overlap_schedule!r}")
         if self.flashinfer_decode_backend not in ("fa2", "fa3", "auto"):
             raise ValueError("--flashinfer-decode-backend must be fa2, fa3 or auto, got "
                              f"{self.flashinfer_decode_backend!r}")

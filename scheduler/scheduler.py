@@ -58,7 +58,8 @@ class Scheduler:
         # Batches sent and not yet answered, oldest first: one, or two while overlapping.
         self.inflight: deque[tuple[int, list[Entry]]] = deque()
         self.batch_id = 0
-        self.overlap = not config.disable_overlap_schedule
+        self.overlap = (config.overlap_schedule == "on" or config.overlap_schedule == "auto"
+                        and info.device.startswith("cuda"))
         self._serial_next = False  # a look-ahead plan went short of pages: wait, then preempt
         self._looked_ahead = False  # a look-ahead plan found nothing; retry after news
 

@@ -46,7 +46,7 @@ def test_overlap_gives_the_outputs_of_serial_steps(model_dir):
     runs = {}
     for overlap in (False, True):
         h = Harness(model_dir, num_pages=256, page_size=4, chunked_prefill_size=24,
-                            disable_overlap_schedule=not overlap)
+                            overlap_schedule='on' if overlap else 'off')
         _mixed_workload(h, stop_token=17)
         runs[overlap] = h
     serial, overlapped = runs[False], runs[True]
@@ -68,7 +68,7 @@ def test_plain_decoding_overlaps_every_step(model_dir):
     every step is planned while the previous one is still queued."""
     runs = {}
     for overlap in (False, True):
-        h = Harness(model_dir, num_pages=128, disable_overlap_schedule=not overlap)
+        h = Harness(model_dir, num_pages=128, overlap_schedule='on' if overlap else 'off')
         for i in range(6):
             h.add(f"g{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=20, temperature=0.0,
                                                              ignore_eos=True))

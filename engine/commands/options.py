@@ -38,9 +38,10 @@ _HELP = {
     "chunked_prefill_size": "longest prompt chunk of one request in one step",
     "preemption_mode": "recompute or swap",
     "max_queued_requests": "waiting requests before new ones get 503",
-    "disable_overlap_schedule": "plan each step only after the previous one's outputs are back "
-                                "(by default the next step is planned and sent while the "
-                                "worker runs the current one)",
+    "overlap_schedule": "plan and send step k+1 while the worker runs step k: on, off, or auto "
+                        "(on when the model runs on a GPU; off on CPU, where the forward uses "
+                        "every core, so there is nothing to overlap with, and a request arriving "
+                        "during a step would wait one step more for its first token)",
     "context_len": "override the model's context length",
     "max_sessions": "open multi-turn sessions at most",
     "session_ttl": "seconds a session's KV stays pinned after its last turn",
