@@ -114,8 +114,10 @@ class ModelRunner:
         self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config,
                                 tp=tp, load_format=load_format, seed=seed)
         self._flops_per_token = 2 * self.config.num_params
+        # Bytes of the whole model's weight matrices, all of which a decode step reads.
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self._small_model = self.config.num_params * itemsize < SMALL_MODEL_BYTES
+        self.weight_bytes = self.config.num_params * itemsize
+        self._small_model = self.weight_bytes < SMALL_MODEL_BYTES
         self._max_threads = self._threads = torch.get_num_threads()
         self.model.prepack()
         self.page_size, self.num_host_pages = page_size, num_host_pages

@@ -88,11 +88,11 @@ class Worker:
                 prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
             rows.append(SamplingRow(row.params, prompt, output))
         out = sample(logits, rows)
-        self.last_tokens = out.token_ids.astype(np.int32)
+        self.last_tokens = out.token_ids.astype(np.int32, copy=False)
         result = BatchResult(
             batch_id=msg.batch_id,
             token_ids=self.last_tokens.tobytes(),
-            logprobs=out.logprobs.astype(np.float32).tobytes(),
+            logprobs=out.logprobs.astype(np.float32, copy=False).tobytes(),
         )
         if out.top_ids is not None:
             result.top_n = out.top_ids.shape[1]

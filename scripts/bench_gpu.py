@@ -73,6 +73,13 @@ LLAMA3_8B = {
     "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
     "torch_dtype": "bfloat16",
 }
+# Shapes the GPU checks build (scripts/gpu_check.py, check_cuda_graphs.py): 16/4 heads of 128.
+CHECK_MODEL = {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
+    "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+}
 TINY_MODEL = {
     "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
@@ -164,7 +171,7 @@ def decode_batch(batch: int, context: int, pages_per_seq: int, vocab: int,
 def bench_decode(runner: ModelRunner, batches: tuple[int, ...], context: int, steps: int,
                  warmup_steps: int, bandwidth: float) -> list[dict[str, float]]:
     c, device = runner.config, runner.device
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = runner.weight_bytes  # (the parameters themselves may be prepacked on CPU)
     kv_elem_bytes = runner.pool.kv.element_size()
     pages_per_seq = -(-context // PAGE_SIZE)
     rng = np.random.default_rng(0)

@@ -23,15 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.batch import BatchInput  # noqa: E402
+from scripts.bench_gpu import CHECK_MODEL, write_config  # noqa: E402
 
-HEAD_DIM = 128
 NUM_PAGES = 8192  # of 16 tokens, for every sequence below at once
-
-GRAPH_MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
-                   num_attention_heads=16, num_key_value_heads=4, head_dim=HEAD_DIM,
-                   vocab_size=32000, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                   rope_theta=500000.0, torch_dtype="bfloat16")
-
 
 def greedy_decode(runner, seqs, steps: int) -> tuple[np.ndarray, list[torch.Tensor]]:
     """``steps`` greedy decode steps of ``seqs`` ((pages, cached_len, [next id])); the tokens
@@ -48,7 +42,6 @@ def greedy_decode(runner, seqs, steps: int) -> tuple[np.ndarray, list[torch.Tens
 
 def check_graphs(steps: int = 8) -> bool:
     from engine.runner import ModelRunner
-    from scripts.bench_gpu import write_config
 
     print("\n## CUDA graphs: greedy decode replayed vs eager (dummy-weight Llama, "
           "16/4 heads of 128, 8 layers, bfloat16)\n")
@@ -56,7 +49,7 @@ def check_graphs(steps: int = 8) -> bool:
                    attention_backend="flashinfer")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
-        write_config(model_dir, GRAPH_MODEL)
+        write_config(model_dir, CHECK_MODEL)
         eager = ModelRunner(model_dir, **options)
         start = time.perf_counter()
         graphs = ModelRunner(model_dir, **options, cuda_graph_max_bs=128)
@@ -74,7 +67,7 @@ def check_graphs(steps: int = 8) -> bool:
             lengths = rng.integers(10, 600, batch_size)
             pages_per_seq = -(-(int(lengths.max()) + steps) // 16)
             pages = rng.permutation(NUM_PAGES)[: batch_size * pages_per_seq].reshape(batch_size, -1)
-            prompts = [rng.integers(0, GRAPH_MODEL["vocab_size"], n) for n in lengths]
+            prompts = [rng.integers(0, CHECK_MODEL["vocab_size"], n) for n in lengths]
             results = []
             for runner in (eager, graphs):
                 runner.forward(BatchInput.build(

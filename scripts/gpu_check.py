@@ -14,7 +14,7 @@ Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along fi
    (copy-on-write);
 2. decode attention time per step (32 layer calls + the per-step plan) at batch 1/32/128: torch,
    and flashinfer with its tensor-core decode on FA2 and on FA3 (the choice on Hopper);
-3. the whole ModelRunner on a random Llama-shaped checkpoint: logits of both backends on a mixed
+3. the whole ModelRunner on a Llama-shaped model with dummy weights (drawn on the GPU): logits of both backends on a mixed
    batch, and decode tokens/s at batch 1/32/128.
 
 CUDA graphs against eager decode: scripts/check_cuda_graphs.py.
@@ -222,70 +222,21 @@ def time_decode_attention(context: int, layers: int = 32) -> None:
         del pool
 
 
-def write_random_llama(path: Path) -> Path:
-    """A Llama-shaped checkpoint with random bf16 weights (no transformers needed)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    hidden, inter, layers, heads, kv_heads, vocab = 2048, 8192, 8, 16, 4, 32000
-    config = dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=HEAD_DIM,
-        vocab_size=vocab,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        eos_token_id=2,
-    )
-    (path / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
-        w = torch.randn(shape, device="cuda", generator=gen) * std
-        return w.bfloat16().cpu()
-
-    q, kv = heads * HEAD_DIM, kv_heads * HEAD_DIM
-    tensors = {
-        "model.embed_tokens.weight": rand(vocab, hidden, std=1.0),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-        "lm_head.weight": rand(vocab, hidden),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "self_attn.q_proj.weight": rand(q, hidden),
-            p + "self_attn.k_proj.weight": rand(kv, hidden),
-            p + "self_attn.v_proj.weight": rand(kv, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, q),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-        }
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
-
-
 def check_model(context: int, steps: int) -> bool:
     from engine.runner import ModelRunner
+    from scripts.bench_gpu import CHECK_MODEL, write_config
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_llama(Path(tmp))
+        write_config(Path(tmp), CHECK_MODEL)
+        # The same seed draws the same weights for both.
         runners = {
-            name: ModelRunner(model_dir, num_pages=12288, attention_backend=name)
+            name: ModelRunner(tmp, num_pages=12288, attention_backend=name, load_format="dummy",
+                              dtype="bfloat16")
             for name in ("torch", "flashinfer")
         }
     c = runners["torch"].config
     print(
-        f"\n## ModelRunner, random Llama: {c.num_layers} layers, hidden {c.hidden_size}, "
+        f"\n## ModelRunner, dummy-weight Llama: {c.num_layers} layers, hidden {c.hidden_size}, "
         f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, bfloat16, page 16\n"
     )
     mixed = random_batch(16, 12288, SHAPES["mixed"])
