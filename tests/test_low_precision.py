@@ -67,6 +67,7 @@ class Paths:
         self.runner, self.page_size = runner, runner.page_size
         self.free = [int(p) for p in np.random.default_rng(0).permutation(runner.num_pages)]
         self.cascade_groups: list[int] = []
+        self.kernel_steps = 0  # steps whose decodes ran the compiled CPU kernel
 
     def take(self, num_tokens: int) -> list[int]:
         count = -(-num_tokens // self.page_size)
@@ -76,8 +77,9 @@ class Paths:
     def forward(self, seqs, logits: str = "last", **kwargs) -> torch.Tensor:
         batch = BatchInput.build(seqs, self.page_size, logits, **kwargs)
         out = self.runner.forward(batch)
-        plans = [g.cascade for g in getattr(self.runner.attention, "_groups", [])]
-        self.cascade_groups.extend(p.num_groups for p in plans if p is not None)
+        groups = getattr(self.runner.attention, "_groups", [])
+        self.cascade_groups.extend(g.cascade.num_groups for g in groups if g.cascade is not None)
+        self.kernel_steps += any(g.paged is not None for g in groups)
         return out
 
     def prefill(self) -> list[Rows]:
@@ -208,26 +210,32 @@ def hf_argmax(path: Path, dtype: torch.dtype, rows: Rows) -> np.ndarray:
     return logits[0, rows.positions].float().argmax(-1).numpy()
 
 
-def run_paths(path: Path, dtype: torch.dtype, page_size: int) -> tuple[dict[str, list[Rows]],
-                                                                        list[int]]:
+def run_paths(path: Path, dtype: torch.dtype, page_size: int, compiled: bool = True
+              ) -> tuple[dict[str, list[Rows]], Paths]:
+    """Every path's rows, and the ``Paths`` that ran them. ``compiled=False``: decodes take
+    gather + SDPA (and the cascade merge) instead of the compiled CPU kernel."""
     runner = ModelRunner(path, page_size=page_size, num_pages=NUM_SLOTS // page_size,
                          num_host_pages=64, dtype=dtype)
+    if not compiled:
+        runner.attention._paged_decode = None
     paths = Paths(runner)
-    return paths.all(), paths.cascade_groups
+    return paths.all(), paths
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["bf16", "fp16"])
 def test_every_attention_path_in_low_precision(checkpoints, kind: str, page_size: int,
-                                                dtype: torch.dtype) -> None:
+                                                dtype: torch.dtype, compiled: bool) -> None:
     path = checkpoints[kind]
     exact, _ = run_paths(path, torch.float32, page_size)
-    low, cascade_groups = run_paths(path, dtype, page_size)
-    if kind != "mistral":
-        # Several groups with several members went through the cascade merge (mistral's
-        # sliding window never takes it).
-        assert max(cascade_groups) >= 2, cascade_groups
+    low, paths = run_paths(path, dtype, page_size, compiled)
+    assert (paths.kernel_steps > 0) == compiled, paths.kernel_steps
+    if kind != "mistral" and not compiled:
+        # Several groups with several members went through the cascade merge of decodes
+        # (mistral's sliding window never takes it; the compiled kernel replaces it).
+        assert max(paths.cascade_groups) >= 2, paths.cascade_groups
 
     agree = total = 0
     for name, rows in exact.items():

@@ -46,18 +46,23 @@ def grouped_prompts(groups: int, members: int, head: int, seed: int) -> list[lis
     return prompts
 
 
-def run_mix(directory: str, dtype: str, mode: str) -> tuple[Harness, list[int]]:
+def run_mix(directory: str, dtype: str, mode: str, compiled: bool = True
+            ) -> tuple[Harness, list[int]]:
     """Greedy requests in groups over 96-token heads, a seeded n=3 request and a 3-beam
-    request, in a pool small enough to preempt; returns the harness and how many cascade
-    groups the attention backend planned over the run."""
+    request, in a pool small enough to preempt; returns the harness and the size of each
+    cascade the attention backend planned over the run (0 for a decode group it gave the
+    compiled CPU kernel). ``compiled=False``: decodes take gather + SDPA and the cascade."""
     h = Harness(directory, dtype=dtype, num_pages=40, preemption_mode=mode,
                 num_host_pages=64 if mode == "swap" else 0, chunked_prefill_size=48)
     backend = h.worker.runner.attention
+    if not compiled:
+        backend._paged_decode = None
     plan, cascade_groups = backend._plan, []
 
     def recording_plan(batch, *args) -> None:
         plan(batch, *args)
         cascade_groups.extend(g.cascade.num_groups for g in backend._groups if g.cascade)
+        cascade_groups.extend(0 for g in backend._groups if g.paged is not None)
 
     backend._plan = recording_plan
     for i, prompt in enumerate(grouped_prompts(4, 4, 96, seed=1)):
@@ -69,12 +74,15 @@ def run_mix(directory: str, dtype: str, mode: str) -> tuple[Harness, list[int]]:
     return h, cascade_groups
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_scheduler_paths_in_bf16_agree_with_fp32(model_dir, mode):  # noqa: F811
-    low, cascade_groups = run_mix(model_dir, "bfloat16", mode)
+@pytest.mark.parametrize("mode,compiled", [("recompute", True), ("swap", True),
+                                           ("recompute", False)])
+def test_scheduler_paths_in_bf16_agree_with_fp32(model_dir, mode, compiled):  # noqa: F811
+    low, cascade_groups = run_mix(model_dir, "bfloat16", mode, compiled)
     exact, _ = run_mix(model_dir, "float32", mode)
     assert low.sched.num_preemptions > 0
-    assert cascade_groups and max(cascade_groups) >= 2
+    # Decodes of sequences sharing heads: through the kernel, or merged by the cascade.
+    assert (0 in cascade_groups) == compiled
+    assert compiled or max(cascade_groups) >= 2
     if mode == "swap":
         assert len(low.sched.mem.host_free) == low.sched.mem.num_host_pages
     for rid, finals in low.finals.items():

@@ -1,10 +1,12 @@
 """Attention over paged KV with plain torch (any device): gather pages, mask, one SDPA call.
 
-A step's sequences split into at most two groups, each served by one SDPA call per layer:
+A step's sequences split into groups, each served by one call per layer:
 
-- decode group (sequences adding one token): q is laid out [B, kv_heads, group, head_dim] so
-  the query heads sharing a KV head attend together without repeating K/V, and the mask
-  [B, 1, 1, S] broadcasts over them;
+- decode group (sequences adding one token): on CPU, the compiled kernel (cpu_kernels.py)
+  reads every sequence's keys straight from its pages, nothing gathered (2-2.5x faster than
+  gather + SDPA at batch 8 and 608-token contexts). Elsewhere, or without the kernel, q is laid
+  out [B, kv_heads, group, head_dim] so the query heads sharing a KV head attend together
+  without repeating K/V, and the mask [B, 1, 1, S] broadcasts over them;
 - extend group (the rest): queries padded to [B, max_extend], K/V gathered to
   [B, max_pages * page_size] and a boolean mask [B, 1, max_extend, S] (causal at absolute
   positions, sliding window where the layer has one); when no sequence of the group has
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.attention.cascade import CascadePlan, attend_cascade, plan_cascade
+from engine.attention.cpu_kernels import paged_decode_op
 from engine.batch import BatchInput
 
 
@@ -37,14 +40,18 @@ class _Group:
     kv_len: int  # max_pages * page_size
     masks: dict[int | None, torch.Tensor]  # by sliding window; absent: plain causal
     cascade: CascadePlan | None  # shared leading pages: attended once per group (cascade.py)
+    # The compiled decode kernel's int32 page table (indptr, indices) and seq_lens; None: SDPA.
+    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, compiled: bool = True, **kwargs) -> None:
+        """``compiled``: decode through the compiled CPU kernel where it is available."""
         super().__init__(*args, **kwargs)
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
+        self._paged_decode = paged_decode_op() if compiled and self.device.type == "cpu" else None
 
     def _plan(self, batch: BatchInput, graph: bool = False, staged=()) -> None:
         # No fixed buffers (``supports_cuda_graph`` is False): a graph step plans like any
@@ -69,6 +76,8 @@ class TorchNativeBackend(AttentionBackend):
         page_size, device = self.pool.page_size, self.device
         extend = batch.extend_lens[seqs].astype(np.int64)
         num_seqs, max_extend = len(seqs), int(extend.max())
+        if max_extend == 1 and self._paged_decode is not None:
+            return self._plan_paged(batch, seqs, whole)
         num_tokens = int(extend.sum())
         seq_of_token = np.repeat(np.arange(num_seqs), extend)
         offset = np.arange(num_tokens) - np.repeat(np.cumsum(extend) - extend, extend)
@@ -111,6 +120,24 @@ class TorchNativeBackend(AttentionBackend):
             masks=masks,
             cascade=cascade,
         )
+
+    def _plan_paged(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group:
+        """A decode group for the compiled kernel: its sequences' page lists as int32 CSR."""
+        if whole:
+            indptr, indices, seq_lens = batch.page_indptr, batch.page_indices, batch.seq_lens
+        else:
+            starts = batch.page_indptr[seqs].astype(np.int64)
+            counts = batch.page_indptr[seqs + 1] - starts
+            indptr = np.concatenate(([0], np.cumsum(counts)))
+            take = np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1])
+            indices, seq_lens = batch.page_indices[take], batch.seq_lens[seqs]
+        paged = tuple(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+                      for a in (indptr, indices, seq_lens))
+        # Each sequence's one new token: its row of the step's [T] tokens.
+        rows = (np.cumsum(batch.extend_lens, dtype=np.int64) - 1)[seqs]
+        return _Group(rows=None if whole else torch.from_numpy(rows),
+                      pad_index=None, page_table=paged[1], num_seqs=len(seqs), max_extend=1,
+                      kv_len=0, masks={}, cascade=None, paged=paged)
 
     def _masks(self, query_pos: np.ndarray, kv_len: int, max_extend: int,
                from_zero: bool) -> dict[int | None, torch.Tensor]:
@@ -157,6 +184,9 @@ class TorchNativeBackend(AttentionBackend):
     def _attend_group(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         num_kv, head_dim = self.num_kv_heads, self.head_dim
         k_pages, v_pages = self.pool.layer(layer)
+        if g.paged is not None:
+            return self._paged_decode(q.contiguous(), k_pages, v_pages, *g.paged,
+                                      self.sliding_windows[layer] or 0, self.scale)
         if g.cascade is not None:
             if g.pad_index is not None:
                 padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])

@@ -1,0 +1,102 @@
+"""Compiled CPU kernels (engine/attention/csrc/), built on first use and cached.
+
+``paged_decode_op()`` gives ``torch.ops.radixserve.paged_decode``: decode attention that reads
+each sequence's keys and values straight from its pages, where the torch path first gathers
+them into a dense copy per layer and step (csrc/paged_decode.cpp says how it works). It is
+built once per machine, torch version and source (``-march=native``: the build is for this
+CPU), with the C++ compiler torch's extensions use, into the radixserve cache; a second start
+only loads it.
+
+Without a compiler, or with ``RADIXSERVE_CPU_KERNELS=0``, it is None and the torch path serves
+every step; the log says which and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.artifact_cache import build_once, default_cache_dir
+
+logger = logging.getLogger("radixserve.attention")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+ENV_SWITCH = "RADIXSERVE_CPU_KERNELS"
+_NAME = "radixserve_cpu_kernels"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# -fopenmp links libgomp.so.1; torch ships and loads its own under that name, so the kernel's
+# parallel loops run on torch's OpenMP threads (torch.set_num_threads governs both).
+_LDFLAGS = ("-fopenmp",)
+_BUILD_SCRIPT = """
+import sys
+from torch.utils.cpp_extension import load
+name, source, build_dir, portable = sys.argv[1:5]
+defines = ["-DRADIXSERVE_PORTABLE"] if portable == "1" else []
+load(name=name, sources=[source], build_directory=build_dir, is_python_module=False,
+     extra_cflags=[*sys.argv[5].split(), *defines], extra_ldflags=sys.argv[6].split())
+"""
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            lines = [line for line in info if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def build(portable: bool = False) -> Path:
+    """The compiled kernels' shared library, built unless the cache holds it already.
+    ``portable``: without the AVX-512 paths (every CPU takes those where it can; the tests
+    build this variant to check the plain C++ loops that other CPUs run)."""
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), torch.__version__, " ".join(_CFLAGS), _cpu_id(),
+                   sys.version, str(portable)]).encode()
+    ).hexdigest()[:16]
+    name = f"{_NAME}_portable" if portable else _NAME
+
+    def write(staging: Path) -> None:
+        # A child process builds, so that a failed or crashed compile cannot take this one
+        # down, and nothing is loaded from a directory that is about to be renamed.
+        # torch looks for ninja on PATH: the one pip installed beside this Python comes first.
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        done = subprocess.run(
+            [sys.executable, "-c", _BUILD_SCRIPT, name, str(SOURCE), str(staging),
+             "1" if portable else "0", " ".join(_CFLAGS), " ".join(_LDFLAGS)],
+            capture_output=True, text=True, timeout=600, env=env,
+        )
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
+            raise RuntimeError("compiling the CPU kernels failed:\n" + "\n".join(tail))
+
+    directory = build_once(default_cache_dir() / "cpu-kernels" / f"{name}-{key}", write,
+                           [f"{name}.so"])
+    return directory / f"{name}.so"
+
+
+@functools.cache
+def paged_decode_op() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.radixserve.paged_decode``, or None (logged) when it cannot be had."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        logger.info("compiled CPU attention off (%s=0): decode gathers pages for torch's SDPA",
+                    ENV_SWITCH)
+        return None
+    try:
+        torch.ops.load_library(str(build()))
+    except Exception as exc:  # no compiler, no headers, a failed build: the torch path serves
+        logger.warning("compiled CPU attention unavailable (%s: %s); decode gathers pages for "
+                       "torch's SDPA instead", type(exc).__name__, exc)
+        return None
+    return torch.ops.radixserve.paged_decode

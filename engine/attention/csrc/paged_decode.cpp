@@ -1,0 +1,303 @@
+// Decode attention straight over the KV pages, on CPU: one query token per sequence attends
+// every key of its sequence (or the last `window` of them) without gathering the pages into a
+// dense copy first. Built by engine/attention/cpu_kernels.py; registered as
+// torch.ops.radixserve.paged_decode.
+//
+//   q        [B, H, D]                    the step's queries (one per sequence)
+//   k, v     [num_pages, P, KVH, D]       one layer's pages
+//   indptr   int32 [B + 1], indices       each sequence's pages, in position order (CSR)
+//   seq_lens int32 [B]                    keys per sequence, the new token's included
+//
+// Work item = (sequence, KV head): the H / KVH query heads sharing that KV head read each key
+// once. Keys go in blocks of 16 with an online softmax (running max and sum in float32);
+// scores, weights and sums are float32 whatever the KV dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && !defined(RADIXSERVE_PORTABLE)
+#include <immintrin.h>
+#define RADIXSERVE_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // keys per block of scores
+
+inline float bits_to_float(uint32_t bits) {
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) over a block, vectorisable: Cephes' expf (range reduction by ln 2, degree-6
+// polynomial, ~1 ulp on the range that matters here). Inputs are <= 0 (scores minus their max).
+inline void exp_block(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(std::max(x[i], -87.3f), 88.3f);
+    const float fx = __builtin_floorf(v * 1.44269504088896341f + 0.5f);
+    const float r = v - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    x[i] = y * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
+  }
+}
+
+#ifdef RADIXSERVE_AVX512
+// The same polynomial as exp_block, 16 lanes at a time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i pow2 = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// Scores of the G query rows `q` (float, pre-scaled, [G, D]) against the block's n keys:
+// s[i * kBlock + t].
+template <typename T>
+inline void score_keys(const float* q, const T* const* keys, int64_t n, int64_t G, int64_t D,
+                       float* s) {
+#ifdef RADIXSERVE_AVX512
+  if (D % 16 == 0 && D <= 256) {
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 key[16];
+      for (int64_t c = 0; c < D / 16; ++c) key[c] = load16(keys[t] + c * 16);
+      for (int64_t i = 0; i < G; ++i) {
+        const float* qi = q + i * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), key[0]);
+        for (int64_t c = 1; c < D / 16; ++c)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + c * 16), key[c], acc);
+        s[i * kBlock + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < G; ++i) {
+      const float* qi = q + i * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qi[d] * to_float(keys[t][d]);
+      s[i * kBlock + t] = dot;
+    }
+  }
+}
+
+// acc[i] += sum over the block's n keys of p[i * kBlock + t] * values[t], for the G heads.
+template <typename T>
+inline void add_values(const float* p, const T* const* values, int64_t n, int64_t G, int64_t D,
+                       float* acc) {
+#ifdef RADIXSERVE_AVX512
+  if (D % 16 == 0 && D <= 256) {
+    // Each 16-wide slice of a head's output stays in a register across the block's keys.
+    for (int64_t i = 0; i < G; ++i) {
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 sum = _mm512_loadu_ps(acc + i * D + c);
+        for (int64_t t = 0; t < n; ++t)
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(p[i * kBlock + t]), load16(values[t] + c), sum);
+        _mm512_storeu_ps(acc + i * D + c, sum);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < G; ++i) {
+      const float w = p[i * kBlock + t];
+      float* a = acc + i * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += w * to_float(values[t][d]);
+    }
+  }
+}
+
+// One block's softmax step for one query head: scores s[0..n) become weights exp(s - new max),
+// the running sum and max absorb them; returns the factor the head's output rescales by.
+inline float softmax_block(float* s, int64_t n, float& run_max, float& run_sum) {
+#ifdef RADIXSERVE_AVX512
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 scores = _mm512_maskz_loadu_ps(valid, s);
+  const float block_max = std::max(
+      run_max, _mm512_mask_reduce_max_ps(valid, scores));
+  const __m512 weights = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(block_max)));
+  _mm512_mask_storeu_ps(s, valid, weights);
+  const float rescale = _mm512_cvtss_f32(exp16(_mm512_set1_ps(run_max - block_max)));
+  run_sum = run_sum * rescale + _mm512_mask_reduce_add_ps(valid, weights);
+#else
+  float block_max = run_max;
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+  float rescale = run_max - block_max;
+  exp_block(&rescale, 1);
+  for (int64_t t = 0; t < n; ++t) s[t] -= block_max;
+  exp_block(s, n);
+  float total = run_sum * rescale;
+  for (int64_t t = 0; t < n; ++t) total += s[t];
+  run_sum = total;
+#endif
+  run_max = block_max;
+  return rescale;
+}
+
+template <typename T>
+void decode(const T* q, const T* k, const T* v, T* out, const int32_t* indptr,
+            const int32_t* indices, const int32_t* seq_lens, int64_t B, int64_t H, int64_t KVH,
+            int64_t D, int64_t P, int64_t window, float scale, int64_t page_stride,
+            int64_t token_stride) {
+  const int64_t G = H / KVH;
+  // A work item is a sequence's keys for a run of its KV heads: all of them when there are
+  // enough sequences to keep every thread busy (a token's heads are adjacent in its page, so
+  // one item reads each page front to back), fewer when a small batch must be split further.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::min(KVH, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+  const int64_t heads_per_chunk = (KVH + chunks - 1) / chunks;
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = heads_per_chunk * G;  // query heads of one item
+    std::vector<float> qf(rows * D), acc(rows * D), run_max(rows), run_sum(rows),
+        s(rows * kBlock);
+    std::vector<int64_t> row_at(kBlock);
+    std::vector<const T*> key_rows(kBlock), value_rows(kBlock);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / chunks;
+      const int64_t h0 = (item % chunks) * heads_per_chunk;
+      const int64_t h1 = std::min(KVH, h0 + heads_per_chunk);
+      const int64_t len = seq_lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const T* qb = q + (b * H + h0 * G) * D;
+      const int64_t used = (h1 - h0) * G;
+      for (int64_t j = 0; j < used * D; ++j) qf[j] = to_float(qb[j]) * scale;
+      std::fill(run_max.begin(), run_max.end(), -3.0e38f);
+      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int32_t* pages = indices + indptr[b];
+      for (int64_t start = first; start < len; start += kBlock) {
+        const int64_t n = std::min(kBlock, len - start);
+        // Row of each key: page `page` of the sequence, slot `slot` in it (no division per key).
+        for (int64_t t = 0, page = start / P, slot = start % P; t < n; ++t) {
+          row_at[t] = pages[page] * page_stride + slot * token_stride;
+          if (++slot == P) slot = 0, ++page;
+        }
+        // Scores: s[row * kBlock + t] for query row `row` (head h, group member i).
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t t = 0; t < n; ++t) key_rows[t] = k + row_at[t] + h * D;
+          const int64_t row0 = (h - h0) * G;
+          score_keys(qf.data() + row0 * D, key_rows.data(), n, G, D, s.data() + row0 * kBlock);
+        }
+        for (int64_t row = 0; row < used; ++row) {
+          const float rescale =
+              softmax_block(s.data() + row * kBlock, n, run_max[row], run_sum[row]);
+          float* a = acc.data() + row * D;
+          for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+        }
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t t = 0; t < n; ++t) value_rows[t] = v + row_at[t] + h * D;
+          const int64_t row0 = (h - h0) * G;
+          add_values(s.data() + row0 * kBlock, value_rows.data(), n, G, D, acc.data() + row0 * D);
+        }
+      }
+      T* ob = out + (b * H + h0 * G) * D;
+      for (int64_t row = 0; row < used; ++row) {
+        const float inv = 1.f / run_sum[row];
+        for (int64_t d = 0; d < D; ++d) ob[row * D + d] = static_cast<T>(acc[row * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+         at::Tensor& out, const at::Tensor& indptr, const at::Tensor& indices,
+         const at::Tensor& seq_lens, int64_t window, double scale) {
+  decode<T>(q.data_ptr<T>(), k_pages.data_ptr<T>(), v_pages.data_ptr<T>(), out.data_ptr<T>(),
+            indptr.data_ptr<int32_t>(), indices.data_ptr<int32_t>(),
+            seq_lens.data_ptr<int32_t>(), q.size(0), q.size(1), k_pages.size(2), q.size(2),
+            k_pages.size(1), window, static_cast<float>(scale), k_pages.stride(0),
+            k_pages.stride(1));
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                        const at::Tensor& indptr, const at::Tensor& indices,
+                        const at::Tensor& seq_lens, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
+              "paged_decode: q [B, H, D] and pages [N, P, KVH, D] expected");
+  TORCH_CHECK(q.is_contiguous() && k_pages.stride(3) == 1 && k_pages.stride(2) == q.size(2) &&
+                  v_pages.strides() == k_pages.strides(),
+              "paged_decode: q contiguous, pages with contiguous heads expected");
+  TORCH_CHECK(q.size(2) == k_pages.size(3) && q.size(1) % k_pages.size(2) == 0,
+              "paged_decode: head sizes disagree");
+  TORCH_CHECK(k_pages.scalar_type() == q.scalar_type(), "paged_decode: q and KV dtypes differ");
+  TORCH_CHECK(indptr.scalar_type() == at::kInt && indices.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt && indptr.numel() == q.size(0) + 1 &&
+                  seq_lens.numel() == q.size(0) && indptr.is_contiguous() &&
+                  indices.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode: int32 indptr [B + 1], indices and seq_lens [B] expected");
+  auto out = at::empty_like(q);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run<float>(q, k_pages, v_pages, out, indptr, indices, seq_lens, window, scale);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(q, k_pages, v_pages, out, indptr, indices, seq_lens, window, scale);
+      break;
+    case at::kHalf:
+      run<c10::Half>(q, k_pages, v_pages, out, indptr, indices, seq_lens, window, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+// The portable build (tests) registers under its own name, so both can load in one process.
+#ifdef RADIXSERVE_PORTABLE
+TORCH_LIBRARY(radixserve_portable, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor indptr, Tensor indices, "
+      "Tensor seq_lens, int window, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(radixserve_portable, CPU, m) { m.impl("paged_decode", &paged_decode); }
+#else
+TORCH_LIBRARY(radixserve, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor indptr, Tensor indices, "
+      "Tensor seq_lens, int window, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
+#endif
