@@ -27,7 +27,7 @@ def variants() -> dict[str, object]:
 def reference(q, k_pages, v_pages, indptr, indices, seq_lens, window, scale) -> torch.Tensor:
     """Dense float64 softmax attention of each sequence's one query over its keys."""
     num_seqs, num_heads, head_dim = q.shape
-    page_size, num_kv = k_pages.shape[1], k_pages.shape[2]
+    num_kv = k_pages.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(num_seqs):
         pages = indices[indptr[b]: indptr[b + 1]].long()
