@@ -1,6 +1,5 @@
-"""The compiled CPU decode kernel (engine/attention/csrc/paged_decode.cpp) against a float64
-reference, in the build every CPU with AVX-512 takes and in the portable build other CPUs take;
-and the torch backend's use of it."""
+"""The compiled CPU kernels (engine/csrc/) against float64 references, in the build every CPU
+with AVX-512 takes and in the portable build other CPUs take; and the engine's use of them."""
 
 from __future__ import annotations
 
@@ -10,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import TorchNativeBackend, cpu_kernels
-from engine.attention.cpu_kernels import ENV_SWITCH, paged_decode_op
+from engine import cpu_kernels
+from engine.attention import TorchNativeBackend
+from engine.cpu_kernels import ENV_SWITCH, paged_decode_op
 from engine.kv_pool import KVPool
 from tests.test_attention import make_pool, random_batch
 
@@ -21,7 +21,7 @@ def variants() -> dict[str, object]:
     op = paged_decode_op()
     assert op is not None, "the compiled kernel did not build here (see the log)"
     torch.ops.load_library(str(cpu_kernels.build(portable=True)))
-    return {"native": op, "portable": torch.ops.radixserve_portable.paged_decode}
+    return {"native": torch.ops.radixserve, "portable": torch.ops.radixserve_portable}
 
 
 def reference(q, k_pages, v_pages, indptr, indices, seq_lens, window, scale) -> torch.Tensor:
@@ -77,7 +77,7 @@ def test_kernel_matches_float64_reference(variants, variant, dtype, heads, kv_he
     try:
         for threads in (1, 2):  # one item per sequence, or sequences split by KV heads
             torch.set_num_threads(threads)
-            got = variants[variant](*case, window, scale)
+            got = variants[variant].paged_decode(*case, window, scale)
             assert got.dtype == dtype and got.shape == case[0].shape
             err = (got.double() - want).abs().max().item()
             assert err < TOLERANCE[dtype], (threads, err)
@@ -85,15 +85,47 @@ def test_kernel_matches_float64_reference(variants, variant, dtype, heads, kv_he
         torch.set_num_threads(before)
 
 
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, back to the weight's dtype, scale."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(weight.dtype)
+
+
+@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("x_dtype,w_dtype", [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16), (torch.float16, torch.float16),
+])
+@pytest.mark.parametrize("rows,hidden", [(1, 256), (37, 576), (300, 100)])
+def test_rms_norm_matches_transformers_arithmetic(variants, variant, x_dtype, w_dtype, rows,
+                                                   hidden) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden + 7, generator=gen) * 3)[:, :hidden].to(x_dtype)  # strided
+    weight = (1 + torch.randn(hidden, generator=gen) / 4).to(w_dtype)
+    got = variants[variant].rms_norm(x, weight, 1e-6)
+    want = torch_rms_norm(x, weight, 1e-6)
+    assert got.dtype == w_dtype and got.shape == (rows, hidden)
+    if w_dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    else:
+        # Sums taken in another order may round a normalised value to the neighbouring
+        # bf16/fp16 number: at most one unit in the last place, on few elements.
+        ulp = 2.0**-7 if w_dtype == torch.bfloat16 else 2.0**-10
+        diff = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
+        assert diff.max() <= 2 * ulp and (diff > 0).float().mean() < 0.01
+
+
 def test_kernel_refuses_what_it_cannot_read(variants) -> None:
     q, k, v, indptr, indices, seq_lens = random_case(8, 4, 32, 16, [20, 3], torch.float32)
-    op = variants["native"]
+    op = variants["native"].paged_decode
     with pytest.raises(RuntimeError, match="int32 indptr"):
         op(q, k, v, indptr.long(), indices, seq_lens, 0, 1.0)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         op(q.bfloat16(), k, v, indptr, indices, seq_lens, 0, 1.0)
     with pytest.raises(RuntimeError, match="head sizes disagree"):
         op(q[:, :6].contiguous(), k, v, indptr, indices, seq_lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match=r"weight \[hidden\]"):
+        variants["native"].rms_norm(q[0], torch.ones(5), 1e-6)
 
 
 def backend(pool: KVPool, compiled: bool) -> TorchNativeBackend:
@@ -128,7 +160,7 @@ def test_backend_decodes_through_the_kernel_as_the_sdpa_path_does(variants, page
 def test_switch_and_failed_build_leave_the_torch_path(monkeypatch, caplog) -> None:
     monkeypatch.setenv(ENV_SWITCH, "0")
     with caplog.at_level(logging.INFO, logger="radixserve.attention"):
-        assert paged_decode_op.__wrapped__() is None
+        assert cpu_kernels._ops.__wrapped__() is None
     assert f"{ENV_SWITCH}=0" in caplog.text
 
     monkeypatch.delenv(ENV_SWITCH)
@@ -139,5 +171,26 @@ def test_switch_and_failed_build_leave_the_torch_path(monkeypatch, caplog) -> No
     monkeypatch.setattr(cpu_kernels, "build", no_compiler)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="radixserve.attention"):
-        assert paged_decode_op.__wrapped__() is None
+        assert cpu_kernels._ops.__wrapped__() is None
     assert "c++: not found" in caplog.text and "SDPA" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_rms_norm_takes_the_op_on_cpu_rows_and_torch_elsewhere(variants, monkeypatch,
+                                                                      dtype) -> None:
+    """The model's ``rms_norm`` on 2-D rows calls the compiled op; with it unavailable (or on
+    3-D per-head inputs) the torch formulation gives the same values."""
+    from engine.model import llama
+
+    calls = []
+    op = cpu_kernels.rms_norm_op()
+    monkeypatch.setattr(llama, "rms_norm_op", lambda: lambda *a: calls.append(1) or op(*a))
+    x = torch.randn(5, 64, dtype=torch.float32)
+    weight = (1 + torch.randn(64) / 4).to(dtype)
+    fused = llama.rms_norm(x, weight, 1e-5)
+    llama.rms_norm(x.view(5, 4, 16).to(dtype), weight[:16], 1e-5)  # per head: torch
+    assert len(calls) == 1
+    monkeypatch.setattr(llama, "rms_norm_op", lambda: None)
+    plain = llama.rms_norm(x, weight, 1e-5)
+    assert plain.dtype == fused.dtype == dtype
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=2 ** -7, atol=1e-6)

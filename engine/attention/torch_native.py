@@ -2,7 +2,7 @@
 
 A step's sequences split into groups, each served by one call per layer:
 
-- decode group (sequences adding one token): on CPU, the compiled kernel (cpu_kernels.py)
+- decode group (sequences adding one token): on CPU, the compiled kernel (engine/cpu_kernels.py)
   reads every sequence's keys straight from its pages, nothing gathered (2-2.5x faster than
   gather + SDPA at batch 8 and 608-token contexts). Elsewhere, or without the kernel, q is laid
   out [B, kv_heads, group, head_dim] so the query heads sharing a KV head attend together
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.attention.cascade import CascadePlan, attend_cascade, plan_cascade
-from engine.attention.cpu_kernels import paged_decode_op
 from engine.batch import BatchInput
+from engine.cpu_kernels import paged_decode_op
 
 
 @dataclass

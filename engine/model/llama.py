@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.cpu_kernels import rms_norm_op
 from engine.model.config import ModelConfig
 from engine.model.parallel import (
     Collectives,
@@ -39,7 +40,12 @@ from engine.model.parallel import (
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` (float32 residual rows, or activations) in the weight's dtype."""
+    """RMSNorm of ``x`` (float32 residual rows, or activations) in the weight's dtype. Rows on
+    CPU take the compiled op (engine/cpu_kernels.py): the same arithmetic in one call."""
+    if x.dim() == 2 and x.device.type == "cpu" and x.stride(1) == 1:
+        fused = rms_norm_op()
+        if fused is not None:
+            return fused(x, weight, eps)
     if weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # Normalise in float32 and scale in the model dtype, as transformers' RMSNorm does.

@@ -1,6 +1,6 @@
 // Decode attention straight over the KV pages, on CPU: one query token per sequence attends
 // every key of its sequence (or the last `window` of them) without gathering the pages into a
-// dense copy first. Built by engine/attention/cpu_kernels.py; registered as
+// dense copy first. Built by engine/cpu_kernels.py; registered as
 // torch.ops.radixserve.paged_decode.
 //
 //   q        [B, H, D]                    the step's queries (one per sequence)
@@ -12,32 +12,19 @@
 // once. Keys go in blocks of 16 with an online softmax (running max and sum in float32);
 // scores, weights and sums are float32 whatever the KV dtype.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && !defined(RADIXSERVE_PORTABLE)
-#include <immintrin.h>
-#define RADIXSERVE_AVX512 1
-#endif
+#include "ops.h"
 
 namespace {
 
-constexpr int64_t kBlock = 16;  // keys per block of scores
+using radixserve::bits_to_float;
+using radixserve::to_float;
 
-inline float bits_to_float(uint32_t bits) {
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+constexpr int64_t kBlock = 16;  // keys per block of scores
 
 // exp(x) over a block, vectorisable: Cephes' expf (range reduction by ln 2, degree-6
 // polynomial, ~1 ulp on the range that matters here). Inputs are <= 0 (scores minus their max).
@@ -285,19 +272,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at
 
 }  // namespace
 
-// The portable build (tests) registers under its own name, so both can load in one process.
-#ifdef RADIXSERVE_PORTABLE
-TORCH_LIBRARY(radixserve_portable, m) {
+RADIXSERVE_OPS_FRAGMENT(m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor indptr, Tensor indices, "
       "Tensor seq_lens, int window, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(radixserve_portable, CPU, m) { m.impl("paged_decode", &paged_decode); }
-#else
-TORCH_LIBRARY(radixserve, m) {
-  m.def(
-      "paged_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor indptr, Tensor indices, "
-      "Tensor seq_lens, int window, float scale) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
-#endif
+
+RADIXSERVE_OPS_IMPL(m) { m.impl("paged_decode", &paged_decode); }

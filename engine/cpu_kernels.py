@@ -1,14 +1,15 @@
-"""Compiled CPU kernels (engine/attention/csrc/), built on first use and cached.
+"""Compiled CPU kernels (engine/csrc/), built on first use and cached.
 
-``paged_decode_op()`` gives ``torch.ops.radixserve.paged_decode``: decode attention that reads
-each sequence's keys and values straight from its pages, where the torch path first gathers
-them into a dense copy per layer and step (csrc/paged_decode.cpp says how it works). It is
-built once per machine, torch version and source (``-march=native``: the build is for this
-CPU), with the C++ compiler torch's extensions use, into the radixserve cache; a second start
-only loads it.
+- ``paged_decode_op()``: ``torch.ops.radixserve.paged_decode``, decode attention that reads each
+  sequence's keys and values straight from its pages, where the torch path first gathers them
+  into a dense copy per layer and step (csrc/paged_decode.cpp says how);
+- ``rms_norm_op()``: ``torch.ops.radixserve.rms_norm``, RMSNorm of rows in one op where torch
+  takes four to six (csrc/rms_norm.cpp).
 
-Without a compiler, or with ``RADIXSERVE_CPU_KERNELS=0``, it is None and the torch path serves
-every step; the log says which and why.
+They are built together, once per machine, torch version and source (``-march=native``: the
+build is for this CPU), with the C++ compiler torch's extensions use, into the radixserve cache;
+a second start only loads them. Without a compiler, or with ``RADIXSERVE_CPU_KERNELS=0``, both
+are None and the torch code paths serve every step; the log says which and why.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from engine.artifact_cache import build_once, default_cache_dir
 
 logger = logging.getLogger("radixserve.attention")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+CSRC = Path(__file__).parent / "csrc"
 ENV_SWITCH = "RADIXSERVE_CPU_KERNELS"
 _NAME = "radixserve_cpu_kernels"
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -39,9 +40,9 @@ _LDFLAGS = ("-fopenmp",)
 _BUILD_SCRIPT = """
 import sys
 from torch.utils.cpp_extension import load
-name, source, build_dir, portable = sys.argv[1:5]
+name, sources, build_dir, portable = sys.argv[1:5]
 defines = ["-DRADIXSERVE_PORTABLE"] if portable == "1" else []
-load(name=name, sources=[source], build_directory=build_dir, is_python_module=False,
+load(name=name, sources=sources.split(","), build_directory=build_dir, is_python_module=False,
      extra_cflags=[*sys.argv[5].split(), *defines], extra_ldflags=sys.argv[6].split())
 """
 
@@ -60,9 +61,11 @@ def build(portable: bool = False) -> Path:
     """The compiled kernels' shared library, built unless the cache holds it already.
     ``portable``: without the AVX-512 paths (every CPU takes those where it can; the tests
     build this variant to check the plain C++ loops that other CPUs run)."""
+    sources = sorted(CSRC.glob("*.cpp"))
+    texts = [path.read_text() for path in sorted(CSRC.iterdir()) if path.suffix in (".cpp", ".h")]
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), torch.__version__, " ".join(_CFLAGS), _cpu_id(),
-                   sys.version, str(portable)]).encode()
+        "\0".join([*texts, torch.__version__, " ".join(_CFLAGS), _cpu_id(), sys.version,
+                   str(portable)]).encode()
     ).hexdigest()[:16]
     name = f"{_NAME}_portable" if portable else _NAME
 
@@ -73,7 +76,7 @@ def build(portable: bool = False) -> Path:
         env = dict(os.environ)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         done = subprocess.run(
-            [sys.executable, "-c", _BUILD_SCRIPT, name, str(SOURCE), str(staging),
+            [sys.executable, "-c", _BUILD_SCRIPT, name, ",".join(map(str, sources)), str(staging),
              "1" if portable else "0", " ".join(_CFLAGS), " ".join(_LDFLAGS)],
             capture_output=True, text=True, timeout=600, env=env,
         )
@@ -87,16 +90,26 @@ def build(portable: bool = False) -> Path:
 
 
 @functools.cache
-def paged_decode_op() -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.radixserve.paged_decode``, or None (logged) when it cannot be had."""
+def _ops() -> object | None:
+    """``torch.ops.radixserve`` once its library is loaded, or None (logged)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("compiled CPU attention off (%s=0): decode gathers pages for torch's SDPA",
+        logger.info("compiled CPU kernels off (%s=0): decode gathers pages for torch's SDPA",
                     ENV_SWITCH)
         return None
     try:
         torch.ops.load_library(str(build()))
     except Exception as exc:  # no compiler, no headers, a failed build: the torch path serves
-        logger.warning("compiled CPU attention unavailable (%s: %s); decode gathers pages for "
+        logger.warning("compiled CPU kernels unavailable (%s: %s); decode gathers pages for "
                        "torch's SDPA instead", type(exc).__name__, exc)
         return None
-    return torch.ops.radixserve.paged_decode
+    return torch.ops.radixserve
+
+
+def paged_decode_op() -> Callable[..., torch.Tensor] | None:
+    ops = _ops()
+    return None if ops is None else ops.paged_decode
+
+
+def rms_norm_op() -> Callable[..., torch.Tensor] | None:
+    ops = _ops()
+    return None if ops is None else ops.rms_norm
