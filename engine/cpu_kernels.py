@@ -70,6 +70,8 @@ def build(portable: bool = False) -> Path:
     name = f"{_NAME}_portable" if portable else _NAME
 
     def write(staging: Path) -> None:
+        logger.info("compiling the CPU kernels for this machine (once; cached in %s)",
+                    staging.parent)
         # A child process builds, so that a failed or crashed compile cannot take this one
         # down, and nothing is loaded from a directory that is about to be renamed.
         # torch looks for ninja on PATH: the one pip installed beside this Python comes first.
