@@ -131,7 +131,8 @@ class TorchNativeBackend(AttentionBackend):
             indptr = np.concatenate(([0], np.cumsum(counts)))
             take = np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1])
             indices, seq_lens = batch.page_indices[take], batch.seq_lens[seqs]
-        paged = tuple(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+        # Copies (a few KB): the batch's arrays may be read-only views of the message.
+        paged = tuple(torch.from_numpy(np.array(a, dtype=np.int32))
                       for a in (indptr, indices, seq_lens))
         # Each sequence's one new token: its row of the step's [T] tokens.
         rows = (np.cumsum(batch.extend_lens, dtype=np.int64) - 1)[seqs]
