@@ -13,7 +13,7 @@ from engine import cpu_kernels
 from engine.attention import TorchNativeBackend
 from engine.cpu_kernels import ENV_SWITCH, paged_decode_op
 from engine.kv_pool import KVPool
-from tests.test_attention import make_pool, random_batch
+from tests.test_attention import make_pool, random_batch, reference_attention
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +24,28 @@ def variants() -> dict[str, object]:
     return {"native": torch.ops.radixserve, "portable": torch.ops.radixserve_portable}
 
 
-def reference(q, k_pages, v_pages, indptr, indices, seq_lens, window, scale) -> torch.Tensor:
-    """Dense float64 softmax attention of each sequence's one query over its keys."""
+def reference(q, k_pages, v_pages, indptr, indices, seq_lens, window, scale, starts=None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 softmax attention of each sequence's one query over its keys (from
+    ``starts[b]`` on, if given), and each row's log-sum-exp of the scaled scores."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv = k_pages.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
+    lse = torch.empty(num_seqs, num_heads, dtype=torch.float64)
     for b in range(num_seqs):
         pages = indices[indptr[b]: indptr[b + 1]].long()
         length = int(seq_lens[b])
         first = max(0, length - window) if window else 0
+        if starts is not None:
+            first = max(first, int(starts[b]))
         k = k_pages[pages].reshape(-1, num_kv, head_dim)[first:length].double()
         v = v_pages[pages].reshape(-1, num_kv, head_dim)[first:length].double()
         k = k.repeat_interleave(num_heads // num_kv, dim=1)
         v = v.repeat_interleave(num_heads // num_kv, dim=1)
         scores = torch.einsum("hd,khd->hk", q[b].double(), k) * scale
         out[b] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
-    return out
+        lse[b] = scores.logsumexp(-1)
+    return out, lse
 
 
 def random_case(num_heads, num_kv, head_dim, page_size, seq_lens, dtype, seed=0):
@@ -72,15 +78,21 @@ def test_kernel_matches_float64_reference(variants, variant, dtype, heads, kv_he
     seq_lens = [1, 15, 16, 17, 33, 200]
     case = random_case(heads, kv_heads, head_dim, page_size, seq_lens, dtype)
     scale = head_dim**-0.5
-    want = reference(*case, window, scale)
+    # Without starts, and with each sequence's keys starting somewhere before its last.
+    starts = torch.tensor([(7 * n) // 10 for n in seq_lens], dtype=torch.int32)
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2):  # one item per sequence, or sequences split by KV heads
-            torch.set_num_threads(threads)
-            got = variants[variant].paged_decode(*case, window, scale)
-            assert got.dtype == dtype and got.shape == case[0].shape
-            err = (got.double() - want).abs().max().item()
-            assert err < TOLERANCE[dtype], (threads, err)
+        for given in (None, starts):
+            want, want_lse = reference(*case, window, scale, given)
+            for threads in (1, 2):  # one item per sequence, or sequences split by KV heads
+                torch.set_num_threads(threads)
+                got, lse = variants[variant].paged_decode(*case, window, scale, given)
+                assert got.dtype == dtype and got.shape == case[0].shape
+                assert lse.dtype == torch.float32 and lse.shape == got.shape[:2]
+                err = (got.double() - want).abs().max().item()
+                assert err < TOLERANCE[dtype], (threads, err)
+                # The scores come from inputs rounded to the KV dtype either way; fp32 sums.
+                assert (lse.double() - want_lse).abs().max().item() < 1e-4
     finally:
         torch.set_num_threads(before)
 
@@ -122,6 +134,8 @@ def test_kernel_refuses_what_it_cannot_read(variants) -> None:
         op(q, k, v, indptr.long(), indices, seq_lens, 0, 1.0)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         op(q.bfloat16(), k, v, indptr, indices, seq_lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match="leave its sequence a key"):
+        op(q, k, v, indptr, indices, seq_lens, 0, 1.0, torch.tensor([5, 3], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="head sizes disagree"):
         op(q[:, :6].contiguous(), k, v, indptr, indices, seq_lens, 0, 1.0)
     with pytest.raises(RuntimeError, match=r"weight \[hidden\]"):
@@ -155,6 +169,51 @@ def test_backend_decodes_through_the_kernel_as_the_sdpa_path_does(variants, page
                 outs.append(attention.forward(layer, q, k, v).float())
             assert any(g.paged is not None for g in compiled._groups)
             assert torch.allclose(*outs, atol=TOLERANCE[dtype], rtol=0), layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_shared_groups_take_the_cascade_with_the_kernel_on_own_parts(
+        variants, monkeypatch, dtype) -> None:
+    """Decodes in two groups sharing 48- and 24-token heads (plus a loner): above the saved-keys
+    threshold the step takes the cascade, whose own parts the kernel attends from each
+    sequence's shared length on; below it, the kernel alone. Both agree with the naive
+    per-slot reference, as gather + SDPA does."""
+    from engine.attention import torch_native
+    from engine.batch import BatchInput
+
+    page_size = 4
+    pool = make_pool(page_size, dtype=dtype)
+    heads = [list(range(0, 12)), list(range(12, 18))]
+    seqs, free = [], iter(range(40, pool.num_pages))
+    for g, members in enumerate((5, 3)):
+        for m in range(members):
+            own = [next(free) for _ in range(1 + (m + g) % 3)]
+            cached = len(heads[g]) * page_size + len(own) * page_size - 1 - m % 2
+            seqs.append((heads[g] + own, cached, [7]))
+    seqs.append(([next(free) for _ in range(5)], 17, [3]))
+    batch = BatchInput.build(seqs, page_size)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(batch.num_tokens, 8, 16, generator=gen).to(dtype)
+    k = torch.randn(batch.num_tokens, 2, 16, generator=gen).to(dtype)
+    v = torch.randn(batch.num_tokens, 2, 16, generator=gen).to(dtype)
+
+    def run(attention, windows=(None, None)):
+        attention.sliding_windows = windows
+        attention.plan(batch)
+        return attention.forward(0, q, k, v).float(), attention._groups[0]
+
+    sdpa, _ = run(backend(pool, False))  # also writes this step's K and V into the pool
+    want = reference_attention(pool, 0, batch, q).float()
+    assert torch.allclose(sdpa, want, atol=TOLERANCE[dtype], rtol=0)
+    for threshold, cascade in ((0, True), (10**9, False)):
+        monkeypatch.setattr(torch_native, "CASCADE_MIN_SAVED_KEYS", threshold)
+        got, group = run(backend(pool, True))
+        assert (group.cascade is not None) == cascade and group.paged is not None
+        if cascade:
+            assert group.cascade.own_paged is not None and group.cascade.num_groups == 2
+            # saved: 4 more members read 48 shared tokens once, 2 more read 24
+            assert group.cascade.saved_keys == 4 * 48 + 2 * 24
+        assert torch.allclose(got, want, atol=TOLERANCE[dtype], rtol=0), threshold
 
 
 def test_switch_and_failed_build_leave_the_torch_path(monkeypatch, caplog) -> None:

@@ -16,6 +16,7 @@ once instead of once per request).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,18 +38,24 @@ class CascadePlan:
     max_members: int
     max_shared: int
     max_own: int
+    shared_tokens: np.ndarray  # int64 [B]: tokens of each seq's shared run (0: in no group)
+    saved_keys: int  # keys read once per group instead of once per member
+    # The compiled CPU kernel's (indptr, indices, seq_lens, starts) when it attends the own
+    # parts of a decode step (starts = shared_tokens); None: gathered and attended by SDPA.
+    own_paged: tuple[torch.Tensor, ...] | None = None
 
 
 def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
                  query_pos: np.ndarray, page_size: int, device: torch.device,
-                 dtype: torch.dtype) -> CascadePlan | None:
+                 dtype: torch.dtype, ragged_own: bool = False) -> CascadePlan | None:
     """Group sequences by their first page and find each group's common page run.
 
     ``table``: [B, max_pages] page ids, each row's first ``counts[i]`` valid; ``query_pos``:
     [B, E] the absolute position of each (padded) query row. Shared pages hold only cached
     tokens (a page two sequences share is written by neither), so every query sees all of
     them; a sequence's own pages are causal. None when no group shares enough, or when the
-    savings are small (one long unshared sequence pads everyone's own part to its length)."""
+    savings are small (one long unshared sequence pads everyone's own part to its length;
+    ``ragged_own``: the own parts are attended unpadded, by the compiled CPU kernel)."""
     num_seqs, max_pages = table.shape
     table = np.where(np.arange(max_pages)[None, :] < counts[:, None], table, -1)
 
@@ -86,7 +93,8 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
 
     own_counts = counts - shared
     max_own = int(own_counts.max())
-    if num_seqs * max_own + len(groups) * max_shared > 0.6 * num_seqs * max_pages:
+    if not ragged_own and (num_seqs * max_own + len(groups) * max_shared
+                           > 0.6 * num_seqs * max_pages):
         return None
     take = np.minimum(np.arange(max_own)[None, :], own_counts[:, None] - 1) + shared[:, None]
     own_table = table[np.arange(num_seqs)[:, None], take]
@@ -110,6 +118,8 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
         member_seqs=t(np.asarray(member_seqs)), own_table=t(own_table.reshape(-1)),
         own_mask=additive(own_valid)[:, None, :, None, :], num_groups=len(groups),
         max_members=max_members, max_shared=max_shared, max_own=max_own,
+        shared_tokens=shared * page_size,
+        saved_keys=int(sum((len(m) - 1) * shared[m[0]] for m in groups)) * page_size,
     )
 
 
@@ -158,8 +168,12 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
 
 def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                   plan: CascadePlan, scale: float) -> torch.Tensor:
-    """q: [B, E, heads, D] (E query rows per sequence, padded); returns the same shape."""
+                   plan: CascadePlan, scale: float,
+                   paged_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+                   ) -> torch.Tensor:
+    """q: [B, E, heads, D] (E query rows per sequence, padded); returns the same shape.
+    ``paged_decode``: the compiled CPU kernel, which attends the own parts when the plan has
+    ``own_paged`` (decode steps, E = 1)."""
     num_seqs, rows, num_heads, head_dim = q.shape
     num_kv = k_pages.shape[2]
     per_kv = num_heads // num_kv
@@ -171,9 +185,19 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
         # [n, kv, S, D] as a strided view: the fused kernel reads it as is (a copy measured no faster).
         return pages.index_select(0, table).view(n, -1, num_kv, head_dim).transpose(1, 2)
 
-    own_mask = plan.own_mask.expand(-1, -1, -1, per_kv, -1).reshape(num_seqs, 1, rows * per_kv, -1)
-    own_out, own_lse = _partial(q4, gather(k_pages, plan.own_table, num_seqs),
-                                gather(v_pages, plan.own_table, num_seqs), own_mask, scale)
+    if plan.own_paged is not None and paged_decode is not None:
+        # Heads h = kv * per_kv + i: the kernel's [B, heads] rows are q4's for E = 1.
+        own_out, own_lse = paged_decode(q.reshape(num_seqs, num_heads, head_dim).contiguous(),
+                                        k_pages,
+                                        v_pages, *plan.own_paged[:3], 0, scale,
+                                        plan.own_paged[3])
+        own_out = own_out.view(num_seqs, num_kv, per_kv, head_dim)
+        own_lse = own_lse.view(num_seqs, num_kv, per_kv, 1)
+    else:
+        own_mask = plan.own_mask.expand(-1, -1, -1, per_kv, -1).reshape(
+            num_seqs, 1, rows * per_kv, -1)
+        own_out, own_lse = _partial(q4, gather(k_pages, plan.own_table, num_seqs),
+                                    gather(v_pages, plan.own_table, num_seqs), own_mask, scale)
     # Each group's shared pages, once, for all its members' queries together.
     groups, members = plan.num_groups, plan.max_members
     width = rows * per_kv

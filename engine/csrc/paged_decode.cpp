@@ -7,6 +7,10 @@
 //   k, v     [num_pages, P, KVH, D]       one layer's pages
 //   indptr   int32 [B + 1], indices       each sequence's pages, in position order (CSR)
 //   seq_lens int32 [B]                    keys per sequence, the new token's included
+//   starts   int32 [B], optional          attend keys from this position on (the cascade's
+//                                         own part, after the pages a group shares)
+// Returns the output [B, H, D] and the log-sum-exp of each row's scaled scores, float32
+// [B, H], which merges it with an attention over other keys (engine/attention/cascade.py).
 //
 // Work item = (sequence, KV head): the H / KVH query heads sharing that KV head read each key
 // once. Keys go in blocks of 16 with an online softmax (running max and sum in float32);
@@ -15,6 +19,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -162,10 +169,10 @@ inline float softmax_block(float* s, int64_t n, float& run_max, float& run_sum) 
 }
 
 template <typename T>
-void decode(const T* q, const T* k, const T* v, T* out, const int32_t* indptr,
-            const int32_t* indices, const int32_t* seq_lens, int64_t B, int64_t H, int64_t KVH,
-            int64_t D, int64_t P, int64_t window, float scale, int64_t page_stride,
-            int64_t token_stride) {
+void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_t* indptr,
+            const int32_t* indices, const int32_t* seq_lens, const int32_t* starts, int64_t B,
+            int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t window, float scale,
+            int64_t page_stride, int64_t token_stride) {
   const int64_t G = H / KVH;
   // A work item is a sequence's keys for a run of its KV heads: all of them when there are
   // enough sequences to keep every thread busy (a token's heads are adjacent in its page, so
@@ -184,7 +191,8 @@ void decode(const T* q, const T* k, const T* v, T* out, const int32_t* indptr,
       const int64_t h0 = (item % chunks) * heads_per_chunk;
       const int64_t h1 = std::min(KVH, h0 + heads_per_chunk);
       const int64_t len = seq_lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t first = std::max<int64_t>(window > 0 ? len - window : 0,
+                                              starts != nullptr ? starts[b] : 0);
       const T* qb = q + (b * H + h0 * G) * D;
       const int64_t used = (h1 - h0) * G;
       for (int64_t j = 0; j < used * D; ++j) qf[j] = to_float(qb[j]) * scale;
@@ -221,6 +229,7 @@ void decode(const T* q, const T* k, const T* v, T* out, const int32_t* indptr,
       for (int64_t row = 0; row < used; ++row) {
         const float inv = 1.f / run_sum[row];
         for (int64_t d = 0; d < D; ++d) ob[row * D + d] = static_cast<T>(acc[row * D + d] * inv);
+        lse[b * H + h0 * G + row] = run_max[row] + std::log(run_sum[row]);
       }
     }
   });
@@ -228,18 +237,19 @@ void decode(const T* q, const T* k, const T* v, T* out, const int32_t* indptr,
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
-         at::Tensor& out, const at::Tensor& indptr, const at::Tensor& indices,
-         const at::Tensor& seq_lens, int64_t window, double scale) {
+         at::Tensor& out, at::Tensor& lse, const at::Tensor& indptr, const at::Tensor& indices,
+         const at::Tensor& seq_lens, const int32_t* starts, int64_t window, double scale) {
   decode<T>(q.data_ptr<T>(), k_pages.data_ptr<T>(), v_pages.data_ptr<T>(), out.data_ptr<T>(),
-            indptr.data_ptr<int32_t>(), indices.data_ptr<int32_t>(),
-            seq_lens.data_ptr<int32_t>(), q.size(0), q.size(1), k_pages.size(2), q.size(2),
-            k_pages.size(1), window, static_cast<float>(scale), k_pages.stride(0),
+            lse.data_ptr<float>(), indptr.data_ptr<int32_t>(), indices.data_ptr<int32_t>(),
+            seq_lens.data_ptr<int32_t>(), starts, q.size(0), q.size(1), k_pages.size(2),
+            q.size(2), k_pages.size(1), window, static_cast<float>(scale), k_pages.stride(0),
             k_pages.stride(1));
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                        const at::Tensor& indptr, const at::Tensor& indices,
-                        const at::Tensor& seq_lens, int64_t window, double scale) {
+std::tuple<at::Tensor, at::Tensor> paged_decode(
+    const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+    const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& seq_lens,
+    int64_t window, double scale, const std::optional<at::Tensor>& starts) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
               "paged_decode: q [B, H, D] and pages [N, P, KVH, D] expected");
   TORCH_CHECK(q.is_contiguous() && k_pages.stride(3) == 1 && k_pages.stride(2) == q.size(2) &&
@@ -253,21 +263,36 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at
                   seq_lens.numel() == q.size(0) && indptr.is_contiguous() &&
                   indices.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode: int32 indptr [B + 1], indices and seq_lens [B] expected");
+  const int32_t* start_ptr = nullptr;
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->scalar_type() == at::kInt && starts->numel() == q.size(0) &&
+                    starts->is_contiguous(),
+                "paged_decode: int32 starts [B] expected");
+    start_ptr = starts->data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+      TORCH_CHECK(start_ptr[b] >= 0 && start_ptr[b] < lens[b],
+                  "paged_decode: each start must leave its sequence a key to attend");
+  }
   auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(q, k_pages, v_pages, out, indptr, indices, seq_lens, window, scale);
+      run<float>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, window,
+                 scale);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(q, k_pages, v_pages, out, indptr, indices, seq_lens, window, scale);
+      run<c10::BFloat16>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr,
+                         window, scale);
       break;
     case at::kHalf:
-      run<c10::Half>(q, k_pages, v_pages, out, indptr, indices, seq_lens, window, scale);
+      run<c10::Half>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, window,
+                     scale);
       break;
     default:
       TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
-  return out;
+  return {out, lse};
 }
 
 }  // namespace
@@ -275,7 +300,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at
 RADIXSERVE_OPS_FRAGMENT(m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor indptr, Tensor indices, "
-      "Tensor seq_lens, int window, float scale) -> Tensor");
+      "Tensor seq_lens, int window, float scale, Tensor? starts=None) -> (Tensor, Tensor)");
 }
 
 RADIXSERVE_OPS_IMPL(m) { m.impl("paged_decode", &paged_decode); }
