@@ -4,9 +4,11 @@ A step's sequences split into groups, each served by one call per layer:
 
 - decode group (sequences adding one token): on CPU, the compiled kernel (engine/cpu_kernels.py)
   reads every sequence's keys straight from its pages, nothing gathered (2-2.5x faster than
-  gather + SDPA at batch 8 and 608-token contexts). Elsewhere, or without the kernel, q is laid
-  out [B, kv_heads, group, head_dim] so the query heads sharing a KV head attend together
-  without repeating K/V, and the mask [B, 1, 1, S] broadcasts over them;
+  gather + SDPA at batch 8 and 608-token contexts); when members of groups share enough pages
+  (``CASCADE_MIN_SAVED_KEYS``), the cascade attends those once and the kernel the rest.
+  Elsewhere, or without the kernel, q is laid out [B, kv_heads, group, head_dim] so the query
+  heads sharing a KV head attend together without repeating K/V, and the mask [B, 1, 1, S]
+  broadcasts over them;
 - extend group (the rest): queries padded to [B, max_extend], K/V gathered to
   [B, max_pages * page_size] and a boolean mask [B, 1, max_extend, S] (causal at absolute
   positions, sliding window where the layer has one); when no sequence of the group has
