@@ -80,6 +80,30 @@ def test_generate_streams_the_tokens_http_generates(door):
     assert list(whole.complete.output_ids) == expected["token_ids"]
 
 
+def test_logprobs_carry_the_top_alternatives_by_id(door):
+    """smg's ``logprobs`` = N (vLLM's meaning): each output token's logprob and its N most
+    likely alternatives, the same as /generate's, streamed or whole."""
+    expected = door.http_generate(PROMPT, temperature=0, max_tokens=4, logprobs=2)
+    expected = expected["choices"][0]
+    for stream in (True, False):
+        replies = door.generate(PROMPT, stream=stream, temperature=0, max_tokens=4, logprobs=2)
+        if stream:
+            parts = [r.chunk.output_logprobs for r in replies if r.WhichOneof("response") == "chunk"]
+        else:
+            parts = [replies[-1].complete.output_logprobs]
+        ids = [t for p in parts for t in p.token_ids]
+        tops = [top for p in parts for top in p.top_logprobs]
+        assert ids == expected["token_ids"]
+        # A cached prefix runs other kernels than a cold prompt: the last digits may differ.
+        assert [v for p in parts for v in p.token_logprobs] == pytest.approx(
+            expected["logprobs"], abs=1e-3)
+        assert [list(top.token_ids) for top in tops] == [
+            [t["token_id"] for t in top] for top in expected["top_logprobs"]]
+        assert all(top.token_ids[0] == token for top, token in zip(tops, ids, strict=True))
+        assert [list(top.values) for top in tops] == [
+            pytest.approx([t["logprob"] for t in top], abs=1e-3) for top in expected["top_logprobs"]]
+
+
 def test_health_model_server_info_and_loads(door):
     assert door.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
     info = door.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)

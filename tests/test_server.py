@@ -135,6 +135,16 @@ def test_native_generate_takes_and_returns_token_ids(server):
         ids = [t for e in events for c in e["choices"] for t in c["token_ids"]]
         assert ids == whole["choices"][0]["token_ids"]
         assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+        # logprobs = N: each token's N most likely alternatives by id, greedy's own the first.
+        body["sampling_params"]["logprobs"] = 3
+        choice = client.post("/generate", json=body).json()["choices"][0]
+        assert choice["token_ids"] == whole["choices"][0]["token_ids"]
+        assert len(choice["logprobs"]) == len(choice["top_logprobs"]) == 4
+        for token, logprob, top in zip(choice["token_ids"], choice["logprobs"],
+                                       choice["top_logprobs"], strict=True):
+            assert len(top) == 3 and top[0] == {"token_id": token, "logprob": logprob}
+            assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert whole["choices"][0]["top_logprobs"] is None
 
 
 # ---------------------------------------------------------------------------- sessions

@@ -19,17 +19,20 @@ from engine.server.schemas import (
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
+    TopToken,
     Usage,
 )
 
 
 @dataclass
 class TokenInfo:
-    """One generated token with its logprob and the top alternatives, named by their text."""
+    """One generated token with its logprob and the top alternatives, named by their text (and
+    by their ids in ``top_ids``)."""
 
     text: str
     logprob: float
     top: list[tuple[str, float]]
+    top_ids: list[int]  # the alternatives' token ids, in ``top``'s order
 
 
 def token_infos(out: RequestOutput) -> list[TokenInfo]:
@@ -40,9 +43,11 @@ def token_infos(out: RequestOutput) -> list[TokenInfo]:
     count = len(logprobs)
     width = len(out.top_texts) // count if count else 0
     top_lps = np.frombuffer(out.top_logprobs, dtype=np.float32).reshape(count, width).tolist()
+    top_ids = np.frombuffer(out.top_ids, dtype=np.int32).reshape(count, width).tolist()
     return [
         TokenInfo(out.token_texts[i], logprobs[i],
-                  list(zip(out.top_texts[i * width:(i + 1) * width], top_lps[i], strict=True)))
+                  list(zip(out.top_texts[i * width:(i + 1) * width], top_lps[i], strict=True)),
+                  top_ids[i])
         for i in range(count)
     ]
 
@@ -59,6 +64,14 @@ def completion_logprobs(tokens: list[TokenInfo], offset: int, top: bool) -> Comp
         top_logprobs=[dict(t.top) for t in tokens] if top else None,
         text_offset=offsets,
     )
+
+
+def top_tokens(tokens: list[TokenInfo]) -> list[list[TopToken]] | None:
+    """``/generate``'s alternatives by token id; None when none were asked for."""
+    if not tokens or not tokens[0].top:
+        return None
+    return [[TopToken(i, lp) for i, (_, lp) in zip(t.top_ids, t.top, strict=True)]
+            for t in tokens]
 
 
 def chat_logprobs(tokens: list[TokenInfo]) -> ChatLogprobs:

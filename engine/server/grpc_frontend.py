@@ -31,7 +31,7 @@ from typing import Any
 
 from engine.server.errors import APIError
 from engine.server.kv_relay import KvEventRelay
-from engine.server.schemas import GenerateBody
+from engine.server.schemas import GenerateBody, TopToken
 from engine.server.service import Service
 
 HEARTBEAT_SECONDS = 1.0
@@ -116,6 +116,7 @@ class VllmEngineDoor:
             self.streams[request.request_id] = asyncio.current_task()
         output_ids: dict[int, list[int]] = {}
         logprobs: dict[int, list[float]] = {}
+        tops: dict[int, list[list[TopToken]]] = {}
         finish: dict[int, str] = {}
         usage = None
         try:
@@ -124,14 +125,15 @@ class VllmEngineDoor:
                     for choice in chunk.choices:
                         output_ids.setdefault(choice.index, []).extend(choice.token_ids)
                         logprobs.setdefault(choice.index, []).extend(choice.logprobs or ())
+                        tops.setdefault(choice.index, []).extend(choice.top_logprobs or ())
                         if choice.finish_reason is not None:
                             finish[choice.index] = choice.finish_reason
                         if request.stream and choice.token_ids:
                             yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
                                 token_ids=choice.token_ids, index=choice.index,
                                 completion_tokens=len(output_ids[choice.index]),
-                                output_logprobs=self._logprobs(choice.token_ids,
-                                                               choice.logprobs)))
+                                output_logprobs=self._logprobs(
+                                    choice.token_ids, choice.logprobs, choice.top_logprobs)))
                     if chunk.usage:  # only the last chunk carries it
                         usage = chunk.usage
         except APIError as exc:
@@ -147,13 +149,18 @@ class VllmEngineDoor:
                 output_ids=[] if request.stream else ids, finish_reason=finish.get(index, ""),
                 prompt_tokens=usage.prompt_tokens, completion_tokens=len(ids),
                 cached_tokens=details.cached_tokens, index=index,
-                output_logprobs=None if request.stream else self._logprobs(ids,
-                                                                           logprobs[index])))
+                output_logprobs=None if request.stream else self._logprobs(
+                    ids, logprobs[index], tops[index])))
 
-    def _logprobs(self, ids: list[int], values: list[float] | None) -> Any:
+    def _logprobs(self, ids: list[int], values: list[float] | None,
+                  tops: list[list[TopToken]] | None) -> Any:
+        """smg's OutputLogProbs: each token's logprob, and with ``logprobs`` = N > 0 its N
+        most likely alternatives (vLLM's meaning of the parameter)."""
         if not values:
             return None
-        return self.pb.OutputLogProbs(token_logprobs=values, token_ids=ids)
+        return self.pb.OutputLogProbs(token_logprobs=values, token_ids=ids, top_logprobs=[
+            self.pb.TopLogProbs(values=[t.logprob for t in top],
+                                token_ids=[t.token_id for t in top]) for top in tops or ()])
 
     async def Abort(self, request: Any, context: Any) -> Any:  # noqa: N802
         for rid in request.request_ids:

@@ -191,12 +191,19 @@ class CompletionChunk(Struct):
     object: str = "text_completion"
 
 
+class TopToken(Struct):
+    token_id: int
+    logprob: float
+
+
 class GenerateChoice(Struct):
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    # With sampling_params.logprobs = N > 0: each token's N most likely alternatives.
+    top_logprobs: list[list[TopToken]] | None = None
 
 
 class GenerateResponse(Struct):

@@ -35,7 +35,14 @@ from engine.protocol import (
     pack_ids,
 )
 from engine.server import sampling
-from engine.server.choices import Choice, Choices, TokenInfo, chat_logprobs, completion_logprobs
+from engine.server.choices import (
+    Choice,
+    Choices,
+    TokenInfo,
+    chat_logprobs,
+    completion_logprobs,
+    top_tokens,
+)
 from engine.server.dp_monitor import DispatchMonitor
 from engine.server.errors import APIError
 from engine.server.metrics import FrontendState, Metrics, RequestTimer
@@ -377,7 +384,7 @@ class Service:
             async for choice, out, ids, tokens in deltas:
                 yield GenerateResponse(call.id, call.created, call.model, [GenerateChoice(
                     choice.index, ids, out.text, out.finish_reason,
-                    [t.logprob for t in tokens] if tokens else None)])
+                    [t.logprob for t in tokens] if tokens else None, top_tokens(tokens))])
         yield GenerateResponse(call.id, call.created, call.model, [], call.choices.usage())
 
     async def generate(self, call: Call) -> GenerateResponse:
@@ -386,5 +393,6 @@ class Service:
                 pass
         return GenerateResponse(call.id, call.created, call.model, [
             GenerateChoice(c.index, c.token_ids, c.text, c.finish_reason,
-                           [t.logprob for t in c.tokens] if c.tokens else None)
+                           [t.logprob for t in c.tokens] if c.tokens else None,
+                           top_tokens(c.tokens))
             for c in call.choices.choices], call.choices.usage())
