@@ -134,6 +134,10 @@ def test_kernel_refuses_what_it_cannot_read(variants) -> None:
         op(q, k, v, indptr.long(), indices, seq_lens, 0, 1.0)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         op(q.bfloat16(), k, v, indptr, indices, seq_lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(q, k, v, indptr, indices + k.shape[0], seq_lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match="has 40 keys but 2 pages of 16"):
+        op(q, k, v, indptr, indices, seq_lens * 2, 0, 1.0)
     with pytest.raises(RuntimeError, match="leave its sequence a key"):
         op(q, k, v, indptr, indices, seq_lens, 0, 1.0, torch.tensor([5, 3], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="head sizes disagree"):

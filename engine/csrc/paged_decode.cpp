@@ -12,9 +12,12 @@
 // Returns the output [B, H, D] and the log-sum-exp of each row's scaled scores, float32
 // [B, H], which merges it with an attention over other keys (engine/attention/cascade.py).
 //
-// Work item = (sequence, KV head): the H / KVH query heads sharing that KV head read each key
-// once. Keys go in blocks of 16 with an online softmax (running max and sum in float32);
-// scores, weights and sums are float32 whatever the KV dtype.
+// Work item = a sequence and a run of its KV heads (all of them unless a small batch must be
+// split further to keep every thread busy); the H / KVH query heads sharing a KV head read
+// each key once. Keys go in blocks of 16 with an online softmax (running max and sum in
+// float32); scores, weights and sums are float32 whatever the KV dtype. On CPUs with AVX-512
+// (and head sizes that are multiples of 16, up to 256) the loops run on 16-wide registers;
+// elsewhere they are plain C++ (the build with RADIXSERVE_PORTABLE, which the tests also run).
 
 #include <ATen/Parallel.h>
 
@@ -263,13 +266,28 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
                   seq_lens.numel() == q.size(0) && indptr.is_contiguous() &&
                   indices.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode: int32 indptr [B + 1], indices and seq_lens [B] expected");
+  // Every read the kernel makes is checked here, once: a bad table is an error, never a read
+  // outside the pool.
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* ptr = indptr.data_ptr<int32_t>();
+  const int32_t* pages = indices.data_ptr<int32_t>();
+  const int64_t num_pages = k_pages.size(0), page_size = k_pages.size(1);
+  TORCH_CHECK(ptr[0] == 0 && ptr[q.size(0)] <= indices.numel(),
+              "paged_decode: indptr must start at 0 and stay within indices");
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 1 && ptr[b + 1] >= ptr[b] &&
+                    (ptr[b + 1] - ptr[b]) * page_size >= lens[b],
+                "paged_decode: sequence ", b, " has ", lens[b], " keys but ",
+                ptr[b + 1] - ptr[b], " pages of ", page_size);
+  for (int64_t i = 0; i < ptr[q.size(0)]; ++i)
+    TORCH_CHECK(pages[i] >= 0 && pages[i] < num_pages, "paged_decode: page ", pages[i],
+                " is outside the pool of ", num_pages);
   const int32_t* start_ptr = nullptr;
   if (starts.has_value()) {
     TORCH_CHECK(starts->scalar_type() == at::kInt && starts->numel() == q.size(0) &&
                     starts->is_contiguous(),
                 "paged_decode: int32 starts [B] expected");
     start_ptr = starts->data_ptr<int32_t>();
-    const int32_t* lens = seq_lens.data_ptr<int32_t>();
     for (int64_t b = 0; b < q.size(0); ++b)
       TORCH_CHECK(start_ptr[b] >= 0 && start_ptr[b] < lens[b],
                   "paged_decode: each start must leave its sequence a key to attend");
