@@ -95,19 +95,20 @@ def build(portable: bool = False) -> Path:
 def _ops() -> object | None:
     """``torch.ops.radixserve`` once its library is loaded, or None (logged)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("compiled CPU kernels off (%s=0): decode gathers pages for torch's SDPA",
-                    ENV_SWITCH)
+        logger.info("compiled CPU kernels off (%s=0): decode gathers pages for torch's SDPA "
+                    "and RMSNorm runs as torch ops", ENV_SWITCH)
         return None
     try:
         torch.ops.load_library(str(build()))
     except Exception as exc:  # no compiler, no headers, a failed build: the torch path serves
         logger.warning("compiled CPU kernels unavailable (%s: %s); decode gathers pages for "
-                       "torch's SDPA instead", type(exc).__name__, exc)
+                       "torch's SDPA and RMSNorm runs as torch ops instead",
+                       type(exc).__name__, exc)
         return None
     return torch.ops.radixserve
 
 
-def paged_decode_op() -> Callable[..., torch.Tensor] | None:
+def paged_decode_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     ops = _ops()
     return None if ops is None else ops.paged_decode
 

@@ -47,7 +47,8 @@ class CascadePlan:
 
 def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
                  query_pos: np.ndarray, page_size: int, device: torch.device,
-                 dtype: torch.dtype, ragged_own: bool = False) -> CascadePlan | None:
+                 dtype: torch.dtype, ragged_own: bool = False, min_saved_keys: int = 0
+                 ) -> CascadePlan | None:
     """Group sequences by their first page and find each group's common page run.
 
     ``table``: [B, max_pages] page ids, each row's first ``counts[i]`` valid; ``query_pos``:
@@ -55,7 +56,8 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
     tokens (a page two sequences share is written by neither), so every query sees all of
     them; a sequence's own pages are causal. None when no group shares enough, or when the
     savings are small (one long unshared sequence pads everyone's own part to its length;
-    ``ragged_own``: the own parts are attended unpadded, by the compiled CPU kernel)."""
+    ``ragged_own``: the own parts are attended unpadded, by the compiled CPU kernel), or when
+    sharing saves reading fewer than ``min_saved_keys`` keys."""
     num_seqs, max_pages = table.shape
     table = np.where(np.arange(max_pages)[None, :] < counts[:, None], table, -1)
 
@@ -73,7 +75,8 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
         if run >= MIN_SHARED_PAGES:
             shared[members] = run
             groups.append(members)
-    if not groups:
+    saved_keys = int(sum((len(m) - 1) * shared[m[0]] for m in groups)) * page_size
+    if not groups or saved_keys < min_saved_keys:
         return None
 
     max_shared = max(int(shared[m[0]]) for m in groups)
@@ -119,7 +122,7 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
         own_mask=additive(own_valid)[:, None, :, None, :], num_groups=len(groups),
         max_members=max_members, max_shared=max_shared, max_own=max_own,
         shared_tokens=shared * page_size,
-        saved_keys=int(sum((len(m) - 1) * shared[m[0]] for m in groups)) * page_size,
+        saved_keys=saved_keys,
     )
 
 

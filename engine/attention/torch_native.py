@@ -165,8 +165,9 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens = batch.seq_lens[seqs].astype(np.int64)
         plan = plan_cascade(batch.page_indices[take], counts.astype(np.int64), seq_lens,
                             seq_lens[:, None] - 1, self.pool.page_size, self.device,
-                            self.pool.kv.dtype, ragged_own=True)
-        if plan is None or plan.saved_keys < CASCADE_MIN_SAVED_KEYS:
+                            self.pool.kv.dtype, ragged_own=True,
+                            min_saved_keys=CASCADE_MIN_SAVED_KEYS)
+        if plan is None:
             return None
         plan.own_paged = (*paged, torch.from_numpy(plan.shared_tokens.astype(np.int32)))
         return plan
