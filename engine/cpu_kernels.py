@@ -4,7 +4,10 @@
   sequence's keys and values straight from its pages, where the torch path first gathers them
   into a dense copy per layer and step (csrc/paged_decode.cpp says how);
 - ``rms_norm_op()``: ``torch.ops.radixserve.rms_norm``, RMSNorm of rows in one op where torch
-  takes four to six (csrc/rms_norm.cpp).
+  takes four to six (csrc/rms_norm.cpp);
+- ``rope_store_op()``: ``torch.ops.radixserve.rope_store``, the rotary embedding of a step's
+  queries and keys and the store of its keys and values into the pool, in one op
+  (csrc/rope_store.cpp).
 
 They are built together, once per machine, torch version and source (``-march=native``: the
 build is for this CPU), with the C++ compiler torch's extensions use, into the radixserve cache;
@@ -116,3 +119,8 @@ def paged_decode_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
 def rms_norm_op() -> Callable[..., torch.Tensor] | None:
     ops = _ops()
     return None if ops is None else ops.rms_norm
+
+
+def rope_store_op() -> Callable[..., torch.Tensor] | None:
+    ops = _ops()
+    return None if ops is None else ops.rope_store

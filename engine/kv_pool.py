@@ -81,6 +81,11 @@ class KVPool:
         """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer by slot, each [num_pages * page_size, num_kv_heads, head_dim]:
+        views of the pages, for writing new tokens' K and V in place."""
+        return self._slot_views[layer]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K and V ([T, num_kv_heads, head_dim]) at ``slots`` (int64, device)."""
         k_slots, v_slots = self._slot_views[layer]

@@ -68,11 +68,21 @@ class AttentionBackend(ABC):
         (FlashInfer's page-index buffer bounds the pages a step may list)."""
         return True
 
+    # Whether ``forward_rotating`` applies the rotary embedding itself (fused with the store of
+    # K and V); otherwise the model rotates q and k and calls ``forward``.
+    rotates = False
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self._out_slots, k, v)
         return self._attend(layer, q)
+
+    def forward_rotating(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """``forward`` for q and k not yet rotated (``cos`` and ``signed_sin`` as
+        engine/model/llama.py's ``apply_rope`` takes them); only where ``rotates``."""
+        raise NotImplementedError(f"the {self.name} backend does not rotate")
 
     @abstractmethod
     def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.attention.cascade import CascadePlan, attend_cascade, plan_cascade
 from engine.batch import BatchInput
-from engine.cpu_kernels import paged_decode_op
+from engine.cpu_kernels import paged_decode_op, rope_store_op
 
 
 @dataclass
@@ -62,7 +62,17 @@ class TorchNativeBackend(AttentionBackend):
         """``compiled``: decode through the compiled CPU kernel where it is available."""
         super().__init__(*args, **kwargs)
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
-        self._paged_decode = paged_decode_op() if compiled and self.device.type == "cpu" else None
+        on_cpu = compiled and self.device.type == "cpu"
+        self._paged_decode = paged_decode_op() if on_cpu else None
+        self._rope_store = rope_store_op() if on_cpu else None
+        self.rotates = self._rope_store is not None
+
+    def forward_rotating(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k, store k and v at the step's slots (one compiled op), attend."""
+        k_slots, v_slots = self.pool.slots(layer)
+        q = self._rope_store(q, k, v, cos, signed_sin, self._out_slots, k_slots, v_slots)
+        return self._attend(layer, q)
 
     def _plan(self, batch: BatchInput, graph: bool = False, staged=()) -> None:
         # No fixed buffers (``supports_cuda_graph`` is False): a graph step plans like any

@@ -266,9 +266,14 @@ class DecoderLayer(_Weights):
             qk = torch.cat(
                 (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), 1
             )
-        # q and k rotate together: one set of elementwise ops instead of two.
-        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attention.forward(index, q, k, v).reshape(num_tokens, self.q_size)
+        if attention.rotates:  # rotation and the K/V store in one op (engine/cpu_kernels.py)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            out = attention.forward_rotating(index, q, k, v, cos, sin)
+        else:
+            # q and k rotate together: one set of elementwise ops instead of two.
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            out = attention.forward(index, q, k, v)
+        out = out.reshape(num_tokens, self.q_size)
         if self.packed:
             hidden.add_(self._linear("o", out, self.o_bias))
         elif self.tp is None:
