@@ -111,9 +111,19 @@ def _ops() -> object | None:
     return torch.ops.radixserve
 
 
+@functools.cache
 def paged_decode_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """None also where the build has no AVX-512 loops: there the plain C++ kernel measured no
+    faster than gathering pages for torch's SDPA (653 vs 664 us, 908 vs 802 us at batch 8 and
+    608-token contexts, against 361 / 512 us vectorised)."""
     ops = _ops()
-    return None if ops is None else ops.paged_decode
+    if ops is None:
+        return None
+    if not ops.paged_decode_vectorized():
+        logger.info("decode attention gathers pages for torch's SDPA: this CPU has no AVX-512 "
+                    "for the compiled kernel")
+        return None
+    return ops.paged_decode
 
 
 def rms_norm_op() -> Callable[..., torch.Tensor] | None:

@@ -18,8 +18,7 @@ from tests.test_attention import make_pool, random_batch, reference_attention
 
 @pytest.fixture(scope="module")
 def variants() -> dict[str, object]:
-    op = paged_decode_op()
-    assert op is not None, "the compiled kernel did not build here (see the log)"
+    assert cpu_kernels._ops() is not None, "the compiled kernels did not build here (see the log)"
     torch.ops.load_library(str(cpu_kernels.build(portable=True)))
     return {"native": torch.ops.radixserve, "portable": torch.ops.radixserve_portable}
 
@@ -147,8 +146,13 @@ def test_kernel_refuses_what_it_cannot_read(variants) -> None:
 
 
 def backend(pool: KVPool, compiled: bool) -> TorchNativeBackend:
-    return TorchNativeBackend(pool, num_heads=8, num_kv_heads=2, head_dim=16,
-                              sliding_windows=(None, 5), compiled=compiled)
+    """The torch backend with the compiled kernels, or with none. ``compiled``: the decode
+    kernel too, also on a CPU where the engine would not pick it (no AVX-512)."""
+    attention = TorchNativeBackend(pool, num_heads=8, num_kv_heads=2, head_dim=16,
+                                   sliding_windows=(None, 5), compiled=compiled)
+    if compiled:
+        attention._paged_decode = torch.ops.radixserve.paged_decode
+    return attention
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -338,3 +342,16 @@ def test_backend_rotating_forward_is_apply_rope_then_forward(variants, dtype) ->
     assert not torch.equal(pools[0], before)  # this step's K and V went in
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pools[0], pools[1], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_serves_only_where_it_is_vectorised(variants, monkeypatch) -> None:
+    """The plain C++ build's decode kernel is no faster than gather + SDPA, so the engine
+    takes it only from a build with the AVX-512 loops (RMSNorm and rope_store, faster in
+    both builds, serve either way)."""
+    assert not variants["portable"].paged_decode_vectorized()
+    native = variants["native"].paged_decode_vectorized()
+    assert native == ("avx512f" in open("/proc/cpuinfo").read())
+    assert (paged_decode_op() is not None) == native
+    monkeypatch.setattr(cpu_kernels, "_ops", lambda: variants["portable"])
+    assert cpu_kernels.paged_decode_op.__wrapped__() is None
+    assert cpu_kernels.rms_norm_op() is variants["portable"].rms_norm

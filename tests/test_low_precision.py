@@ -216,8 +216,8 @@ def run_paths(path: Path, dtype: torch.dtype, page_size: int, compiled: bool = T
     gather + SDPA (and the cascade merge) instead of the compiled CPU kernel."""
     runner = ModelRunner(path, page_size=page_size, num_pages=NUM_SLOTS // page_size,
                          num_host_pages=64, dtype=dtype)
-    if not compiled:
-        runner.attention._paged_decode = None
+    # The decode kernel, also where the engine would not pick it (a CPU without AVX-512).
+    runner.attention._paged_decode = torch.ops.radixserve.paged_decode if compiled else None
     paths = Paths(runner)
     return paths.all(), paths
 

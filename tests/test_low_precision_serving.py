@@ -55,8 +55,8 @@ def run_mix(directory: str, dtype: str, mode: str, compiled: bool = True
     h = Harness(directory, dtype=dtype, num_pages=40, preemption_mode=mode,
                 num_host_pages=64 if mode == "swap" else 0, chunked_prefill_size=48)
     backend = h.worker.runner.attention
-    if not compiled:
-        backend._paged_decode = None
+    # The decode kernel, also where the engine would not pick it (a CPU without AVX-512).
+    backend._paged_decode = torch.ops.radixserve.paged_decode if compiled else None
     plan, cascade_groups = backend._plan, []
 
     def recording_plan(batch, *args) -> None:
