@@ -2,8 +2,8 @@
 
 A step's sequences split into groups, each served by one call per layer:
 
-- decode group (sequences adding one token): on CPU, the compiled kernel (engine/cpu_kernels.py)
-  reads every sequence's keys straight from its pages, nothing gathered (2-2.5x faster than
+- decode group (sequences adding one token): on a CPU with AVX-512, the compiled kernel
+  (engine/cpu_kernels.py) reads every sequence's keys straight from its pages (2-2.5x faster than
   gather + SDPA at batch 8 and 608-token contexts); when members of groups share enough pages
   (``CASCADE_MIN_SAVED_KEYS``), the cascade attends those once and the kernel the rest.
   Elsewhere, or without the kernel, q is laid out [B, kv_heads, group, head_dim] so the query
