@@ -281,7 +281,7 @@ def rope_case(tokens: int, dtype: torch.dtype, heads: int = 8, kv_heads: int = 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_rope_store_is_apply_rope_and_the_pool_write(variants, variant, dtype, tokens) -> None:
-    from engine.model.llama import apply_rope
+    from engine.attention.base import apply_rope
 
     qk, v, cos, signed_sin = rope_case(tokens, dtype)
     want_q, want_k = apply_rope(qk, cos, signed_sin).split([8, 4], dim=1)
@@ -317,7 +317,7 @@ def test_rope_store_refuses_slots_outside_the_pool(variants) -> None:
 def test_backend_rotating_forward_is_apply_rope_then_forward(variants, dtype) -> None:
     """The model's two ways into a layer's attention agree: q and k rotated by the model then
     ``forward``, or rotated and stored by the backend in ``forward_rotating``."""
-    from engine.model.llama import apply_rope
+    from engine.attention.base import apply_rope
 
     outs, pools = [], []
     pool = make_pool(16, dtype=dtype)
@@ -325,7 +325,7 @@ def test_backend_rotating_forward_is_apply_rope_then_forward(variants, dtype) ->
     for rotating in (True, False):
         pool.kv.copy_(before)
         attention = backend(pool, True)
-        assert attention.rotates
+        assert attention._rope_store is not None
         batch = random_batch(16, pool.num_pages, [(30, 1), (0, 7), (47, 1), (5, 3)])
         qkv = torch.randn(batch.num_tokens, 12, 16, generator=torch.Generator().manual_seed(3))
         qk, v = qkv[:, :10].to(dtype), qkv[:, 10:].to(dtype)
@@ -334,7 +334,7 @@ def test_backend_rotating_forward_is_apply_rope_then_forward(variants, dtype) ->
         signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None].to(dtype)
         attention.plan(batch)
         if rotating:
-            outs.append(attention.forward_rotating(0, qk[:, :8], qk[:, 8:], v, cos, signed_sin))
+            outs.append(attention.forward_rotating(0, qk, v, cos, signed_sin))
         else:
             q, k = apply_rope(qk, cos, signed_sin).split([8, 2], dim=1)
             outs.append(attention.forward(0, q, k, v))

@@ -24,6 +24,14 @@ from engine.batch import BatchInput
 from engine.kv_pool import KVPool
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into ``signed_sin`` (as
+    engine/model/llama.py's RotaryEmbedding gives it)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin)
+    return rotated.addcmul_(x, cos)
+
+
 class AttentionBackend(ABC):
     name: str
     supports_cuda_graph = False
@@ -68,21 +76,19 @@ class AttentionBackend(ABC):
         (FlashInfer's page-index buffer bounds the pages a step may list)."""
         return True
 
-    # Whether ``forward_rotating`` applies the rotary embedding itself (fused with the store of
-    # K and V); otherwise the model rotates q and k and calls ``forward``.
-    rotates = False
-
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self._out_slots, k, v)
         return self._attend(layer, q)
 
-    def forward_rotating(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward_rotating(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                          cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """``forward`` for q and k not yet rotated (``cos`` and ``signed_sin`` as
-        engine/model/llama.py's ``apply_rope`` takes them); only where ``rotates``."""
-        raise NotImplementedError(f"the {self.name} backend does not rotate")
+        """``forward`` for q and k not yet rotated: ``qk`` [T, num_heads + num_kv_heads,
+        head_dim], rotated by ``apply_rope`` (together: one set of elementwise ops instead of
+        two); a backend may fuse the rotation with the store of K and V."""
+        q, k = apply_rope(qk, cos, signed_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        return self.forward(layer, q, k, v)
 
     @abstractmethod
     def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[torch.Tensor]) -> None:

@@ -55,6 +55,16 @@ class _Group:
 CASCADE_MIN_SAVED_KEYS = 8192
 
 
+def _padded_pages(batch: BatchInput, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ``seqs``' pages sits in ``batch.page_indices``, [B, max_pages], each row
+    padded by repeating its last page (real memory, which masks or counts hide); and the
+    page counts [B]."""
+    start = batch.page_indptr[seqs].astype(np.int64)
+    counts = batch.page_indptr[seqs + 1] - start
+    take = start[:, None] + np.minimum(np.arange(int(counts.max())), counts[:, None] - 1)
+    return take, counts
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
@@ -65,11 +75,14 @@ class TorchNativeBackend(AttentionBackend):
         on_cpu = compiled and self.device.type == "cpu"
         self._paged_decode = paged_decode_op() if on_cpu else None
         self._rope_store = rope_store_op() if on_cpu else None
-        self.rotates = self._rope_store is not None
 
-    def forward_rotating(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward_rotating(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                          cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate q and k, store k and v at the step's slots (one compiled op), attend."""
+        """On CPU: rotate q and k and store k and v at the step's slots in one compiled op,
+        then attend."""
+        if self._rope_store is None:
+            return super().forward_rotating(layer, qk, v, cos, signed_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         k_slots, v_slots = self.pool.slots(layer)
         q = self._rope_store(q, k, v, cos, signed_sin, self._out_slots, k_slots, v_slots)
         return self._attend(layer, q)
@@ -105,11 +118,8 @@ class TorchNativeBackend(AttentionBackend):
         first_row = (np.cumsum(batch.extend_lens) - batch.extend_lens)[seqs]
         rows = first_row[seq_of_token] + offset
 
-        page_start = batch.page_indptr[seqs].astype(np.int64)
-        num_pages = batch.page_indptr[seqs + 1] - page_start
-        max_pages = int(num_pages.max())
-        # Pad each page list by repeating its last page: real memory, hidden by the mask.
-        take = page_start[:, None] + np.minimum(np.arange(max_pages), num_pages[:, None] - 1)
+        take, num_pages = _padded_pages(batch, seqs)
+        max_pages = take.shape[1]
         page_table = batch.page_indices[take].reshape(-1).astype(np.int64)
         kv_len = max_pages * page_size
 
@@ -169,9 +179,7 @@ class TorchNativeBackend(AttentionBackend):
         the kernel reading them once per member; the kernel attends each own part."""
         if any(w is not None for w in self.sliding_windows):
             return None
-        start = batch.page_indptr[seqs].astype(np.int64)
-        counts = batch.page_indptr[seqs + 1] - start
-        take = start[:, None] + np.minimum(np.arange(int(counts.max())), counts[:, None] - 1)
+        take, counts = _padded_pages(batch, seqs)
         seq_lens = batch.seq_lens[seqs].astype(np.int64)
         plan = plan_cascade(batch.page_indices[take], counts.astype(np.int64), seq_lens,
                             seq_lens[:, None] - 1, self.pool.page_size, self.device,

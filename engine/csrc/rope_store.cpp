@@ -8,7 +8,7 @@
 //                                              vectorised addcmul compiles to a fused
 //                                              multiply-add)
 //
-// which is engine/model/llama.py's apply_rope (``signed_sin`` has rotate_half's sign folded
+// which is engine/attention/base.py's apply_rope (``signed_sin`` has rotate_half's sign folded
 // into its first half). Registered as torch.ops.radixserve.rope_store; built by
 // engine/cpu_kernels.py.
 

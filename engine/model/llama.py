@@ -127,20 +127,14 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, head_dim] for absolute positions [T], computed in float32:
-        sin's first half is negated so that ``apply_rope`` needs no negation per layer."""
+        sin's first half is negated so that ``apply_rope`` (engine/attention/base.py) needs no
+        negation per layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
         cos = torch.cat((cos, cos), dim=-1)[:, None, :]
         sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
         return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into ``signed_sin``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin)
-    return rotated.addcmul_(x, cos)
 
 
 class _Weights(nn.Module):
@@ -266,14 +260,8 @@ class DecoderLayer(_Weights):
             qk = torch.cat(
                 (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), 1
             )
-        if attention.rotates:  # rotation and the K/V store in one op (engine/cpu_kernels.py)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            out = attention.forward_rotating(index, q, k, v, cos, sin)
-        else:
-            # q and k rotate together: one set of elementwise ops instead of two.
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-            out = attention.forward(index, q, k, v)
-        out = out.reshape(num_tokens, self.q_size)
+        # The backend rotates q and k (on CPU fused with storing K and V, engine/cpu_kernels.py).
+        out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
         if self.packed:
             hidden.add_(self._linear("o", out, self.o_bias))
         elif self.tp is None:
