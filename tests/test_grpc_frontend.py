@@ -1,15 +1,20 @@
 """The gRPC front door (``radixserve serve --grpc-port``) driven by smg-grpc-proto's own client
-stub: Generate equal to /generate, the information RPCs, errors, SubscribeKvEvents; then smg
-itself (``smg launch --policy cache_aware`` from SMG_VENV, default /work/smg-venv) routing over
-two servers by their KV events."""
+stub: Generate equal to /generate, the information RPCs, GetTokenizer, errors,
+SubscribeKvEvents; then smg itself (``smg launch --policy cache_aware`` from SMG_VENV, default
+/work/smg-venv) routing over two servers by their KV events, and loading the tokenizer from a
+server whose model directory it cannot read."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -117,6 +122,40 @@ def test_health_model_server_info_and_loads(door):
     assert loads.loads[0].max_total_num_tokens > 0
 
 
+def test_get_tokenizer_sends_the_model_directorys_tokenizer(door, tmp_path):
+    from transformers import AutoTokenizer
+
+    chunks = list(door.stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert not any(c.sha256 for c in chunks[:-1])
+    model_dir = Path(door.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_path)
+    with zipfile.ZipFile(io.BytesIO(data)) as bundle:
+        names = bundle.namelist()
+        bundle.extractall(tmp_path)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(names)
+    assert all((tmp_path / n).read_bytes() == (model_dir / n).read_bytes() for n in names)
+    # The bundle alone is the model's tokenizer.
+    text = "def bundle(x):\n    return x + 1  # héllo"
+    assert (AutoTokenizer.from_pretrained(tmp_path).encode(text)
+            == AutoTokenizer.from_pretrained(model_dir).encode(text))
+    again = list(door.stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    assert b"".join(c.data for c in again) == data  # the same files, the same fingerprint
+
+
+def test_tokenizer_bundle_chunks_and_refusal(tmp_path):
+    from engine.server.grpc_frontend import bundle_chunks, tokenizer_bundle
+
+    data = bytes(range(256)) * 10
+    chunks = bundle_chunks(data, "digest", 1000)
+    assert [len(c) for c, _ in chunks] == [1000, 1000, 560]
+    assert [d for _, d in chunks] == ["", "", "digest"]
+    assert bundle_chunks(data, "d", len(data)) == [(data, "d")]
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no tokenizer file"):
+        tokenizer_bundle(str(tmp_path))
+
+
 @pytest.mark.parametrize("params, words", [
     ({"json_schema": "{}"}, "json_schema"),
     ({"min_tokens": 3}, "min_tokens"),
@@ -190,7 +229,7 @@ def test_missing_extra_is_a_sentence(monkeypatch):
 class Smg:
     """``smg launch --policy cache_aware`` over gRPC workers, on free ports."""
 
-    def __init__(self, tmp: Path, model_path: str, worker_urls: list[str]) -> None:
+    def __init__(self, tmp: Path, model_path: str | None, worker_urls: list[str]) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "smg.log"
@@ -198,7 +237,8 @@ class Smg:
         self.proc = subprocess.Popen(
             [str(SMG), "launch", "--policy", "cache_aware", "--host", "127.0.0.1",
              "--port", str(self.port), "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(self.metrics_port), "--model-path", model_path,
+             "--prometheus-port", str(self.metrics_port),
+             *(["--model-path", model_path] if model_path else []),
              "--worker-urls", *worker_urls], stdout=self.log, stderr=subprocess.STDOUT)
 
     def metrics(self) -> str:
@@ -227,8 +267,8 @@ class Smg:
             time.sleep(0.25)
         raise AssertionError(f"smg: {what} did not happen:\n{self.log_path.read_text()[-4000:]}")
 
-    def complete(self, prompt: str) -> dict:
-        body = {"model": "radixserve-demo", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    def complete(self, prompt: str, model: str = "radixserve-demo") -> dict:
+        body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
         response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         return response.json()
@@ -277,5 +317,37 @@ def test_smg_routes_by_the_engines_kv_events(tmp_path):
     finally:
         for door in doors:
             door.stop()
+        if smg is not None:
+            smg.stop()
+
+
+@pytest.mark.skipif(not SMG.exists(), reason=f"smg is not installed at {SMG} (set SMG_VENV)")
+def test_smg_loads_the_tokenizer_through_get_tokenizer(tmp_path):
+    """A gateway on another machine cannot read the model_path a worker reports; smg then asks
+    the worker (GetTokenizer). Here the model directory is moved away once the server has
+    started, and smg, given no --model-path, serves text completions with the bundle: the
+    same text and token counts as the server answers directly."""
+    from engine.demo_model import build_demo_model
+
+    model_dir = tmp_path / "served"
+    shutil.copytree(build_demo_model(), model_dir)
+    door = Door(tmp_path, "--model", str(model_dir))
+    smg = None
+    try:
+        model_dir.rename(tmp_path / "gone")
+        smg = Smg(tmp_path, None, [f"grpc://127.0.0.1:{door.grpc_port}"])
+        smg.wait_for("the tokenizer loaded from the worker", lambda: "Tokenizer extracted"
+                     in smg.log_path.read_text(errors="replace"))
+        prompt = "def bundle(x):\n    return"
+        smg.wait_for("a text completion", lambda: httpx.post(
+            f"{smg.url}/v1/completions", timeout=60,
+            json={"model": "served", "prompt": prompt, "max_tokens": 1}).status_code == 200)
+        through_smg = smg.complete(prompt, model="served")
+        direct = httpx.post(f"{door.server.url}/v1/completions", headers=AUTH, timeout=60, json={
+            "model": "served", "prompt": prompt, "max_tokens": 2, "temperature": 0}).json()
+        assert through_smg["choices"][0]["text"] == direct["choices"][0]["text"]
+        assert through_smg["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    finally:
+        door.stop()
         if smg is not None:
             smg.stop()

@@ -14,18 +14,25 @@ What each RPC is served from:
     GetServerInfo      requests in flight, uptime, block_size (the KV events' block size)
     GetLoads           the scheduler's latest SchedulerStats (what /metrics reads)
     SubscribeKvEvents  the engine's KV events through ``KvEventRelay`` (engine/server/kv_relay.py)
+    GetTokenizer       the model directory's tokenizer files as one zip (``tokenizer_bundle``),
+                       streamed in chunks, its SHA-256 on the last: how smg loads the tokenizer
+                       when the model_path this worker reports is not on the gateway's machine
 
-The other RPCs (Embed, FlushCache, profiling, GetTokenizer) answer UNIMPLEMENTED: smg loads
-the tokenizer from ``--model-path`` or the model_path this worker reports. smg's request ids
-are its own; the engine gives each request a fresh one, as it does for HTTP.
+The other RPCs (Embed, FlushCache, profiling) answer UNIMPLEMENTED. smg's request ids are its
+own; the engine gives each request a fresh one, as it does for HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import time
+import zipfile
 from contextlib import aclosing
 from datetime import datetime, timezone
+from functools import cache
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -36,6 +43,13 @@ from engine.server.service import Service
 
 HEARTBEAT_SECONDS = 1.0
 INSTALL_HINT = "pip install 'radixserve[grpc]' (grpcio and smg-grpc-proto)"
+
+# What a tokenizer needs from a model directory, in the layouts transformers and smg read.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
+                   "config.json")
+TOKENIZER_CHUNK_BYTES = 1 << 20
 
 # HTTP status of an APIError -> the gRPC status code smg maps back to an HTTP error.
 _STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
@@ -79,6 +93,31 @@ def sampling_values(params: Any) -> dict[str, Any]:
     if params.stop_token_ids:
         values["stop_token_ids"] = list(params.stop_token_ids)
     return values
+
+
+@cache
+def tokenizer_bundle(model_dir: str) -> tuple[bytes, str]:
+    """The tokenizer files of ``model_dir`` as a zip (files at its root, fixed timestamps, so
+    the same files give the same bytes) and its SHA-256 hex digest. Raises FileNotFoundError
+    when the directory holds no tokenizer.json, tokenizer.model or vocab.json."""
+    files = [Path(model_dir, name) for name in TOKENIZER_FILES if Path(model_dir, name).is_file()]
+    if not any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in files):
+        raise FileNotFoundError(f"{model_dir} holds no tokenizer file to send")
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
+        for path in files:
+            entry = zipfile.ZipInfo(path.name, date_time=(1980, 1, 1, 0, 0, 0))
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            bundle.writestr(entry, path.read_bytes())
+    data = buffer.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def bundle_chunks(data: bytes, digest: str, size: int) -> list[tuple[bytes, str]]:
+    """GetTokenizer's messages: ``data`` in pieces of ``size`` bytes, the digest on the last
+    piece only (smg's contract: concatenate every chunk, check the final one's SHA-256)."""
+    starts = range(0, len(data), size)
+    return [(data[s : s + size], digest if s + size >= len(data) else "") for s in starts]
 
 
 class VllmEngineDoor:
@@ -205,6 +244,17 @@ class VllmEngineDoor:
             timestamp=datetime.now(timezone.utc).isoformat(), version="radixserve",
             dp_rank_count=1, loads=[load])
 
+    async def GetTokenizer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            # Read at start (GrpcFrontend.start): what the engine loaded, even if its
+            # directory has gone since.
+            data, digest = await asyncio.to_thread(tokenizer_bundle, self.service.config.model)
+        except OSError as exc:
+            await context.abort(self.grpc.StatusCode.NOT_FOUND, str(exc))
+            return
+        for chunk, sha256 in bundle_chunks(data, digest, TOKENIZER_CHUNK_BYTES):
+            yield self.common.GetTokenizerChunk(data=chunk, sha256=sha256)
+
     async def SubscribeKvEvents(self, request: Any, context: Any) -> Any:  # noqa: N802
         """The relay's batches, with a load record (a ``load_only`` batch repeating the last
         sequence sent) when the stream opens with nothing to replay and after each second
@@ -253,6 +303,10 @@ class GrpcFrontend:
         self.relay.start()
         servicer = type("VllmEngineServicer", (VllmEngineDoor, pb_grpc.VllmEngineServicer),
                         {})(service, self.relay, self.modules)
+        try:
+            await asyncio.to_thread(tokenizer_bundle, service.config.model)  # cached
+        except OSError:
+            pass  # GetTokenizer answers NOT_FOUND with the reason
         # so_reuseport off: a second server on the same port must fail, not share it.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_VllmEngineServicer_to_server(servicer, self.server)
