@@ -294,6 +294,19 @@ void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_
           row_at[t] = pages[page] * page_stride + slot * token_stride;
           if (++slot == P) slot = 0, ++page;
         }
+        // The next block's keys and values, fetched while this one computes: pages lie at
+        // random in the pool, so the hardware cannot guess the next one, and in a model's step
+        // (every layer's KV, the weights streaming between) they come from memory.
+        const int64_t ahead = std::min(kBlock, len - start - kBlock);
+        for (int64_t t = 0, page = (start + kBlock) / P, slot = (start + kBlock) % P; t < ahead;
+             ++t) {
+          const int64_t row = pages[page] * page_stride + slot * token_stride + h0 * D;
+          for (int64_t byte = 0; byte < (h1 - h0) * D * int64_t(sizeof(T)); byte += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(k + row) + byte);
+            __builtin_prefetch(reinterpret_cast<const char*>(v + row) + byte);
+          }
+          if (++slot == P) slot = 0, ++page;
+        }
         // Scores: s[row * kBlock + t] for query row `row` (head h, group member i).
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t t = 0; t < n; ++t) key_rows[t] = k + row_at[t] + h * D;
