@@ -15,8 +15,8 @@ What each RPC is served from:
     GetLoads           the scheduler's latest SchedulerStats (what /metrics reads)
     SubscribeKvEvents  the engine's KV events through ``KvEventRelay`` (engine/server/kv_relay.py)
     GetTokenizer       the model directory's tokenizer files as one zip (``tokenizer_bundle``),
-                       streamed in chunks, its SHA-256 on the last: how smg loads the tokenizer
-                       when the model_path this worker reports is not on the gateway's machine
+                       streamed in 32 KiB chunks, its SHA-256 on the last: how smg loads the
+                       tokenizer when the model_path this worker reports is not on its machine
 
 The other RPCs (Embed, FlushCache, profiling) answer UNIMPLEMENTED. smg's request ids are its
 own; the engine gives each request a fresh one, as it does for HTTP.
@@ -49,7 +49,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
                    "config.json")
-TOKENIZER_CHUNK_BYTES = 1 << 20
+# GetTokenizer's message size: small gRPC messages (SmolLM2's 645 KB bundle is 20 of them; the
+# demo model's 46 KB bundle 2, so its tests cover joining chunks).
+TOKENIZER_CHUNK_BYTES = 32 << 10
 
 # HTTP status of an APIError -> the gRPC status code smg maps back to an HTTP error.
 _STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
