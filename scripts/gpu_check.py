@@ -14,8 +14,8 @@ Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along fi
    (copy-on-write);
 2. decode attention time per step (32 layer calls + the per-step plan) at batch 1/32/128: torch,
    and flashinfer with its tensor-core decode on FA2 and on FA3 (the choice on Hopper);
-3. the whole ModelRunner on a Llama-shaped model with dummy weights (drawn on the GPU): logits of both backends on a mixed
-   batch, and decode tokens/s at batch 1/32/128.
+3. the whole ModelRunner on a Llama-shaped model with dummy weights (drawn on the GPU): logits
+   of both backends on a mixed batch, and decode tokens/s at batch 1/32/128.
 
 CUDA graphs against eager decode: scripts/check_cuda_graphs.py.
 

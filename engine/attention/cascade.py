@@ -190,10 +190,10 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
 
     if plan.own_paged is not None and paged_decode is not None:
         # Heads h = kv * per_kv + i: the kernel's [B, heads] rows are q4's for E = 1.
+        indptr, indices, seq_lens, starts = plan.own_paged
         own_out, own_lse = paged_decode(q.reshape(num_seqs, num_heads, head_dim).contiguous(),
-                                        k_pages,
-                                        v_pages, *plan.own_paged[:3], 0, scale,
-                                        plan.own_paged[3])
+                                        k_pages, v_pages, indptr, indices, seq_lens, 0, scale,
+                                        starts)
         own_out = own_out.view(num_seqs, num_kv, per_kv, head_dim)
         own_lse = own_lse.view(num_seqs, num_kv, per_kv, 1)
     else:
