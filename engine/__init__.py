@@ -1,6 +1,6 @@
 """radixserve engine: front doors, launcher, protocol, GPU worker.
 
-Heavy names (``Engine``) are imported lazily so that ``engine.protocol`` stays importable
+Heavy names (``Engine``) are imported lazily so that ``engine.contracts.protocol`` stays importable
 without torch by the scheduler and tokenizer processes.
 """
 
@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.protocol import SamplingParams
+from engine.contracts.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.api import Completion, Engine, RequestResult
+    from engine.runtime.offline import Completion, Engine, RequestResult
 
 __all__ = ["Completion", "Engine", "RequestResult", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("Completion", "Engine", "RequestResult"):
-        from engine import api
+        from engine.runtime import offline
 
-        return getattr(api, name)
+        return getattr(offline, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -4,8 +4,8 @@ request arrives."""
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.protocol import ModelInfo
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import ModelInfo
 from radix import PageAllocator
 from scheduler.request import Request
 

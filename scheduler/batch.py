@@ -1,12 +1,12 @@
 """Turn a planned step into a ForwardBatch message: the step's arrays through
-``engine.batch.StepBuilder`` (the one builder), plus each sampled row's parameters."""
+``engine.contracts.step.StepBuilder`` (the one builder), plus each sampled row's parameters."""
 
 from __future__ import annotations
 
 import msgspec
 
-from engine.batch import StepBuilder
-from engine.protocol import SEED_LIMIT, ForwardBatch, RowSampling, pack_ids
+from engine.contracts.protocol import SEED_LIMIT, ForwardBatch, RowSampling, pack_ids
+from engine.contracts.step import StepBuilder
 from scheduler.kv import StepWork
 from scheduler.planner import Entry
 

@@ -1,4 +1,5 @@
-"""KV cache events in vLLM's wire format, so gateways can route by what each engine caches.
+"""Publishing the radix tree's changes as KV cache events (engine/contracts/kv_events.py has
+the wire format and the block hashes).
 
 The radix tree caches token runs at any length; gateways think in fixed blocks of
 ``block_size`` tokens chained by hash (vLLM's prefix cache). A block of a cached path is
@@ -9,88 +10,28 @@ one::
     blocks              [ block 0 ][ block 1 ][ 32..41: not a block yet ]
     insert to 50                              [ block 2 stored (ends at 48) ]
     evict a leaf [20, 50)        block 1 and block 2 removed; block 0 stays (ends at 16 <= 20)
-
-Block hashes chain like vLLM's: each depends on its parent's hash, so equal hashes mean equal
-whole prefixes. The hash (64 bits, stable across runs and machines)::
-
-    seed(namespace) = blake2b(b"radixserve-kv\\x00")                      namespace None
-                      blake2b(b"radixserve-kv\\x01" + namespace as UTF-8)  otherwise
-    hash(block k)   = blake2b(hash(block k-1) or seed, as 8 bytes little-endian
-                              + the block's token ids as int32 little-endian)
-    blake2b with digest_size=8, read as an unsigned little-endian integer.
-
-Wire format (vLLM's ``KVEventBatch`` as vLLM 0.26 publishes it): one ZMQ multipart message per
-scheduler step that changed the tree, ``[topic, sequence number (8 bytes big-endian, from 0),
-msgpack payload]``; the payload is the array ``[ts, events, data_parallel_rank]`` and each
-event a map tagged ``"type"`` (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``). A
-non-empty namespace (cache salt) rides in ``extra_keys`` of the path's first block, as vLLM
-sends its cache salt. ``medium`` is ``"GPU"``: vLLM's name for the device tier, on any device.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from hashlib import blake2b
-from typing import Any
 
 import msgspec
 import numpy as np
 import zmq
 
+from engine.contracts.kv_events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    binds,
+    chain_hashes,
+)
 from radix.tree import Node, RadixTree
-
-MEDIUM = "GPU"
-
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
-def namespace_seed(namespace: Hashable) -> int:
-    """The parent hash of a path's first block."""
-    head = b"radixserve-kv\x00" if namespace is None else (
-        b"radixserve-kv\x01" + str(namespace).encode())
-    return int.from_bytes(blake2b(head, digest_size=8).digest(), "little")
-
-
-def chain_hashes(namespace: Hashable, tokens: np.ndarray, block_size: int) -> list[int]:
-    """Hashes of the whole blocks of ``tokens`` (a path from position 0)."""
-    data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-    step = 4 * block_size
-    parent = namespace_seed(namespace)
-    hashes = []
-    for at in range(0, len(data) - step + 1, step):
-        digest = blake2b(parent.to_bytes(8, "little"), digest_size=8)
-        digest.update(data[at : at + step])
-        parent = int.from_bytes(digest.digest(), "little")
-        hashes.append(parent)
-    return hashes
 
 
 class BlockEvents:
@@ -167,12 +108,6 @@ class BlockEvents:
     def cleared(self) -> None:
         self._namespaces.clear()
         self.pending.append(AllBlocksCleared())
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard address or a local transport binds; a named host is dialled."""
-    return ("*" in endpoint or "::" in endpoint
-            or endpoint.startswith(("ipc://", "inproc://")))
 
 
 class KVEventPublisher:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.protocol import ModelInfo
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import ModelInfo
 from radix import OutOfPages, RadixTree
 from scheduler.kv import SeqMemory, StepWork
 from scheduler.policy import long_uncached, order_waiting, shared_head
 from scheduler.request import Request, Seq, Status
-from scheduler.sessions import SessionPins
+from scheduler.session_pins import SessionPins
 
 logger = logging.getLogger("radixserve.scheduler")
 

@@ -13,8 +13,8 @@ import time
 
 import zmq
 
-from engine.config import LaunchSpec
-from engine.protocol import (
+from engine.contracts.engine_config import LaunchSpec
+from engine.contracts.protocol import (
     AbortRequest,
     BatchResult,
     Ready,

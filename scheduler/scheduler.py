@@ -7,7 +7,7 @@ forks samples and beams, finishes sequences and queues outputs. When decode runs
 the request with the least progress is preempted (recompute: its KV goes into the tree; swap:
 its private pages go to the host pool). A session's turn runs one extra step after its last
 sample, so the next turn's prompt (this whole sequence plus the new messages) is cached to its
-last token, and its history stays pinned for the session's ttl (``scheduler/sessions.py``).
+last token, and its history stays pinned for the session's ttl (``scheduler/session_pins.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections import deque
 
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.protocol import (
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import (
     BatchResult,
     ForwardBatch,
     ModelInfo,
@@ -35,7 +35,7 @@ from scheduler.batch import build_batch
 from scheduler.kv import SeqMemory
 from scheduler.planner import Entry, StepPlanner, is_placeholder
 from scheduler.request import Request, Seq, Status
-from scheduler.sessions import SessionPins
+from scheduler.session_pins import SessionPins
 
 logger = logging.getLogger("radixserve.scheduler")
 

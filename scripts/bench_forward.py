@@ -10,7 +10,7 @@ forward with its dense ``DynamicCache``; ModelRunner runs over paged KV (batches
 the clock starts: that is the scheduler's work). Each figure is the median over ``--repeats``;
 ratios are the median of per-repeat ModelRunner / transformers ratios (the two sides alternate). Prints a markdown table.
 
-Without ``--model`` the demo model (engine.demo_model) is built offline and used.
+Without ``--model`` the demo model (engine.checkpoints.demo_model) is built offline and used.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.batch import BatchInput  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
+from engine.contracts.step import BatchInput  # noqa: E402
+from engine.worker.runner import ModelRunner  # noqa: E402
 
 
 def default_model() -> Path:
-    from engine.demo_model import build_demo_model
+    from engine.checkpoints.demo_model import build_demo_model
 
     return build_demo_model()
 

@@ -26,7 +26,7 @@ Four measurements, each printed as a markdown table as soon as it finishes:
 
 The model is a ``config.json`` with Llama-3-8B's shapes in a temporary directory, loaded with
 ``load_format="dummy"`` (random weights drawn on the device); the engine's tokenizer is the
-demo model's (``engine.demo_model``), and prompts are token ids. ``--tiny`` shrinks everything
+demo model's (``engine.checkpoints.demo_model``), and prompts are token ids. ``--tiny`` shrinks everything
 (hidden 256, 2 layers, float32) so CI runs it on a CPU in seconds.
 
     python scripts/bench_gpu.py                            # H200: about 90 GiB of device memory
@@ -58,10 +58,10 @@ if str(REPO) not in sys.path:  # run as a file from anywhere
     sys.path.insert(0, str(REPO))
 
 from engine import Engine, SamplingParams  # noqa: E402
-from engine.api import RequestResult  # noqa: E402
-from engine.batch import BatchInput  # noqa: E402
-from engine.demo_model import TOKENIZER_VOCAB_SIZE, build_demo_model  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
+from engine.checkpoints.demo_model import TOKENIZER_VOCAB_SIZE, build_demo_model  # noqa: E402
+from engine.contracts.step import BatchInput  # noqa: E402
+from engine.runtime.offline import RequestResult  # noqa: E402
+from engine.worker.runner import ModelRunner  # noqa: E402
 
 PAGE_SIZE = 16
 HBM_BANDWIDTH = 4.3e12  # B/s: the H200's measured copy rate (read + write)

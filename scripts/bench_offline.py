@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from engine import Engine, SamplingParams
-from engine.config import EngineConfig
-from engine.model_source import resolve_model
-from engine.protocol import TokenizedRequest, pack_ids
-from engine.worker import Worker
+from engine.checkpoints.model_source import resolve_model
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import TokenizedRequest, pack_ids
+from engine.worker.process import Worker
 from scheduler.scheduler import Scheduler
 
 

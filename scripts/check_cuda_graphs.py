@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.batch import BatchInput  # noqa: E402
+from engine.contracts.step import BatchInput  # noqa: E402
 from scripts.bench_gpu import CHECK_MODEL, write_config  # noqa: E402
 
 NUM_PAGES = 8192  # of 16 tokens, for every sequence below at once
@@ -41,7 +41,7 @@ def greedy_decode(runner, seqs, steps: int) -> tuple[np.ndarray, list[torch.Tens
 
 
 def check_graphs(steps: int = 8) -> bool:
-    from engine.runner import ModelRunner
+    from engine.worker.runner import ModelRunner
 
     print("\n## CUDA graphs: greedy decode replayed vs eager (dummy-weight Llama, "
           "16/4 heads of 128, 8 layers, bfloat16)\n")
@@ -93,7 +93,7 @@ def check_engine_graphs(model_dir: Path) -> bool:
     import shutil
 
     from engine import Engine, SamplingParams
-    from engine.demo_model import TOKENIZER_VOCAB_SIZE, build_demo_model
+    from engine.checkpoints.demo_model import TOKENIZER_VOCAB_SIZE, build_demo_model
     from scripts.bench_gpu import TOKENIZER_FILES
 
     for name in TOKENIZER_FILES:

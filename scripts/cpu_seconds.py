@@ -54,8 +54,8 @@ def name(pid: int) -> str:
     except OSError:
         return "?"
     words = [a.decode(errors="replace") for a in args if a]
-    if "engine.child" in words:  # a child process: its role (worker-0, scheduler-0, ...)
-        return words[words.index("engine.child") + 1]
+    if "engine.runtime.child" in words:  # a child process: its role (worker-0, scheduler-0, ...)
+        return words[words.index("engine.runtime.child") + 1]
     return " ".join(words)[:60]
 
 

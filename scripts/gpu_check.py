@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import make_backend  # noqa: E402
-from engine.batch import BatchInput  # noqa: E402
-from engine.kv_pool import KVPool  # noqa: E402
+from engine.contracts.step import BatchInput  # noqa: E402
+from engine.worker.attention import make_backend  # noqa: E402
+from engine.worker.kv_pool import KVPool  # noqa: E402
 
 HEAD_DIM = 128  # one head size keeps FlashInfer's JIT variants few
 SHAPES = {
@@ -92,7 +92,7 @@ def prebuild_kernels() -> bool:
     """Every module the parts below load, built in one parallel ninja run."""
     from flashinfer.jit import build_jit_specs
 
-    from engine.attention.flashinfer import FlashInferBackend
+    from engine.worker.attention.flashinfer import FlashInferBackend
 
     print("## FlashInfer kernels (JIT, built in parallel before anything runs)\n")
     specs = {}
@@ -223,7 +223,7 @@ def time_decode_attention(context: int, layers: int = 32) -> None:
 
 
 def check_model(context: int, steps: int) -> bool:
-    from engine.runner import ModelRunner
+    from engine.worker.runner import ModelRunner
     from scripts.bench_gpu import CHECK_MODEL, write_config
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -73,7 +73,7 @@ if not torch.cuda.is_available():
     sys.exit("gpu_check needs CUDA, and torch.cuda.is_available() is False")
 from importlib.metadata import version
 
-from engine.attention import resolve_backend
+from engine.worker.attention import resolve_backend
 
 print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}),"
       f" {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}),"

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import make_backend, resolve_backend
-from engine.batch import BatchInput
-from engine.kv_pool import KVPool
+from engine.contracts.step import BatchInput
+from engine.worker.attention import make_backend, resolve_backend
+from engine.worker.kv_pool import KVPool
 from tests.conftest_models import one_torch_thread
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -127,7 +127,7 @@ def test_auto_picks_torch_without_cuda_and_flashinfer_explains_itself() -> None:
 
 
 def test_auto_takes_flashinfer_only_for_its_head_dims(monkeypatch) -> None:
-    import engine.attention as attention
+    import engine.worker.attention as attention
 
     monkeypatch.setattr(attention, "flashinfer_installed", lambda: True)
     cuda = torch.device("cuda")
@@ -146,7 +146,7 @@ def test_flashinfer_refuses_other_head_dims_by_name() -> None:
 def test_auto_falls_back_to_torch_when_flashinfer_fails_to_start(monkeypatch, caplog) -> None:
     """A broken install or a kernel that does not compile shows at construction or warm-up:
     under auto the torch backend serves instead, and the log says why."""
-    import engine.attention as attention
+    import engine.worker.attention as attention
 
     class Broken:
         def __init__(self, *args, **kwargs) -> None:

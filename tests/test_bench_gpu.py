@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
+from engine.worker.model.config import ModelConfig
+from engine.worker.model.llama import LlamaForCausalLM
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu.py"
 _spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.demo_model import build_demo_model
+from engine.checkpoints.demo_model import build_demo_model
 from tests.server_process import ServerProcess
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"

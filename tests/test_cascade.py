@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention.cascade import attend_cascade, plan_cascade
+from engine.worker.attention.cascade import attend_cascade, plan_cascade
 
 
 def reference(q, k_pages, v_pages, tables, seq_lens, scale):
@@ -91,7 +91,7 @@ def test_no_plan_without_enough_sharing():
 
 
 def test_fused_cpu_partial_equals_math():
-    from engine.attention.cascade import partial_flash_cpu, partial_math
+    from engine.worker.attention.cascade import partial_flash_cpu, partial_math
 
     q, k, v = (torch.randn(3, 2, 7, 8) for _ in range(3))
     mask = torch.zeros(3, 1, 1, 7)
@@ -106,7 +106,7 @@ def test_math_partials_in_bf16_are_as_accurate_as_plain_attention():
     """The GPU path of the torch backend (``partial_math``) over bf16 activations: splitting the
     keys in two and merging by log-sum-exp must not cost accuracy over one plain bf16 attention
     (scores and log-sum-exp kept in bf16 made it 3.6x worse here; now 1.04x)."""
-    from engine.attention.cascade import merge_partials, partial_math
+    from engine.worker.attention.cascade import merge_partials, partial_math
 
     torch.manual_seed(0)
     heads, rows, keys, dim, split = 8, 4, 600, 64, 512

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (engine/csrc/) against float64 references, in the build every CPU
+"""The compiled CPU kernels (engine/worker/csrc/) against float64 references, in the build every CPU
 with AVX-512 takes and in the portable build other CPUs take; and the engine's use of them."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.attention import TorchNativeBackend
-from engine.cpu_kernels import ENV_SWITCH, paged_decode_op
-from engine.kv_pool import KVPool
+from engine.worker import cpu_kernels
+from engine.worker.attention import TorchNativeBackend
+from engine.worker.cpu_kernels import ENV_SWITCH, paged_decode_op
+from engine.worker.kv_pool import KVPool
 from tests.test_attention import make_pool, random_batch, reference_attention
 
 
@@ -187,8 +187,8 @@ def test_large_shared_groups_take_the_cascade_with_the_kernel_on_own_parts(
     threshold the step takes the cascade, whose own parts the kernel attends from each
     sequence's shared length on; below it, the kernel alone. Both agree with the naive
     per-slot reference, as gather + SDPA does."""
-    from engine.attention import torch_native
-    from engine.batch import BatchInput
+    from engine.contracts.step import BatchInput
+    from engine.worker.attention import torch_native
 
     page_size = 4
     pool = make_pool(page_size, dtype=dtype)
@@ -248,7 +248,7 @@ def test_model_rms_norm_takes_the_op_on_cpu_rows_and_torch_elsewhere(variants, m
                                                                       dtype) -> None:
     """The model's ``rms_norm`` on 2-D rows calls the compiled op; with it unavailable (or on
     3-D per-head inputs) the torch formulation gives the same values."""
-    from engine.model import llama
+    from engine.worker.model import llama
 
     calls = []
     op = cpu_kernels.rms_norm_op()
@@ -282,7 +282,7 @@ def rope_case(tokens: int, dtype: torch.dtype, heads: int = 8, kv_heads: int = 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_rope_store_is_apply_rope_and_the_pool_write(variants, variant, dtype, tokens) -> None:
-    from engine.attention.base import apply_rope
+    from engine.worker.attention.base import apply_rope
 
     qk, v, cos, signed_sin = rope_case(tokens, dtype)
     want_q, want_k = apply_rope(qk, cos, signed_sin).split([8, 4], dim=1)
@@ -318,7 +318,7 @@ def test_rope_store_refuses_slots_outside_the_pool(variants) -> None:
 def test_backend_rotating_forward_is_apply_rope_then_forward(variants, dtype) -> None:
     """The model's two ways into a layer's attention agree: q and k rotated by the model then
     ``forward``, or rotated and stored by the backend in ``forward_rotating``."""
-    from engine.attention.base import apply_rope
+    from engine.worker.attention.base import apply_rope
 
     outs, pools = [], []
     pool = make_pool(16, dtype=dtype)

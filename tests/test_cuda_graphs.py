@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batch import BatchInput
-from engine.cuda_graphs import DecodeGraphs, bucket_sizes, pad_decode
-from engine.runner import ModelRunner
-from engine.staging import HostStaging
+from engine.contracts.step import BatchInput
+from engine.worker.cuda_graphs import DecodeGraphs, bucket_sizes, pad_decode
+from engine.worker.runner import ModelRunner
+from engine.worker.staging import HostStaging
 from tests.conftest_models import one_torch_thread, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -66,7 +66,7 @@ def test_graphs_are_off_on_cpu_but_the_scratch_page_is_there(runner, checkpoint,
                                                               caplog) -> None:
     assert runner.graphs is None and runner.scratch_page == NUM_PAGES
     assert runner.pool.kv.shape[2] == NUM_PAGES + 1 and runner.num_pages == NUM_PAGES
-    with caplog.at_level(logging.WARNING, logger="engine.runner"):
+    with caplog.at_level(logging.WARNING, logger="engine.worker.runner"):
         other = ModelRunner(checkpoint, page_size=PAGE, num_pages=8, dtype="float32",
                             device="cpu", cuda_graph_max_bs=4)
     assert other.graphs is None
@@ -119,14 +119,14 @@ def test_steps_that_are_not_small_decodes_run_eagerly(runner: ModelRunner) -> No
 
 
 def test_a_failed_capture_leaves_eager_decode(checkpoint, monkeypatch, caplog) -> None:
-    import engine.runner
+    import engine.worker.runner
 
     def broken_capture(runner, max_batch):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(engine.runner.ModelRunner, "_why_no_graphs", lambda self: None)
-    monkeypatch.setattr(engine.runner, "DecodeGraphs", broken_capture)
-    with caplog.at_level(logging.WARNING, logger="engine.runner"):
+    monkeypatch.setattr(engine.worker.runner.ModelRunner, "_why_no_graphs", lambda self: None)
+    monkeypatch.setattr(engine.worker.runner, "DecodeGraphs", broken_capture)
+    with caplog.at_level(logging.WARNING, logger="engine.worker.runner"):
         runner = ModelRunner(checkpoint, page_size=PAGE, num_pages=8, dtype="float32",
                              device="cpu", cuda_graph_max_bs=4)
     assert runner.graphs is None

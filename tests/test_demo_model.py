@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.demo_model import (
+from engine.checkpoints.demo_model import (
     ENDOFTEXT,
     IM_END,
     MODEL_FILES,
@@ -54,7 +54,7 @@ def test_existing_model_is_reused_and_a_damaged_one_rebuilt(tmp_path: Path) -> N
 
 
 def test_concurrent_builders_agree_and_leave_no_temp_dirs(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "engine.demo_model", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "engine.checkpoints.demo_model", "--out", str(tmp_path)]
     procs = [
         subprocess.Popen(
             command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

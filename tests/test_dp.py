@@ -12,11 +12,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.protocol import SamplingParams, SeqOutput, TokenizedRequest, pack_ids
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.kv_events import KVEventBatch, chain_hashes
+from engine.contracts.protocol import SamplingParams, SeqOutput, TokenizedRequest, pack_ids
 from engine.server.dp_monitor import DispatchReports
 from radix import OutOfPages
-from scheduler.kv_events import BlockEvents, KVEventBatch, chain_hashes
+from scheduler.kv_events import BlockEvents
 from tests.radix_sim import Sim
 from tokenizer_worker.dispatch import Dispatcher, NoReplica, choose
 from tokenizer_worker.replica_cache import ReplicaCache

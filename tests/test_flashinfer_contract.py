@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-import engine.attention.flashinfer as flashinfer_backend
-from engine.attention import TorchNativeBackend, make_backend
-from engine.batch import BatchInput
-from engine.cuda_graphs import DecodeGraphs
-from engine.kv_pool import KVPool
-from engine.runner import ModelRunner
+import engine.worker.attention.flashinfer as flashinfer_backend
+from engine.contracts.step import BatchInput
+from engine.worker.attention import TorchNativeBackend, make_backend
+from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.kv_pool import KVPool
+from engine.worker.runner import ModelRunner
 from tests import fake_flashinfer
 from tests.conftest_models import one_torch_thread, write_checkpoint
 from tests.test_attention import SHAPES, random_batch

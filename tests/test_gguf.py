@@ -15,12 +15,12 @@ import torch
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
-from engine import gguf_checkpoint as converter
-from engine import model_source
-from engine.gguf_checkpoint import SUPPORTED_TYPES, find_gguf, gguf_checkpoint
-from engine.model.config import ModelConfig
-from engine.model_source import DEMO_NAME, resolve_model
-from engine.protocol import SamplingParams
+from engine.checkpoints import gguf as converter
+from engine.checkpoints import model_source
+from engine.checkpoints.gguf import SUPPORTED_TYPES, find_gguf, gguf_checkpoint
+from engine.checkpoints.model_source import DEMO_NAME, resolve_model
+from engine.contracts.protocol import SamplingParams
+from engine.worker.model.config import ModelConfig
 from tests.test_scheduler import Harness, hf_greedy
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 96, 2, 4, 2, 16
@@ -276,7 +276,7 @@ def test_what_model_resolves_to(converted, monkeypatch):
 
 
 def test_a_big_model_is_written_in_shards_with_an_index(tmp_path, monkeypatch):
-    from engine.model.loader import weight_files
+    from engine.worker.model.loader import weight_files
 
     monkeypatch.setattr(converter, "SHARD_BYTES", 64 << 10)  # the tiny model spans shards
     path = write_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.F32)

@@ -328,7 +328,7 @@ def test_smg_loads_the_tokenizer_through_get_tokenizer(tmp_path):
     the worker (GetTokenizer). Here the model directory is moved away once the server has
     started, and smg, given no --model-path, serves text completions with the bundle: the
     same text and token counts as the server answers directly."""
-    from engine.demo_model import build_demo_model
+    from engine.checkpoints.demo_model import build_demo_model
 
     model_dir = tmp_path / "served"
     shutil.copytree(build_demo_model(), model_dir)

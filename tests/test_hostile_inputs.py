@@ -19,14 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine.demo_model import IM_END, IM_START, build_demo_model
-from engine.protocol import GenerateRequest, InvalidParam, ModelInfo, SamplingParams
+from engine.checkpoints.demo_model import IM_END, IM_START, build_demo_model
+from engine.contracts.protocol import GenerateRequest, InvalidParam, ModelInfo, SamplingParams
 from engine.server.errors import APIError
 from engine.server.sampling import MAX_MESSAGE_DEPTH, check_messages, check_prompt_ids
 from scheduler import beam
 from tests.server_process import API_KEY, AUTH, ServerProcess, metric_values, serve_module
 from tests.test_server import BAD_INPUTS, TABLE_FLAGS
-from tokenizer_worker.process import TokenizerWorker
+from tokenizer_worker.core import TokenizerWorker
 from tokenizer_worker.template import render_chat
 
 HUGE = [2**31, 2**63, 2**64, 10**30]

@@ -30,9 +30,10 @@ import pytest
 import zmq
 
 from engine.commands.options import add_engine_arguments
-from engine.config import EngineConfig
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.kv_events import BlockStored
 from radix import OutOfPages
-from scheduler.kv_events import BlockEvents, BlockStored, KVEventPublisher
+from scheduler.kv_events import BlockEvents, KVEventPublisher
 from tests.radix_sim import Sim
 from tests.server_process import AUTH, ServerProcess, free_port
 

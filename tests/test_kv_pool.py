@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batch import BatchInput
-from engine.kv_pool import KVPool
-from engine.protocol import ForwardBatch, RowSampling, SamplingParams, decode, encode
-from engine.runner import ModelRunner
+from engine.contracts.protocol import ForwardBatch, RowSampling, SamplingParams, decode, encode
+from engine.contracts.step import BatchInput
+from engine.worker.kv_pool import KVPool
+from engine.worker.runner import ModelRunner
 from tests.conftest_models import write_checkpoint
 
 
@@ -184,7 +184,7 @@ def test_validate_names_what_is_wrong(field: str, value: np.ndarray, message: st
 
 
 def test_default_dtype_is_bf16_where_the_cpu_has_it_natively(monkeypatch) -> None:
-    import engine.runner as runner
+    import engine.worker.runner as runner
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for native, want in [(True, torch.bfloat16), (False, torch.float32)]:

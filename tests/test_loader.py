@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model import ModelConfig, load_model
-from engine.model.llama import rope_inv_freq
+from engine.worker.model.config import ModelConfig
+from engine.worker.model.llama import rope_inv_freq
+from engine.worker.model.loader import load_model
 from tests.conftest_models import write_checkpoint
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -194,8 +195,8 @@ def test_dummy_load_format_needs_only_the_config(llama_dir: Path, tmp_path: Path
     assert not torch.equal(weights["model.embed_tokens.weight"],
                            other.weight_targets()["model.embed_tokens.weight"])
     # The runner takes the same path: random weights give finite logits through every layer.
-    from engine.batch import BatchInput
-    from engine.runner import ModelRunner
+    from engine.contracts.step import BatchInput
+    from engine.worker.runner import ModelRunner
 
     runner = ModelRunner(only_config, num_pages=4, dtype="float32", load_format="dummy")
     logits = runner.forward(BatchInput.build([([0, 1], 0, list(range(20)))], 16))

@@ -32,8 +32,8 @@ import pytest
 import torch
 import transformers
 
-from engine.batch import BatchInput
-from engine.runner import ModelRunner
+from engine.contracts.step import BatchInput
+from engine.worker.runner import ModelRunner
 from tests.conftest_models import one_torch_thread, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -255,7 +255,7 @@ def test_prepacked_cpu_projections_give_the_same_bits(checkpoints, kind: str) ->
     """bf16 on CPU runs the projections through oneDNN's prepacked layout (``prepack``): the
     logits are bit-identical to the plain ``F.linear`` model's, and the plain copies are freed
     (the embedding stays, tied or not)."""
-    from engine.model.llama import can_prepack
+    from engine.worker.model.llama import can_prepack
 
     path = checkpoints[kind]
     packed = ModelRunner(path, page_size=16, num_pages=64, dtype=torch.bfloat16)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.protocol import SamplingParams
+from engine.contracts.protocol import SamplingParams
 from tests.server_process import ServerProcess
 from tests.test_scheduler import Harness, hf_greedy, model_dir  # noqa: F401 (fixture)
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batch import BatchInput
-from engine.runner import ModelRunner
+from engine.contracts.step import BatchInput
+from engine.worker.runner import ModelRunner
 from tests.conftest_models import KINDS, load_reference, one_torch_thread, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)

@@ -8,9 +8,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.batch import BatchInput
-from engine.demo_model import build_demo_model
-from engine.protocol import ForwardBatch, RowSampling, SamplingParams, TokenizedRequest, pack_ids
+from engine.checkpoints.demo_model import build_demo_model
+from engine.contracts.protocol import (
+    ForwardBatch,
+    RowSampling,
+    SamplingParams,
+    TokenizedRequest,
+    pack_ids,
+)
+from engine.contracts.step import BatchInput
 from tests.test_scheduler import Harness
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
-from engine.sampler import SamplingRow, _mix_seed, apply_filters, apply_penalties, sample
+from engine.contracts.protocol import SamplingParams
+from engine.worker.sampler import SamplingRow, _mix_seed, apply_filters, apply_penalties, sample
 
 
 def row(

@@ -9,10 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.demo_model import build_demo_model
-from engine.protocol import SamplingParams, TokenizedRequest, decode, encode, pack_ids, unpack_ids
-from engine.worker import Worker
+from engine.checkpoints.demo_model import build_demo_model
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import (
+    SamplingParams,
+    TokenizedRequest,
+    decode,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from engine.worker.process import Worker
 from scheduler.scheduler import Scheduler
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from engine.config import EngineConfig
-from engine.protocol import (
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import (
     GenerateRequest,
     ModelInfo,
     RequestOutput,

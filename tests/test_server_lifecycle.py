@@ -59,7 +59,7 @@ def test_a_signal_shuts_down_cleanly(tmp_path, sig):
 
 def test_a_dying_child_fails_pending_requests_then_exits_nonzero(tmp_path):
     server = ServerProcess(tmp_path, "--num-pages", "1024")
-    scheduler = next(p for p in server.children if "engine.child scheduler" in _cmdline(p))
+    scheduler = next(p for p in server.children if "engine.runtime.child scheduler" in _cmdline(p))
     body = {"prompt": "on and on", "max_tokens": 3000, "ignore_eos": True}
     whole: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: whole.append(

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig
-from engine.demo_model import build_demo_model
-from engine.protocol import SamplingParams, TokenizedRequest, pack_ids
-from engine.worker import Worker
+from engine.checkpoints.demo_model import build_demo_model
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import SamplingParams, TokenizedRequest, pack_ids
+from engine.worker.process import Worker
 from radix import PageAllocator, RadixTree
 from scheduler.scheduler import Scheduler
-from scheduler.sessions import SessionPins
+from scheduler.session_pins import SessionPins
 from tokenizer_worker.session import ChatSession
 from tokenizer_worker.template import render_chat, render_chat_text
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.gguf_checkpoint import gguf_checkpoint
-from engine.model_source import default_gguf
-from engine.protocol import SamplingParams
+from engine.checkpoints.gguf import gguf_checkpoint
+from engine.checkpoints.model_source import default_gguf
+from engine.contracts.protocol import SamplingParams
 from tests.test_scheduler import Harness, hf_greedy
 
 GGUF = default_gguf()

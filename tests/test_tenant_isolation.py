@@ -8,7 +8,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from engine.config import EngineConfig
+from engine.contracts.engine_config import EngineConfig
 from engine.server.app import build_app
 from engine.server.service import Service
 from radix import PageAllocator, RadixTree

@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
-from engine.api import EngineDead
-from engine.batch import BatchInput
-from engine.config import EngineConfig
-from engine.demo_model import build_demo_model
-from engine.distributed import TensorParallel
-from engine.model.config import ModelConfig
-from engine.model.loader import load_model
-from engine.model.parallel import ShardPlan
-from engine.runner import ModelRunner
+from engine.checkpoints.demo_model import build_demo_model
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.step import BatchInput
+from engine.runtime.offline import EngineDead
+from engine.worker.distributed import TensorParallel
+from engine.worker.model.config import ModelConfig
+from engine.worker.model.loader import load_model
+from engine.worker.model.parallel import ShardPlan
+from engine.worker.runner import ModelRunner
 from tests.conftest_models import one_torch_thread, write_checkpoint
 from tests.test_scheduler import Harness, shared_prefix_prompts
 
@@ -245,7 +245,7 @@ in the reference: outputs are the same either way). Overlap scheduling is on,
 def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
     engine = Engine(model_dir, tp_size=2, num_pages=256, dtype="float32")
     try:
-        rank1 = engine.launcher.children["tp-rank-1"].pid
+        rank1 = engine.runtime.launcher.children["tp-rank-1"].pid
         threading.Timer(2.0, os.kill, (rank1, signal.SIGKILL)).start()
         start = time.monotonic()
         with pytest.raises(EngineDead, match="tp-rank-1 process exited"):
@@ -255,7 +255,7 @@ def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
         assert not engine.alive
     finally:
         engine.close()
-    for proc in engine.launcher.children.values():
+    for proc in engine.runtime.launcher.children.values():
         assert proc.poll() is not None
 
 

@@ -1,16 +1,16 @@
-"""How many OpenMP threads a model worker gets (engine/launcher.py ``worker_threads``), that
+"""How many OpenMP threads a model worker gets (engine/runtime/launcher.py ``worker_threads``), that
 the launcher hands it to the worker process, and that steps too small to share run on one
-(engine/runner.py ``SMALL_STEP_FLOPS``)."""
+(engine/worker/runner.py ``SMALL_STEP_FLOPS``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.batch import BatchInput
-from engine.config import EngineConfig
-from engine.launcher import Launcher, worker_threads
-from engine.runner import SMALL_MODEL_BYTES, SMALL_STEP_FLOPS, ModelRunner
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.step import BatchInput
+from engine.runtime.launcher import Launcher, worker_threads
+from engine.worker.runner import SMALL_MODEL_BYTES, SMALL_STEP_FLOPS, ModelRunner
 from tests.conftest_models import write_checkpoint
 
 

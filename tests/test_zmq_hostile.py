@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from engine.config import EngineConfig
+from engine.contracts.engine_config import EngineConfig
 from engine.server.app import build_app
 from engine.server.service import Service
 from engine.server.zmq_client import ZmqAPIError, ZmqClient

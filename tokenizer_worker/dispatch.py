@@ -24,7 +24,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from engine.protocol import (
+from engine.contracts.kv_events import chain_hashes
+from engine.contracts.protocol import (
     DispatchStats,
     ReplicaLoad,
     SchedulerStats,
@@ -32,7 +33,6 @@ from engine.protocol import (
     TokenizedRequest,
     unpack_ids,
 )
-from scheduler.kv_events import chain_hashes
 from tokenizer_worker.replica_cache import ReplicaCache
 
 POLICIES = ("cache_aware", "round_robin")

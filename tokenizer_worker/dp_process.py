@@ -21,8 +21,8 @@ import time
 
 import zmq
 
-from engine.config import LaunchSpec
-from engine.protocol import (
+from engine.contracts.engine_config import LaunchSpec
+from engine.contracts.protocol import (
     AbortRequest,
     GenerateRequest,
     Ready,
@@ -36,8 +36,8 @@ from engine.protocol import (
     decode,
     encode,
 )
+from tokenizer_worker.core import TokenizerWorker
 from tokenizer_worker.dispatch import Dispatcher, NoReplica
-from tokenizer_worker.process import TokenizerWorker
 
 STATS_INTERVAL = 0.1  # seconds between the dispatcher's reports to the frontend
 

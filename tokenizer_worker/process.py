@@ -1,271 +1,35 @@
-"""The tokenizer process: prompts in (text, chat messages or ids) → token ids to the scheduler;
-token ids back from the scheduler → UTF-8-safe text deltas, cut at stop strings, to the frontend.
-
-A stop string ends one sample: the worker emits its final text at once and asks the scheduler
-to abort that sample (its pages are released within one step); later tokens already on their
-way for it are dropped here.
-
-Sessions (multi-turn chat) live here: the worker that owns a session (the frontend routes all
-of a session's messages to one worker) keeps its token history, builds each turn's prompt as
-history + the new messages' template fragment, and appends the reply's ids when the turn
-finishes (``tokenizer_worker/session.py``). The scheduler's stats pass through to the frontend.
-"""
+"""The tokenizer process's loop: the frontend's messages and the scheduler's outputs through a
+``TokenizerWorker`` (tokenizer_worker/core.py); with ``--dp-size`` > 1 the loop of
+tokenizer_worker/dp_process.py, which adds the dispatcher."""
 
 from __future__ import annotations
 
-import logging
 import os
-from dataclasses import dataclass, field
 
-import numpy as np
 import zmq
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer
 
-from engine.config import LaunchSpec
-from engine.model.config import ModelConfig
-from engine.protocol import (
+from engine.contracts.engine_config import LaunchSpec
+from engine.contracts.protocol import (
     AbortRequest,
     GenerateRequest,
     Ready,
-    RequestOutput,
-    SeqOutput,
     SessionClose,
     SessionOpen,
     Shutdown,
     TokenizedRequest,
-    TokenOutputs,
     decode,
     encode,
-    pack_ids,
-    unpack_ids,
 )
-from tokenizer_worker.detokenize import IncrementalDetokenizer
-from tokenizer_worker.session import ChatSession
-from tokenizer_worker.stop import StopChecker
-from tokenizer_worker.template import encode_prompt, render_chat
-
-logger = logging.getLogger("radixserve.tokenizer")
-
-
-@dataclass
-class SampleState:
-    detok: IncrementalDetokenizer
-    stop: StopChecker
-    done: bool = False
-
-
-@dataclass
-class RequestState:
-    req: GenerateRequest
-    prompt_ids: np.ndarray
-    samples: dict[int, SampleState] = field(default_factory=dict)
-    finished: int = 0
-    session: ChatSession | None = None  # the session this turn continues
-    reply_ids: list[int] = field(default_factory=list)  # a session turn's reply so far
-    reply_text: list[str] = field(default_factory=list)
-
-    @property
-    def width(self) -> int:
-        p = self.req.params
-        return p.n
-
-
-class TokenizerWorker:
-    """Pure message handling (no sockets), so tests can drive it directly.
-
-    Nothing one request sends ends this process: whatever tokenizing it raises becomes that
-    request's error (400 for input the tokenizer or template refuses, else 500, logged here
-    with the request id)."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, index: int, *,
-                 context_len: int | None = None, special_in_content: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.index = index
-        self.special_in_content = special_in_content
-        self.states: dict[str, RequestState] = {}
-        self.sessions: dict[str, ChatSession] = {}
-        # No token spells more characters than the vocabulary's longest entry (byte-level
-        # entries spell bytes, which are never fewer), so a text longer than this cannot fit
-        # the context; refusing it before tokenizing keeps a multi-MB prompt from stalling
-        # every other request on this worker for seconds.
-        self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = None if context_len is None else context_len * self.longest_token
-        self.context_len = context_len
-
-    def tokenize(self, req: GenerateRequest) -> list[int]:
-        given = sum(x is not None for x in (req.text, req.prompt_ids, req.messages))
-        if given != 1:
-            raise ValueError("give exactly one of a text prompt, prompt token ids or chat messages")
-        if req.messages is not None:
-            self._check_chars(sum(map(_text_chars, req.messages)), "the messages have")
-            return render_chat(self.tokenizer, req.messages,
-                               special_in_content=self.special_in_content)
-        if req.text is not None:
-            self._check_chars(len(req.text), "the prompt has")
-            return encode_prompt(self.tokenizer, req.text)
-        return unpack_ids(req.prompt_ids).tolist()
-
-    def _check_chars(self, chars: int, subject: str) -> None:
-        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
-            raise ValueError(f"{subject} {chars:,} characters, more than the model's context of "
-                             f"{self.context_len:,} tokens can hold (no token spells more than "
-                             f"{self.longest_token} characters)")
-
-    def on_request(self, req: GenerateRequest) -> TokenizedRequest | RequestOutput:
-        session = None
-        try:
-            if req.session_id is None:
-                ids = self.tokenize(req)
-            else:
-                session = self.sessions.get(req.session_id)
-                if session is None:
-                    return RequestOutput(rid=req.rid, finish_reason="error", status=404,
-                                         error=f"session {req.session_id!r} does not exist")
-                ids = self._session_prompt(session, req)
-        except ValueError as exc:
-            return RequestOutput(rid=req.rid, finish_reason="error", error=str(exc), status=400)
-        except RecursionError:
-            logger.warning("request %s: its messages recurse too deeply to render", req.rid)
-            return RequestOutput(rid=req.rid, finish_reason="error", status=400,
-                                 error="the messages nest too deeply to render")
-        except Exception:
-            logger.exception("tokenizing request %s failed", req.rid)
-            return RequestOutput(rid=req.rid, finish_reason="error", status=500,
-                                 error="the server failed to tokenize this request; its log "
-                                       "has the details")
-        self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32), session=session)
-        return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
-                                reply_to=self.index, namespace=req.namespace,
-                                session_id=req.session_id)
-
-    def _session_prompt(self, session: ChatSession, req: GenerateRequest) -> list[int]:
-        if req.messages is None:
-            raise ValueError("a session turn takes chat messages (the new turn's only)")
-        if req.params.n != 1 or req.params.beam_width != 1:
-            raise ValueError("a session turn makes one reply: n and beam search must be 1")
-        self._check_chars(sum(map(_text_chars, req.messages)), "the messages have")
-        return session.prompt_for(self.tokenizer, req.messages,
-                                  special_in_content=self.special_in_content)
-
-    def on_session(self, msg: SessionOpen | SessionClose) -> None:
-        if isinstance(msg, SessionOpen):
-            self.sessions[msg.session_id] = ChatSession()
-        else:
-            self.sessions.pop(msg.session_id, None)
-
-    def on_abort(self, msg: AbortRequest) -> None:
-        self.states.pop(msg.rid, None)
-
-    def on_outputs(self, msg: TokenOutputs) -> tuple[list[RequestOutput], list[AbortRequest]]:
-        outputs, aborts = [], []
-        for out in msg.outputs:
-            state = self.states.get(out.rid)
-            if state is None:
-                continue  # finished here already (stop string) or aborted by the client
-            if out.error is not None:
-                outputs.append(RequestOutput(rid=out.rid, index=out.index, finish_reason="error",
-                                             error=out.error, status=out.status))
-                self.states.pop(out.rid, None)
-                continue
-            try:
-                result, stopped = self._detokenize(state, out)
-            except Exception:
-                # The request fails alone; its sequences are aborted in the scheduler.
-                logger.exception("detokenizing request %s failed", out.rid)
-                outputs.append(RequestOutput(rid=out.rid, index=out.index, finish_reason="error",
-                                             status=500, error="the server failed to detokenize "
-                                             "this request's output; its log has the details"))
-                aborts.append(AbortRequest(out.rid, "error"))
-                self.states.pop(out.rid, None)
-                continue
-            if stopped:
-                aborts.append(AbortRequest(out.rid, "stop", out.index))
-            result.result_at = msg.result_at
-            outputs.append(result)
-            if state.finished >= state.width:
-                self.states.pop(out.rid, None)
-        return outputs, aborts
-
-    def _sample(self, state: RequestState, index: int) -> SampleState:
-        sample = state.samples.get(index)
-        if sample is None:
-            params = state.req.params
-            sample = state.samples[index] = SampleState(
-                IncrementalDetokenizer(self.tokenizer, state.prompt_ids.tolist(),
-                                       params.skip_special_tokens),
-                StopChecker(params.stop),
-            )
-        return sample
-
-    def _detokenize(self, state: RequestState, out: SeqOutput) -> tuple[RequestOutput, bool]:
-        ids = unpack_ids(out.token_ids)
-        result = RequestOutput(
-            rid=out.rid, index=out.index, token_ids=out.token_ids, logprobs=out.logprobs,
-            top_ids=out.top_ids, top_logprobs=out.top_logprobs, finish_reason=out.finish_reason,
-            prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-            replace=out.replace,
-        )
-        sample = self._sample(state, out.index)
-        if sample.done:
-            result.token_ids = b""
-            return result, False
-        if out.logprobs:
-            result.token_texts = self._token_texts(ids)
-            result.top_texts = self._token_texts(unpack_ids(out.top_ids))
-        if out.replace:
-            # Beam search sends each final beam whole: decode it in one go.
-            text = self.tokenizer.decode(ids.tolist(),
-                                         skip_special_tokens=state.req.params.skip_special_tokens)
-            emitted, stopped = sample.stop.feed(text)
-            result.text = emitted + ("" if stopped else sample.stop.flush())
-            stopped = False  # the beam is final already: nothing to abort
-        else:
-            delta = sample.detok.add(ids)
-            if out.finish_reason is not None:
-                delta += sample.detok.flush()
-            emitted, stopped = sample.stop.feed(delta)
-            if out.finish_reason is not None and not stopped:
-                emitted += sample.stop.flush()
-                if sample.stop.matched is not None:  # a stop string settled only at the end
-                    result.finish_reason = "stop"
-            result.text = emitted
-            if state.session is not None:
-                state.reply_ids.extend(ids.tolist())
-                state.reply_text.append(emitted)
-        if stopped:
-            result.finish_reason = "stop"
-        if result.finish_reason is not None:
-            sample.done = True
-            state.finished += 1
-            if state.session is not None and result.finish_reason in ("stop", "length"):
-                state.session.commit(state.prompt_ids.tolist(), state.req.messages,
-                                     state.reply_ids, "".join(state.reply_text))
-        return result, stopped and out.finish_reason is None
-
-    def _token_texts(self, ids: np.ndarray) -> list[str]:
-        """Each token's own text (logprobs name tokens by it), special tokens spelled out."""
-        return self.tokenizer.batch_decode(ids.reshape(-1, 1).tolist(),
-                                           skip_special_tokens=False)
-
-
-def _text_chars(message: object) -> int:
-    """Characters of a message's content (a string or text parts), before any validation."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p["text"]) for p in content
-                   if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return 0
+from tokenizer_worker.core import TokenizerWorker
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     ep, i = spec.endpoints, spec.index
     tokenizer = AutoTokenizer.from_pretrained(spec.config.model)
     tokenizer.model_max_length = 1 << 30  # the scheduler checks lengths against the context
-    model_context_len = ModelConfig.from_dir(spec.config.model).max_context_len
-    context_len = spec.config.serving_context_len(model_context_len)
-    worker = TokenizerWorker(tokenizer, i, context_len=context_len,
+    # The launcher resolved the context (--context-len, else the model's) into the config.
+    worker = TokenizerWorker(tokenizer, i, context_len=spec.config.context_len,
                              special_in_content=spec.config.allow_special_tokens_in_content)
     if spec.config.dp_size > 1:  # replicas behind a cache-aware dispatcher
         from tokenizer_worker import dp_process

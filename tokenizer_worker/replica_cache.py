@@ -34,7 +34,7 @@ from collections import Counter
 
 import msgspec
 
-from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from engine.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 

@@ -47,8 +47,8 @@ def _requests(args: argparse.Namespace, vocab_size: int):
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from engine.api import Engine, EngineDead, EngineError
-    from engine.protocol import SamplingParams
+    from engine.contracts.protocol import SamplingParams
+    from engine.runtime.offline import Engine, EngineDead, EngineError
 
     config = config_from_args(args)
     try:

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _read_requests(path: str):
     import msgspec
 
-    from engine.protocol import SamplingParams
+    from engine.contracts.protocol import SamplingParams
 
     prompts, params = [], []
     with open(path) as f:
@@ -50,7 +50,7 @@ def _read_requests(path: str):
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from engine.api import Engine, EngineDead, EngineError
+    from engine.runtime.offline import Engine, EngineDead, EngineError
 
     prompts, params = _read_requests(args.input)
     config = config_from_args(args)

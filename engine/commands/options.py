@@ -6,7 +6,7 @@ import argparse
 
 import msgspec
 
-from engine.config import EngineConfig
+from engine.contracts.engine_config import EngineConfig
 
 _HELP = {
     "model": "a Hugging Face checkpoint directory, a Llama-family .gguf file (or a directory "
@@ -106,8 +106,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags, with --model resolved to a checkpoint directory
-    (engine.model_source: the default model, the demo model, a converted GGUF)."""
-    from engine.model_source import resolve_model
+    (engine.checkpoints.model_source: the default model, the demo model, a converted GGUF)."""
+    from engine.checkpoints.model_source import resolve_model
 
     values = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(EngineConfig)}
     source = resolve_model(values["model"])
@@ -116,8 +116,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(**values)
     config.validate()
     if config.tp_size > 1:  # a model that does not split that many ways: refused before starting
-        from engine.model.config import ModelConfig
-        from engine.model.parallel import ShardPlan
+        from engine.worker.model.config import ModelConfig
+        from engine.worker.model.parallel import ShardPlan
 
         ShardPlan.for_rank(ModelConfig.from_dir(config.model), 0, config.tp_size)
     return config

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from engine.commands.options import add_engine_arguments, config_from_args
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from engine.contracts.engine_config import EngineConfig
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (and optionally ZMQ)"
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _grpc_refusal(config: EngineConfig) -> str | None:
     """Why --grpc-port cannot serve this configuration, or None."""
-    from scheduler.kv_events import binds
+    from engine.contracts.kv_events import binds
 
     if config.dp_size > 1:
         return ("--grpc-port relays one engine's KV events and --dp-size > 1 runs several; run "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.protocol import RequestOutput, unpack_ids
+from engine.contracts.protocol import RequestOutput, unpack_ids
 from engine.server.schemas import (
     ChatLogprobs,
     CompletionLogprobs,

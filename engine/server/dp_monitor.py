@@ -19,7 +19,7 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.protocol import DispatchStats, SchedulerStats
+from engine.contracts.protocol import DispatchStats, SchedulerStats
 
 PREFIX = "radixserve_dp"
 

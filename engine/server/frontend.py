@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 import uvicorn
 import zmq
 
-from engine.client import EngineClient
-from engine.config import EngineConfig
-from engine.launcher import EngineError, Launcher
-from engine.protocol import ModelInfo
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import ModelInfo
+from engine.runtime.client import EngineClient
+from engine.runtime.launcher import EngineError, Launcher
 from engine.server.app import build_app
 from engine.server.dp_monitor import DispatchMonitor
 from engine.server.service import Service

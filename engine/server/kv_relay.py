@@ -28,7 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from engine.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 logger = logging.getLogger("radixserve.grpc")
 

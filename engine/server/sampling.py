@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from engine.protocol import InvalidParam, ModelInfo, SamplingParams, show_int
+from engine.contracts.protocol import InvalidParam, ModelInfo, SamplingParams, show_int
 from engine.server.errors import APIError
 from engine.server.schemas import (
     ChatCompletionRequest,

@@ -23,9 +23,8 @@ from pathlib import Path
 import msgspec
 from msgspec import UNSET
 
-from engine.client import EngineClient, EngineDead, new_request_id
-from engine.config import EngineConfig
-from engine.protocol import (
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import (
     GenerateRequest,
     ModelInfo,
     RequestOutput,
@@ -34,6 +33,7 @@ from engine.protocol import (
     SessionOpen,
     pack_ids,
 )
+from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.server import sampling
 from engine.server.choices import (
     Choice,
@@ -66,7 +66,7 @@ from engine.server.schemas import (
     SessionDeleted,
     SessionObject,
 )
-from engine.server.sessions import SessionTable
+from engine.server.session_table import SessionTable
 
 Delta = tuple[Choice, RequestOutput, list[int], list[TokenInfo]]
 

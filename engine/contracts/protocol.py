@@ -1,0 +1,411 @@
+"""Messages shared by every process: msgspec Structs in tagged unions, encoded as msgpack.
+
+No Python-object serialisation crosses a socket. Token ids travel as packed int32 bytes
+(``pack_ids`` / ``unpack_ids``), never as Python lists.
+
+    frontend ──GenerateRequest/AbortRequest──▶ tokenizer ──TokenizedRequest/AbortRequest──▶ scheduler
+    frontend ◀────────RequestOutput─────────── tokenizer ◀──────TokenOutputs───────────── scheduler
+    frontend ◀───────SchedulerStats─────────── tokenizer ◀──(TokenOutputs.stats)───────── scheduler
+                                                          scheduler ──ForwardBatch──▶ worker
+                                                          scheduler ◀──BatchResult/WorkerReady── worker
+    every child ──Ready/Fatal──▶ launcher
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import numpy as np
+
+from engine.contracts.step import BatchInput
+
+
+def pack_ids(ids: np.ndarray | list[int]) -> bytes:
+    return np.asarray(ids, dtype=np.int32).tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.int32)
+
+
+class InvalidParam(ValueError):
+    """A sampling parameter out of range: ``field`` names it, the message says why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a request asks of decoding. Validate with ``validate()`` before admitting."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    n: int = 1
+    beam_width: int = 1  # > 1: beam search (deterministic, length-normalised like transformers)
+    length_penalty: float = 1.0
+    logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled token's)
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, *, vocab_size: int | None = None, context_len: int | None = None) -> None:
+        """Raise InvalidParam (a ValueError) naming the field, with a sentence a user can act on.
+
+        Every number is checked against what the engine can represent: token ids and counts
+        travel as int32, seeds as uint64, and floats must be finite (a NaN fails every range
+        test below). With ``vocab_size`` and ``context_len`` (the door and the scheduler know
+        them) ids and lengths are checked against the model too."""
+        limit = context_len or INT32_MAX
+        if self.max_tokens < 1:
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got "
+                               f"{show_int(self.max_tokens)}")
+        if self.max_tokens > limit:
+            raise InvalidParam("max_tokens", f"max_tokens is {show_int(self.max_tokens)}, but the "
+                               f"model's context is {limit:,} tokens")
+        if not (0.0 <= self.temperature <= 100.0):
+            raise InvalidParam("temperature",
+                               f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not -1 <= self.top_k <= INT32_MAX:
+            raise InvalidParam("top_k", f"top_k must be -1 or 0 (disabled) or a positive integer "
+                               f"up to {INT32_MAX:,}, got {show_int(self.top_k)}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise InvalidParam("repetition_penalty", f"repetition_penalty must be in (0, 10], "
+                               f"got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise InvalidParam(name, f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise InvalidParam("seed", f"seed must be in [0, 2**64), got {show_int(self.seed)}")
+        if not 1 <= self.n <= 128:
+            raise InvalidParam("n", f"n must be between 1 and 128, got {show_int(self.n)}")
+        if not 1 <= self.beam_width <= 32:
+            raise InvalidParam("beam_width", f"beam_width must be between 1 and 32, got "
+                               f"{show_int(self.beam_width)}")
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise InvalidParam("n", f"n ({self.n}) cannot exceed beam_width ({self.beam_width})")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise InvalidParam("length_penalty", f"length_penalty must be in "
+                               f"[-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got "
+                               f"{self.length_penalty}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise InvalidParam("logprobs", f"logprobs must be between 0 and 20, got "
+                               f"{show_int(self.logprobs)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
+                               f"got {len(self.stop):,}")
+        if any(not s for s in self.stop):
+            raise InvalidParam("stop", "stop strings must not be empty")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise InvalidParam("stop", f"stop strings may have at most {MAX_STOP_CHARS:,} "
+                               f"characters, one has {longest:,}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParam("stop_token_ids", f"stop_token_ids may hold at most "
+                               f"{MAX_STOP_TOKEN_IDS:,} ids, got {len(self.stop_token_ids):,}")
+        id_limit = vocab_size or INT32_MAX + 1
+        bad = [t for t in self.stop_token_ids if not 0 <= t < id_limit]
+        if bad:
+            where = f"the vocabulary (size {vocab_size:,})" if vocab_size else "[0, 2**31)"
+            raise InvalidParam("stop_token_ids",
+                               f"stop_token_ids {show_int(bad[0])} is outside {where}")
+
+
+INT32_MAX = (1 << 31) - 1  # token ids, counts and lengths travel as int32
+SEED_LIMIT = 1 << 64  # seeds travel as uint64; derived seeds (seed + sample index) wrap modulo it
+# Beam scores divide by length ** length_penalty; past ~10 the length term swamps any logprob
+# difference anyway, and |penalty| <= 10 keeps that power finite in float64 for any context.
+MAX_LENGTH_PENALTY = 10.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # each stop string is matched against every new text delta
+MAX_STOP_TOKEN_IDS = 1024  # the list rides on every step's batch message
+
+
+def show_int(value: int) -> str:
+    """A number for an error sentence; a 400-digit seed is described, not printed."""
+    text = f"{value:,}"
+    return text if len(text) <= 32 else f"a {len(str(abs(value)))}-digit number"
+
+
+# --------------------------------------------------------------------------- requests
+class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
+    """Frontend → tokenizer. Exactly one of ``text``, ``prompt_ids`` or ``messages``."""
+
+    rid: str
+    params: SamplingParams
+    text: str | None = None
+    prompt_ids: bytes | None = None
+    messages: list[dict] | None = None
+    namespace: str | None = None
+    session_id: str | None = None  # the scheduler-side history to continue (multi-turn)
+    stream: bool = True
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """Frontend → tokenizer → scheduler: stop a request and release its pages."""
+
+    rid: str
+    reason: str = "abort"
+    index: int = -1  # one sample of the request, or -1 for all of them
+
+
+class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
+    """Tokenizer → scheduler."""
+
+    rid: str
+    prompt_ids: bytes
+    params: SamplingParams
+    reply_to: int  # index of the tokenizer worker that gets this request's outputs
+    namespace: str | None = None
+    session_id: str | None = None
+    arrival: float = 0.0
+
+
+class SessionOpen(msgspec.Struct, tag=True):
+    """Frontend → tokenizer → scheduler: open a multi-turn session (history held server-side)."""
+
+    session_id: str
+    ttl: float
+
+
+class SessionClose(msgspec.Struct, tag=True):
+    session_id: str
+
+
+# ---------------------------------------------------------------------------- outputs
+class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one sequence of a request since the last message."""
+
+    rid: str
+    index: int  # which of the n samples / beams
+    token_ids: bytes
+    logprobs: bytes = b""  # float32 per token, when asked
+    top_ids: bytes = b""  # int32 [tokens, N]
+    top_logprobs: bytes = b""  # float32 [tokens, N]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    status: int = 200  # with an error: 400 bad input, 503 overload, 500 a bug
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replace: bool = False  # beam search: token_ids replace everything sent before
+
+
+class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
+    """The scheduler's gauges and counters (``Scheduler.stats()``), for the frontend's metrics.
+
+    Rides on a ``TokenOutputs`` at most a few times a second and whenever the scheduler goes
+    idle; the tokenizer worker forwards it to the frontend as its own message.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0
+    kv_pages_cached: int = 0
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    preemptions: int = 0
+    sessions_pinned: int = 0
+    pinned_tokens: int = 0
+
+
+class TokenOutputs(msgspec.Struct, tag=True):
+    """Scheduler → tokenizer, once per step for the requests that worker owns."""
+
+    outputs: list[SeqOutput]
+    stats: SchedulerStats | None = None
+    # time.monotonic() when the scheduler got the step result these outputs come from (0: not
+    # from a step), carried on to the frontend to time the hops (its delivery histogram)
+    result_at: float = 0.0
+
+
+class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Tokenizer → frontend: one sequence's text and token delta."""
+
+    rid: str
+    index: int = 0
+    text: str = ""
+    token_ids: bytes = b""
+    logprobs: bytes = b""
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 200  # HTTP-like status of an error: 400 bad input, 503 overload, 500 bug
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replace: bool = False
+    result_at: float = 0.0  # TokenOutputs.result_at of the step that produced these tokens
+    # With logprobs: each token's text, then each top alternative's (tokens x N, row-major).
+    token_texts: list[str] = []
+    top_texts: list[str] = []
+
+
+# ------------------------------------------------------------------------- the worker
+class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
+    """How to sample one logits row. ``history`` (prompt then output ids) is sent only for rows
+    with penalties; ``output_len`` is the seeded step index."""
+
+    params: SamplingParams
+    output_len: int
+    prompt_len: int = 0
+    history: bytes = b""
+
+
+class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
+    """Scheduler → worker: one step (``engine.contracts.step.BatchInput``, its arrays as int32 msgpack
+    extensions) and how to sample it.
+
+    Order of work: swap_out, swap_in, copies, forward, then sample one token per ``sampling``
+    row (rows of ``step.logits_rows``, which may repeat a row: parallel samples share one
+    prefill).
+    """
+
+    batch_id: int
+    step: BatchInput
+    sampling: list[RowSampling]
+
+
+class BatchResult(msgspec.Struct, tag=True, kw_only=True):
+    """Worker → scheduler: one sampled token per sampling row."""
+
+    batch_id: int
+    token_ids: bytes = b""
+    logprobs: bytes = b""
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+    top_n: int = 0
+    error: str | None = None
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    model: str
+    architecture: str
+    vocab_size: int
+    context_len: int
+    eos_token_ids: list[int]
+    page_size: int
+    num_pages: int
+    num_host_pages: int
+    device: str
+    dtype: str
+    attention_backend: str
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    info: ModelInfo
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Any child → launcher once it serves; the scheduler's carries the model's facts."""
+
+    name: str
+    pid: int
+    info: ModelInfo | None = None
+
+
+class Fatal(msgspec.Struct, tag=True):
+    """Any child → launcher just before it exits on an error it cannot serve past."""
+
+    name: str
+    error: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+# ------------------------------------------------------------------- data parallel
+class ReplicaDown(msgspec.Struct, tag=True):
+    """Launcher → tokenizer (``--dp-size`` > 1): a replica's scheduler or worker exited. Its
+    requests that had output fail, those that had none go to another replica, and nothing
+    more is routed to it."""
+
+    replica: int
+    reason: str
+
+
+class ReplicaLoad(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One replica as one tokenizer worker's dispatcher sees it. Counters only grow; the cached
+    token counters cover the same requests (those that finished after the replica admitted
+    them): what the dispatcher predicted from the replica's KV events and what the replica
+    reported in ``cached_tokens``."""
+
+    alive: bool = True
+    in_flight: int = 0
+    routed: int = 0
+    predicted_cached_tokens: int = 0
+    actual_cached_tokens: int = 0
+    cached_blocks: int = 0  # blocks the dispatcher's copy of the replica's cache holds
+    resets: int = 0  # times that copy was dropped (a gap in the events, a restart)
+    stats: SchedulerStats | None = None  # the replica scheduler's latest stats seen here
+
+
+class DispatchStats(msgspec.Struct, tag=True):
+    """Tokenizer → frontend (on its own socket): the dispatcher's replicas, whenever changed."""
+
+    tokenizer: int
+    replicas: list[ReplicaLoad]
+
+
+Message = (
+    GenerateRequest | AbortRequest | TokenizedRequest | SessionOpen | SessionClose | TokenOutputs
+    | SchedulerStats | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
+    | ReplicaDown | DispatchStats
+)
+
+# Integer numpy arrays (a step's) travel as one msgpack extension each: ndim, shape, then the
+# int32 values; they decode as read-only views of the message, with no copy.
+_ARRAY_EXT = 1
+
+
+def _enc_hook(obj: object) -> msgspec.msgpack.Ext:
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "iu":
+        values = np.ascontiguousarray(obj, dtype=np.int32)
+        header = struct.pack(f"<B{values.ndim}I", values.ndim, *values.shape)
+        return msgspec.msgpack.Ext(_ARRAY_EXT, header + values.tobytes())
+    raise TypeError(f"cannot encode {type(obj).__name__} {getattr(obj, 'dtype', '')} in a message")
+
+
+def _ext_hook(code: int, data: memoryview) -> np.ndarray:
+    if code != _ARRAY_EXT:
+        raise ValueError(f"unknown msgpack extension {code}")
+    ndim = data[0]
+    shape = struct.unpack_from(f"<{ndim}I", data, 1)
+    return np.frombuffer(data, dtype=np.int32, offset=1 + 4 * ndim).reshape(shape)
+
+
+def _dec_hook(kind: type, obj: object) -> object:
+    if kind is np.ndarray and isinstance(obj, np.ndarray):
+        return obj
+    raise TypeError(f"expected {kind.__name__}, got {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder(Message, ext_hook=_ext_hook, dec_hook=_dec_hook)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

@@ -1,0 +1,91 @@
+"""Attention backends over the paged KV pool, chosen by name.
+
+``torch`` runs anywhere; ``flashinfer`` needs CUDA, fp16/bf16, a head size its kernels are built
+for (64, 128 or 256) and the flashinfer-python package; ``auto`` takes flashinfer when all of
+that holds and it warms up (JIT-compiles and runs a prefill and a decode), and torch otherwise,
+saying why in the log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from engine.worker.attention.base import AttentionBackend
+from engine.worker.attention.flashinfer import FLASHINFER_HEAD_DIMS, FlashInferBackend
+from engine.worker.attention.torch_native import TorchNativeBackend
+from engine.worker.kv_pool import KVPool
+
+logger = logging.getLogger("radixserve.attention")
+
+BACKENDS = ("auto", "torch", "flashinfer")
+
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "FlashInferBackend",
+    "TorchNativeBackend",
+    "make_backend",
+    "resolve_backend",
+]
+
+
+def flashinfer_installed() -> bool:
+    """Whether the package is there to import (importing it is ``FlashInferBackend``'s job)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype,
+                    head_dim: int | None = None) -> str:
+    """The concrete backend ``name`` means on this device, dtype and head size."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "torch"
+    if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        logger.info("attention backend auto: head_dim %d has no FlashInfer kernels (%s); torch",
+                    head_dim, ", ".join(map(str, FLASHINFER_HEAD_DIMS)))
+        return "torch"
+    return "flashinfer" if flashinfer_installed() else "torch"
+
+
+def make_backend(
+    name: str,
+    pool: KVPool,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_windows: Sequence[int | None],
+    decode_backend: str = "fa2",
+) -> AttentionBackend:
+    """The backend ``name`` resolves to; flashinfer's kernels are built and warmed up here
+    (``decode_backend``: its decode kernel on tensor cores, see engine/worker/attention/flashinfer.py)."""
+    shape = dict(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        sliding_windows=sliding_windows,
+    )
+    resolved = resolve_backend(name, pool.device, pool.kv.dtype, head_dim)
+    if resolved == "torch":
+        return TorchNativeBackend(pool, **shape)
+    if name == "flashinfer":
+        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend)
+        backend.warm_up()
+        return backend
+    # auto: a mismatched install fails at import with more than ImportError, a kernel that does
+    # not compile fails at its first plan or run; either way the torch backend serves instead.
+    try:
+        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend)
+        backend.warm_up()
+    except Exception as exc:
+        logger.warning("attention backend auto: flashinfer failed to start (%s: %s); using torch",
+                       type(exc).__name__, exc)
+        return TorchNativeBackend(pool, **shape)
+    return backend

@@ -1,0 +1,101 @@
+"""The interface every attention backend implements.
+
+One step: ``plan(batch)`` once (build page tables / masks / kernel plans from the batch's arrays),
+then ``forward(layer, q, k, v)`` for each layer in order. ``plan(batch, graph=True)`` prepares
+a step that replays a captured CUDA graph (engine/worker/cuda_graphs.py): a backend that supports
+capture (``supports_cuda_graph``) then plans kernels over fixed buffers the graph reads. ``forward`` first stores the new
+tokens' K and V in the pool at ``batch.out_slots``, then attends each new token over its
+sequence's pages (cached prefix + new tokens) with a causal mask at absolute positions, and a
+sliding window on the layers that have one.
+
+Shapes: q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim], output like q; T is
+the batch's new tokens in batch order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.contracts.step import BatchInput
+from engine.worker.kv_pool import KVPool
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into ``signed_sin`` (as
+    engine/worker/model/llama.py's RotaryEmbedding gives it)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin)
+    return rotated.addcmul_(x, cos)
+
+
+class AttentionBackend(ABC):
+    name: str
+    supports_cuda_graph = False
+
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_windows: Sequence[int | None],
+    ) -> None:
+        self.pool = pool
+        self.device = pool.device
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_windows = tuple(sliding_windows)
+        self._out_slots: torch.Tensor | None = None
+
+    def plan(self, batch: BatchInput, out_slots: torch.Tensor | None = None, *,
+             staged: Sequence[torch.Tensor] = (), graph: bool = False) -> None:
+        """Prepare the step. The runner stages the step's arrays in one copy
+        (engine/worker/staging.py): ``out_slots`` is ``batch.out_slots`` on the device as int64 and
+        ``staged`` holds ``device_arrays(batch)`` on the device; given neither, both are copied
+        from the batch here."""
+        if out_slots is None:
+            out_slots = torch.from_numpy(batch.out_slots.astype("int64")).to(self.device)
+        self._out_slots = out_slots
+        self._plan(batch, graph, staged)
+
+    def device_arrays(self, batch: BatchInput) -> list[np.ndarray]:
+        """Arrays of ``batch`` this backend's plan wants on the device."""
+        return []
+
+    def prepare_graphs(self, max_batch: int) -> None:  # noqa: B027 (optional hook)
+        """Make whatever fixed buffers graph steps of up to ``max_batch`` sequences need
+        (none here)."""
+
+    def graph_fits(self, batch: BatchInput) -> bool:
+        """Whether this decode step, padded to any bucket, fits the graphs' fixed buffers
+        (FlashInfer's page-index buffer bounds the pages a step may list)."""
+        return True
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.pool.write(layer, self._out_slots, k, v)
+        return self._attend(layer, q)
+
+    def forward_rotating(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """``forward`` for q and k not yet rotated: ``qk`` [T, num_heads + num_kv_heads,
+        head_dim], rotated by ``apply_rope`` (together: one set of elementwise ops instead of
+        two); a backend may fuse the rotation with the store of K and V."""
+        q, k = apply_rope(qk, cos, signed_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        return self.forward(layer, q, k, v)
+
+    @abstractmethod
+    def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[torch.Tensor]) -> None:
+        """Prepare whatever every layer of this step reuses (``graph``: over the fixed
+        buffers of a captured graph; ``staged``: ``device_arrays(batch)`` on the device, or
+        empty)."""
+
+    @abstractmethod
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q over the pool (which already holds this step's K and V)."""

@@ -1,0 +1,257 @@
+"""Attention over paged KV with FlashInfer's paged kernels (CUDA, fp16/bf16).
+
+The page tables go to FlashInfer unchanged: ``kv_indptr`` = ``batch.page_indptr``,
+``kv_indices`` = ``batch.page_indices``, ``kv_last_page_len`` = tokens in each sequence's last
+page; the KV of a layer is the pool's ``(k_pages, v_pages)`` pair in NHD layout. A step whose
+sequences all add one token runs ``BatchDecodeWithPagedKVCacheWrapper``; any other step (prefill,
+chunked prefill, mixed prefill + decode) runs ``BatchPrefillWithPagedKVCacheWrapper`` with a
+causal mask, which FlashInfer aligns to the end of each sequence (query j of an extend of n
+sits at position seq_len - n + j), exactly the position convention of ``BatchInput``.
+
+A wrapper is planned once per step and per distinct sliding window (FlashInfer fixes
+``window_left`` at plan time), then run by every layer with that window. ``plan`` passes the
+index arrays as host tensors (FlashInfer plans on the host and copies them itself) except the
+page indices, which arrive on the device staged with the step's other arrays
+(engine/worker/staging.py). Nothing in a step reads back from the device until the sampler's one copy
+at its end, so a ``plan()`` never overwrites FlashInfer's pinned plan buffer while the previous
+step's copy of it is still in flight.
+
+Kernels: FlashInfer 0.6 compiles each kernel module on first use. ``prebuild`` builds the exact
+modules this backend will load (``jit_specs``), in parallel in one ninja run, before the warm-up;
+they stay in FlashInfer's cache (``FLASHINFER_WORKSPACE_BASE``, default ``~``), so a later start
+compiles nothing. Decode on tensor cores (query groups of 4 or more) takes ``decode_backend``:
+``fa2`` by default, because FlashInfer's own choice on Hopper (sm90) is FA3, which is slower for
+decode; ``auto`` leaves it to FlashInfer.
+
+CUDA graphs (engine/worker/cuda_graphs.py): each captured batch size gets its own decode wrappers in
+CUDA-graph mode, all over one set of fixed index buffers sized for the largest batch;
+``plan(batch, graph=True)`` fills them before the replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from engine.contracts.step import BatchInput
+from engine.worker.attention.base import AttentionBackend
+from engine.worker.kv_pool import KVPool
+
+logger = logging.getLogger("radixserve.attention")
+
+INSTALL_HINT = (
+    "the flashinfer backend needs CUDA and the flashinfer-python package: "
+    "pip install 'radixserve[gpu]'"
+)
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+# FlashInfer 0.6 builds its prefill kernels for these head sizes only.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+DECODE_BACKENDS = ("fa2", "fa3", "auto")
+# Page indices a graph step may list, per page of the pool (pages shared by several sequences
+# are listed once per sequence); a step past it runs eagerly.
+_GRAPH_INDICES_PER_PAGE = 4
+
+
+def import_flashinfer() -> ModuleType:
+    """Import flashinfer, or raise RuntimeError with the install hint."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(INSTALL_HINT + " (CUDA is not available)")
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise RuntimeError(f"{INSTALL_HINT} (import failed: {exc})") from exc
+    return flashinfer
+
+
+def check_pool(pool: KVPool) -> None:
+    """Raise unless FlashInfer can run over this pool: CUDA, fp16 or bf16."""
+    if pool.device.type != "cuda":
+        raise RuntimeError(f"{INSTALL_HINT} (the KV pool is on {pool.device}, not CUDA)")
+    if pool.kv.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"the flashinfer backend runs float16 or bfloat16, not {pool.kv.dtype}; "
+            "pass dtype='bfloat16' or attention_backend='torch'"
+        )
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graph = True
+
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_windows: Sequence[int | None],
+        decode_backend: str = "fa2",
+    ) -> None:
+        super().__init__(
+            pool,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            sliding_windows=sliding_windows,
+        )
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(
+                f"the flashinfer backend's kernels are built for head_dim "
+                f"{', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this model's is {head_dim}: use "
+                "attention_backend='torch' (auto picks it by itself)"
+            )
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)}, "
+                             f"got {decode_backend!r}")
+        self.flashinfer = import_flashinfer()
+        check_pool(pool)
+        self.decode_backend = decode_backend
+        # Wrappers run one after another on one stream, so they can share the scratch space.
+        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # CUDA-core decode kernels cover small query groups only; tensor cores cover any.
+        self.tensor_cores = num_heads // num_kv_heads >= 4
+        windows = set(sliding_windows)
+        self._decode = {w: self._decode_wrapper() for w in windows}
+        self._prefill = {
+            w: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            for w in windows
+        }
+        self._graph_decode: dict[int, dict[int | None, object]] = {}
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._active: dict[int | None, object] = {}
+
+    def _decode_wrapper(self, batch_size: int | None = None):
+        """A decode wrapper; with ``batch_size``, in CUDA-graph mode over the shared fixed
+        buffers' first ``batch_size`` rows."""
+        graph = {}
+        if batch_size is not None:
+            indptr, indices, last_page_len = self._graph_buffers
+            graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr[: batch_size + 1],
+                         paged_kv_indices_buffer=indices,
+                         paged_kv_last_page_len_buffer=last_page_len[:batch_size])
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self.tensor_cores,
+            backend=self.decode_backend, **graph)
+
+    def jit_specs(self) -> list:
+        """The kernel modules this backend loads: per kind of layer (with or without a sliding
+        window), a paged prefill module and a decode module (on tensor cores, a prefill module
+        of ``decode_backend``), for this dtype and head size, int32 page indices and no
+        positional encoding inside the kernel (RoPE is applied before attention)."""
+        from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+        from flashinfer.utils import determine_attention_backend
+
+        dtype = self.pool.kv.dtype
+        chosen = determine_attention_backend(self.device, 0, False, False, dtype, dtype)
+        decode = chosen if self.decode_backend == "auto" else self.decode_backend
+        specs = {}
+        for windowed in sorted({w is not None for w in self.sliding_windows}):
+            args = (dtype, dtype, dtype, torch.int32, self.head_dim, self.head_dim, 0, windowed,
+                    False)
+            prefill = gen_batch_prefill_module(chosen, *args, False)
+            specs[prefill.name] = prefill
+            spec = (gen_batch_prefill_module(decode, *args, False) if self.tensor_cores
+                    else gen_batch_decode_module(*args))
+            specs[spec.name] = spec
+        return list(specs.values())
+
+    def prebuild(self) -> float:
+        """Compile (or find in the cache) every module ``jit_specs`` names, in parallel; the
+        seconds it took."""
+        from flashinfer.jit import build_jit_specs
+
+        start = time.perf_counter()
+        specs = self.jit_specs()
+        build_jit_specs(specs, verbose=False)
+        seconds = time.perf_counter() - start
+        logger.info("flashinfer: %d kernel modules ready in %.1f s (decode %s on %s)",
+                    len(specs), seconds, self.decode_backend,
+                    "tensor cores" if self.tensor_cores else "CUDA cores")
+        return seconds
+
+    def device_arrays(self, batch: BatchInput) -> list[np.ndarray]:
+        return [batch.page_indices.astype(np.int32, copy=False)]
+
+    def prepare_graphs(self, max_batch: int) -> None:
+        """One set of fixed index buffers for every captured batch size (each uses a prefix)."""
+        capacity = _GRAPH_INDICES_PER_PAGE * self.pool.num_pages + max_batch
+        self._graph_buffers = (
+            torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device),
+            torch.zeros(capacity, dtype=torch.int32, device=self.device),
+            torch.zeros(max_batch, dtype=torch.int32, device=self.device),
+        )
+
+    def graph_fits(self, batch: BatchInput) -> bool:
+        if self._graph_buffers is None:
+            return False
+        max_batch, capacity = len(self._graph_buffers[2]), len(self._graph_buffers[1])
+        return len(batch.page_indices) + max_batch - batch.num_seqs <= capacity
+
+    def _plan(self, batch: BatchInput, graph: bool = False,
+              staged: Sequence[torch.Tensor] = ()) -> None:
+        dtype, page_size = self.pool.kv.dtype, self.pool.page_size
+        kv_indptr = torch.from_numpy(batch.page_indptr.astype(np.int32))
+        kv_indices = (staged[0] if staged
+                      else torch.from_numpy(batch.page_indices.astype(np.int32)).to(self.device))
+        last_page_len = torch.from_numpy(batch.last_page_lens(page_size))
+        # sm_scale is left to FlashInfer's default, 1 / sqrt(head_dim), which is self.scale.
+        common = dict(pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype)
+        if graph or batch.is_decode:
+            wrappers = self._graph_wrappers(batch.num_seqs) if graph else self._decode
+            for window, wrapper in wrappers.items():
+                wrapper.plan(kv_indptr, kv_indices, last_page_len, self.num_heads,
+                             self.num_kv_heads, self.head_dim, page_size,
+                             window_left=_window_left(window), **common)
+            self._active = dict(wrappers)
+            return
+        qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.from_numpy(batch.extend_lens.astype(np.int32)).cumsum(0)
+        for window, wrapper in self._prefill.items():
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_heads,
+                         self.num_kv_heads, self.head_dim, page_size, causal=True,
+                         window_left=_window_left(window), **common)
+        self._active = dict(self._prefill)
+
+    def _graph_wrappers(self, batch_size: int) -> dict[int | None, object]:
+        """Batch size ``batch_size``'s CUDA-graph decode wrappers, made at its capture."""
+        wrappers = self._graph_decode.get(batch_size)
+        if wrappers is None:
+            wrappers = {w: self._decode_wrapper(batch_size) for w in set(self.sliding_windows)}
+            self._graph_decode[batch_size] = wrappers
+        return wrappers
+
+    def warm_up(self) -> None:
+        """Build the kernels, then plan and run a prefill and a decode over the first pages, for
+        every sliding window, before the server reports ready: FlashInfer 0.6 compiles each
+        kernel on first use (so that is now, not inside the first request), and a broken install
+        fails here. Only reads the pool (``_attend``, not ``forward``), which holds no one's KV
+        yet."""
+        self.prebuild()
+        page_size = self.pool.page_size
+        pages = list(range(-(-2 // page_size)))  # room for two tokens
+        first_layer = {w: self.sliding_windows.index(w) for w in set(self.sliding_windows)}
+        for batch in (BatchInput.build([(pages, 0, [0, 0])], page_size, "all"),
+                      BatchInput.build([(pages, 1, [0])], page_size)):
+            self.plan(batch)
+            q = torch.zeros(batch.num_tokens, self.num_heads, self.head_dim,
+                            dtype=self.pool.kv.dtype, device=self.device)
+            for layer in first_layer.values():
+                self._attend(layer, q)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        wrapper = self._active[self.sliding_windows[layer]]
+        return wrapper.run(q.contiguous(), self.pool.layer(layer))
+
+
+def _window_left(window: int | None) -> int:
+    # transformers lets a query see keys at distance < window; FlashInfer counts keys to the
+    # left of the query (inclusive window of window_left + 1 tokens).
+    return -1 if window is None else window - 1

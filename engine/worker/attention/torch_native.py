@@ -1,0 +1,278 @@
+"""Attention over paged KV with plain torch (any device): gather pages, mask, one SDPA call.
+
+A step's sequences split into groups, each served by one call per layer:
+
+- decode group (sequences adding one token): on a CPU with AVX-512, the compiled kernel
+  (engine/worker/cpu_kernels.py) reads every sequence's keys straight from its pages (2-2.5x faster than
+  gather + SDPA at batch 8 and 608-token contexts); when members of groups share enough pages
+  (``CASCADE_MIN_SAVED_KEYS``), the cascade attends those once and the kernel the rest.
+  Elsewhere, or without the kernel, q is laid out [B, kv_heads, group, head_dim] so the query
+  heads sharing a KV head attend together without repeating K/V, and the mask [B, 1, 1, S]
+  broadcasts over them;
+- extend group (the rest): queries padded to [B, max_extend], K/V gathered to
+  [B, max_pages * page_size] and a boolean mask [B, 1, max_extend, S] (causal at absolute
+  positions, sliding window where the layer has one); when no sequence of the group has
+  cached tokens, SDPA's built-in causal mask instead.
+
+Gathering whole pages keeps indices few; the mask hides the unused tail of the last page.
+Padded query rows get the position of their sequence's last token so no row is fully masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.contracts.step import BatchInput
+from engine.worker.attention.base import AttentionBackend
+from engine.worker.attention.cascade import CascadePlan, attend_cascade, plan_cascade
+from engine.worker.cpu_kernels import paged_decode_op, rope_store_op
+
+
+@dataclass
+class _Group:
+    rows: torch.Tensor | None  # token rows of [T] in this group; None: all rows, in order
+    pad_index: torch.Tensor | None  # row of [B * max_extend] for each token; None: no padding
+    page_table: torch.Tensor  # int64 [B * max_pages] flattened page ids
+    num_seqs: int
+    max_extend: int
+    kv_len: int  # max_pages * page_size
+    masks: dict[int | None, torch.Tensor]  # by sliding window; absent: plain causal
+    cascade: CascadePlan | None  # shared leading pages: attended once per group (cascade.py)
+    # The compiled decode kernel's int32 page table (indptr, indices) and seq_lens; None: SDPA.
+    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+# A decode step on the compiled kernel takes the cascade for its shared pages only when that
+# saves reading at least this many keys (summed over members past each group's first); below
+# it the cascade's extra ops cost more than the kernel's repeated reads. Crossover measured at
+# ~7,000 for the demo model and SmolLM2 alike (8 members sharing 1,024 tokens: equal; 16
+# members: cascade 4.1 vs 5.3 ms per demo step, 43.3 vs 49.1 ms SmolLM2; 8 sharing 512: kernel
+# 2.9 vs 3.2 ms, 30.1 vs 31.9 ms).
+CASCADE_MIN_SAVED_KEYS = 8192
+
+
+def _padded_pages(batch: BatchInput, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ``seqs``' pages sits in ``batch.page_indices``, [B, max_pages], each row
+    padded by repeating its last page (real memory, which masks or counts hide); and the
+    page counts [B]."""
+    start = batch.page_indptr[seqs].astype(np.int64)
+    counts = batch.page_indptr[seqs + 1] - start
+    take = start[:, None] + np.minimum(np.arange(int(counts.max())), counts[:, None] - 1)
+    return take, counts
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, *args, compiled: bool = True, **kwargs) -> None:
+        """``compiled``: decode through the compiled CPU kernel where it is available."""
+        super().__init__(*args, **kwargs)
+        self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
+        on_cpu = compiled and self.device.type == "cpu"
+        self._paged_decode = paged_decode_op() if on_cpu else None
+        self._rope_store = rope_store_op() if on_cpu else None
+
+    def forward_rotating(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """On CPU: rotate q and k and store k and v at the step's slots in one compiled op,
+        then attend."""
+        if self._rope_store is None:
+            return super().forward_rotating(layer, qk, v, cos, signed_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        k_slots, v_slots = self.pool.slots(layer)
+        q = self._rope_store(q, k, v, cos, signed_sin, self._out_slots, k_slots, v_slots)
+        return self._attend(layer, q)
+
+    def _plan(self, batch: BatchInput, graph: bool = False, staged=()) -> None:
+        # No fixed buffers (``supports_cuda_graph`` is False): a graph step plans like any
+        # other, which is what DecodeGraphs(capture=False) runs on CPU.
+        decode = batch.extend_lens == 1
+        groups = [np.nonzero(decode)[0]]
+        # Extends pad to their group's longest: bucket them by length within a factor of 2, so
+        # a 65-token extend never pads to a 2,000-token prefill's rows.
+        extends = np.nonzero(~decode)[0]
+        extends = extends[np.argsort(batch.extend_lens[extends], kind="stable")]
+        start = 0
+        for i in range(1, len(extends) + 1):
+            if i == len(extends) or (batch.extend_lens[extends[i]]
+                                     > 2 * batch.extend_lens[extends[start]]):
+                groups.append(np.sort(extends[start:i]))
+                start = i
+        groups = [g for g in groups if len(g)]
+        whole = len(groups) == 1
+        self._groups = [self._plan_group(batch, seqs, whole) for seqs in groups]
+
+    def _plan_group(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group:
+        page_size, device = self.pool.page_size, self.device
+        extend = batch.extend_lens[seqs].astype(np.int64)
+        num_seqs, max_extend = len(seqs), int(extend.max())
+        if max_extend == 1 and self._paged_decode is not None:
+            return self._plan_paged(batch, seqs, whole)
+        num_tokens = int(extend.sum())
+        seq_of_token = np.repeat(np.arange(num_seqs), extend)
+        offset = np.arange(num_tokens) - np.repeat(np.cumsum(extend) - extend, extend)
+        first_row = (np.cumsum(batch.extend_lens) - batch.extend_lens)[seqs]
+        rows = first_row[seq_of_token] + offset
+
+        take, num_pages = _padded_pages(batch, seqs)
+        max_pages = take.shape[1]
+        page_table = batch.page_indices[take].reshape(-1).astype(np.int64)
+        kv_len = max_pages * page_size
+
+        pad_index = seq_of_token * max_extend + offset
+        query_pos = np.repeat(batch.seq_lens[seqs].astype(np.int64) - 1, max_extend)
+        query_pos[pad_index] = batch.positions[rows]
+        from_zero = max_extend > 1 and bool(np.all(batch.seq_lens[seqs] == extend))
+        cascade = None
+        # A cached prefix shared by a group is gathered and attended once (cascade.py); not
+        # with sliding windows, where "every query sees all of the shared part" fails.
+        if not from_zero and all(w is None for w in self.sliding_windows):
+            cascade = plan_cascade(batch.page_indices[take], num_pages.astype(np.int64),
+                                   batch.seq_lens[seqs].astype(np.int64),
+                                   query_pos.reshape(num_seqs, max_extend), page_size, device,
+                                   self.pool.kv.dtype)
+        masks = {} if cascade is not None else self._masks(
+            query_pos.reshape(num_seqs, max_extend, 1), kv_len, max_extend, from_zero)
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return _Group(
+            rows=None if whole else to_device(rows),
+            pad_index=None if num_seqs * max_extend == num_tokens else to_device(pad_index),
+            page_table=to_device(page_table),
+            num_seqs=num_seqs,
+            max_extend=max_extend,
+            kv_len=kv_len,
+            masks=masks,
+            cascade=cascade,
+        )
+
+    def _plan_paged(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group:
+        """A decode group for the compiled kernel: its sequences' page lists as int32 CSR."""
+        if whole:
+            indptr, indices, seq_lens = batch.page_indptr, batch.page_indices, batch.seq_lens
+        else:
+            starts = batch.page_indptr[seqs].astype(np.int64)
+            counts = batch.page_indptr[seqs + 1] - starts
+            indptr = np.concatenate(([0], np.cumsum(counts)))
+            take = np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1])
+            indices, seq_lens = batch.page_indices[take], batch.seq_lens[seqs]
+        # Copies (a few KB): the batch's arrays may be read-only views of the message.
+        paged = tuple(torch.from_numpy(np.array(a, dtype=np.int32))
+                      for a in (indptr, indices, seq_lens))
+        # Each sequence's one new token: its row of the step's [T] tokens.
+        rows = (np.cumsum(batch.extend_lens, dtype=np.int64) - 1)[seqs]
+        return _Group(rows=None if whole else torch.from_numpy(rows),
+                      pad_index=None, page_table=paged[1], num_seqs=len(seqs), max_extend=1,
+                      kv_len=0, masks={}, cascade=self._paged_cascade(batch, seqs, paged),
+                      paged=paged)
+
+    def _paged_cascade(self, batch: BatchInput, seqs: np.ndarray,
+                       paged: tuple[torch.Tensor, ...]) -> CascadePlan | None:
+        """For a decode group on the compiled kernel: a cascade when its groups share enough
+        that attending their shared pages once (SDPA over all members' queries together) beats
+        the kernel reading them once per member; the kernel attends each own part."""
+        if any(w is not None for w in self.sliding_windows):
+            return None
+        take, counts = _padded_pages(batch, seqs)
+        seq_lens = batch.seq_lens[seqs].astype(np.int64)
+        plan = plan_cascade(batch.page_indices[take], counts.astype(np.int64), seq_lens,
+                            seq_lens[:, None] - 1, self.pool.page_size, self.device,
+                            self.pool.kv.dtype, ragged_own=True,
+                            min_saved_keys=CASCADE_MIN_SAVED_KEYS)
+        if plan is None:
+            return None
+        plan.own_paged = (*paged, torch.from_numpy(plan.shared_tokens.astype(np.int32)))
+        return plan
+
+    def _masks(self, query_pos: np.ndarray, kv_len: int, max_extend: int,
+               from_zero: bool) -> dict[int | None, torch.Tensor]:
+        device = self.device
+        query_pos_t = torch.from_numpy(query_pos).to(device)
+        key_pos = torch.arange(kv_len, device=device)
+        # Without cached tokens, query row i sits at position i, so SDPA's own (top-left)
+        # causal mask is exact, padding included, and skips the blocks above the diagonal.
+        masks: dict[int | None, torch.Tensor] = {}
+        for window in set(self.sliding_windows) - ({None} if from_zero else set()):
+            allowed = key_pos <= query_pos_t
+            if window is not None:
+                allowed &= key_pos > query_pos_t - window
+            if max_extend == 1:
+                # Additive float mask: the faster SDPA path for single-row queries.
+                mask = torch.zeros(allowed.shape, dtype=self.pool.kv.dtype, device=device)
+                allowed = mask.masked_fill_(~allowed, float("-inf"))
+            masks[window] = allowed.unsqueeze(1)
+        return masks
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if len(self._groups) == 1:
+            return self._attend_group(layer, q, self._groups[0])
+        out = torch.empty_like(q)
+        for group in self._groups:
+            out.index_copy_(
+                0, group.rows, self._attend_group(layer, q.index_select(0, group.rows), group)
+            )
+        return out
+
+    def _gather(self, which: int, pages: torch.Tensor, g: _Group) -> torch.Tensor:
+        """``pages[g.page_table]`` into a reused buffer: a fresh multi-hundred-MB tensor per
+        layer and step costs more in page faults than the copy itself (4x, measured on CPU)."""
+        per_page = pages[0].numel()
+        need = len(g.page_table) * per_page
+        buf = self._gather_buffers[which]
+        if buf is None or buf.numel() < need:
+            buf = self._gather_buffers[which] = torch.empty(need + need // 4, dtype=pages.dtype,
+                                               device=pages.device)
+        out = buf[:need].view(len(g.page_table), *pages.shape[1:])
+        torch.index_select(pages, 0, g.page_table, out=out)
+        return out.view(g.num_seqs, g.kv_len, self.num_kv_heads, self.head_dim)
+
+    def _attend_group(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
+        num_kv, head_dim = self.num_kv_heads, self.head_dim
+        k_pages, v_pages = self.pool.layer(layer)
+        if g.paged is not None and g.cascade is None:
+            out, _ = self._paged_decode(q.contiguous(), k_pages, v_pages, *g.paged,
+                                        self.sliding_windows[layer] or 0, self.scale)
+            return out
+        if g.cascade is not None:
+            if g.pad_index is not None:
+                padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
+                q = padded.index_copy_(0, g.pad_index, q)
+            out = attend_cascade(q.view(g.num_seqs, g.max_extend, *q.shape[1:]), k_pages,
+                                 v_pages, g.cascade, self.scale,
+                                 self._paged_decode).view(-1, *q.shape[1:])
+            return out if g.pad_index is None else out.index_select(0, g.pad_index)
+        k = self._gather(0, k_pages, g)
+        v = self._gather(1, v_pages, g)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        mask = g.masks.get(self.sliding_windows[layer])
+        if g.max_extend == 1:
+            # [B, H, D] -> [B, kv_heads, group, D]: heads h = kv * group + i share KV head kv.
+            q4 = q.view(g.num_seqs, num_kv, -1, head_dim)
+            out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=self.scale)
+            return out.reshape(q.shape)
+        if g.pad_index is not None:
+            padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
+            q = padded.index_copy_(0, g.pad_index, q)
+        q4 = q.view(g.num_seqs, g.max_extend, self.num_heads, head_dim).transpose(1, 2)
+        group = self.num_heads // num_kv
+        if group > 1 and self.device.type == "cuda":
+            # CUDA's memory-efficient SDPA takes a mask but not enable_gqa; the math fallback
+            # would hold [B, heads, extend, kv_len] scores in memory.
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q4,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=k.shape[1] != self.num_heads,
+        )
+        out = out.transpose(1, 2).reshape(-1, self.num_heads, head_dim)
+        return out if g.pad_index is None else out.index_select(0, g.pad_index)

@@ -1,0 +1,433 @@
+// Decode attention straight over the KV pages, on CPU: one query token per sequence attends
+// every key of its sequence (or the last `window` of them) without gathering the pages into a
+// dense copy first. Built by engine/worker/cpu_kernels.py; registered as
+// torch.ops.radixserve.paged_decode.
+//
+//   q        [B, H, D]                    the step's queries (one per sequence)
+//   k, v     [num_pages, P, KVH, D]       one layer's pages
+//   indptr   int32 [B + 1], indices       each sequence's pages, in position order (CSR)
+//   seq_lens int32 [B]                    keys per sequence, the new token's included
+//   starts   int32 [B], optional          attend keys from this position on (the cascade's
+//                                         own part, after the pages a group shares)
+// Returns the output [B, H, D] and the log-sum-exp of each row's scaled scores, float32
+// [B, H], which merges it with an attention over other keys (engine/worker/attention/cascade.py).
+//
+// Work item = a sequence and a run of its KV heads (all of them unless a small batch must be
+// split further to keep every thread busy); the H / KVH query heads sharing a KV head read
+// each key once. Keys go in blocks of 16 with an online softmax (running max and sum in
+// float32); scores, weights and sums are float32 whatever the KV dtype. On CPUs with AVX-512
+// (and head sizes that are multiples of 16, up to 256) the loops run on 16-wide registers;
+// elsewhere they are plain C++ (the build with RADIXSERVE_PORTABLE, which the tests also run).
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+using radixserve::bits_to_float;
+using radixserve::to_float;
+
+constexpr int64_t kBlock = 16;  // keys per block of scores
+
+// exp(x) over a block, vectorisable: Cephes' expf (range reduction by ln 2, degree-6
+// polynomial, ~1 ulp on the range that matters here). Inputs are <= 0 (scores minus their max).
+inline void exp_block(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(std::max(x[i], -87.3f), 88.3f);
+    const float fx = __builtin_floorf(v * 1.44269504088896341f + 0.5f);
+    const float r = v - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    x[i] = y * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
+  }
+}
+
+#ifdef RADIXSERVE_AVX512
+// The same polynomial as exp_block, 16 lanes at a time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i pow2 = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+#ifdef RADIXSERVE_AVX512
+// The 16 lane sums of v[0..15] as one vector: out[t] = sum of v[t]'s lanes. A transposing
+// tree (45 instructions for 16 keys) in place of one horizontal reduction per key.
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane L of a[i]: (v[2i], v[2i+1]) partly summed
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // lane L of b[j]: lane L's sums of v[4j .. 4j+3]
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int k = 0; k < 2; ++k)  // the four 128-bit lanes added pairwise, then again
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// Scores of G query rows (G known at compile time: the partial dot products stay in
+// registers) against the block's n keys, each key read and widened once for all G rows.
+template <int G, typename T>
+inline void score_keys_g(const float* q, const T* const* keys, int64_t n, int64_t D, float* s) {
+  __m512 dots[G][kBlock];
+  for (int64_t t = 0; t < kBlock; ++t) {
+    __m512 acc[G];
+    for (int i = 0; i < G; ++i) acc[i] = _mm512_setzero_ps();
+    if (t < n) {
+      for (int64_t c = 0; c < D; c += 16) {
+        const __m512 key = load16(keys[t] + c);
+        for (int i = 0; i < G; ++i)
+          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + c), key, acc[i]);
+      }
+    }
+    for (int i = 0; i < G; ++i) dots[i][t] = acc[i];
+  }
+  for (int i = 0; i < G; ++i) _mm512_storeu_ps(s + i * kBlock, lane_sums16(dots[i]));
+}
+
+// acc[i] += sum over the block's n keys of p[i * kBlock + t] * values[t]: each value row read
+// and widened once for all G rows, whose 16-wide output slices stay in registers.
+template <int G, typename T>
+inline void add_values_g(const float* p, const T* const* values, int64_t n, int64_t D,
+                         float* acc) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 sum[G];
+    for (int i = 0; i < G; ++i) sum[i] = _mm512_loadu_ps(acc + i * D + c);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 value = load16(values[t] + c);
+      for (int i = 0; i < G; ++i)
+        sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * kBlock + t]), value, sum[i]);
+    }
+    for (int i = 0; i < G; ++i) _mm512_storeu_ps(acc + i * D + c, sum[i]);
+  }
+}
+
+// Calls f with G as a compile-time constant for the group sizes models use (1 to 8); false for
+// other sizes, which take the general loops.
+template <typename F>
+inline bool with_group(int64_t G, F&& f) {
+  switch (G) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}); return true;
+    case 7: f(std::integral_constant<int, 7>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+#endif
+
+// Scores of the G query rows `q` (float, pre-scaled, [G, D]) against the block's n keys:
+// s[i * kBlock + t].
+template <typename T>
+inline void score_keys(const float* q, const T* const* keys, int64_t n, int64_t G, int64_t D,
+                       float* s) {
+#ifdef RADIXSERVE_AVX512
+  if (D % 16 == 0 && D <= 256) {
+    if (with_group(G, [&](auto g) { score_keys_g<decltype(g)::value>(q, keys, n, D, s); }))
+      return;
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 key[16];
+      for (int64_t c = 0; c < D / 16; ++c) key[c] = load16(keys[t] + c * 16);
+      for (int64_t i = 0; i < G; ++i) {
+        const float* qi = q + i * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), key[0]);
+        for (int64_t c = 1; c < D / 16; ++c)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + c * 16), key[c], acc);
+        s[i * kBlock + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    const T* key = keys[t];
+    for (int64_t i = 0; i < G; ++i) {
+      const float* qi = q + i * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qi[d] * to_float(key[d]);
+      s[i * kBlock + t] = dot;
+    }
+  }
+}
+
+// acc[i] += sum over the block's n keys of p[i * kBlock + t] * values[t], for the G heads.
+template <typename T>
+inline void add_values(const float* p, const T* const* values, int64_t n, int64_t G, int64_t D,
+                       float* acc) {
+#ifdef RADIXSERVE_AVX512
+  if (D % 16 == 0 && D <= 256) {
+    if (with_group(G, [&](auto g) { add_values_g<decltype(g)::value>(p, values, n, D, acc); }))
+      return;
+    // Each 16-wide slice of a head's output stays in a register across the block's keys.
+    for (int64_t i = 0; i < G; ++i) {
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 sum = _mm512_loadu_ps(acc + i * D + c);
+        for (int64_t t = 0; t < n; ++t)
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(p[i * kBlock + t]), load16(values[t] + c), sum);
+        _mm512_storeu_ps(acc + i * D + c, sum);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    const T* value = values[t];
+    for (int64_t i = 0; i < G; ++i) {
+      const float w = p[i * kBlock + t];
+      float* a = acc + i * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * to_float(value[d]);
+    }
+  }
+}
+
+// One block's softmax step for one query head: scores s[0..n) become weights exp(s - new max),
+// the running sum and max absorb them; returns the factor the head's output rescales by.
+inline float softmax_block(float* s, int64_t n, float& run_max, float& run_sum) {
+#ifdef RADIXSERVE_AVX512
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 scores = _mm512_maskz_loadu_ps(valid, s);
+  const float block_max = std::max(
+      run_max, _mm512_mask_reduce_max_ps(valid, scores));
+  const __m512 weights = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(block_max)));
+  _mm512_mask_storeu_ps(s, valid, weights);
+  const float rescale = _mm512_cvtss_f32(exp16(_mm512_set1_ps(run_max - block_max)));
+  run_sum = run_sum * rescale + _mm512_mask_reduce_add_ps(valid, weights);
+#else
+  float block_max = run_max;
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+  float rescale = run_max - block_max;
+  exp_block(&rescale, 1);
+  for (int64_t t = 0; t < n; ++t) s[t] -= block_max;
+  exp_block(s, n);
+  float total = run_sum * rescale;
+  for (int64_t t = 0; t < n; ++t) total += s[t];
+  run_sum = total;
+#endif
+  run_max = block_max;
+  return rescale;
+}
+
+template <typename T>
+void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_t* indptr,
+            const int32_t* indices, const int32_t* seq_lens, const int32_t* starts, int64_t B,
+            int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t window, float scale,
+            int64_t page_stride, int64_t token_stride) {
+  const int64_t G = H / KVH;
+  // A work item is a sequence's keys for a run of its KV heads: all of them when there are
+  // enough sequences to keep every thread busy (a token's heads are adjacent in its page, so
+  // one item reads each page front to back), fewer when a small batch must be split further.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::min(KVH, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+  const int64_t heads_per_chunk = (KVH + chunks - 1) / chunks;
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = heads_per_chunk * G;  // query heads of one item
+    std::vector<float> qf(rows * D), acc(rows * D), run_max(rows), run_sum(rows),
+        s(rows * kBlock);
+    std::vector<int64_t> row_at(kBlock);
+    std::vector<const T*> key_rows(kBlock), value_rows(kBlock);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / chunks;
+      const int64_t h0 = (item % chunks) * heads_per_chunk;
+      const int64_t h1 = std::min(KVH, h0 + heads_per_chunk);
+      const int64_t len = seq_lens[b];
+      const int64_t first = std::max<int64_t>(window > 0 ? len - window : 0,
+                                              starts != nullptr ? starts[b] : 0);
+      const T* qb = q + (b * H + h0 * G) * D;
+      const int64_t used = (h1 - h0) * G;
+      for (int64_t j = 0; j < used * D; ++j) qf[j] = to_float(qb[j]) * scale;
+      std::fill(run_max.begin(), run_max.end(), -3.0e38f);
+      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int32_t* pages = indices + indptr[b];
+      for (int64_t start = first; start < len; start += kBlock) {
+        const int64_t n = std::min(kBlock, len - start);
+        // Row of each key: page `page` of the sequence, slot `slot` in it (no division per key).
+        for (int64_t t = 0, page = start / P, slot = start % P; t < n; ++t) {
+          row_at[t] = pages[page] * page_stride + slot * token_stride;
+          if (++slot == P) slot = 0, ++page;
+        }
+        // The next block's keys and values, fetched while this one computes: pages lie at
+        // random in the pool, so the hardware cannot guess the next one, and in a model's step
+        // (every layer's KV, the weights streaming between) they come from memory.
+        const int64_t ahead = std::min(kBlock, len - start - kBlock);
+        for (int64_t t = 0, page = (start + kBlock) / P, slot = (start + kBlock) % P; t < ahead;
+             ++t) {
+          const int64_t row = pages[page] * page_stride + slot * token_stride + h0 * D;
+          for (int64_t byte = 0; byte < (h1 - h0) * D * int64_t(sizeof(T)); byte += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(k + row) + byte);
+            __builtin_prefetch(reinterpret_cast<const char*>(v + row) + byte);
+          }
+          if (++slot == P) slot = 0, ++page;
+        }
+        // Scores: s[row * kBlock + t] for query row `row` (head h, group member i).
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t t = 0; t < n; ++t) key_rows[t] = k + row_at[t] + h * D;
+          const int64_t row0 = (h - h0) * G;
+          score_keys(qf.data() + row0 * D, key_rows.data(), n, G, D, s.data() + row0 * kBlock);
+        }
+        for (int64_t row = 0; row < used; ++row) {
+          const float rescale =
+              softmax_block(s.data() + row * kBlock, n, run_max[row], run_sum[row]);
+          float* a = acc.data() + row * D;
+          for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+        }
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t t = 0; t < n; ++t) value_rows[t] = v + row_at[t] + h * D;
+          const int64_t row0 = (h - h0) * G;
+          add_values(s.data() + row0 * kBlock, value_rows.data(), n, G, D, acc.data() + row0 * D);
+        }
+      }
+      T* ob = out + (b * H + h0 * G) * D;
+      for (int64_t row = 0; row < used; ++row) {
+        const float inv = 1.f / run_sum[row];
+        for (int64_t d = 0; d < D; ++d) ob[row * D + d] = static_cast<T>(acc[row * D + d] * inv);
+        lse[b * H + h0 * G + row] = run_max[row] + std::log(run_sum[row]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+         at::Tensor& out, at::Tensor& lse, const at::Tensor& indptr, const at::Tensor& indices,
+         const at::Tensor& seq_lens, const int32_t* starts, int64_t window, double scale) {
+  decode<T>(q.data_ptr<T>(), k_pages.data_ptr<T>(), v_pages.data_ptr<T>(), out.data_ptr<T>(),
+            lse.data_ptr<float>(), indptr.data_ptr<int32_t>(), indices.data_ptr<int32_t>(),
+            seq_lens.data_ptr<int32_t>(), starts, q.size(0), q.size(1), k_pages.size(2),
+            q.size(2), k_pages.size(1), window, static_cast<float>(scale), k_pages.stride(0),
+            k_pages.stride(1));
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(
+    const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+    const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& seq_lens,
+    int64_t window, double scale, const std::optional<at::Tensor>& starts) {
+  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
+              "paged_decode: q [B, H, D] and pages [N, P, KVH, D] expected");
+  TORCH_CHECK(q.is_contiguous() && k_pages.stride(3) == 1 && k_pages.stride(2) == q.size(2) &&
+                  v_pages.strides() == k_pages.strides(),
+              "paged_decode: q contiguous, pages with contiguous heads expected");
+  TORCH_CHECK(q.size(2) == k_pages.size(3) && q.size(1) % k_pages.size(2) == 0,
+              "paged_decode: head sizes disagree");
+  TORCH_CHECK(k_pages.scalar_type() == q.scalar_type(), "paged_decode: q and KV dtypes differ");
+  TORCH_CHECK(indptr.scalar_type() == at::kInt && indices.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt && indptr.numel() == q.size(0) + 1 &&
+                  seq_lens.numel() == q.size(0) && indptr.is_contiguous() &&
+                  indices.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode: int32 indptr [B + 1], indices and seq_lens [B] expected");
+  // Every read the kernel makes is checked here, once: a bad table is an error, never a read
+  // outside the pool.
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* ptr = indptr.data_ptr<int32_t>();
+  const int32_t* pages = indices.data_ptr<int32_t>();
+  const int64_t num_pages = k_pages.size(0), page_size = k_pages.size(1);
+  TORCH_CHECK(ptr[0] == 0 && ptr[q.size(0)] <= indices.numel(),
+              "paged_decode: indptr must start at 0 and stay within indices");
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 1 && ptr[b + 1] >= ptr[b] &&
+                    (ptr[b + 1] - ptr[b]) * page_size >= lens[b],
+                "paged_decode: sequence ", b, " has ", lens[b], " keys but ",
+                ptr[b + 1] - ptr[b], " pages of ", page_size);
+  for (int64_t i = 0; i < ptr[q.size(0)]; ++i)
+    TORCH_CHECK(pages[i] >= 0 && pages[i] < num_pages, "paged_decode: page ", pages[i],
+                " is outside the pool of ", num_pages);
+  const int32_t* start_ptr = nullptr;
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->scalar_type() == at::kInt && starts->numel() == q.size(0) &&
+                    starts->is_contiguous(),
+                "paged_decode: int32 starts [B] expected");
+    start_ptr = starts->data_ptr<int32_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+      TORCH_CHECK(start_ptr[b] >= 0 && start_ptr[b] < lens[b],
+                  "paged_decode: each start must leave its sequence a key to attend");
+  }
+  auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run<float>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, window,
+                 scale);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr,
+                         window, scale);
+      break;
+    case at::kHalf:
+      run<c10::Half>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, window,
+                     scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+// Whether this build has the AVX-512 loops. Without them (the plain C++ build, on CPUs without
+// AVX-512) the kernel measured no faster than gathering the pages for torch's SDPA, so the
+// engine uses it only where this is true.
+bool paged_decode_vectorized() {
+#ifdef RADIXSERVE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+RADIXSERVE_OPS_FRAGMENT(m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor indptr, Tensor indices, "
+      "Tensor seq_lens, int window, float scale, Tensor? starts=None) -> (Tensor, Tensor)");
+  m.def("paged_decode_vectorized() -> bool", &paged_decode_vectorized);
+}
+
+RADIXSERVE_OPS_IMPL(m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,136 @@
+"""Decode steps as CUDA graphs, one per batch-size bucket.
+
+At small batches a decode step is bound by kernel launches (hundreds per step), not by the GPU.
+``DecodeGraphs`` captures the model's forward once per bucket of batch sizes at start-up, over
+fixed device buffers; a decode step of B sequences then copies its inputs into those buffers,
+plans the bucket's CUDA-graph-safe FlashInfer wrappers on the real page tables and replays the
+graph, one launch for the whole step.
+
+Padding: a step of B < bucket sequences is filled to the bucket with padding sequences of one
+token each. They read and write only the pool's scratch page (a page past the ``num_pages``
+the scheduler sees, so it never holds anyone's KV), and their logits rows are dropped.
+
+Which steps run as graphs: decode steps (every sequence adds one token) of at most the largest
+bucket, sampling each sequence once in order, whose page lists fit the page-index buffer. Anything
+else (prefill, mixed steps, larger batches) runs eagerly as before.
+
+``capture=False`` runs the same padded, fixed-buffer forward without capturing a graph: that is
+how the padding and buffer logic is tested on CPU (capture itself needs CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from engine.contracts.step import BatchInput
+
+logger = logging.getLogger("radixserve.cuda_graphs")
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to 256 (every 64 beyond), capped at ``max_batch``, which is
+    always a bucket."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(320, max_batch + 1, 64)]
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def pad_decode(batch: BatchInput, bucket: int, scratch_page: int, page_size: int) -> BatchInput:
+    """``batch`` (a decode step) with ``bucket - num_seqs`` padding sequences appended: one
+    token at position 0 in the scratch page."""
+    pad = bucket - batch.num_seqs
+    if pad == 0:
+        return batch
+    ones = np.ones(pad, dtype=np.int32)
+    last = int(batch.page_indptr[-1])
+    scratch_slot = scratch_page * page_size
+    return BatchInput(
+        input_ids=np.concatenate([batch.input_ids, 0 * ones]),
+        positions=np.concatenate([batch.positions, 0 * ones]),
+        extend_lens=np.concatenate([batch.extend_lens, ones]),
+        seq_lens=np.concatenate([batch.seq_lens, ones]),
+        page_indptr=np.concatenate([batch.page_indptr,
+                                    last + np.arange(1, pad + 1, dtype=np.int32)]),
+        page_indices=np.concatenate([batch.page_indices, scratch_page * ones]),
+        out_slots=np.concatenate([batch.out_slots, scratch_slot * ones]),
+    )
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, *, capture: bool = True) -> None:
+        self.runner = runner
+        self.buckets = bucket_sizes(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.capture = capture
+        device = runner.device
+        self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        self.out_slots = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        self.rows = torch.arange(self.max_batch, dtype=torch.int64, device=device)
+        runner.attention.prepare_graphs(self.max_batch)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            self._capture_all()
+
+    def bucket_for(self, batch: BatchInput) -> int | None:
+        """The bucket this step runs in as a graph, or None to run it eagerly."""
+        if (batch.num_seqs > self.max_batch or not batch.is_decode
+                or not np.array_equal(batch.resolved_logits_rows(), np.arange(batch.num_seqs))
+                or not self.runner.attention.graph_fits(batch)):
+            return None
+        return next(b for b in self.buckets if b >= batch.num_seqs)
+
+    @torch.inference_mode()
+    def run(self, batch: BatchInput, bucket: int) -> torch.Tensor:
+        """Float32 logits [num_seqs, vocab] of a step ``bucket_for`` accepted."""
+        runner = self.runner
+        padded = pad_decode(batch, bucket, runner.scratch_page, runner.page_size)
+        ids, positions, slots, *staged = runner.staging.stage(
+            [padded.input_ids.astype(np.int64), padded.positions.astype(np.int64),
+             padded.out_slots.astype(np.int64), *runner.attention.device_arrays(padded)])
+        self.input_ids[:bucket].copy_(ids)
+        self.positions[:bucket].copy_(positions)
+        self.out_slots[:bucket].copy_(slots)
+        runner.attention.plan(padded, self.out_slots[:bucket], staged=staged, graph=True)
+        if self.capture:
+            graph, logits = self._graphs[bucket]
+            graph.replay()
+        else:
+            logits = self._forward(bucket)
+        return logits[: batch.num_seqs]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        return self.runner.model(self.input_ids[:bucket], self.positions[:bucket],
+                                 self.runner.attention, self.rows[:bucket])
+
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its memory pool), each
+        after two eager runs on the capture stream (kernel selection, lazy allocations)."""
+        runner, start = self.runner, time.perf_counter()
+        none = np.zeros(0, dtype=np.int32)
+        empty = BatchInput(input_ids=none, positions=none, extend_lens=none, seq_lens=none,
+                           page_indptr=np.zeros(1, dtype=np.int32), page_indices=none,
+                           out_slots=none)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(runner.device)
+        for bucket in reversed(self.buckets):
+            padded = pad_decode(empty, bucket, runner.scratch_page, runner.page_size)
+            self.out_slots[:bucket].fill_(runner.scratch_page * runner.page_size)
+            self.input_ids.zero_()
+            self.positions.zero_()
+            runner.attention.plan(padded, self.out_slots[:bucket], graph=True)
+            stream.wait_stream(torch.cuda.current_stream(runner.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(bucket)
+            torch.cuda.current_stream(runner.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self._forward(bucket)
+            self._graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize(runner.device)
+        logger.info("captured decode CUDA graphs for %d batch sizes (1 to %d) in %.1f s",
+                    len(self.buckets), self.max_batch, time.perf_counter() - start)

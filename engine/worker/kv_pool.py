@@ -1,0 +1,171 @@
+"""Physical KV memory: the device page pool and the host swap pool.
+
+Contract: the scheduler owns page *numbers* (which pages exist, who holds them, when they are
+free); this pool owns page *contents* and decides nothing. Every method does exactly the writes,
+copies or swaps it is told, vectorised (one indexed op per call, across all layers where the
+layout allows).
+
+Layout, one tensor for everything (a layer's K and V are contiguous, which is what FlashInfer's
+paged kernels take as ``(k_cache, v_cache)`` in NHD layout)::
+
+    kv   [num_layers, 2 (K, V), num_pages,      page_size, num_kv_heads, head_dim]  device
+    host [num_layers, 2 (K, V), num_host_pages, page_size, num_kv_heads, head_dim]  cpu, pinned
+                                                                                    when on CUDA
+    slot s of a layer = page s // page_size, offset s % page_size
+
+The device pool starts zeroed: attention kernels may read (and mask) slots no token was ever
+written to, and zeros keep those reads finite.
+
+Swaps on CUDA go through one pinned staging buffer (made on the first swap, grown when a swap
+needs more pages): a copy between the device and pageable memory is synchronous and bounces
+through a driver buffer, one from pinned memory is a direct, non-blocking DMA. The rule that
+keeps the buffer safe: the host touches it only after the last copy that used it has finished
+(an event recorded after each copy). On CPU there is nothing to stage; pages are copied
+directly between the two tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.worker.staging import to_device
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_host_pages: int = 0,
+    ) -> None:
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_host_pages = num_host_pages
+        self.device = torch.device(device)
+        page = (page_size, num_kv_heads, head_dim)
+        self.kv = _zeros((num_layers, 2, num_pages, *page), dtype, self.device)
+        self.host = _zeros(
+            (num_layers, 2, num_host_pages, *page),
+            dtype,
+            torch.device("cpu"),
+            pin=self.device.type == "cuda" and num_host_pages > 0,
+        )
+        # Per-layer slot-major views [num_pages * page_size, heads, head_dim] for token writes.
+        self._slot_views = [
+            (
+                self.kv[i, 0].view(-1, num_kv_heads, head_dim),
+                self.kv[i, 1].view(-1, num_kv_heads, head_dim),
+            )
+            for i in range(num_layers)
+        ]
+        # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, head_dim].
+        self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, head_dim)
+        # CUDA swaps: a flat pinned buffer and the event after the last copy that used it.
+        self._staging = torch.empty(0, dtype=dtype)
+        self._staging_used = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    @staticmethod
+    def bytes_per_page(
+        *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer by slot, each [num_pages * page_size, num_kv_heads, head_dim]:
+        views of the pages, for writing new tokens' K and V in place."""
+        return self._slot_views[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K and V ([T, num_kv_heads, head_dim]) at ``slots`` (int64, device)."""
+        k_slots, v_slots = self._slot_views[layer]
+        k_slots.index_copy_(0, slots, k)
+        v_slots.index_copy_(0, slots, v)
+
+    def copy_pages(self, copies: np.ndarray) -> None:
+        """For each (src_page, dst_page, num_slots): copy the first num_slots slots of src into
+        dst, in every layer (copy-on-write of a partially matched page)."""
+        if len(copies) == 0:
+            return
+        copies = np.asarray(copies, dtype=np.int64)
+        counts = copies[:, 2]
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        src = np.repeat(copies[:, 0] * self.page_size, counts) + offsets
+        dst = np.repeat(copies[:, 1] * self.page_size, counts) + offsets
+        src_t, dst_t = (torch.from_numpy(a).to(self.device) for a in (src, dst))
+        self._all_slots.index_copy_(2, dst_t, self._all_slots.index_select(2, src_t))
+
+    def swap_out(self, pairs: np.ndarray) -> None:
+        """Copy whole device pages to host pages, (device_page, host_page) per row.
+
+        Synchronous: when it returns the host pages hold the data and every read of the device
+        pages has finished, so later work on any stream may overwrite them."""
+        if len(pairs) == 0:
+            return
+        pairs = np.asarray(pairs, dtype=np.int64)
+        device_pages = to_device(pairs[:, 0], self.device)
+        host_pages = torch.from_numpy(pairs[:, 1])
+        pages = self.kv.index_select(2, device_pages)
+        if self._staging_used is not None:
+            staged = self._staging_for(pages.shape)
+            staged.copy_(pages, non_blocking=True)
+            self._staging_used.record()
+            self._staging_used.synchronize()  # the host reads the buffer next
+            pages = staged
+        self.host.index_copy_(2, host_pages, pages)
+
+    def swap_in(self, pairs: np.ndarray) -> None:
+        """Copy whole host pages back to device pages, (host_page, device_page) per row.
+
+        The host pages are read before it returns, so they may be reused at once. On CUDA the
+        copy to the device is queued on the current stream, not waited for: the device pages
+        hold the data for work queued after it on that stream (another stream must wait on it
+        first)."""
+        if len(pairs) == 0:
+            return
+        pairs = np.asarray(pairs, dtype=np.int64)
+        host_pages = torch.from_numpy(pairs[:, 0])
+        device_pages = to_device(pairs[:, 1], self.device)
+        if self._staging_used is None:
+            self.kv.index_copy_(2, device_pages, self.host.index_select(2, host_pages))
+            return
+        shape = (*self.host.shape[:2], len(pairs), *self.host.shape[3:])
+        staged = self._staging_for(shape)
+        torch.index_select(self.host, 2, host_pages, out=staged)
+        pages = staged.to(self.device, non_blocking=True)
+        self._staging_used.record()
+        self.kv.index_copy_(2, device_pages, pages)
+
+    def _staging_for(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """A contiguous ``shape`` view of the pinned staging buffer (CUDA only), once the last
+        copy that used the buffer has finished: the caller may write it from the host."""
+        self._staging_used.synchronize()
+        numel = int(np.prod(shape))
+        if self._staging.numel() < numel:
+            # Not an inference tensor, though the runner swaps under inference mode: those
+            # cannot be written outside it.
+            with torch.inference_mode(False):
+                self._staging = torch.empty(numel, dtype=self.kv.dtype, pin_memory=True)
+        return self._staging[:numel].view(shape)
+
+
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool = False
+) -> torch.Tensor:
+    if device.type != "cpu" or pin or 0 in shape:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    # numpy's zeros is calloc: the OS hands out zero pages on first touch, so a large CPU pool
+    # costs neither start-up time nor resident memory until pages are written.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)

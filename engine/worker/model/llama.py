@@ -1,0 +1,367 @@
+"""The Llama family in plain torch over a flat batch of tokens and paged KV.
+
+Covers LlamaForCausalLM (Llama 2/3, with llama3 / linear / yarn RoPE scaling),
+MistralForCausalLM (optional sliding window), Qwen2ForCausalLM (q/k/v bias) and
+Qwen3ForCausalLM (per-head q/k RMSNorm, explicit head_dim). The math follows transformers'
+implementations of the same checkpoints (the parity oracle); only the data layout differs:
+
+- tokens of all sequences are one flat [T, hidden] batch, no padding;
+- q/k/v and gate/up projections are fused into one matmul each (the loader fills the slices);
+- attention reads and writes the paged KV pool through an ``AttentionBackend``;
+- the final norm and lm_head run only on the rows whose logits are wanted;
+- the residual stream is float32 whatever the weights' dtype: in bf16 each of a deep model's
+  2 * layers additions would otherwise round it to 8 significant bits (SmolLM2-135M's first
+  answer token to "What is the capital of France?" is a near-tie that this flips). The matmuls
+  still run in the weights' dtype, on the normalised activations.
+
+Weights are created directly on the target device and dtype and owned by the model; the loader
+copies checkpoint tensors into the views ``weight_targets`` names (under tensor parallel, the
+slices ``weight_sources`` names: engine/worker/model/parallel.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.worker.attention.base import AttentionBackend
+from engine.worker.cpu_kernels import rms_norm_op
+from engine.worker.model.config import ModelConfig
+from engine.worker.model.parallel import (
+    Collectives,
+    ShardPlan,
+    Slice,
+    embed_vocab_parallel,
+    row_parallel_add_,
+)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` (float32 residual rows, or activations) in the weight's dtype. Rows on
+    CPU take the compiled op (engine/worker/cpu_kernels.py): the same arithmetic in one call."""
+    if x.dim() == 2 and x.device.type == "cpu" and x.stride(1) == 1:
+        fused = rms_norm_op()
+        if fused is not None:
+            return fused(x, weight, eps)
+    if weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Normalise in float32 and scale in the model dtype, as transformers' RMSNorm does.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
+
+
+def add_linear_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """residual += x @ weight.T (+ bias), in place: one GEMM accumulating into the residual
+    when both share a dtype, else the product (in the weights' dtype) added to it."""
+    if bias is None and residual.dtype == x.dtype:
+        return residual.addmm_(x, weight.t())
+    return residual.add_(F.linear(x, weight, bias))
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] (float32) and the cos/sin scale for the RoPE type."""
+    dim, theta = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    params = config.rope_scaling
+    if params is None:
+        return inv_freq, 1.0
+    rope_type, factor = params["rope_type"], params.get("factor")
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "llama3":
+        old_context = params["original_max_position_embeddings"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    return _yarn(inv_freq, params, dim, theta, config.max_context_len)
+
+
+def _yarn(
+    inv_freq: torch.Tensor, params: dict, dim: int, theta: float, max_context: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between (arXiv:2309.00071)."""
+    old_context = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_context / old_context
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, head_dim] for absolute positions [T], computed in float32:
+        sin's first half is negated so that ``apply_rope`` (engine/worker/attention/base.py) needs no
+        negation per layer."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :]
+        sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
+        return cos.to(dtype), sin.to(dtype)
+
+
+class _Weights(nn.Module):
+    """Holds uninitialised, gradient-free parameters; the loader fills every one of them.
+
+    ``prepack`` (CPU, bf16): the matrices named in ``_LINEARS`` are re-laid out once for
+    oneDNN (``torch.ops.mkldnn``, the layout inductor's CPU path uses) and ``_linear`` runs them
+    there: the same bits as ``F.linear``, at half its per-call cost for the few-row GEMMs of a
+    decode step (60 -> 27 us for a batch-8 [576 x 1728] product). The plain copy is freed,
+    unless something else reads it (a tied embedding)."""
+
+    _LINEARS: tuple[str, ...] = ()
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._factory = dict(device=device, dtype=dtype)
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def _new(self, *shape: int) -> nn.Parameter:
+        return nn.Parameter(torch.empty(shape, **self._factory), requires_grad=False)
+
+    def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        packed = self.packed.get(name)
+        if packed is None:
+            return F.linear(x, getattr(self, name), bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def _prepack(self, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        for name in self._LINEARS:
+            weight = getattr(self, name)
+            self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if not any(weight is other for other in keep):
+                weight.data = weight.data.new_empty(0)
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``prepack`` applies: bf16 on a CPU whose oneDNN runs bf16."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class DecoderLayer(_Weights):
+    """One layer, or (``tp`` given) this rank's share of it: ``plan``'s heads and MLP rows."""
+
+    _LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 plan: ShardPlan, tp: Collectives | None = None) -> None:
+        super().__init__(device, dtype)
+        c = config
+        self.eps, self.tp = c.rms_norm_eps, tp
+        self.q_size, self.kv_size = plan.num_heads * c.head_dim, plan.num_kv_heads * c.head_dim
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
+        self.head_dim, self.intermediate_size = c.head_dim, plan.intermediate_size
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.input_norm = self._new(c.hidden_size)
+        self.qkv = self._new(qkv_rows, c.hidden_size)
+        self.qkv_bias = self._new(qkv_rows) if c.qkv_bias else None
+        self.q_norm = self._new(c.head_dim) if c.qk_norm else None
+        self.k_norm = self._new(c.head_dim) if c.qk_norm else None
+        self.o = self._new(c.hidden_size, self.q_size)
+        self.o_bias = self._new(c.hidden_size) if c.o_bias else None
+        self.post_norm = self._new(c.hidden_size)
+        self.gate_up = self._new(2 * plan.intermediate_size, c.hidden_size)
+        self.gate_up_bias = self._new(2 * plan.intermediate_size) if c.mlp_bias else None
+        self.down = self._new(c.hidden_size, plan.intermediate_size)
+        self.down_bias = self._new(c.hidden_size) if c.mlp_bias else None
+        # On CPU, glibc serves allocations over 32 MiB with fresh mmaps, whose page faults cost
+        # more than the GEMM that fills them; on GPU the bound just caps activation memory.
+        budget = (16 << 20) if device.type == "cpu" else (1 << 30)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.mlp_chunk_tokens = max(1, budget // (2 * plan.intermediate_size * itemsize))
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        targets = {
+            prefix + "input_layernorm.weight": self.input_norm,
+            prefix + "post_attention_layernorm.weight": self.post_norm,
+            attn + "q_proj.weight": self.qkv[:q],
+            attn + "k_proj.weight": self.qkv[q : q + kv],
+            attn + "v_proj.weight": self.qkv[q + kv :],
+            attn + "o_proj.weight": self.o,
+            mlp + "gate_proj.weight": self.gate_up[:inter],
+            mlp + "up_proj.weight": self.gate_up[inter:],
+            mlp + "down_proj.weight": self.down,
+        }
+        if self.qkv_bias is not None:
+            targets[attn + "q_proj.bias"] = self.qkv_bias[:q]
+            targets[attn + "k_proj.bias"] = self.qkv_bias[q : q + kv]
+            targets[attn + "v_proj.bias"] = self.qkv_bias[q + kv :]
+        if self.o_bias is not None:
+            targets[attn + "o_proj.bias"] = self.o_bias
+        if self.q_norm is not None:
+            targets[attn + "q_norm.weight"] = self.q_norm
+            targets[attn + "k_norm.weight"] = self.k_norm
+        if self.gate_up_bias is not None:
+            targets[mlp + "gate_proj.bias"] = self.gate_up_bias[:inter]
+            targets[mlp + "up_proj.bias"] = self.gate_up_bias[inter:]
+            targets[mlp + "down_proj.bias"] = self.down_bias
+        return targets
+
+    def forward(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        """Add this layer's attention and MLP outputs to ``hidden`` [T, hidden_size], the
+        residual stream, in place (the model's forward owns it), and return it."""
+        num_tokens = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = self._linear("qkv", x, self.qkv_bias)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat(
+                (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), 1
+            )
+        # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
+        out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
+        if self.packed:
+            hidden.add_(self._linear("o", out, self.o_bias))
+        elif self.tp is None:
+            add_linear_(hidden, out, self.o, self.o_bias)
+        else:
+            row_parallel_add_(hidden, out, self.o, self.o_bias, self.tp)
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
+        # stays bounded however many tokens a prefill step carries.
+        for rows, x_rows in zip(
+            hidden.split(self.mlp_chunk_tokens), x.split(self.mlp_chunk_tokens), strict=True
+        ):
+            gate, up = self._linear("gate_up", x_rows, self.gate_up_bias).chunk(2, dim=-1)
+            if self.packed:
+                rows.add_(self._linear("down", F.silu(gate).mul_(up), self.down_bias))
+            elif self.tp is None:
+                add_linear_(rows, F.silu(gate).mul_(up), self.down, self.down_bias)
+            else:
+                row_parallel_add_(rows, F.silu(gate).mul_(up), self.down, self.down_bias, self.tp)
+        return hidden
+
+
+class LlamaForCausalLM(_Weights):
+    """Every supported architecture: their differences are flags in ``ModelConfig``. With
+    ``tp``, this rank's share of it (engine/worker/model/parallel.py); without, the whole model and
+    no collective anywhere."""
+
+    _LINEARS = ("lm_head",)
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 tp: Collectives | None = None) -> None:
+        super().__init__(device, dtype)
+        self.config, self.tp = config, tp
+        self.plan = ShardPlan.for_rank(config, tp.rank if tp else 0, tp.size if tp else 1)
+        self.embed = self._new(self.plan.vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, device, dtype, self.plan, tp) for _ in range(config.num_layers)
+        )
+        self.norm = self._new(config.hidden_size)
+        self.lm_head = (
+            self.embed
+            if config.tie_word_embeddings
+            else self._new(self.plan.vocab_rows, config.hidden_size)
+        )
+        self.rope = RotaryEmbedding(config, device)
+        real_rows = self.plan.vocab_stop - self.plan.vocab_start
+        with torch.no_grad():  # the last rank's rows past the vocabulary: never loaded
+            self.embed[real_rows:].zero_()
+            self.lm_head[real_rows:].zero_()
+
+    def prepack(self) -> None:
+        """Lay the projection matrices out for oneDNN (see ``_Weights``), once the weights are
+        loaded; only where ``can_prepack`` holds and without tensor parallel. Afterwards
+        ``weight_targets`` no longer names loadable tensors."""
+        if self.tp is not None or not can_prepack(self.embed.device, self.embed.dtype):
+            return
+        self._prepack(keep=(self.embed,))
+        for layer in self.layers:
+            layer._prepack()
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> the tensor (or slice of a fused one) it is copied into."""
+        real_rows = self.plan.vocab_stop - self.plan.vocab_start
+        targets = {"model.embed_tokens.weight": self.embed[:real_rows],
+                   "model.norm.weight": self.norm}
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head[:real_rows]
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.weight_targets(f"model.layers.{i}."))
+        return targets
+
+    def weight_sources(self) -> dict[str, Slice]:
+        """The checkpoint tensors this rank reads only a slice of (none without ``tp``)."""
+        if self.tp is None:
+            return {}
+        vocab = self.plan.vocab_slice(self.config)
+        sources = {"model.embed_tokens.weight": vocab}
+        if not self.config.tie_word_embeddings:
+            sources["lm_head.weight"] = vocab
+        for i in range(self.config.num_layers):
+            sources.update(self.plan.layer_sources(f"model.layers.{i}.", self.config))
+        return sources
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]; under
+        tensor parallel on rank 0 only (None on the others)."""
+        if self.tp is None:
+            hidden = F.embedding(input_ids, self.embed).float()
+        else:
+            hidden = embed_vocab_parallel(input_ids, self.embed, self.plan, self.tp).float()
+        cos, sin = self.rope(positions, self.embed.dtype)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(index, hidden, cos, sin, attention)
+        hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
+        if self.tp is None:
+            return self._linear("lm_head", hidden).float()
+        return self.tp.gather_vocab(F.linear(hidden, self.lm_head), self.config.vocab_size)

@@ -1,0 +1,139 @@
+"""The GPU worker process: receives a ForwardBatch, runs its step (copies/swaps, the forward)
+and the sampler, and replies with one token per sampling row. It decides nothing about memory.
+
+With ``--tp-size`` > 1 it is rank 0 of the tensor-parallel group (engine/worker/distributed.py): it
+hands every step, its input ids resolved, to the other ranks (engine/worker/tp_rank.py) before
+running its own share of the forward."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import zmq
+
+from engine.contracts.engine_config import EngineConfig, LaunchSpec
+from engine.contracts.protocol import (
+    BatchResult,
+    ForwardBatch,
+    ModelInfo,
+    Shutdown,
+    WorkerReady,
+    decode,
+    encode,
+    unpack_ids,
+)
+from engine.worker.distributed import GroupBroken, TensorParallel, start_tensor_parallel
+
+logger = logging.getLogger("radixserve.worker")
+
+
+def make_runner(c: EngineConfig, tp: TensorParallel | None = None):
+    """The model runner ``c`` describes (``tp``: this rank's share of it)."""
+    from engine.worker.runner import ModelRunner
+
+    return ModelRunner(
+        c.model, page_size=c.page_size, num_pages=c.num_pages, kv_cache_gb=c.kv_cache_gb,
+        mem_fraction=c.mem_fraction, num_host_pages=c.num_host_pages, device=c.device,
+        dtype=c.dtype, attention_backend=c.attention_backend, seed=c.seed, tp=tp,
+        load_format=c.load_format, decode_backend=c.flashinfer_decode_backend,
+        cuda_graph_max_bs=c.cuda_graph_max_bs if c.enable_cuda_graph else 0,
+    )
+
+
+class Worker:
+    def __init__(self, c: EngineConfig, tp: TensorParallel | None = None) -> None:
+        self.tp = tp
+        self.runner = make_runner(c, tp)
+        mc = self.runner.config
+        self.info = ModelInfo(
+            model=c.served_model_name or c.model, architecture=mc.architecture,
+            vocab_size=mc.vocab_size, context_len=c.serving_context_len(mc.max_context_len),
+            eos_token_ids=list(mc.eos_token_ids), page_size=self.runner.page_size,
+            num_pages=self.runner.num_pages, num_host_pages=self.runner.num_host_pages,
+            device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),
+            attention_backend=self.runner.attention_backend,
+        )
+        # The previous batch's sampled tokens: a step planned while that batch ran (overlap
+        # scheduling) names them as input ids ``-1 - row``.
+        self.last_tokens = np.zeros(0, dtype=np.int32)
+
+    def step(self, msg: ForwardBatch) -> BatchResult:
+        from engine.worker.sampler import SamplingRow, sample
+
+        # Until this batch samples, a failure leaves placeholder rows for the next batch to read
+        # (their sequences fail with this batch; the scheduler drops what the next one computes
+        # for them).
+        sampled, self.last_tokens = self.last_tokens, np.zeros(len(msg.sampling), dtype=np.int32)
+        step = msg.step
+        placeholders = step.input_ids < 0
+        if placeholders.any():
+            rows = -1 - step.input_ids[placeholders]
+            if rows.max() >= len(sampled):
+                raise ValueError(f"input ids name row {rows.max()} of the previous batch, which "
+                                 f"sampled {len(sampled)}")
+            step.input_ids = step.input_ids.copy()
+            step.input_ids[placeholders] = sampled[rows]
+        if self.tp is None:
+            logits = self.runner.forward(step)
+        else:
+            logits = self._forward_all_ranks(msg.batch_id, step)
+        rows = []
+        for row in msg.sampling:
+            history = unpack_ids(row.history)
+            if len(history):
+                prompt, output = history[: row.prompt_len], history[row.prompt_len :]
+            else:
+                # No penalties: the sampler needs only the step index, len(output_ids).
+                prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
+            rows.append(SamplingRow(row.params, prompt, output))
+        out = sample(logits, rows)
+        self.last_tokens = out.token_ids.astype(np.int32, copy=False)
+        result = BatchResult(
+            batch_id=msg.batch_id,
+            token_ids=self.last_tokens.tobytes(),
+            logprobs=out.logprobs.astype(np.float32, copy=False).tobytes(),
+        )
+        if out.top_ids is not None:
+            result.top_n = out.top_ids.shape[1]
+            result.top_ids = out.top_ids.astype(np.int32).tobytes()
+            result.top_logprobs = out.top_logprobs.astype(np.float32).tobytes()
+        return result
+
+    def _forward_all_ranks(self, batch_id: int, step):
+        """Tensor parallel: the step (input ids resolved) to every rank, then this rank's
+        forward. A batch the runner refuses fails alone, before any other rank sees it."""
+        self.runner.check(step)
+        self.tp.send_step(encode(ForwardBatch(batch_id=batch_id, step=step, sampling=[])))
+        try:
+            return self.runner.forward(step, checked=True)
+        except Exception as exc:
+            raise GroupBroken(f"batch {batch_id} failed inside the tensor-parallel forward "
+                              f"({type(exc).__name__}: {exc})") from exc
+
+
+def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(spec.endpoints.worker_in)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(spec.endpoints.worker_out)
+    tp = start_tensor_parallel(spec.config, rank=0) if spec.config.tp_size > 1 else None
+    worker = Worker(spec.config, tp)
+    push.send(encode(WorkerReady(worker.info)))
+    while True:
+        msg = decode(pull.recv())
+        if isinstance(msg, Shutdown):
+            if tp is not None:
+                tp.send_step(encode(msg))
+            return
+        try:
+            result = worker.step(msg)
+        except GroupBroken:
+            raise  # the ranks may be out of step: the group ends (engine/runtime/child.py reports it)
+        except Exception as exc:
+            # The scheduler fails this batch's requests (logging their ids) and keeps serving.
+            # The traceback stays in this log: the error reaches clients, so it names only the
+            # kind of failure.
+            logger.exception("batch %d failed", msg.batch_id)
+            result = BatchResult(batch_id=msg.batch_id, error=type(exc).__name__)
+        push.send(encode(result))

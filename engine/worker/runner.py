@@ -1,0 +1,261 @@
+"""The model runner: weights, the KV pool and an attention backend, one ``forward`` per step.
+
+Memory contract: the runner owns the device KV pages (``pool.kv``) and the host swap pages
+(``pool.host``) but decides nothing about them. Each ``BatchInput`` says which pages to swap
+out / in and which partial pages to copy (done first, in that order), which slot each new
+token's KV goes to, and which pages every sequence reads. A page's contents stay until a later
+batch overwrites them.
+
+Tensor parallel (``tp`` given): the model is this rank's share, the pool holds this rank's KV
+heads of the same page numbers (so the page count is agreed by all ranks: the smallest any can
+hold), and ``forward`` returns logits on rank 0 only.
+
+A step's index arrays reach the device in one copy (engine/worker/staging.py). With CUDA graphs
+(``cuda_graph_max_bs`` > 0, the flashinfer backend, no tensor parallel) decode steps of up to that
+many sequences replay graphs captured at start (engine/worker/cuda_graphs.py); asking for them gives
+the pool one scratch page past ``num_pages`` for the padding rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.contracts.step import BatchInput
+from engine.worker.attention import make_backend
+from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.distributed import TensorParallel
+from engine.worker.kv_pool import KVPool
+from engine.worker.model.config import ModelConfig
+from engine.worker.model.loader import load_model
+from engine.worker.staging import HostStaging
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+# A CPU step of a model under SMALL_MODEL_BYTES of weights and under SMALL_STEP_FLOPS (2 x
+# parameters x tokens) runs on one thread: its ops (~20 us GEMMs) gain nothing from a second,
+# and a worker spinning on every core slows the scheduler, tokenizer and frontend beside it.
+# Served on 2 cores, the demo model (10 MB; a batch-8 decode is 0.08 GFLOP) reaches its first
+# token in 0.78x / 0.82x the time (shared prefixes / multi-turn) at req/s 1.06x / 1.01x against
+# always two threads. Bigger models keep every thread on every step: reading their weights is
+# bandwidth-bound, and a second thread adds bandwidth (SmolLM2-135M, 270 MB, batch-1 decode:
+# 43.9 ms on one thread, 28.7 on two).
+SMALL_MODEL_BYTES = 32 << 20
+SMALL_STEP_FLOPS = 1e9
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX, from the kernel's CPU
+    flags). There bf16 matmuls run at about twice fp32's speed and move half the bytes; on
+    other CPUs bf16 is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` means bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
+    if dtype is None:
+        native = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_gb: float | None = None,
+        mem_fraction: float = 0.85,
+        num_host_pages: int = 0,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        attention_backend: str = "auto",
+        seed: int = 0,
+        tp: TensorParallel | None = None,
+        load_format: str = "auto",
+        decode_backend: str = "fa2",
+        cuda_graph_max_bs: int = 0,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        torch.manual_seed(seed)
+        self.tp = tp
+        self.device = tp.device if tp else torch.device(
+            device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = ModelConfig.from_dir(model_dir)
+        self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config,
+                                tp=tp, load_format=load_format, seed=seed)
+        self._flops_per_token = 2 * self.config.num_params
+        # Bytes of the whole model's weight matrices, all of which a decode step reads.
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.weight_bytes = self.config.num_params * itemsize
+        self._small_model = self.weight_bytes < SMALL_MODEL_BYTES
+        self._max_threads = self._threads = torch.get_num_threads()
+        self.model.prepack()
+        self.page_size, self.num_host_pages = page_size, num_host_pages
+        c, plan = self.config, self.model.plan
+        page_bytes = KVPool.bytes_per_page(
+            num_layers=c.num_layers,
+            page_size=page_size,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+        )
+        self.num_pages, how = self._size_pool(page_bytes, num_pages, kv_cache_gb, mem_fraction)
+        if tp is not None:
+            self.num_pages = tp.agree_min(self.num_pages)
+        self.kv_cache_bytes = self.num_pages * page_bytes
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB, %s) on %s, %d host pages",
+            self.num_pages,
+            page_size,
+            self.kv_cache_bytes / 2**30,
+            how,
+            self.device,
+            num_host_pages,
+        )
+        # With CUDA graphs, a scratch page past the pages the scheduler sees: the graphs'
+        # padding rows write and read it, and nothing else does.
+        self.scratch_page = self.num_pages if cuda_graph_max_bs > 0 else None
+        self.pool = KVPool(
+            num_layers=c.num_layers,
+            num_pages=self.num_pages + (self.scratch_page is not None),
+            page_size=page_size,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            num_host_pages=num_host_pages,
+        )
+        self.attention = make_backend(
+            attention_backend,
+            self.pool,
+            num_heads=plan.num_heads,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=c.head_dim,
+            sliding_windows=c.sliding_windows,
+            decode_backend=decode_backend,
+        )
+        self.attention_backend = self.attention.name
+        self.staging = HostStaging(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_bs > 0:
+            why_not = self._why_no_graphs()
+            if why_not:
+                logger.warning("CUDA graphs off: %s; decode runs eagerly", why_not)
+            else:
+                try:
+                    with torch.inference_mode():
+                        self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
+                except Exception as exc:  # a capture that fails leaves eager decode working
+                    logger.warning("CUDA graphs off: capture failed (%s: %s); decode runs "
+                                   "eagerly", type(exc).__name__, exc)
+
+    def _set_threads(self, batch: BatchInput) -> None:
+        """On CPU, a step too small to gain from parallel threads (a small model's, with few
+        tokens) runs on one, leaving the other cores to the scheduler, tokenizer and frontend
+        processes."""
+        if self.device.type != "cpu" or self._max_threads == 1 or not self._small_model:
+            return
+        small = batch.num_tokens * self._flops_per_token < SMALL_STEP_FLOPS
+        threads = 1 if small else self._max_threads
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+
+    def _why_no_graphs(self) -> str | None:
+        if self.device.type != "cuda":
+            return f"the model runs on {self.device}"
+        if not self.attention.supports_cuda_graph:
+            return f"the {self.attention.name} attention backend cannot be captured"
+        if self.tp is not None:
+            return "not captured under tensor parallel"
+        return None
+
+    def _size_pool(
+        self, page_bytes: int, num_pages: int | None, kv_cache_gb: float | None, mem_fraction: float
+    ) -> tuple[int, str]:
+        if num_pages is not None:
+            chosen, how = num_pages, "num_pages"
+        elif kv_cache_gb is not None:
+            chosen, how = int(kv_cache_gb * 2**30) // page_bytes, f"kv_cache_gb={kv_cache_gb}"
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # mem_fraction bounds weights + KV together; what is left stays for activations.
+            budget = free - int(total * (1.0 - mem_fraction))
+            chosen, how = (
+                max(budget, 0) // page_bytes,
+                f"mem_fraction={mem_fraction} of device memory",
+            )
+        else:
+            chosen, how = _CPU_DEFAULT_KV_BYTES // page_bytes, "CPU default of 1 GiB"
+        if chosen < 1:
+            raise ValueError(
+                f"the KV cache gets no pages ({how}, {page_bytes} bytes per page); "
+                "give num_pages, a larger kv_cache_gb or a larger mem_fraction"
+            )
+        return chosen, how
+
+    def check(self, batch: BatchInput) -> None:
+        """Raise ValueError, before anything runs, for a batch this runner cannot run."""
+        batch.validate(self.page_size, self.num_pages, self.num_host_pages)
+        longest = int(batch.seq_lens.max())
+        if longest > self.config.max_context_len:
+            raise ValueError(
+                f"a sequence reaches {longest} tokens but the model's context is "
+                f"{self.config.max_context_len}"
+            )
+        if self.tp is not None and len(batch.input_ids) and not (
+                0 <= int(batch.input_ids.min()) and int(batch.input_ids.max())
+                < self.config.vocab_size):
+            # Unsharded, the embedding lookup refuses these; sharded, it would read zeros.
+            raise ValueError(f"input ids must be from 0 to {self.config.vocab_size - 1}")
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInput, *, checked: bool = False) -> torch.Tensor | None:
+        """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
+        ``batch.logits_rows`` (default: each sequence's last new token); under tensor parallel
+        on rank 0 only, None on the others. ``checked``: ``check`` has passed already."""
+        if not checked:
+            self.check(batch)
+        self.pool.swap_out(batch.swap_out)
+        self.pool.swap_in(batch.swap_in)
+        self.pool.copy_pages(batch.copies)
+        self._set_threads(batch)
+        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(batch, bucket)
+        input_ids, positions, rows, out_slots, *staged = self.staging.stage(
+            [batch.input_ids.astype(np.int64), batch.positions.astype(np.int64),
+             batch.resolved_logits_rows(), batch.out_slots.astype(np.int64),
+             *self.attention.device_arrays(batch)])
+        self.attention.plan(batch, out_slots, staged=staged)
+        return self.model(input_ids, positions, self.attention, rows)
