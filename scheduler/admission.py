@@ -36,7 +36,7 @@ def reject_reason(req: Request, config: EngineConfig, info: ModelInfo, alloc: Pa
         return 400, (f"the request needs up to {need:,} KV pages ({width} sequence(s) of "
                      f"{req.prompt_len:,} + {p.max_tokens:,} tokens) but the KV pool has "
                      f"{alloc.num_pages:,}")
-    if num_waiting >= config.max_queued_requests:
-        return 503, (f"the queue is full ({config.max_queued_requests:,} waiting "
+    if num_waiting >= config.max_waiting_requests:
+        return 503, (f"the queue is full ({config.max_waiting_requests:,} waiting "
                      "requests); retry later")
     return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from engine.server.frontend import _bind
+from engine.server.net import bind_tcp as _bind
 
 
 def test_accepted_connections_have_tcp_nodelay():

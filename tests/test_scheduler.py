@@ -192,7 +192,7 @@ def test_beam_search_matches_transformers(model_dir, hf_model):
 
 
 def test_bad_requests_get_clear_errors(model_dir):
-    h = Harness(model_dir, num_pages=64, max_queued_requests=1)
+    h = Harness(model_dir, num_pages=64, max_waiting_requests=1)
     h.add("long", [5] * 5000, GREEDY)
     h.add("huge", list(range(10, 600)), SamplingParams(max_tokens=2000))
     h.add("vocab", [1, 99999], GREEDY)

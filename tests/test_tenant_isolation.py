@@ -10,6 +10,7 @@ from starlette.testclient import TestClient
 
 from engine.contracts.engine_config import EngineConfig
 from engine.server.app import build_app
+from engine.server.options import ServeOptions
 from engine.server.service import Service
 from radix import PageAllocator, RadixTree
 from tests.server_process import API_KEY, AUTH, ServerProcess, metric_values
@@ -52,12 +53,14 @@ def test_metrics_need_the_key_and_count_the_pool_from_startup(server):
 
 
 def test_metrics_open_serves_them_without_the_key():
-    service = Service(ScriptedClient(), INFO, EngineConfig(model="/models/tiny"))
-    closed = TestClient(build_app(service, api_key=API_KEY))
+    config = EngineConfig(model="/models/tiny")
+    closed = TestClient(build_app(Service(ScriptedClient(), INFO, config,
+                                          ServeOptions(api_key=API_KEY))))
     assert closed.get("/metrics").status_code == 401
     assert closed.get("/metrics", headers=AUTH).status_code == 200
     assert closed.get("/health").status_code == 200
-    opened = TestClient(build_app(service, api_key=API_KEY, metrics_open=True))
+    opened = TestClient(build_app(Service(ScriptedClient(), INFO, config,
+                                          ServeOptions(api_key=API_KEY, metrics_open=True))))
     assert opened.get("/metrics").status_code == 200
     assert opened.post("/v1/completions", json={"prompt": "x"}).status_code == 401
 

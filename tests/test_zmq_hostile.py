@@ -26,8 +26,8 @@ from engine.server.zmq_messages import (
     AbortCall,
     Done,
     ErrorReply,
-    Reply,
     SessionReply,
+    ZmqReply,
     call_decoder,
     reply_decoder,
 )
@@ -58,7 +58,7 @@ def raw(server):
     sock.close(linger=0)
 
 
-def receive(sock: zmq.Socket, call_id: str, timeout_ms: int = 30_000) -> Reply:
+def receive(sock: zmq.Socket, call_id: str, timeout_ms: int = 30_000) -> ZmqReply:
     """The next reply to ``call_id`` (or to an unreadable message, id ""); replies to calls
     abandoned earlier are skipped."""
     while True:
@@ -214,7 +214,7 @@ def test_a_receive_loop_that_dies_fails_health(monkeypatch):
         raise zmq.ZMQError(zmq.ETERM, "the context was terminated")
 
     async def run_door() -> None:
-        door = ZmqFrontend("tcp://127.0.0.1:0")
+        door = ZmqFrontend("tcp://127.0.0.1:0", service.options.max_request_bytes)
         monkeypatch.setattr(door.sock, "recv_multipart", broken)
         door.start(service)
         await asyncio.sleep(0.05)

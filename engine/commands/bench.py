@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from engine.contracts.protocol import SamplingParams
-    from engine.runtime.offline import Engine, EngineDead, EngineError
+    from engine.runtime.offline import Engine, EngineDead, LaunchError
 
     config = config_from_args(args)
     try:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             results = engine.generate(prompts, params)
             elapsed = time.perf_counter() - start
-    except (EngineDead, EngineError) as exc:
+    except (EngineDead, LaunchError) as exc:
         print(f"radixserve bench: {exc}", file=sys.stderr)
         return 1
     failed = [r for r in results if r.error is not None]

@@ -50,7 +50,7 @@ def _read_requests(path: str):
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from engine.runtime.offline import Engine, EngineDead, EngineError
+    from engine.runtime.offline import Engine, EngineDead, LaunchError
 
     prompts, params = _read_requests(args.input)
     config = config_from_args(args)
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{info.page_size} on {info.device}); {len(prompts):,} requests",
                   file=sys.stderr, flush=True)
             results = engine.generate(prompts, params, use_tqdm=not args.no_progress)
-    except (EngineDead, EngineError) as exc:
+    except (EngineDead, LaunchError) as exc:
         print(f"radixserve generate: {exc}", file=sys.stderr)
         return 1
     failed = 0

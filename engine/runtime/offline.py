@@ -30,7 +30,7 @@ from engine.contracts.protocol import (
     pack_ids,
 )
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
-from engine.runtime.launcher import EngineError, Launcher
+from engine.runtime.launcher import Launcher, LaunchError
 
 Prompt = str | Sequence[int] | list[dict[str, Any]]
 
@@ -222,4 +222,4 @@ class Engine:
         self.close()
 
 
-__all__ = ["Completion", "Engine", "EngineDead", "EngineError", "RequestResult", "make_request"]
+__all__ = ["Completion", "Engine", "EngineDead", "LaunchError", "RequestResult", "make_request"]

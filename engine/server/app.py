@@ -14,10 +14,9 @@ engine requests (they are aborted and their pages freed within one scheduler ste
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import msgspec
@@ -28,8 +27,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine.server.errors import APIError, from_validation
+from engine.server.errors import APIError
 from engine.server.openapi import openapi_document
+from engine.server.pipeline import Pipeline
 from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +43,8 @@ logger = logging.getLogger("radixserve.server")
 T = TypeVar("T")
 BODY_IDLE_TIMEOUT = 5.0  # seconds a request body may pause before the request gets 408
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})
+ENDPOINTS = {CompletionRequest: "completions", ChatCompletionRequest: "chat",
+             GenerateBody: "generate"}  # a body's schema -> its endpoint label in /metrics
 _encoder = msgspec.json.Encoder()
 
 
@@ -137,129 +139,49 @@ async def stream_response(request: Request, chunks: AsyncIterator[Any]) -> Respo
     return EventStream(_sse(first, chunks))
 
 
-def build_app(service: Service, *, api_key: str | None = None,
-              max_request_bytes: int = 8 << 20, metrics_open: bool = False) -> Starlette:
+def build_app(service: Service) -> Starlette:
+    """The routes, each through the door pipeline (engine/server/pipeline.py)."""
+    pipeline = Pipeline(service)
     metrics = service.metrics
     # Metrics tell who is busy and how well prefixes hit: behind the key unless asked otherwise.
-    open_paths = (OPEN_PATHS | {"/metrics"}) if metrics_open else OPEN_PATHS
-
-    @contextmanager
-    def counted(endpoint: str) -> Iterator[None]:
-        """Count an APIError raised before a request reaches the engine (later ones are
-        counted by the request's timer)."""
-        try:
-            yield
-        except APIError as exc:
-            metrics.requests.labels(endpoint, str(exc.status)).inc()
-            raise
-
-    def check_key(request: Request) -> None:
-        if api_key is None or request.url.path in open_paths:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 api_key.encode()):
-            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer "
-                           "<key>'")
-
-    async def read(request: Request, schema: type[T], *, empty_ok: bool = False) -> T:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_request_bytes:
-            raise APIError(413, f"the request body has {int(length):,} bytes, over the limit "
-                           f"of {max_request_bytes:,} bytes")
-        chunks, size = [], 0
-        stream = request.stream()
-        while True:
-            try:
-                # A body shorter than its Content-Length would otherwise hold the connection
-                # for as long as the client likes: uvicorn times out idle connections only
-                # between requests.
-                chunk = await asyncio.wait_for(anext(stream, None), BODY_IDLE_TIMEOUT)
-            except TimeoutError:
-                raise APIError(408, f"the request body stopped arriving (nothing for "
-                               f"{BODY_IDLE_TIMEOUT:g} seconds); is Content-Length larger than "
-                               "the body?") from None
-            if chunk is None:
-                break
-            size += len(chunk)
-            if size > max_request_bytes:
-                raise APIError(413, f"the request body is over the limit of "
-                               f"{max_request_bytes:,} bytes")
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        if empty_ok and not body.strip():
-            body = b"{}"
-        try:
-            return msgspec.json.decode(body, type=schema)
-        except msgspec.MsgspecError as exc:
-            raise from_validation(exc) from None
-        except RecursionError:
-            # msgspec stops at the interpreter's recursion limit (about 1,000 levels).
-            raise APIError(400, "the request body nests arrays or objects too deeply to "
-                           "decode") from None
+    open_paths = (OPEN_PATHS | {"/metrics"}) if service.options.metrics_open else OPEN_PATHS
 
     def route(path: str, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
               methods: list[str]) -> Route:
         async def wrapped(request: Request) -> Response:
             try:
-                with counted(endpoint):
-                    check_key(request)
+                if path not in open_paths:
+                    with pipeline.counted(endpoint):
+                        pipeline.authorize(pipeline.bearer(request.headers.get("authorization")),
+                                           "send 'Authorization: Bearer <key>'")
                 return await handler(request)
             except APIError as exc:
                 return error_response(exc)
             except ClientGone:
                 return Response(status_code=499)
             except Exception:
-                logger.exception("%s %s failed", request.method, path)
-                metrics.requests.labels(endpoint, "500").inc()
-                return error_response(APIError(500, "the server failed on this request; see "
-                                               "its log"))
+                return error_response(pipeline.failed(endpoint, f"{request.method} {path}"))
 
         return Route(path, wrapped, methods=methods)
 
-    async def whole(request: Request, work: Awaitable[Any]) -> Response:
-        return json_response(await unless_disconnected(request.receive, work))
+    async def generation(request: Request, schema: type) -> Response:
+        with pipeline.counted(ENDPOINTS[schema]):
+            body = await read_body(request, pipeline, schema)
+        opened = pipeline.open(body)
+        if opened.streaming:
+            return await stream_response(request, opened.stream())
+        return json_response(await unless_disconnected(request.receive, opened.whole()))
 
-    async def completions(request: Request) -> Response:
-        with counted("completions"):
-            body = await read(request, CompletionRequest)
-            call = service.completion_call(body)
-        top = bool(body.logprobs)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response(request, service.completion_stream(call, usage, top))
-        return await whole(request, service.completion(call, top))
+    async def open_session(request: Request) -> Response:
+        with pipeline.counted("sessions"):
+            body = await read_body(request, pipeline, SessionBody, empty_ok=True)
+        return json_response(await pipeline.open_session(body.model))
 
-    async def chat(request: Request) -> Response:
-        with counted("chat"):
-            body = await read(request, ChatCompletionRequest)
-            call = service.chat_call(body)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response(request, service.chat_stream(call, usage))
-        return await whole(request, service.chat(call))
-
-    async def generate(request: Request) -> Response:
-        with counted("generate"):
-            body = await read(request, GenerateBody)
-            call = service.generate_call(body)
-        if body.stream:
-            return await stream_response(request, service.generate_stream(call))
-        return await whole(request, service.generate(call))
+    async def close_session(request: Request) -> Response:
+        return json_response(await pipeline.close_session(request.path_params["session_id"]))
 
     async def models(request: Request) -> Response:
         return json_response(service.models())
-
-    async def open_session(request: Request) -> Response:
-        with counted("sessions"):
-            body = await read(request, SessionBody, empty_ok=True)
-            service.check_model(body.model)
-            return json_response(await service.open_session())
-
-    async def close_session(request: Request) -> Response:
-        with counted("sessions"):
-            return json_response(await service.close_session(request.path_params["session_id"]))
 
     async def health(request: Request) -> Response:
         problem = service.unhealthy()
@@ -283,9 +205,11 @@ def build_app(service: Service, *, api_key: str | None = None,
         return error_response(APIError(status, message))
 
     routes = [
-        route("/v1/completions", "completions", completions, ["POST"]),
-        route("/v1/chat/completions", "chat", chat, ["POST"]),
-        route("/generate", "generate", generate, ["POST"]),
+        route("/v1/completions", "completions",
+              lambda r: generation(r, CompletionRequest), ["POST"]),
+        route("/v1/chat/completions", "chat", lambda r: generation(r, ChatCompletionRequest),
+              ["POST"]),
+        route("/generate", "generate", lambda r: generation(r, GenerateBody), ["POST"]),
         route("/v1/models", "models", models, ["GET"]),
         route("/v1/sessions", "sessions", open_session, ["POST"]),
         route("/v1/sessions/{session_id}", "sessions", close_session, ["DELETE"]),
@@ -294,3 +218,33 @@ def build_app(service: Service, *, api_key: str | None = None,
         route("/openapi.json", "openapi", openapi, ["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+async def read_body(request: Request, pipeline: Pipeline, schema: type[T], *,
+                    empty_ok: bool = False) -> T:
+    """The body, read up to the size limit (413 past it, 408 if it stops arriving), decoded
+    strictly into ``schema`` (400 naming the field)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit():
+        pipeline.check_size(int(length))
+    chunks, size = [], 0
+    stream = request.stream()
+    while True:
+        try:
+            # A body shorter than its Content-Length would otherwise hold the connection for
+            # as long as the client likes: uvicorn times out idle connections only between
+            # requests.
+            chunk = await asyncio.wait_for(anext(stream, None), BODY_IDLE_TIMEOUT)
+        except TimeoutError:
+            raise APIError(408, f"the request body stopped arriving (nothing for "
+                           f"{BODY_IDLE_TIMEOUT:g} seconds); is Content-Length larger than "
+                           "the body?") from None
+        if chunk is None:
+            break
+        size += len(chunk)
+        pipeline.check_size(size)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if empty_ok and not body.strip():
+        body = b"{}"
+    return pipeline.decode(lambda data: msgspec.json.decode(data, type=schema), body)

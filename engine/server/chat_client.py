@@ -3,32 +3,24 @@ line typed, and a ``radixserve serve`` child process when no server was given.""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
 
-PR_SET_PDEATHSIG = 1
+from engine.runtime.child import die_with_parent
+from engine.runtime.launcher import free_port
 
 
 class ChatError(RuntimeError):
     """The chat cannot go on (no server, or the server refused the session)."""
-
-
-def _die_with_parent() -> None:
-    """In the server child: get SIGTERM (a clean shutdown) if the chat dies, however it dies."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -38,15 +30,15 @@ class LocalServer:
 
     @classmethod
     def start(cls, model: str | None) -> LocalServer:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
                    "--log-level", "error", *(["--model", model] if model else [])]
         log = tempfile.TemporaryFile("w+")
         # Its own session: a Ctrl-C that stops a reply must not reach the server too.
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True,
+                                # a clean shutdown if the chat dies, however it dies
+                                preexec_fn=partial(die_with_parent, signal.SIGTERM))
         ready = proc.stdout.readline()  # the server prints one line once it serves
         if "serving" not in ready:
             proc.wait()

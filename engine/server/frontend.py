@@ -25,7 +25,6 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -34,9 +33,11 @@ import zmq
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import ModelInfo
 from engine.runtime.client import EngineClient
-from engine.runtime.launcher import EngineError, Launcher
+from engine.runtime.launcher import Launcher, LaunchError
 from engine.server.app import build_app
 from engine.server.dp_monitor import DispatchMonitor
+from engine.server.net import bind_tcp, host_port
+from engine.server.options import ServeOptions
 from engine.server.service import Service
 from engine.server.zmq_frontend import ZmqFrontend
 
@@ -44,21 +45,6 @@ if TYPE_CHECKING:
     from engine.server.grpc_frontend import GrpcFrontend
 
 logger = logging.getLogger("radixserve.server")
-
-
-@dataclass
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    zmq_port: int | None = None
-    grpc_port: int | None = None
-    max_request_bytes: int = 8 << 20
-    max_pending_requests: int = 4096
-    default_max_tokens: int = 256
-    shutdown_timeout: float = 30.0
-    salt_from_user: bool = False
-    metrics_open: bool = False
 
 
 class _Uvicorn(uvicorn.Server):
@@ -103,69 +89,75 @@ class _DeathRelay:
             handler(reason)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
-    # connections whose socket says TCP. With Nagle on, a stream's first token waited ~40 ms
-    # in the kernel for the client's delayed ACK of the response headers.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM while starting: unwind through Launcher.start's cleanup
 
 
+class _Doors:
+    """The server's listening doors, bound before the engine starts (a port in use fails in a
+    second, not after minutes of loading): HTTP's socket, and the ZMQ and gRPC doors asked
+    for."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        try:
+            self.http = bind_tcp(options.host, options.port)
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host_port(options.host, options.port)}: "
+                          f"{exc.strerror or exc}") from None
+        self.zmq: ZmqFrontend | None = None
+        self.grpc: GrpcFrontend | None = None
+        try:
+            if options.zmq_port is not None:
+                # Where HTTP listens (the address --host resolved to), and nowhere else.
+                address = f"tcp://{host_port(self.http.getsockname()[0], options.zmq_port)}"
+                try:
+                    self.zmq = ZmqFrontend(address, options.max_request_bytes)
+                except zmq.ZMQError as exc:
+                    raise OSError(f"cannot listen on {address}: {exc}") from None
+            if options.grpc_port is not None:
+                from engine.server.grpc_frontend import GrpcFrontend
+
+                try:
+                    bind_tcp(options.host, options.grpc_port).close()  # taken: fail now
+                    # The KV events endpoint is filled in once the launcher has chosen it.
+                    self.grpc = GrpcFrontend(self.http.getsockname()[0], options.grpc_port, "")
+                except (ImportError, OSError) as exc:
+                    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                    raise OSError(f"--grpc-port {options.grpc_port}: {reason}") from None
+        except OSError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.zmq is not None:
+            self.zmq.close()
+        self.http.close()
+
+    def ready_line(self, model_name: str) -> str:
+        url = f"http://{host_port(self.options.host, self.http.getsockname()[1])}"
+        extra = f", ZMQ at {self.zmq.address}" if self.zmq is not None else ""
+        if self.grpc is not None:
+            extra += f", gRPC (smg's vLLM service) on port {self.grpc.port}"
+        return f"radixserve: serving {model_name} at {url} (OpenAI API at {url}/v1{extra})"
+
+
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the server until a signal (exit 0) or a child process dies (exit 1)."""
-    # Both ports first: a port in use fails in a second, not after the engine has started.
     try:
-        sock = _bind(options.host, options.port)
+        doors = _Doors(options)
     except OSError as exc:
-        print(f"radixserve serve: cannot listen on {options.host}:{options.port}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
+        print(f"radixserve serve: {exc}", file=sys.stderr)
         return 1
-    zmq_door = None
-    if options.zmq_port is not None:
-        # Where HTTP listens (the address --host resolved to), and nowhere else.
-        address = f"tcp://{_url_host(sock.getsockname()[0])}:{options.zmq_port}"
-        try:
-            zmq_door = ZmqFrontend(address, options.max_request_bytes, options.api_key)
-        except zmq.ZMQError as exc:
-            print(f"radixserve serve: cannot listen on {address}: {exc}", file=sys.stderr)
-            sock.close()
-            return 1
-    grpc_door = None
-    if options.grpc_port is not None:
-        from engine.server.grpc_frontend import GrpcFrontend
-
-        try:
-            _bind(options.host, options.grpc_port).close()  # taken: fail before the engine
-            # The endpoint is filled in once the launcher has chosen it.
-            grpc_door = GrpcFrontend(sock.getsockname()[0], options.grpc_port, "")
-        except (ImportError, OSError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            print(f"radixserve serve: --grpc-port {options.grpc_port}: {reason}",
-                  file=sys.stderr)
-            sock.close()
-            if zmq_door is not None:
-                zmq_door.close()
-            return 1
     relay = _DeathRelay()
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    launcher = Launcher(config, on_death=relay, publish_kv_events=grpc_door is not None)
-    if grpc_door is not None:
-        grpc_door.kv_events_endpoint = launcher.config.kv_events_endpoint
+    launcher = Launcher(config, on_death=relay, publish_kv_events=doors.grpc is not None)
+    if doors.grpc is not None:
+        doors.grpc.kv_events_endpoint = launcher.config.kv_events_endpoint
     try:
         info = launcher.start()
         code = None
-    except EngineError as exc:
+    except LaunchError as exc:
         print(f"radixserve serve: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
@@ -174,19 +166,52 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         if code is None:
-            code = asyncio.run(_serve(config, options, launcher, info, sock, zmq_door, relay,
-                                      grpc_door))
+            code = asyncio.run(_serve(config, options, launcher, info, doors, relay))
         return code
     finally:
-        if zmq_door is not None:
-            zmq_door.close()
         launcher.shutdown()
-        sock.close()
+        doors.close()
+
+
+class _Drain:
+    """SIGTERM / SIGINT: new requests and /health get 503 at once, running ones get
+    ``--shutdown-timeout`` seconds, then the rest are failed and uvicorn stops. A second signal
+    cuts the wait short; a third stops waiting for connections too."""
+
+    def __init__(self, service: Service, timeout: float) -> None:
+        self.service = service
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.server: _Uvicorn | None = None
+        self.task: asyncio.Task | None = None
+        self.cut_short = asyncio.Event()
+
+    def signalled(self) -> None:
+        if self.task is None:
+            self.task = self.loop.create_task(self._drain_then_exit())
+        elif not self.task.done():
+            self.cut_short.set()
+        else:
+            self.server.force_exit = True
+
+    async def _drain_then_exit(self) -> None:
+        client = self.service.client
+        self.service.shutting_down = True
+        if client.num_pending:
+            logger.warning("shutting down: %d running requests get up to %g s to finish",
+                           client.num_pending, self.timeout)
+        deadline = self.loop.time() + self.timeout
+        while client.num_pending and self.loop.time() < deadline and not self.cut_short.is_set():
+            await asyncio.sleep(0.05)
+        if client.num_pending:
+            logger.warning("shutting down: failing %d requests that did not finish in time",
+                           client.num_pending)
+            client.fail_all("the server shut down before this request finished")
+        self.server.should_exit = True
 
 
 async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher,
-                 info: ModelInfo, sock: socket.socket, zmq_door: ZmqFrontend | None,
-                 relay: _DeathRelay, grpc_door: GrpcFrontend | None = None) -> int:
+                 info: ModelInfo, doors: _Doors, relay: _DeathRelay) -> int:
     client = EngineClient(launcher.endpoints, info.num_pages)
     client.start()
     dispatch = None
@@ -194,63 +219,26 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
         dispatch = DispatchMonitor(launcher.endpoints.dispatch_stats, config.dp_size,
                                    info.num_pages)
         dispatch.start()
-    service = Service(client, info, config, max_pending=options.max_pending_requests,
-                      default_max_tokens=options.default_max_tokens,
-                      salt_from_user=options.salt_from_user, dispatch=dispatch)
-    app = build_app(service, api_key=options.api_key,
-                    max_request_bytes=options.max_request_bytes,
-                    metrics_open=options.metrics_open)
-    if zmq_door is not None:
-        zmq_door.start(service)
-    if grpc_door is not None:
+    service = Service(client, info, config, options, dispatch=dispatch)
+    app = build_app(service)
+    if doors.zmq is not None:
+        doors.zmq.start(service)
+    if doors.grpc is not None:
         try:
-            await grpc_door.start(service)
+            await doors.grpc.start(service)
         except OSError as exc:
             print(f"radixserve serve: {exc}", file=sys.stderr)
             client.close()
             return 1
-
-    def ready() -> None:
-        url = f"http://{_url_host(options.host)}:{sock.getsockname()[1]}"
-        extra = f", ZMQ at {zmq_door.address}" if zmq_door is not None else ""
-        if grpc_door is not None:
-            extra += f", gRPC (smg's vLLM service) on port {grpc_door.port}"
-        print(f"radixserve: serving {service.model_name} at {url} (OpenAI API at {url}/v1"
-              f"{extra})", flush=True)
-
     loop = asyncio.get_running_loop()
-    drain: asyncio.Task | None = None
-    cut_short = asyncio.Event()
-    death: list[str] = []
-
-    async def drain_then_exit() -> None:
-        service.shutting_down = True
-        running = client.num_pending
-        if running:
-            logger.warning("shutting down: %d running requests get up to %g s to finish",
-                           running, options.shutdown_timeout)
-        deadline = loop.time() + options.shutdown_timeout
-        while client.num_pending and loop.time() < deadline and not cut_short.is_set():
-            await asyncio.sleep(0.05)
-        if client.num_pending:
-            logger.warning("shutting down: failing %d requests that did not finish in time",
-                           client.num_pending)
-            client.fail_all("the server shut down before this request finished")
-        server.should_exit = True
-
-    def signalled() -> None:
-        nonlocal drain
-        if drain is None:
-            drain = loop.create_task(drain_then_exit())
-        elif not drain.done():
-            cut_short.set()
-        else:
-            server.force_exit = True  # a third signal: stop waiting for connections too
-
+    drain = _Drain(service, options.shutdown_timeout)
     level = config.log_level.lower()
     server = _Uvicorn(uvicorn.Config(app, log_level=level, access_log=level in ("debug", "info"),
-                                     lifespan="off", timeout_graceful_shutdown=5), ready,
-                      lambda: loop.call_soon_threadsafe(signalled))
+                                     lifespan="off", timeout_graceful_shutdown=5),
+                      lambda: print(doors.ready_line(service.model_name), flush=True),
+                      lambda: loop.call_soon_threadsafe(drain.signalled))
+    drain.server = server
+    death: list[str] = []
 
     def died(reason: str) -> None:
         death.append(reason)
@@ -259,16 +247,16 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
 
     relay.attach(loop, died)
     try:
-        await server.serve(sockets=[sock])
+        await server.serve(sockets=[doors.http])
     finally:
         if client.dead is None:
             # From here no stream may reach the engine: a stream closed late (as the loop
             # ends) must not send its abort through a closed socket.
             client.fail_all("the server stopped")
-        if zmq_door is not None:
-            await zmq_door.stop()
-        if grpc_door is not None:
-            await grpc_door.stop()
+        if doors.zmq is not None:
+            await doors.zmq.stop()
+        if doors.grpc is not None:
+            await doors.grpc.stop()
         client.close()
         if dispatch is not None:
             dispatch.close()
@@ -276,8 +264,3 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
         print(f"radixserve serve: {death[0]}", file=sys.stderr)
         return 1
     return 0
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-

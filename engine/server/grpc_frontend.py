@@ -20,6 +20,11 @@ What each RPC is served from:
 
 The other RPCs (Embed, FlushCache, profiling) answer UNIMPLEMENTED. smg's request ids are its
 own; the engine gives each request a fresh one, as it does for HTTP.
+
+Every RPC passes the door pipeline's key check first (engine/server/pipeline.py): with
+``--api-key K`` a call needs ``authorization: Bearer K`` metadata, or it is refused with
+UNAUTHENTICATED before any servicer method runs (``KeyCheck``, a server interceptor). Generate
+is validated, limited and answered through the same pipeline as HTTP's /generate.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import logging
 import time
 import zipfile
 from contextlib import aclosing
@@ -38,9 +44,12 @@ from typing import Any
 
 from engine.server.errors import APIError
 from engine.server.kv_relay import KvEventRelay
+from engine.server.net import host_port
+from engine.server.pipeline import DOOR_STOP_GRACE, Pipeline
 from engine.server.schemas import GenerateBody, TopToken
 from engine.server.service import Service
 
+logger = logging.getLogger("radixserve.grpc")
 HEARTBEAT_SECONDS = 1.0
 INSTALL_HINT = "pip install 'radixserve[grpc]' (grpcio and smg-grpc-proto)"
 
@@ -128,6 +137,7 @@ class VllmEngineDoor:
 
     def __init__(self, service: Service, relay: KvEventRelay, modules: tuple) -> None:
         self.service = service
+        self.pipeline = Pipeline(service)
         self.relay = relay
         self.grpc, self.common, self.pb, _ = modules
         self.started = time.time()
@@ -139,18 +149,18 @@ class VllmEngineDoor:
 
     # ------------------------------------------------------------------ generate
     async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 (the RPC's name)
-        pb, service = self.pb, self.service
+        pb, pipeline = self.pb, self.pipeline
         try:
-            values = sampling_values(request.sampling_params)
-            values.setdefault("max_tokens", service.default_max_tokens)
+            with pipeline.counted("generate"):
+                values = sampling_values(request.sampling_params)
+            values.setdefault("max_tokens", self.service.options.default_max_tokens)
             if request.WhichOneof("input") == "tokenized":
                 body = GenerateBody(input_ids=list(request.tokenized.input_ids),
                                     sampling_params=values)
             else:
                 body = GenerateBody(text=request.text, sampling_params=values)
-            call = service.generate_call(body)
+            opened = pipeline.open(body)
         except APIError as exc:
-            service.metrics.requests.labels("generate", str(exc.status)).inc()
             await self._refuse(context, exc)
             return
         if request.request_id:
@@ -161,7 +171,7 @@ class VllmEngineDoor:
         finish: dict[int, str] = {}
         usage = None
         try:
-            async with aclosing(service.generate_stream(call)) as chunks:
+            async with aclosing(opened.stream()) as chunks:
                 async for chunk in chunks:
                     for choice in chunk.choices:
                         output_ids.setdefault(choice.index, []).extend(choice.token_ids)
@@ -287,6 +297,43 @@ class VllmEngineDoor:
             load_only=True)
 
 
+def key_check(grpc: ModuleType, pipeline: Pipeline) -> Any:
+    """A server interceptor that refuses every RPC without the API key (UNAUTHENTICATED), by
+    swapping in a handler that aborts: the servicer's method never runs."""
+
+    async def refuse(context: Any, message: str) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def refusing(handler: Any, message: str) -> Any:
+        async def unary(request: Any, context: Any) -> Any:
+            await refuse(context, message)
+
+        async def stream(request: Any, context: Any) -> Any:
+            await refuse(context, message)
+            yield  # never reached: makes this a streaming handler
+
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+                else "stream_unary" if handler.stream_unary else "stream_stream")
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(stream if kind.endswith("_stream") else unary,
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+    class KeyCheck(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation: Any, details: Any) -> Any:
+            handler = await continuation(details)
+            metadata = dict(details.invocation_metadata or ())
+            try:
+                pipeline.authorize(Pipeline.bearer(metadata.get("authorization")),
+                                   "send 'authorization: Bearer <key>' metadata")
+            except APIError as exc:
+                logger.warning("gRPC %s refused: %s", details.method, exc.message)
+                return None if handler is None else refusing(handler, exc.message)
+            return handler
+
+    return KeyCheck()
+
+
 class GrpcFrontend:
     """The gRPC server and its KV event relay. Built before the engine starts (so a missing
     dependency fails at once); ``start`` binds and serves on the running event loop."""
@@ -310,16 +357,17 @@ class GrpcFrontend:
         except OSError:
             pass  # GetTokenizer answers NOT_FOUND with the reason
         # so_reuseport off: a second server on the same port must fail, not share it.
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                      interceptors=[key_check(grpc, servicer.pipeline)])
         pb_grpc.add_VllmEngineServicer_to_server(servicer, self.server)
-        address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        address = host_port(self.host, self.port)
         try:
             self.server.add_insecure_port(address)
         except RuntimeError as exc:
             raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
         await self.server.start()
 
-    async def stop(self, grace: float = 2.0) -> None:
+    async def stop(self, grace: float = DOOR_STOP_GRACE) -> None:
         if self.relay is not None:
             self.relay.close()
         if self.server is not None:

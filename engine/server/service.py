@@ -46,6 +46,7 @@ from engine.server.choices import (
 from engine.server.dp_monitor import DispatchMonitor
 from engine.server.errors import APIError
 from engine.server.metrics import FrontendState, Metrics, RequestTimer
+from engine.server.options import ServeOptions
 from engine.server.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -85,25 +86,23 @@ class Call:
     # prompt's tokens (too many for the context or the KV pool, none at all, bad messages).
     prompt_param: str = "prompt"
     return_token_ids: bool = False  # completions: choices carry their output token ids
-    # Gives the call's places under --max-pending-requests back: once its outputs are done
+    # Gives the call's places under --max-inflight-requests back: once its outputs are done
     # (``Service._deltas``), or when the call is dropped without ever running. Runs once.
     release: weakref.finalize | None = None
 
 
 class Service:
-    def __init__(self, client: EngineClient, info: ModelInfo, config: EngineConfig, *,
-                 max_pending: int = 4096, default_max_tokens: int = 256,
-                 salt_from_user: bool = False, dispatch: DispatchMonitor | None = None) -> None:
+    def __init__(self, client: EngineClient, info: ModelInfo, config: EngineConfig,
+                 options: ServeOptions | None = None,
+                 dispatch: DispatchMonitor | None = None) -> None:
         self.client = client
         self.info = info
         self.config = config
+        self.options = options or ServeOptions()
         self.model_name = config.served_model_name or Path(config.model).name
-        self.max_pending = max_pending
         # Engine requests of calls admitted and not yet done: counted when the call is made,
         # so concurrent arrivals see each other before any of them reaches the engine.
         self.admitted = 0
-        self.default_max_tokens = default_max_tokens
-        self.salt_from_user = salt_from_user
         self.shutting_down = False  # set on SIGTERM: new requests get 503, running ones finish
         self.door_failure: str | None = None  # why a front door (ZMQ) stopped receiving
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
@@ -169,12 +168,12 @@ class Service:
     def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
               n: int) -> Call:
         self._check_alive()
-        if len(requests) > self.max_pending:
+        limit = self.options.max_inflight_requests
+        if len(requests) > limit:
             raise APIError(400, f"the request has {len(requests):,} prompts but the server "
-                           f"takes at most {self.max_pending:,} requests in flight",
-                           param="prompt")
-        if self.admitted + len(requests) > self.max_pending:
-            raise APIError(503, f"the server is at its limit of {self.max_pending:,} requests "
+                           f"takes at most {limit:,} requests in flight", param="prompt")
+        if self.admitted + len(requests) > limit:
+            raise APIError(503, f"the server is at its limit of {limit:,} requests "
                            f"in flight ({self.admitted:,} now, this one adds "
                            f"{len(requests):,}); retry later")
         call = Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
@@ -199,7 +198,7 @@ class Service:
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
         self.check_model(req.model)
-        params = sampling.chat_params(req, self.default_max_tokens, self.info)
+        params = sampling.chat_params(req, self.options.default_max_tokens, self.info)
         sampling.check_messages(req.messages)
         if req.session_id is not None:
             self.sessions.get(req.session_id)  # 404 now, before any stream starts
@@ -234,7 +233,7 @@ class Service:
         if cache_salt is not None and not cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string when given",
                            param="cache_salt")
-        owner = user if self.salt_from_user and user else None
+        owner = user if self.options.salt_from_user and user else None
         if cache_salt is None and owner is None:
             return None
         return hashlib.sha256(msgspec.json.encode([owner, cache_salt])).hexdigest()

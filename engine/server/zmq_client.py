@@ -35,7 +35,6 @@ from engine.server.schemas import (
 )
 from engine.server.zmq_messages import (
     AbortCall,
-    Call,
     ChatCall,
     CloseSessionCall,
     CompletionCall,
@@ -43,8 +42,9 @@ from engine.server.zmq_messages import (
     ErrorReply,
     GenerateCall,
     OpenSessionCall,
-    Reply,
     SessionReply,
+    ZmqCall,
+    ZmqReply,
     encoder,
     reply_decoder,
 )
@@ -68,12 +68,12 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-def _encode(call: Call, api_key: str | None) -> bytes:
+def _encode(call: ZmqCall, api_key: str | None) -> bytes:
     call.api_key = api_key
     return encoder.encode(call)
 
 
-def _chunk_or_raise(reply: Reply) -> Any:
+def _chunk_or_raise(reply: ZmqReply) -> Any:
     """The chunk a reply carries; None at the end of the call."""
     if isinstance(reply, ErrorReply):
         raise ZmqAPIError(reply.status, reply.error.message, reply.error.param)
@@ -112,7 +112,7 @@ class ZmqClient:
         self.sock.send(_encode(call, self.api_key))
         return _chunk_or_raise(self._recv(call.id))
 
-    def _recv(self, call_id: str) -> Reply:
+    def _recv(self, call_id: str) -> ZmqReply:
         while True:
             if not self.sock.poll(self.timeout_ms):
                 raise TimeoutError(f"no reply from the server within {self.timeout_ms} ms")
@@ -120,7 +120,7 @@ class ZmqClient:
             if reply.id in (call_id, ""):
                 return reply  # anything else is a late reply of a call abandoned earlier
 
-    def _stream(self, call: Call) -> Iterator[Any]:
+    def _stream(self, call: ZmqCall) -> Iterator[Any]:
         self.sock.send(_encode(call, self.api_key))
         finished = False
         try:
@@ -153,7 +153,7 @@ class AsyncZmqClient:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(address)
-        self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        self._queues: dict[str, asyncio.Queue[ZmqReply]] = {}
         self._receiver: asyncio.Task | None = None
 
     async def _receive(self) -> None:
@@ -179,14 +179,14 @@ class AsyncZmqClient:
     async def close_session(self, session_id: str) -> SessionDeleted:
         return _chunk_or_raise(await self._single(CloseSessionCall(_new_id(), session_id)))
 
-    def _open(self, call_id: str) -> asyncio.Queue[Reply]:
+    def _open(self, call_id: str) -> asyncio.Queue[ZmqReply]:
         if self._receiver is None:
             self._receiver = asyncio.get_running_loop().create_task(self._receive())
-        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        queue: asyncio.Queue[ZmqReply] = asyncio.Queue()
         self._queues[call_id] = queue
         return queue
 
-    async def _single(self, call: Call) -> Reply:
+    async def _single(self, call: ZmqCall) -> ZmqReply:
         queue = self._open(call.id)
         try:
             await self.sock.send(_encode(call, self.api_key))
@@ -194,7 +194,7 @@ class AsyncZmqClient:
         finally:
             del self._queues[call.id]
 
-    async def _stream(self, call: Call) -> AsyncIterator[Any]:
+    async def _stream(self, call: ZmqCall) -> AsyncIterator[Any]:
         queue = self._open(call.id)
         finished = False
         try:

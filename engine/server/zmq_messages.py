@@ -94,10 +94,10 @@ class Done(Struct, tag=True):
     id: str
 
 
-Call = CompletionCall | ChatCall | GenerateCall | OpenSessionCall | CloseSessionCall | AbortCall
-Reply = (CompletionChunkReply | ChatChunkReply | GenerateChunkReply | SessionReply | ErrorReply
+ZmqCall = CompletionCall | ChatCall | GenerateCall | OpenSessionCall | CloseSessionCall | AbortCall
+ZmqReply = (CompletionChunkReply | ChatChunkReply | GenerateChunkReply | SessionReply | ErrorReply
          | Done)
 
 encoder = msgspec.msgpack.Encoder()
-call_decoder = msgspec.msgpack.Decoder(Call)
-reply_decoder = msgspec.msgpack.Decoder(Reply)
+call_decoder = msgspec.msgpack.Decoder(ZmqCall)
+reply_decoder = msgspec.msgpack.Decoder(ZmqReply)

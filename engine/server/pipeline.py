@@ -1,0 +1,141 @@
+"""What every front door does with a call, written once: HTTP (app.py), ZMQ (zmq_frontend.py)
+and gRPC (grpc_frontend.py) keep only their transport and hand each call through here.
+
+    door: bytes / frames / RPC ─▶ authorize ─▶ decode ─▶ open (Service: validate, limits,
+                                  (401)         (400)     engine requests) ─▶ chunks / whole
+                                                          errors before the engine are counted
+    anything unexpected ─▶ failed(): logged with its traceback, a 500 that says "see its log"
+
+The doors differ only in how they carry the key (an ``Authorization: Bearer`` header, the ZMQ
+call's ``api_key`` field, gRPC ``authorization: Bearer`` metadata) and the body (JSON, msgpack,
+protobuf); the rule and the answer are the same.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from engine.server.errors import APIError, from_validation
+from engine.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateBody,
+    SessionDeleted,
+    SessionObject,
+)
+from engine.server.service import Service
+
+logger = logging.getLogger("radixserve.server")
+
+T = TypeVar("T")
+DOOR_STOP_GRACE = 2.0  # seconds a door's running calls get when the server stops
+KEY_REQUIRED = "a valid API key is required"
+
+
+@dataclass
+class Opened:
+    """A call the engine accepted: its chunks as a stream, or its whole response."""
+
+    stream: Callable[[], AsyncIterator[Any]]
+    whole: Callable[[], Awaitable[Any]]
+    streaming: bool  # the body asked for a stream (HTTP; the other doors always stream)
+
+
+class Pipeline:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.api_key = service.options.api_key
+        self.max_request_bytes = service.options.max_request_bytes
+
+    # ------------------------------------------------------------------ auth
+    def authorize(self, key: str | None, how: str) -> None:
+        """401 unless ``key`` is the server's API key (any key passes on a server without
+        one); ``how`` tells the client how this door carries it."""
+        if self.api_key is None:
+            return
+        if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
+            raise APIError(401, f"{KEY_REQUIRED}: {how}")
+
+    @staticmethod
+    def bearer(header: str | None) -> str | None:
+        """The key of an ``Authorization: Bearer KEY`` value (HTTP header, gRPC metadata)."""
+        scheme, _, token = (header or "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+
+    # ---------------------------------------------------------------- bodies
+    def check_size(self, size: int) -> None:
+        if size > self.max_request_bytes:
+            raise APIError(413, f"the request body has {size:,} bytes, over the limit of "
+                           f"{self.max_request_bytes:,} bytes")
+
+    @staticmethod
+    def decode(decode: Callable[[bytes], T], data: bytes, what: str = "") -> T:
+        """``decode(data)``, its failures as 400s: a body that does not fit its schema names the
+        field; ``what`` prefixes a message that is about the whole message, not a field."""
+        try:
+            return decode(data)
+        except msgspec.MsgspecError as exc:
+            raise (APIError(400, f"{what}{exc}") if what else from_validation(exc)) from None
+        except RecursionError:
+            # msgspec stops at the interpreter's recursion limit (about 1,000 levels).
+            raise APIError(400, "the request body is nested too deeply to decode (arrays or "
+                           "objects in each other)") from None
+
+    # ----------------------------------------------------------------- calls
+    @contextmanager
+    def counted(self, endpoint: str) -> Iterator[None]:
+        """Count an APIError raised before a request reaches the engine (later ones are
+        counted by the request's timer)."""
+        try:
+            yield
+        except APIError as exc:
+            self.service.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            raise
+
+    def open(self, body: CompletionRequest | ChatCompletionRequest | GenerateBody) -> Opened:
+        """Validate a generation call and admit its engine requests."""
+        service = self.service
+        if isinstance(body, CompletionRequest):
+            with self.counted("completions"):
+                call = service.completion_call(body)
+            top, usage = bool(body.logprobs), _include_usage(body)
+            return Opened(lambda: service.completion_stream(call, usage, top),
+                          lambda: service.completion(call, top), body.stream)
+        if isinstance(body, ChatCompletionRequest):
+            with self.counted("chat"):
+                call = service.chat_call(body)
+            usage = _include_usage(body)
+            return Opened(lambda: service.chat_stream(call, usage),
+                          lambda: service.chat(call), body.stream)
+        with self.counted("generate"):
+            call = service.generate_call(body)
+        return Opened(lambda: service.generate_stream(call), lambda: service.generate(call),
+                      body.stream)
+
+    async def open_session(self, model: str | None = None) -> SessionObject:
+        with self.counted("sessions"):
+            self.service.check_model(model)
+            return await self.service.open_session()
+
+    async def close_session(self, session_id: str) -> SessionDeleted:
+        with self.counted("sessions"):
+            return await self.service.close_session(session_id)
+
+    # ---------------------------------------------------------------- errors
+    def failed(self, endpoint: str, where: str) -> APIError:
+        """The answer to an exception no rule expected (call from an ``except`` block): the
+        traceback goes to the log, the client gets a sentence."""
+        logger.exception("%s failed", where)
+        self.service.metrics.requests.labels(endpoint, "500").inc()
+        return APIError(500, "the server failed on this request; see its log")
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
