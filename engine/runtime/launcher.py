@@ -59,7 +59,7 @@ SOCKET_DIR_PREFIX = "radixserve-"
 OWNER_LOCK = "owner.lock"
 
 
-class EngineError(RuntimeError):
+class LaunchError(RuntimeError):
     """The engine could not start, or a process of it died."""
 
 
@@ -138,7 +138,7 @@ class Launcher:
                  publish_kv_events: bool = False) -> None:
         config.validate()
         if config.tp_size > 1 and config.dist_init_addr is None:
-            config = msgspec.structs.replace(config, dist_init_addr=f"127.0.0.1:{_free_port()}")
+            config = msgspec.structs.replace(config, dist_init_addr=f"127.0.0.1:{free_port()}")
         if config.context_len is None:
             # Resolved once here, so every child (the tokenizers' early length check too) reads
             # the same context from the config instead of each loading the model's own.
@@ -198,7 +198,7 @@ class Launcher:
             logger.warning("node %d: tensor-parallel ranks %d-%d ready; serving until the group "
                            "ends", self.config.node_rank, ranks.start, ranks.stop - 1)
             self._ended.wait()
-            raise EngineError(f"node {self.config.node_rank}'s tensor-parallel ranks stopped: "
+            raise LaunchError(f"node {self.config.node_rank}'s tensor-parallel ranks stopped: "
                               f"{self.dead}")
         assert self.info is not None
         return self.info
@@ -260,7 +260,7 @@ class Launcher:
             if control.poll(200):
                 msg = decode(control.recv())
                 if isinstance(msg, Fatal):
-                    raise EngineError(f"{msg.name} failed to start: {msg.error}")
+                    raise LaunchError(f"{msg.name} failed to start: {msg.error}")
                 if isinstance(msg, Ready):
                     name = names.get(msg.pid, msg.name)  # all replicas' schedulers say "scheduler"
                     pending.discard(name)
@@ -270,9 +270,9 @@ class Launcher:
                         pending.discard(name.replace("scheduler", "worker"))
             for name, proc in self.children.items():
                 if proc.poll() is not None:
-                    raise EngineError(f"{name} exited with code {proc.returncode} while starting")
+                    raise LaunchError(f"{name} exited with code {proc.returncode} while starting")
             if time.monotonic() > deadline:
-                raise EngineError(f"timed out after {timeout:.0f}s waiting for {sorted(pending)}")
+                raise LaunchError(f"timed out after {timeout:.0f}s waiting for {sorted(pending)}")
 
     def _watch(self, name: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -327,7 +327,8 @@ class Launcher:
             os.close(owner_lock)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
