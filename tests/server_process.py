@@ -1,13 +1,16 @@
 """``radixserve serve`` as a real process for the server test modules: start it on a free port
 (the demo model in fp32 unless told otherwise), read its metrics, stop it and check that no child
-outlives it."""
+outlives it.
+
+Not ``engine.server.chat_client.LocalServer``: that one is the chat's own server (its own session,
+SIGTERM when the chat dies, errors only, no start timeout); the tests need more of the process:
+a chosen TMPDIR and log file, a start deadline, the exit code, any signal, the child pids."""
 
 from __future__ import annotations
 
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +20,10 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.runtime.launcher import free_port
+
 API_KEY = "sk-radixserve-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:

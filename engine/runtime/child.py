@@ -20,14 +20,16 @@ from engine.contracts.protocol import Fatal, encode
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL if the launcher dies, however it dies (no orphans)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: the kernel sends ``sig`` to this process when its parent dies, however the parent
+    dies (no orphans). The launcher's children get SIGKILL; the server that ``radixserve chat``
+    starts gets SIGTERM, a clean shutdown. Also a ``preexec_fn``."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except OSError:
         pass
-    if os.getppid() == 1:  # the launcher was already gone before prctl took effect
+    if os.getppid() == 1:  # the parent was already gone before prctl took effect
         os._exit(1)
 
 
@@ -49,7 +51,7 @@ def _role(name: str):
 
 def main() -> int:
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=LaunchSpec)
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C, and a service manager's SIGTERM, reach the whole process group; only the launcher
     # decides how to shut down (it drains, then stops children with SIGUSR1).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
