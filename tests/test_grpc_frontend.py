@@ -29,16 +29,35 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc  # noqa: E402
 
 SMG = Path(os.environ.get("SMG_VENV", "/work/smg-venv")) / "bin" / "smg"
+API_KEY = AUTH["Authorization"][7:]
+
+
+def with_key(channel: grpc.Channel, key: str) -> grpc.Channel:
+    """``channel`` sending ``authorization: Bearer key`` metadata on every call."""
+
+    class AddKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+        def _with_key(self, details):
+            metadata = [*(details.metadata or ()), ("authorization", f"Bearer {key}")]
+            return details._replace(metadata=metadata)
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._with_key(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._with_key(details), request)
+
+    return grpc.intercept_channel(channel, AddKey())
 
 
 class Door:
     """A server with --grpc-port and a stub on it."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, key: str | None = API_KEY) -> None:
         self.grpc_port = free_port()
-        self.server = ServerProcess(tmp, "--api-key", AUTH["Authorization"][7:],
+        self.server = ServerProcess(tmp, *(("--api-key", key) if key else ()),
                                     "--grpc-port", str(self.grpc_port), *args)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        self.bare = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")  # sends no key
+        self.channel = with_key(self.bare, key) if key else self.bare
         self.stub = pb_grpc.VllmEngineStub(self.channel)
 
     def generate(self, ids: list[int], stream: bool = True, **params) -> list:
@@ -57,7 +76,7 @@ class Door:
         return metric_values(self.server).get("radixserve_cached_prompt_tokens_total", 0.0)
 
     def stop(self) -> None:
-        self.channel.close()
+        self.bare.close()
         assert self.server.stop() == 0
 
 
@@ -69,6 +88,33 @@ def door(tmp_path_factory):
 
 
 PROMPT = [(7 * i + 3) % 3000 + 10 for i in range(40)]
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", API_KEY + "x"])
+def test_calls_without_the_key_are_refused_and_reach_nothing(door, key):
+    """Every RPC (unary, server-streaming) needs the server's --api-key as
+    ``authorization: Bearer`` metadata; without it the call is UNAUTHENTICATED and no engine
+    request is made."""
+    channel = door.bare if key is None else with_key(door.bare, key)
+    stub = pb_grpc.VllmEngineStub(channel)
+    before = metric_values(door.server).get("radixserve_prompt_tokens_total", 0.0)
+    request = pb.GenerateRequest(request_id="no-key", stream=True,
+                                 tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                 sampling_params=pb.SamplingParams(max_tokens=4))
+    calls = [lambda: list(stub.Generate(request, timeout=30)),
+             lambda: stub.HealthCheck(pb.HealthCheckRequest(), timeout=10),
+             lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10),
+             lambda: list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10)),
+             lambda: stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=10)]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "API key is required" in refused.value.details()
+        assert "authorization: Bearer" in refused.value.details()
+    assert metric_values(door.server).get("radixserve_prompt_tokens_total", 0.0) == before
+    # The right key, on the same server, is served.
+    assert door.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
 
 
 def test_generate_streams_the_tokens_http_generates(door):
@@ -290,7 +336,9 @@ def test_smg_routes_by_the_engines_kv_events(tmp_path):
     draws smg's later requests with that prefix to that server: smg learned it only from the
     server's KV events. smg's metrics name the branch (event_hit), the events applied, and the
     worker each request went to; the servers' own counters show the cache hits."""
-    doors = [Door(tmp_path / name) for name in ("a", "b") if (tmp_path / name).mkdir() is None]
+    # smg 1.13 sends no credentials over gRPC, so its workers run without --api-key.
+    doors = [Door(tmp_path / name, key=None) for name in ("a", "b")
+             if (tmp_path / name).mkdir() is None]
     smg = None
     try:
         model_path = doors[0].stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_path
@@ -332,7 +380,7 @@ def test_smg_loads_the_tokenizer_through_get_tokenizer(tmp_path):
 
     model_dir = tmp_path / "served"
     shutil.copytree(build_demo_model(), model_dir)
-    door = Door(tmp_path, "--model", str(model_dir))
+    door = Door(tmp_path, "--model", str(model_dir), key=None)
     smg = None
     try:
         model_dir.rename(tmp_path / "gone")

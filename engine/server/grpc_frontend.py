@@ -24,7 +24,9 @@ own; the engine gives each request a fresh one, as it does for HTTP.
 Every RPC passes the door pipeline's key check first (engine/server/pipeline.py): with
 ``--api-key K`` a call needs ``authorization: Bearer K`` metadata, or it is refused with
 UNAUTHENTICATED before any servicer method runs (``KeyCheck``, a server interceptor). Generate
-is validated, limited and answered through the same pipeline as HTTP's /generate.
+is validated, limited and answered through the same pipeline as HTTP's /generate. smg 1.13
+sends no credentials on its gRPC calls (its ``--api-key`` is for HTTP workers), so a gRPC door
+behind smg runs without ``--api-key``, on an address only the gateway reaches.
 """
 
 from __future__ import annotations
