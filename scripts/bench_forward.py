@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.contracts.engine_config import EngineConfig  # noqa: E402
 from engine.contracts.step import BatchInput  # noqa: E402
 from engine.worker.runner import ModelRunner  # noqa: E402
 
@@ -141,17 +142,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model or default_model()
-    runner = ModelRunner(
-        model_dir,
+    runner = ModelRunner(EngineConfig(
+        model=str(model_dir),
         page_size=args.page_size,
         kv_cache_gb=args.kv_cache_gb,
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
-    )
+    ))
     if runner.device.type != "cpu":
         raise SystemExit(
-            "the transformers baseline here runs on CPU; use scripts/gpu_check.sh on GPUs"
+            "the transformers baseline here runs on CPU; on GPUs see docs/gpu.md"
         )
     reference = Reference(model_dir, runner.dtype)
     vocab = runner.config.vocab_size

@@ -12,6 +12,9 @@ wrong answer (or the error FlashInfer would raise) on CPU:
 - ``window_left`` w >= 0: a query at position i sees keys i - w .. i; -1: no window;
 - CUDA-graph mode (decode): the constructor takes fixed buffers; ``plan`` checks the batch size
   and copies the page table into them; ``run`` reads only those buffers;
+- workspace: CUDA-graph decode always splits KV, and ``plan`` fails as FlashInfer's allocator
+  does when the float workspace cannot hold the split's partial outputs (``graph_split_bytes``,
+  FlashInfer's scheduler arithmetic on an H200: 132 SMs, 2 CTAs each);
 - ``run`` checks q's dtype against the one planned;
 - jit: specs name their arguments, ``build_jit_specs`` records what it was asked to build.
 """
@@ -23,6 +26,22 @@ import types
 import torch
 
 built: list[list[str]] = []  # the spec names of each build_jit_specs call
+NUM_SMS, CTAS_PER_SM = 132, 2
+
+
+def graph_split_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                      tensor_cores: bool) -> int:
+    """Float workspace a CUDA-graph decode plan takes (include/flashinfer/attention/
+    scheduler.cuh, v0.6.1): float32 partial outputs and log-sum-exps of every work item. On
+    tensor cores (the prefill scheduler) one work item per 16-row query tile of each sequence
+    (packed with its query group) plus one per sequence; on CUDA cores one per resident CTA."""
+    resident = NUM_SMS * CTAS_PER_SM // num_kv_heads
+    if not tensor_cores:
+        return num_qo_heads * max(resident, batch_size) * (head_dim + 1) * 4
+    group = num_qo_heads // num_kv_heads
+    tile = 16 if group <= 16 else 64 if group <= 64 else 128
+    items = max(-(-batch_size * group // tile) + batch_size - 1, resident)
+    return num_qo_heads * items * tile * (head_dim + 1) * 4
 
 
 class Spec:
@@ -83,6 +102,7 @@ class _Wrapper:
     def __init__(self, workspace: torch.Tensor, kv_layout: str) -> None:
         assert kv_layout == "NHD"
         self.device = workspace.device
+        self.workspace_bytes = workspace.numel() * workspace.element_size()
         self.planned = None
 
     def _plan(self, heads: int, kv_heads: int, head_dim: int, window_left: int,
@@ -125,6 +145,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         if self.use_cuda_graph:
             if len(last_page_len) != len(self.last_page_len):
                 raise ValueError("The batch size should be fixed in cudagraph mode")
+            need = graph_split_bytes(len(last_page_len), num_qo_heads, num_kv_heads, head_dim,
+                                     self.use_tensor_cores)
+            if need > self.workspace_bytes:
+                raise RuntimeError(f"Failed to allocate memory for batch_prefill_tmp_v with size "
+                                   f"{need} and alignment 16 in AlignedAllocator")
             if len(indices) > len(self.indices):
                 raise ValueError("The size of indices should be less than or equal to the "
                                  "allocated buffer")
@@ -145,6 +170,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    def __init__(self, workspace, kv_layout="NHD", backend="auto") -> None:
+        super().__init__(workspace, kv_layout)
+        assert backend in ("auto", "fa2", "fa3")
+        self.backend = backend
+
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False,
              pos_encoding_mode="NONE", window_left=-1, q_data_type="float16",

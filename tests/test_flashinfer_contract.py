@@ -16,11 +16,13 @@ import pytest
 import torch
 
 import engine.worker.attention.flashinfer as flashinfer_backend
+from engine.contracts.engine_config import EngineConfig
 from engine.contracts.step import BatchInput
 from engine.worker.attention import TorchNativeBackend, make_backend
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.kv_pool import KVPool
 from engine.worker.runner import ModelRunner
+from engine.worker.staging import HostStaging
 from tests import fake_flashinfer
 from tests.conftest_models import one_torch_thread, write_checkpoint
 from tests.test_attention import SHAPES, random_batch
@@ -69,10 +71,10 @@ def test_flashinfer_plans_attend_like_the_torch_backend(fake, heads, kv_heads, p
     flash, reference = backends(heads, kv_heads, page_size)
     assert flash.tensor_cores == (heads // kv_heads >= 4)
     batch = random_batch(page_size, 512 // page_size, SHAPES[shape])
-    # The runner's way: slots and page indices already on the device (staged).
-    out_slots = torch.from_numpy(batch.out_slots.astype(np.int64))
-    staged = [torch.from_numpy(a) for a in flash.device_arrays(batch)]
-    flash.plan(batch, out_slots, staged=staged)
+    # The runner's way: slots and the plan's arrays staged in one pack.
+    out_slots, *staged = HostStaging(torch.device("cpu")).stage(
+        [batch.out_slots.astype(np.int64), *flash.staged_arrays(batch)])
+    flash.plan(batch, out_slots.on_device, staged=staged)
     reference.plan(batch)
     gen = torch.Generator().manual_seed(0)
     for layer in range(len(WINDOWS)):
@@ -101,6 +103,13 @@ def test_prebuild_builds_the_modules_the_plans_load(fake) -> None:
         backends(8, 2, 16, decode_backend="fa4")
 
 
+def fake_runner_config(checkpoint, num_pages: int) -> EngineConfig:
+    """A CPU runner on the fake flashinfer, decode graphs asked for up to batch 8."""
+    return EngineConfig(model=str(checkpoint), page_size=4, num_pages=num_pages,
+                        dtype="float32", device="cpu", attention_backend="flashinfer",
+                        enable_cuda_graph=True, cuda_graph_max_bs=8)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     # GQA 8 query heads over 2 KV heads of 64: tensor-core decode
@@ -112,8 +121,7 @@ def test_graph_steps_use_the_shared_fixed_buffers_correctly(fake, checkpoint) ->
     """Decode through DecodeGraphs' padded steps and the CUDA-graph decode wrappers (every
     batch size planned over prefixes of one set of buffers, sizes interleaved so stale entries
     would show) gives the eager decode's logits."""
-    runner = ModelRunner(checkpoint, page_size=4, num_pages=128, dtype="float32", device="cpu",
-                         attention_backend="flashinfer", cuda_graph_max_bs=8)
+    runner = ModelRunner(fake_runner_config(checkpoint, 128))
     graphs = DecodeGraphs(runner, 8, capture=False)
     rng = np.random.default_rng(0)
     free = list(rng.permutation(128))
@@ -137,8 +145,7 @@ def test_graph_steps_use_the_shared_fixed_buffers_correctly(fake, checkpoint) ->
 
 
 def test_graphs_leave_steps_with_too_many_pages_to_eager(fake, checkpoint) -> None:
-    runner = ModelRunner(checkpoint, page_size=4, num_pages=16, dtype="float32", device="cpu",
-                         attention_backend="flashinfer", cuda_graph_max_bs=8)
+    runner = ModelRunner(fake_runner_config(checkpoint, 16))
     graphs = DecodeGraphs(runner, 8, capture=False)
     capacity = len(runner.attention._graph_buffers[1])  # 4 per pool page, plus 8
     pages = list(range(16))
@@ -146,3 +153,57 @@ def test_graphs_leave_steps_with_too_many_pages_to_eager(fake, checkpoint) -> No
     assert graphs.bucket_for(fits) == 4
     too_many = BatchInput.build([(pages, 60, [1])] * ((capacity - 8) // 16 + 1), 4)
     assert too_many.num_seqs <= 8 and graphs.bucket_for(too_many) is None
+
+
+def test_workspace_holds_graph_decode_of_a_64_head_model_at_batch_256(fake) -> None:
+    """64 query heads over 8 KV heads of 128 (tensor-core decode): a graph step of 256
+    sequences splits into 383 work items of 16 rows, ~202 MB of partial outputs, past the old
+    fixed 128 MiB; the workspace sized from the model holds it."""
+    need = fake_flashinfer.graph_split_bytes(256, 64, 8, 128, tensor_cores=True)
+    assert need == 64 * 383 * 16 * 129 * 4 > flashinfer_backend.MIN_WORKSPACE_BYTES
+    pool = KVPool(num_layers=1, num_pages=300, page_size=1, num_kv_heads=8, head_dim=128,
+                  dtype=torch.float32, device="cpu")
+    flash = flashinfer_backend.FlashInferBackend(
+        pool, num_heads=64, num_kv_heads=8, head_dim=128, sliding_windows=(None,),
+        graph_max_batch=256)
+    assert flash.workspace_bytes >= need
+    flash.prepare_graphs(256)
+    decode = BatchInput.build([([i], 0, [1]) for i in range(256)], 1)
+    flash.plan(decode, graph=True)  # the fake fails as FlashInfer does when it does not fit
+    small = flashinfer_backend.FlashInferBackend(
+        pool, num_heads=64, num_kv_heads=8, head_dim=128, sliding_windows=(None,))
+    with pytest.raises(ValueError, match="sized for CUDA graphs up to batch 0, not 256"):
+        small.prepare_graphs(256)
+
+
+def test_workspace_is_sized_from_heads_head_dim_and_the_largest_batch() -> None:
+    size = flashinfer_backend.workspace_bytes
+    llama3_8b = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
+    base = size(**llama3_8b, graph_max_batch=0)
+    assert base >= flashinfer_backend.MIN_WORKSPACE_BYTES
+    assert size(**llama3_8b, graph_max_batch=4096) > base  # graphs past the eager bound
+    assert size(num_qo_heads=64, num_kv_heads=8, head_dim=256, num_sms=132,
+                graph_max_batch=256) > size(num_qo_heads=64, num_kv_heads=8, head_dim=128,
+                                            num_sms=132, graph_max_batch=256)
+    for heads, kv_heads in ((8, 8), (32, 8), (64, 8), (128, 8)):
+        for batch in (1, 64, 256, 512):
+            for tensor_cores in (True, False):
+                need = fake_flashinfer.graph_split_bytes(batch, heads, kv_heads, 128,
+                                                         tensor_cores)
+                assert size(num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+                            num_sms=132, graph_max_batch=batch) >= need
+
+
+def test_fa3_serves_only_where_its_modules_are_built(fake, monkeypatch) -> None:
+    """On Hopper FlashInfer picks FA3; a start never waits for its build: FA2 serves until the
+    FA3 modules are in the cache, and an explicit ``decode_backend="fa3"`` is honoured."""
+    monkeypatch.setattr(fake.utils, "determine_attention_backend", lambda *args: "fa3")
+    flash, _ = backends(8, 2, 16, decode_backend="auto")
+    assert (flash.prefill_kernel, flash.decode_kernel) == ("fa2", "fa2")
+    assert all("_fa3_" not in name for name in fake_flashinfer.built[-1])
+    # FA3 built beforehand, as scripts/gpu_phase.py's phase 1 does when time allows.
+    fake.jit.build_jit_specs(flashinfer_backend.jit_specs(
+        torch.float32, HEAD_DIM, [w is not None for w in WINDOWS], True, "fa3", "fa3"))
+    again, _ = backends(8, 2, 16, decode_backend="auto")
+    assert (again.prefill_kernel, again.decode_kernel) == ("fa3", "fa3")
+    assert {w.backend for w in again._prefill.values()} == {"fa3"}

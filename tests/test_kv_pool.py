@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import ForwardBatch, RowSampling, SamplingParams, decode, encode
 from engine.contracts.step import BatchInput
 from engine.worker.kv_pool import KVPool
@@ -113,17 +114,17 @@ def test_runner_sizes_the_pool_from_pages_gigabytes_or_the_cpu_default(tmp_path)
     path = write_checkpoint(tmp_path / "llama", "llama")
     # llama kind: 2 layers, 2 KV heads of 16 -> 2 * 2 * 2 * 16 * 4 bytes per slot in float32
     slot_bytes = 2 * 2 * 2 * 16 * 4
-    runner = ModelRunner(path, page_size=16, kv_cache_gb=1 / 1024, dtype="float32")
+    runner = ModelRunner(EngineConfig(model=str(path), kv_cache_gb=1 / 1024, dtype="float32"))
     assert runner.num_pages == 2**20 // (16 * slot_bytes)
     assert runner.dtype == torch.float32 and runner.attention_backend == "torch"
     assert runner.pool.kv.shape == (2, 2, runner.num_pages, 16, 2, 16)
-    runner = ModelRunner(path, page_size=1, dtype="bfloat16")
+    runner = ModelRunner(EngineConfig(model=str(path), page_size=1, dtype="bfloat16"))
     assert runner.num_pages == 2**30 // (slot_bytes // 2)
     assert runner.config.eos_token_ids == (2,)
     with pytest.raises(ValueError, match="the KV cache gets no pages"):
-        ModelRunner(path, kv_cache_gb=1e-9)
+        ModelRunner(EngineConfig(model=str(path), kv_cache_gb=1e-9))
     with pytest.raises(ValueError, match="unknown dtype"):
-        ModelRunner(path, num_pages=4, dtype="float8")
+        ModelRunner(EngineConfig(model=str(path), num_pages=4, dtype="float8"))
 
 
 def test_build_follows_the_page_convention() -> None:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.contracts.engine_config import EngineConfig
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.llama import rope_inv_freq
 from engine.worker.model.loader import load_model
@@ -198,7 +199,8 @@ def test_dummy_load_format_needs_only_the_config(llama_dir: Path, tmp_path: Path
     from engine.contracts.step import BatchInput
     from engine.worker.runner import ModelRunner
 
-    runner = ModelRunner(only_config, num_pages=4, dtype="float32", load_format="dummy")
+    runner = ModelRunner(EngineConfig(model=str(only_config), num_pages=4, dtype="float32",
+                                      load_format="dummy"))
     logits = runner.forward(BatchInput.build([([0, 1], 0, list(range(20)))], 16))
     assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()
     with pytest.raises(ValueError, match="load_format must be auto or dummy"):

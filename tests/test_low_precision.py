@@ -32,6 +32,7 @@ import pytest
 import torch
 import transformers
 
+from engine.contracts.engine_config import EngineConfig
 from engine.contracts.step import BatchInput
 from engine.worker.runner import ModelRunner
 from tests.conftest_models import one_torch_thread, write_checkpoint
@@ -214,8 +215,9 @@ def run_paths(path: Path, dtype: torch.dtype, page_size: int, compiled: bool = T
               ) -> tuple[dict[str, list[Rows]], Paths]:
     """Every path's rows, and the ``Paths`` that ran them. ``compiled=False``: decodes take
     gather + SDPA (and the cascade merge) instead of the compiled CPU kernel."""
-    runner = ModelRunner(path, page_size=page_size, num_pages=NUM_SLOTS // page_size,
-                         num_host_pages=64, dtype=dtype)
+    runner = ModelRunner(EngineConfig(model=str(path), page_size=page_size,
+                                      num_pages=NUM_SLOTS // page_size, num_host_pages=64,
+                                      dtype=str(dtype).removeprefix("torch.")))
     # The decode kernel, also where the engine would not pick it (a CPU without AVX-512).
     runner.attention._paged_decode = torch.ops.radixserve.paged_decode if compiled else None
     paths = Paths(runner)
@@ -258,9 +260,10 @@ def test_prepacked_cpu_projections_give_the_same_bits(checkpoints, kind: str) ->
     from engine.worker.model.llama import can_prepack
 
     path = checkpoints[kind]
-    packed = ModelRunner(path, page_size=16, num_pages=64, dtype=torch.bfloat16)
+    options = EngineConfig(model=str(path), num_pages=64, dtype="bfloat16")
+    packed = ModelRunner(options)
     # The same model unpacked again: each matrix back in its plain layout, run by F.linear.
-    plain = ModelRunner(path, page_size=16, num_pages=64, dtype=torch.bfloat16)
+    plain = ModelRunner(options)
     for module in (plain.model, *plain.model.layers):
         for name, weight in list(module.packed.items()):
             getattr(module, name).data = weight.to_dense()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.contracts.engine_config import EngineConfig
 from engine.contracts.step import BatchInput
 from engine.worker.runner import ModelRunner
 from tests.conftest_models import KINDS, load_reference, one_torch_thread, write_checkpoint
@@ -36,8 +37,9 @@ def reference(path: Path) -> torch.nn.Module:
 
 
 def make_runner(path: Path, page_size: int, **kwargs) -> ModelRunner:
-    return ModelRunner(path, page_size=page_size, num_pages=NUM_SLOTS // page_size,
-                       **{"dtype": "float32", **kwargs})
+    return ModelRunner(EngineConfig(model=str(path), page_size=page_size,
+                                    num_pages=NUM_SLOTS // page_size,
+                                    **{"dtype": "float32", **kwargs}))
 
 
 class Pages:

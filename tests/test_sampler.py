@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from engine.contracts.protocol import SamplingParams
-from engine.worker.sampler import SamplingRow, _mix_seed, apply_filters, apply_penalties, sample
+from engine.worker.sampler import RowState, _mix_seed, apply_filters, apply_penalties, sample
 
 
 def row(
     output_ids: list[int] | None = None, prompt_ids: list[int] | None = None, **params
-) -> SamplingRow:
-    return SamplingRow(
+) -> RowState:
+    return RowState(
         params=SamplingParams(**params),
         prompt_ids=np.asarray(prompt_ids or [], dtype=np.int32),
         output_ids=np.asarray(output_ids or [], dtype=np.int32),
@@ -191,7 +191,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
     assert len(set(first)) > 5  # the step index moves the draw
 
 
-def reference_race(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def reference_race(logits: torch.Tensor, rows: list[RowState]) -> list[int]:
     """The exponential race as first written, without filters or penalties: unseeded rows' noise
     in one block from the global generator, a fresh generator for each seeded row."""
     noise = torch.empty(logits.shape)

@@ -186,11 +186,11 @@ def test_sharded_forward_equals_unsharded(tmp_path, kind, size):
     path = write_checkpoint(tmp_path / kind, kind, vocab_size=90)
     options = dict(page_size=4, num_pages=16, dtype="float32", attention_backend="torch")
     steps = two_steps(4, 90)
-    unsharded = ModelRunner(path, **options)
+    unsharded = ModelRunner(EngineConfig(model=str(path), **options))
     expected = [unsharded.forward(step) for step in steps]
 
     def rank_work(tp: ThreadRank):
-        runner = ModelRunner(path, **options, tp=tp)
+        runner = ModelRunner(EngineConfig(model=str(path), **options), tp)
         assert runner.pool.kv.shape[-2] == runner.model.plan.num_kv_heads
         return [runner.forward(step) for step in steps]
 

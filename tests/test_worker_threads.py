@@ -46,9 +46,10 @@ def test_small_steps_run_on_one_thread_large_ones_on_all(small) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        runner = ModelRunner(small, page_size=16, num_pages=2048, dtype="float32", device="cpu")
-        large_model = ModelRunner(small, page_size=16, num_pages=64, dtype="float32",
-                                  device="cpu")
+        runner = ModelRunner(EngineConfig(model=str(small), num_pages=2048, dtype="float32",
+                                          device="cpu"))
+        large_model = ModelRunner(EngineConfig(model=str(small), num_pages=64, dtype="float32",
+                                               device="cpu"))
         large_model._small_model = False  # as if its weights were past SMALL_MODEL_BYTES
         per_token = 2 * runner.config.num_params
         num_seqs = int(SMALL_STEP_FLOPS // per_token) // 240 + 1  # 240-token prompts past it

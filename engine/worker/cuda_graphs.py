@@ -60,6 +60,10 @@ def pad_decode(batch: BatchInput, bucket: int, scratch_page: int, page_size: int
 
 
 class DecodeGraphs:
+    """The captured buckets (``buckets``, ascending; a bucket whose capture failed is left out,
+    with a log line naming it) and their graphs over fixed buffers. The graphs' memory pool
+    and outputs live as long as this object; a replay overwrites its bucket's output."""
+
     def __init__(self, runner, max_batch: int, *, capture: bool = True) -> None:
         self.runner = runner
         self.buckets = bucket_sizes(max_batch)
@@ -72,30 +76,33 @@ class DecodeGraphs:
         self.rows = torch.arange(self.max_batch, dtype=torch.int64, device=device)
         runner.attention.prepare_graphs(self.max_batch)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._memory: tuple[object, torch.cuda.Stream] | None = None  # graph pool, stream
         if capture:
             self._capture_all()
 
     def bucket_for(self, batch: BatchInput) -> int | None:
         """The bucket this step runs in as a graph, or None to run it eagerly."""
-        if (batch.num_seqs > self.max_batch or not batch.is_decode
+        if (not self.buckets or batch.num_seqs > self.buckets[-1] or not batch.is_decode
                 or not np.array_equal(batch.resolved_logits_rows(), np.arange(batch.num_seqs))
                 or not self.runner.attention.graph_fits(batch)):
             return None
         return next(b for b in self.buckets if b >= batch.num_seqs)
 
     @torch.inference_mode()
-    def run(self, batch: BatchInput, bucket: int) -> torch.Tensor:
-        """Float32 logits [num_seqs, vocab] of a step ``bucket_for`` accepted."""
+    def run(self, batch: BatchInput, bucket: int, *, eager: bool = False) -> torch.Tensor:
+        """Float32 logits [num_seqs, vocab] of a step ``bucket_for`` accepted. ``eager``: the
+        same padded step over the same buffers and plan, run op by op instead of replayed (what
+        the graph must reproduce bit for bit: scripts/check_cuda_graphs.py)."""
         runner = self.runner
         padded = pad_decode(batch, bucket, runner.scratch_page, runner.page_size)
         ids, positions, slots, *staged = runner.staging.stage(
             [padded.input_ids.astype(np.int64), padded.positions.astype(np.int64),
-             padded.out_slots.astype(np.int64), *runner.attention.device_arrays(padded)])
-        self.input_ids[:bucket].copy_(ids)
-        self.positions[:bucket].copy_(positions)
-        self.out_slots[:bucket].copy_(slots)
+             padded.out_slots.astype(np.int64), *runner.attention.staged_arrays(padded)])
+        self.input_ids[:bucket].copy_(ids.on_device)
+        self.positions[:bucket].copy_(positions.on_device)
+        self.out_slots[:bucket].copy_(slots.on_device)
         runner.attention.plan(padded, self.out_slots[:bucket], staged=staged, graph=True)
-        if self.capture:
+        if self.capture and not eager:
             graph, logits = self._graphs[bucket]
             graph.replay()
         else:
@@ -107,30 +114,45 @@ class DecodeGraphs:
                                  self.runner.attention, self.rows[:bucket])
 
     def _capture_all(self) -> None:
-        """Capture every bucket, largest first (the smaller ones reuse its memory pool), each
-        after two eager runs on the capture stream (kernel selection, lazy allocations)."""
-        runner, start = self.runner, time.perf_counter()
+        """Capture every bucket, largest first (the smaller ones reuse its memory pool). A
+        bucket that fails (out of memory, a kernel that cannot be captured) is left out alone:
+        its steps run in the next larger bucket, or eagerly."""
+        start = time.perf_counter()
+        for bucket in reversed(self.buckets):
+            try:
+                self._graphs[bucket] = self._capture(bucket)
+            except Exception as exc:  # any failure leaves this bucket out, alone
+                logger.warning("CUDA graph for batch size %d not captured (%s: %s); its steps "
+                               "run in the next larger bucket, or eagerly", bucket,
+                               type(exc).__name__, exc)
+        self.buckets = [b for b in self.buckets if b in self._graphs]
+        logger.info("captured decode CUDA graphs for %d batch sizes (%s) in %.1f s",
+                    len(self.buckets), ", ".join(map(str, self.buckets)) or "none",
+                    time.perf_counter() - start)
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One bucket's graph and its output, after two eager runs on the capture stream
+        (kernel selection, lazy allocations)."""
+        runner = self.runner
+        if self._memory is None:
+            self._memory = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(runner.device))
+        pool, stream = self._memory
         none = np.zeros(0, dtype=np.int32)
         empty = BatchInput(input_ids=none, positions=none, extend_lens=none, seq_lens=none,
                            page_indptr=np.zeros(1, dtype=np.int32), page_indices=none,
                            out_slots=none)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(runner.device)
-        for bucket in reversed(self.buckets):
-            padded = pad_decode(empty, bucket, runner.scratch_page, runner.page_size)
-            self.out_slots[:bucket].fill_(runner.scratch_page * runner.page_size)
-            self.input_ids.zero_()
-            self.positions.zero_()
-            runner.attention.plan(padded, self.out_slots[:bucket], graph=True)
-            stream.wait_stream(torch.cuda.current_stream(runner.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(bucket)
-            torch.cuda.current_stream(runner.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self._forward(bucket)
-            self._graphs[bucket] = (graph, logits)
+        padded = pad_decode(empty, bucket, runner.scratch_page, runner.page_size)
+        self.out_slots[:bucket].fill_(runner.scratch_page * runner.page_size)
+        self.input_ids.zero_()
+        self.positions.zero_()
+        runner.attention.plan(padded, self.out_slots[:bucket], graph=True)
+        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            logits = self._forward(bucket)
         torch.cuda.synchronize(runner.device)
-        logger.info("captured decode CUDA graphs for %d batch sizes (1 to %d) in %.1f s",
-                    len(self.buckets), self.max_batch, time.perf_counter() - start)
+        return graph, logits

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.worker.staging import to_device
+from engine.worker.staging import to_device, to_device_many
 
 
 class KVPool:
@@ -102,7 +102,7 @@ class KVPool:
         offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         src = np.repeat(copies[:, 0] * self.page_size, counts) + offsets
         dst = np.repeat(copies[:, 1] * self.page_size, counts) + offsets
-        src_t, dst_t = (torch.from_numpy(a).to(self.device) for a in (src, dst))
+        src_t, dst_t = to_device_many([src, dst], self.device)  # queued, not waited for
         self._all_slots.index_copy_(2, dst_t, self._all_slots.index_select(2, src_t))
 
     def swap_out(self, pairs: np.ndarray) -> None:

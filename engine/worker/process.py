@@ -29,16 +29,11 @@ logger = logging.getLogger("radixserve.worker")
 
 
 def make_runner(c: EngineConfig, tp: TensorParallel | None = None):
-    """The model runner ``c`` describes (``tp``: this rank's share of it)."""
+    """The model runner ``c`` describes (``tp``: this rank's share of it); torch is imported
+    here, not when the process starts."""
     from engine.worker.runner import ModelRunner
 
-    return ModelRunner(
-        c.model, page_size=c.page_size, num_pages=c.num_pages, kv_cache_gb=c.kv_cache_gb,
-        mem_fraction=c.mem_fraction, num_host_pages=c.num_host_pages, device=c.device,
-        dtype=c.dtype, attention_backend=c.attention_backend, seed=c.seed, tp=tp,
-        load_format=c.load_format, decode_backend=c.flashinfer_decode_backend,
-        cuda_graph_max_bs=c.cuda_graph_max_bs if c.enable_cuda_graph else 0,
-    )
+    return ModelRunner(c, tp)
 
 
 class Worker:
@@ -59,7 +54,7 @@ class Worker:
         self.last_tokens = np.zeros(0, dtype=np.int32)
 
     def step(self, msg: ForwardBatch) -> BatchResult:
-        from engine.worker.sampler import SamplingRow, sample
+        from engine.worker.sampler import RowState, sample
 
         # Until this batch samples, a failure leaves placeholder rows for the next batch to read
         # (their sequences fail with this batch; the scheduler drops what the next one computes
@@ -86,7 +81,7 @@ class Worker:
             else:
                 # No penalties: the sampler needs only the step index, len(output_ids).
                 prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
-            rows.append(SamplingRow(row.params, prompt, output))
+            rows.append(RowState(row.params, prompt, output))
         out = sample(logits, rows)
         self.last_tokens = out.token_ids.astype(np.int32, copy=False)
         result = BatchResult(

@@ -11,19 +11,19 @@ heads of the same page numbers (so the page count is agreed by all ranks: the sm
 hold), and ``forward`` returns logits on rank 0 only.
 
 A step's index arrays reach the device in one copy (engine/worker/staging.py). With CUDA graphs
-(``cuda_graph_max_bs`` > 0, the flashinfer backend, no tensor parallel) decode steps of up to that
-many sequences replay graphs captured at start (engine/worker/cuda_graphs.py); asking for them gives
-the pool one scratch page past ``num_pages`` for the padding rows.
+(``enable_cuda_graph``, the flashinfer backend, no tensor parallel) decode steps of up to
+``cuda_graph_max_bs`` sequences replay graphs captured at start (engine/worker/cuda_graphs.py);
+asking for them gives the pool one scratch page past ``num_pages`` for the padding rows.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.contracts.engine_config import EngineConfig
 from engine.contracts.step import BatchInput
 from engine.worker.attention import make_backend
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -85,34 +85,47 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        kv_cache_gb: float | None = None,
-        mem_fraction: float = 0.85,
-        num_host_pages: int = 0,
-        device: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        attention_backend: str = "auto",
-        seed: int = 0,
-        tp: TensorParallel | None = None,
-        load_format: str = "auto",
-        decode_backend: str = "fa2",
-        cuda_graph_max_bs: int = 0,
-    ) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be at least 1, got {page_size}")
-        torch.manual_seed(seed)
+    """Everything one step needs on this device, built from the engine's options.
+
+    Reads from ``EngineConfig``: ``model``, ``load_format``, ``seed``, ``device``, ``dtype``
+    (the weights); ``page_size``, ``num_pages`` / ``kv_cache_gb`` / ``mem_fraction``,
+    ``num_host_pages`` (the pool); ``attention_backend``, ``flashinfer_decode_backend`` (the
+    attention); ``enable_cuda_graph``, ``cuda_graph_max_bs`` (decode graphs). Its defaults
+    are the config's: the runner declares none of its own.
+    """
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        if config.page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {config.page_size}")
+        torch.manual_seed(config.seed)
         self.tp = tp
         self.device = tp.device if tp else torch.device(
-            device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.config = ModelConfig.from_dir(model_dir)
-        self.model = load_model(model_dir, device=self.device, dtype=self.dtype, config=self.config,
-                                tp=tp, load_format=load_format, seed=seed)
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.graph_max_batch = config.cuda_graph_max_bs if config.enable_cuda_graph else 0
+        self._load_model(config)
+        self._make_pool(config)
+        self.attention = make_backend(
+            config.attention_backend,
+            self.pool,
+            num_heads=self.model.plan.num_heads,
+            num_kv_heads=self.model.plan.num_kv_heads,
+            head_dim=self.config.head_dim,
+            sliding_windows=self.config.sliding_windows,
+            decode_backend=config.flashinfer_decode_backend,
+            graph_max_batch=self.graph_max_batch,
+        )
+        self.attention_backend = self.attention.name
+        self.staging = HostStaging(self.device)
+        self.graphs = self._capture_graphs() if self.graph_max_batch > 0 else None
+
+    def _load_model(self, c: EngineConfig) -> None:
+        """The weights (this rank's share under tensor parallel), prepacked, and what the
+        step-size heuristics read from them."""
+        self.config = ModelConfig.from_dir(c.model)
+        self.model = load_model(c.model, device=self.device, dtype=self.dtype,
+                                config=self.config, tp=self.tp, load_format=c.load_format,
+                                seed=c.seed)
         self._flops_per_token = 2 * self.config.num_params
         # Bytes of the whole model's weight matrices, all of which a decode step reads.
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -120,64 +133,56 @@ class ModelRunner:
         self._small_model = self.weight_bytes < SMALL_MODEL_BYTES
         self._max_threads = self._threads = torch.get_num_threads()
         self.model.prepack()
-        self.page_size, self.num_host_pages = page_size, num_host_pages
-        c, plan = self.config, self.model.plan
-        page_bytes = KVPool.bytes_per_page(
-            num_layers=c.num_layers,
-            page_size=page_size,
-            num_kv_heads=plan.num_kv_heads,
-            head_dim=c.head_dim,
-            dtype=self.dtype,
-        )
-        self.num_pages, how = self._size_pool(page_bytes, num_pages, kv_cache_gb, mem_fraction)
-        if tp is not None:
-            self.num_pages = tp.agree_min(self.num_pages)
+
+    def _make_pool(self, c: EngineConfig) -> None:
+        """The KV pool, sized by ``num_pages``, ``kv_cache_gb`` or ``mem_fraction`` (the
+        first given), agreed by every tensor-parallel rank."""
+        self.page_size, self.num_host_pages = c.page_size, c.num_host_pages
+        mc, plan = self.config, self.model.plan
+        page_bytes = KVPool.bytes_per_page(num_layers=mc.num_layers, page_size=c.page_size,
+                                           num_kv_heads=plan.num_kv_heads,
+                                           head_dim=mc.head_dim, dtype=self.dtype)
+        self.num_pages, how = self._size_pool(page_bytes, c.num_pages, c.kv_cache_gb,
+                                              c.mem_fraction)
+        if self.tp is not None:
+            self.num_pages = self.tp.agree_min(self.num_pages)
         self.kv_cache_bytes = self.num_pages * page_bytes
-        logger.info(
-            "KV cache: %d pages of %d tokens (%.2f GiB, %s) on %s, %d host pages",
-            self.num_pages,
-            page_size,
-            self.kv_cache_bytes / 2**30,
-            how,
-            self.device,
-            num_host_pages,
-        )
+        logger.info("KV cache: %d pages of %d tokens (%.2f GiB, %s) on %s, %d host pages",
+                    self.num_pages, c.page_size, self.kv_cache_bytes / 2**30, how, self.device,
+                    c.num_host_pages)
         # With CUDA graphs, a scratch page past the pages the scheduler sees: the graphs'
         # padding rows write and read it, and nothing else does.
-        self.scratch_page = self.num_pages if cuda_graph_max_bs > 0 else None
+        self.scratch_page = self.num_pages if self.graph_max_batch > 0 else None
         self.pool = KVPool(
-            num_layers=c.num_layers,
+            num_layers=mc.num_layers,
             num_pages=self.num_pages + (self.scratch_page is not None),
-            page_size=page_size,
+            page_size=c.page_size,
             num_kv_heads=plan.num_kv_heads,
-            head_dim=c.head_dim,
+            head_dim=mc.head_dim,
             dtype=self.dtype,
             device=self.device,
-            num_host_pages=num_host_pages,
+            num_host_pages=c.num_host_pages,
         )
-        self.attention = make_backend(
-            attention_backend,
-            self.pool,
-            num_heads=plan.num_heads,
-            num_kv_heads=plan.num_kv_heads,
-            head_dim=c.head_dim,
-            sliding_windows=c.sliding_windows,
-            decode_backend=decode_backend,
-        )
-        self.attention_backend = self.attention.name
-        self.staging = HostStaging(self.device)
-        self.graphs: DecodeGraphs | None = None
-        if cuda_graph_max_bs > 0:
-            why_not = self._why_no_graphs()
-            if why_not:
-                logger.warning("CUDA graphs off: %s; decode runs eagerly", why_not)
-            else:
-                try:
-                    with torch.inference_mode():
-                        self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
-                except Exception as exc:  # a capture that fails leaves eager decode working
-                    logger.warning("CUDA graphs off: capture failed (%s: %s); decode runs "
-                                   "eagerly", type(exc).__name__, exc)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs up to ``graph_max_batch``, or None (with the reason logged) where
+        they cannot run; a bucket that fails to capture is skipped alone (cuda_graphs.py)."""
+        why_not = self._why_no_graphs()
+        if why_not:
+            logger.warning("CUDA graphs off: %s; decode runs eagerly", why_not)
+            return None
+        try:
+            with torch.inference_mode():
+                graphs = DecodeGraphs(self, self.graph_max_batch)
+        except Exception as exc:  # a failure outside any one bucket leaves eager decode
+            logger.warning("CUDA graphs off: capture failed (%s: %s); decode runs eagerly",
+                           type(exc).__name__, exc)
+            return None
+        if not graphs.buckets:
+            logger.warning("CUDA graphs off: no batch size could be captured; decode runs "
+                           "eagerly")
+            return None
+        return graphs
 
     def _set_threads(self, batch: BatchInput) -> None:
         """On CPU, a step too small to gain from parallel threads (a small model's, with few
@@ -243,7 +248,13 @@ class ModelRunner:
     def forward(self, batch: BatchInput, *, checked: bool = False) -> torch.Tensor | None:
         """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
         ``batch.logits_rows`` (default: each sequence's last new token); under tensor parallel
-        on rank 0 only, None on the others. ``checked``: ``check`` has passed already."""
+        on rank 0 only, None on the others. ``checked``: ``check`` has passed already.
+
+        Nothing here waits for the device (swaps aside): the caller reads the logits back once
+        per step, as the sampler does, before the next ``forward``. That wait is what lets the
+        next step's planning (FlashInfer's ``plan`` rewrites its pinned plan buffer) reuse host
+        memory the previous step's copies read. On CUDA with graphs, the logits of a graph step
+        are a view of the graph's output, which its next replay overwrites."""
         if not checked:
             self.check(batch)
         self.pool.swap_out(batch.swap_out)
@@ -256,6 +267,7 @@ class ModelRunner:
         input_ids, positions, rows, out_slots, *staged = self.staging.stage(
             [batch.input_ids.astype(np.int64), batch.positions.astype(np.int64),
              batch.resolved_logits_rows(), batch.out_slots.astype(np.int64),
-             *self.attention.device_arrays(batch)])
-        self.attention.plan(batch, out_slots, staged=staged)
-        return self.model(input_ids, positions, self.attention, rows)
+             *self.attention.staged_arrays(batch)])
+        self.attention.plan(batch, out_slots.on_device, staged=staged)
+        return self.model(input_ids.on_device, positions.on_device, self.attention,
+                          rows.on_device)

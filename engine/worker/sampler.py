@@ -39,8 +39,9 @@ _MASK64 = (1 << 64) - 1
 
 
 @dataclass
-class SamplingRow:
-    """One sequence's sampling state for this step.
+class RowState:
+    """One row's sampling parameters and token history, for this step (the worker builds it
+    from the wire's ``RowSampling``).
 
     ``params.logprobs`` sets how many top logprobs the row wants; beam search asks for
     ``2 * beam_width`` (up to 64) by passing a copy of its params with that value. Parallel
@@ -93,7 +94,7 @@ def _token_counts(
     return counts.view(shape)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     """Return float32 logits with each row's repetition, frequency and presence penalties.
 
     - repetition (HF/CTRL): for tokens seen in the prompt or the output, positive logits are
@@ -203,7 +204,7 @@ def _seeded_generator(device: torch.device) -> torch.Generator:
 
 
 def _exponential_noise(
-    rows: list[SamplingRow], vocab_size: int, device: torch.device
+    rows: list[RowState], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
     """[len(rows), V] Exp(1) draws: per-(seed, step) generators for seeded rows, else global."""
     noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
@@ -223,7 +224,7 @@ def _exponential_noise(
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     """Temperature, filters and an exponential race for non-greedy rows; returns ids [R]."""
     device = logits.device
     temperature = np.array([r.params.temperature for r in rows], dtype=np.float32)
@@ -240,7 +241,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return (probs / _exponential_noise(rows, logits.shape[-1], device)).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
     """Pick one token per row of ``logits`` [B, V] following each row's ``SamplingParams``.
 
     The returned arrays are views of one host buffer: the step's single device-to-host copy.

@@ -63,9 +63,11 @@ def make_backend(
     head_dim: int,
     sliding_windows: Sequence[int | None],
     decode_backend: str = "fa2",
+    graph_max_batch: int = 0,
 ) -> AttentionBackend:
     """The backend ``name`` resolves to; flashinfer's kernels are built and warmed up here
-    (``decode_backend``: its decode kernel on tensor cores, see engine/worker/attention/flashinfer.py)."""
+    (``decode_backend``: its decode kernel on tensor cores; ``graph_max_batch``: the largest
+    CUDA-graph batch its workspace must hold; see engine/worker/attention/flashinfer.py)."""
     shape = dict(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -76,13 +78,15 @@ def make_backend(
     if resolved == "torch":
         return TorchNativeBackend(pool, **shape)
     if name == "flashinfer":
-        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend)
+        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend,
+                                    graph_max_batch=graph_max_batch)
         backend.warm_up()
         return backend
     # auto: a mismatched install fails at import with more than ImportError, a kernel that does
     # not compile fails at its first plan or run; either way the torch backend serves instead.
     try:
-        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend)
+        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend,
+                                    graph_max_batch=graph_max_batch)
         backend.warm_up()
     except Exception as exc:
         logger.warning("attention backend auto: flashinfer failed to start (%s: %s); using torch",

@@ -22,6 +22,7 @@ import torch
 
 from engine.contracts.step import BatchInput
 from engine.worker.kv_pool import KVPool
+from engine.worker.staging import HostStaging, Staged
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -51,20 +52,24 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5
         self.sliding_windows = tuple(sliding_windows)
         self._out_slots: torch.Tensor | None = None
+        self._staging = HostStaging(self.device)  # for plans the runner has not staged
 
     def plan(self, batch: BatchInput, out_slots: torch.Tensor | None = None, *,
-             staged: Sequence[torch.Tensor] = (), graph: bool = False) -> None:
+             staged: Sequence[Staged] = (), graph: bool = False) -> None:
         """Prepare the step. The runner stages the step's arrays in one copy
-        (engine/worker/staging.py): ``out_slots`` is ``batch.out_slots`` on the device as int64 and
-        ``staged`` holds ``device_arrays(batch)`` on the device; given neither, both are copied
-        from the batch here."""
+        (engine/worker/staging.py): ``out_slots`` is ``batch.out_slots`` on the device as int64
+        and ``staged`` holds ``staged_arrays(batch)``; given no ``out_slots``, the backend
+        stages both itself, the same way."""
         if out_slots is None:
-            out_slots = torch.from_numpy(batch.out_slots.astype("int64")).to(self.device)
+            slots, *staged = self._staging.stage([batch.out_slots.astype(np.int64),
+                                                  *self.staged_arrays(batch)])
+            out_slots = slots.on_device
         self._out_slots = out_slots
         self._plan(batch, graph, staged)
 
-    def device_arrays(self, batch: BatchInput) -> list[np.ndarray]:
-        """Arrays of ``batch`` this backend's plan wants on the device."""
+    def staged_arrays(self, batch: BatchInput) -> list[np.ndarray]:
+        """Arrays of ``batch`` this backend's plan wants staged: on the device, and pinned on
+        the host for host-side planning."""
         return []
 
     def prepare_graphs(self, max_batch: int) -> None:  # noqa: B027 (optional hook)
@@ -91,10 +96,9 @@ class AttentionBackend(ABC):
         return self.forward(layer, q, k, v)
 
     @abstractmethod
-    def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[torch.Tensor]) -> None:
+    def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[Staged]) -> None:
         """Prepare whatever every layer of this step reuses (``graph``: over the fixed
-        buffers of a captured graph; ``staged``: ``device_arrays(batch)`` on the device, or
-        empty)."""
+        buffers of a captured graph; ``staged``: ``staged_arrays(batch)``, staged)."""
 
     @abstractmethod
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

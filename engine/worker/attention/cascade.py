@@ -9,6 +9,9 @@ softmaxes merge through their log-sum-exps::
     seq a: [ shared p3 p7 p1 ... | a's own pages ]      o = merge(attend(q, shared), attend(q, own))
     seq b: [ shared p3 p7 p1 ... | b's own pages ]      merge by lse: exact, not an approximation
 
+A plan reaches the device in one non-blocking copy (engine/worker/staging.py): planning never
+waits for the device.
+
 Used for decode and extend groups without sliding-window layers, when some group shares at
 least ``MIN_SHARED_PAGES`` pages (a wave of requests extending one cached system prompt reads it
 once instead of once per request).
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from engine.worker.staging import to_device_many
 
 MIN_SHARED_PAGES = 4
 
@@ -107,19 +112,23 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
     # [B, E, S]: causal at absolute positions.
     own_valid = own_valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
 
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    # Every array the plan puts on the device, in one non-blocking copy (no sync).
+    shared_table_t, member_index_t, member_slot_t, member_seqs_t, own_table_t, shared_valid_t, \
+        own_valid_t = to_device_many(
+            [shared_table.reshape(-1), member_index.reshape(-1),
+             np.asarray(member_slot, dtype=np.int64), np.asarray(member_seqs, dtype=np.int64),
+             own_table.reshape(-1), shared_valid, own_valid], device)
 
-    def additive(valid: np.ndarray) -> torch.Tensor:
-        mask = torch.zeros(valid.shape, dtype=dtype)
-        return mask.masked_fill_(torch.from_numpy(~valid), float("-inf")).to(device)
+    def additive(valid: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~valid, float("-inf"))
 
     return CascadePlan(
-        shared_table=t(shared_table.reshape(-1)),
-        shared_mask=additive(shared_valid)[:, None, None, :],
-        member_index=t(member_index.reshape(-1)), member_slot=t(np.asarray(member_slot)),
-        member_seqs=t(np.asarray(member_seqs)), own_table=t(own_table.reshape(-1)),
-        own_mask=additive(own_valid)[:, None, :, None, :], num_groups=len(groups),
+        shared_table=shared_table_t,
+        shared_mask=additive(shared_valid_t)[:, None, None, :],
+        member_index=member_index_t, member_slot=member_slot_t,
+        member_seqs=member_seqs_t, own_table=own_table_t,
+        own_mask=additive(own_valid_t)[:, None, :, None, :], num_groups=len(groups),
         max_members=max_members, max_shared=max_shared, max_own=max_own,
         shared_tokens=shared * page_size,
         saved_keys=saved_keys,

@@ -9,19 +9,30 @@ causal mask, which FlashInfer aligns to the end of each sequence (query j of an 
 sits at position seq_len - n + j), exactly the position convention of ``BatchInput``.
 
 A wrapper is planned once per step and per distinct sliding window (FlashInfer fixes
-``window_left`` at plan time), then run by every layer with that window. ``plan`` passes the
-index arrays as host tensors (FlashInfer plans on the host and copies them itself) except the
-page indices, which arrive on the device staged with the step's other arrays
-(engine/worker/staging.py). Nothing in a step reads back from the device until the sampler's one copy
-at its end, so a ``plan()`` never overwrites FlashInfer's pinned plan buffer while the previous
-step's copy of it is still in flight.
+``window_left`` at plan time), then run by every layer with that window. ``plan`` gets every
+index array staged with the step's others (engine/worker/staging.py): the page indices on the
+device, the page-table offsets and last page lengths (and the query offsets of a prefill) as
+pinned host views, which FlashInfer reads on the host and copies to the device without waiting.
+Nothing in a step reads back from the device until the sampler's one copy at its end, so a
+``plan()`` never overwrites FlashInfer's pinned plan buffer while the previous step's copy of it
+is still in flight.
+
+Workspace: FlashInfer's float scratch space holds the partial outputs of KV split into chunks
+(float32 [work items x query tile, query heads, head_dim] and their log-sum-exps). CUDA-graph
+decode always splits, with one work item per query tile of every sequence plus one per
+sequence, so the space grows with the largest captured batch, the query heads and head_dim
+(``workspace_bytes``): 64 query heads of 128 at batch 256 need about 201 MB. It is sized from
+the model at start-up and checked against the graphs' largest batch before any is captured.
 
 Kernels: FlashInfer 0.6 compiles each kernel module on first use. ``prebuild`` builds the exact
 modules this backend will load (``jit_specs``), in parallel in one ninja run, before the warm-up;
 they stay in FlashInfer's cache (``FLASHINFER_WORKSPACE_BASE``, default ``~``), so a later start
-compiles nothing. Decode on tensor cores (query groups of 4 or more) takes ``decode_backend``:
-``fa2`` by default, because FlashInfer's own choice on Hopper (sm90) is FA3, which is slower for
-decode; ``auto`` leaves it to FlashInfer.
+compiles nothing. FA3 (Hopper's kernels, FlashInfer's own choice there for prefill) is taken only
+where its modules are already built (scripts/gpu_phase.py builds them when time allows): its
+sm90a files take several times FA2's build, so a start never waits for them; FA2 serves
+otherwise, with a log line. Decode on tensor cores (query groups of 4 or more) takes
+``decode_backend``: ``fa2`` by default, because FA3 is slower for decode; ``auto`` leaves it to
+FlashInfer (FA3 again only if built); ``fa3`` asks for it, built if need be.
 
 CUDA graphs (engine/worker/cuda_graphs.py): each captured batch size gets its own decode wrappers in
 CUDA-graph mode, all over one set of fixed index buffers sized for the largest batch;
@@ -41,6 +52,7 @@ import torch
 from engine.contracts.step import BatchInput
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.kv_pool import KVPool
+from engine.worker.staging import Staged
 
 logger = logging.getLogger("radixserve.attention")
 
@@ -48,7 +60,15 @@ INSTALL_HINT = (
     "the flashinfer backend needs CUDA and the flashinfer-python package: "
     "pip install 'radixserve[gpu]'"
 )
-_WORKSPACE_BYTES = 128 * 1024 * 1024
+# FlashInfer's examples' size; more when the model needs it (``workspace_bytes``).
+MIN_WORKSPACE_BYTES = 128 << 20
+# Upper bounds on FlashInfer's scheduler (include/flashinfer/attention/scheduler.cuh, v0.6.1):
+# CTAs it keeps resident per SM (it asks the occupancy API; 1-2 for these kernels on Hopper),
+# and the largest query tile a split prefill uses.
+_CTAS_PER_SM = 4
+_LARGEST_QUERY_TILE = 128
+# SMs assumed where the pool is not on CUDA (the fake's tests): an H100's or H200's.
+_DEFAULT_NUM_SMS = 132
 # FlashInfer 0.6 builds its prefill kernels for these head sizes only.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 DECODE_BACKENDS = ("fa2", "fa3", "auto")
@@ -79,6 +99,54 @@ def check_pool(pool: KVPool) -> None:
         )
 
 
+def decode_query_tile(group: int) -> int:
+    """FlashInfer's query tile for a decode row packing ``group`` query heads (FA2)."""
+    return 16 if group <= 16 else 64 if group <= 64 else 128
+
+
+def workspace_bytes(*, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                    graph_max_batch: int, num_sms: int) -> int:
+    """Bytes of float workspace FlashInfer may use for this model, at least
+    ``MIN_WORKSPACE_BYTES``: float32 partial outputs and log-sum-exps of every work item's
+    query tile, for every query head::
+
+        rows  = work items x query tile
+        bytes = num_qo_heads x rows x (head_dim + 1) x 4
+
+    Eager plans split KV only while the work items are fewer than the CTAs that fit
+    (``num_sms x _CTAS_PER_SM / num_kv_heads``), at most ``_LARGEST_QUERY_TILE`` rows each.
+    CUDA-graph decode always splits: ceil(batch x group / tile) + batch - 1 work items of
+    ``decode_query_tile(group)`` rows, at the largest captured batch (0: no graphs)."""
+    group = num_qo_heads // num_kv_heads
+    resident = max(num_sms * _CTAS_PER_SM // num_kv_heads, 1)
+    rows = resident * _LARGEST_QUERY_TILE
+    if graph_max_batch > 0:
+        tile = decode_query_tile(group)
+        items = -(-graph_max_batch * group // tile) + graph_max_batch - 1
+        rows = max(rows, max(items, resident) * tile)
+    needed = num_qo_heads * rows * (head_dim + 1) * 4
+    return max(MIN_WORKSPACE_BYTES, -(-needed // (1 << 20)) * (1 << 20))
+
+
+def jit_specs(dtype: torch.dtype, head_dim: int, windowed_kinds: Sequence[bool],
+              tensor_cores: bool, prefill_backend: str, decode_backend: str) -> list:
+    """The kernel modules a backend of these shapes loads: per kind of layer (with or without
+    a sliding window), a paged prefill module and a decode module (on tensor cores, a prefill
+    module of ``decode_backend``), for this dtype and head size, int32 page indices and no
+    positional encoding inside the kernel (RoPE is applied before attention)."""
+    from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+
+    specs = {}
+    for windowed in sorted(set(windowed_kinds)):
+        args = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, windowed, False)
+        prefill = gen_batch_prefill_module(prefill_backend, *args, False)
+        specs[prefill.name] = prefill
+        spec = (gen_batch_prefill_module(decode_backend, *args, False) if tensor_cores
+                else gen_batch_decode_module(*args))
+        specs[spec.name] = spec
+    return list(specs.values())
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
@@ -92,7 +160,10 @@ class FlashInferBackend(AttentionBackend):
         head_dim: int,
         sliding_windows: Sequence[int | None],
         decode_backend: str = "fa2",
+        graph_max_batch: int = 0,
     ) -> None:
+        """``graph_max_batch``: the largest batch CUDA graphs will be captured for (0: none),
+        which sizes the workspace."""
         super().__init__(
             pool,
             num_heads=num_heads,
@@ -112,14 +183,26 @@ class FlashInferBackend(AttentionBackend):
         self.flashinfer = import_flashinfer()
         check_pool(pool)
         self.decode_backend = decode_backend
-        # Wrappers run one after another on one stream, so they can share the scratch space.
-        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # CUDA-core decode kernels cover small query groups only; tensor cores cover any.
         self.tensor_cores = num_heads // num_kv_heads >= 4
+        self.prefill_kernel, self.decode_kernel = self._choose_kernels()
+        num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                   if self.device.type == "cuda" else _DEFAULT_NUM_SMS)
+        self.graph_max_batch = graph_max_batch
+        self.workspace_bytes = workspace_bytes(
+            num_qo_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            graph_max_batch=graph_max_batch, num_sms=num_sms)
+        # Wrappers run one after another on one stream, so they can share the scratch space.
+        self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8,
+                                      device=self.device)
+        logger.info("flashinfer: %.0f MiB workspace (%d query heads of %d, CUDA graphs up to "
+                    "batch %d, %d SMs)", self.workspace_bytes / 2**20, num_heads, head_dim,
+                    graph_max_batch, num_sms)
         windows = set(sliding_windows)
         self._decode = {w: self._decode_wrapper() for w in windows}
         self._prefill = {
-            w: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            w: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend=self.prefill_kernel)
             for w in windows
         }
         self._graph_decode: dict[int, dict[int | None, object]] = {}
@@ -137,29 +220,30 @@ class FlashInferBackend(AttentionBackend):
                          paged_kv_last_page_len_buffer=last_page_len[:batch_size])
         return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=self.tensor_cores,
-            backend=self.decode_backend, **graph)
+            backend=self.decode_kernel, **graph)
 
-    def jit_specs(self) -> list:
-        """The kernel modules this backend loads: per kind of layer (with or without a sliding
-        window), a paged prefill module and a decode module (on tensor cores, a prefill module
-        of ``decode_backend``), for this dtype and head size, int32 page indices and no
-        positional encoding inside the kernel (RoPE is applied before attention)."""
-        from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+    def _choose_kernels(self) -> tuple[str, str]:
+        """(prefill, decode) kernel families: FlashInfer's choice for this device, FA3 only
+        where its modules are built (``decode_backend="fa3"`` is honoured regardless)."""
         from flashinfer.utils import determine_attention_backend
 
         dtype = self.pool.kv.dtype
         chosen = determine_attention_backend(self.device, 0, False, False, dtype, dtype)
+        if chosen == "fa3":
+            fa3 = jit_specs(dtype, self.head_dim, [w is not None for w in self.sliding_windows],
+                            self.tensor_cores, "fa3", "fa3")
+            if not all(spec.is_compiled for spec in fa3):
+                logger.info("flashinfer: FA3 modules are not built; FA2 serves (build them "
+                            "beforehand: scripts/gpu_phase.py, docs/gpu.md)")
+                chosen = "fa2"
         decode = chosen if self.decode_backend == "auto" else self.decode_backend
-        specs = {}
-        for windowed in sorted({w is not None for w in self.sliding_windows}):
-            args = (dtype, dtype, dtype, torch.int32, self.head_dim, self.head_dim, 0, windowed,
-                    False)
-            prefill = gen_batch_prefill_module(chosen, *args, False)
-            specs[prefill.name] = prefill
-            spec = (gen_batch_prefill_module(decode, *args, False) if self.tensor_cores
-                    else gen_batch_decode_module(*args))
-            specs[spec.name] = spec
-        return list(specs.values())
+        return chosen, decode
+
+    def jit_specs(self) -> list:
+        """The kernel modules this backend loads (module-level ``jit_specs``)."""
+        return jit_specs(self.pool.kv.dtype, self.head_dim,
+                         [w is not None for w in self.sliding_windows], self.tensor_cores,
+                         self.prefill_kernel, self.decode_kernel)
 
     def prebuild(self) -> float:
         """Compile (or find in the cache) every module ``jit_specs`` names, in parallel; the
@@ -170,16 +254,29 @@ class FlashInferBackend(AttentionBackend):
         specs = self.jit_specs()
         build_jit_specs(specs, verbose=False)
         seconds = time.perf_counter() - start
-        logger.info("flashinfer: %d kernel modules ready in %.1f s (decode %s on %s)",
-                    len(specs), seconds, self.decode_backend,
+        logger.info("flashinfer: %d kernel modules ready in %.1f s (prefill %s, decode %s on "
+                    "%s)", len(specs), seconds, self.prefill_kernel, self.decode_kernel,
                     "tensor cores" if self.tensor_cores else "CUDA cores")
         return seconds
 
-    def device_arrays(self, batch: BatchInput) -> list[np.ndarray]:
-        return [batch.page_indices.astype(np.int32, copy=False)]
+    def staged_arrays(self, batch: BatchInput) -> list[np.ndarray]:
+        """Page indices (read on the device), then page-table offsets, last page lengths and
+        query offsets (read on the host by ``plan``), all int32."""
+        qo_indptr = np.zeros(batch.num_seqs + 1, dtype=np.int32)
+        np.cumsum(batch.extend_lens, out=qo_indptr[1:])
+        return [batch.page_indices.astype(np.int32, copy=False),
+                batch.page_indptr.astype(np.int32, copy=False),
+                batch.last_page_lens(self.pool.page_size).astype(np.int32, copy=False),
+                qo_indptr]
 
     def prepare_graphs(self, max_batch: int) -> None:
-        """One set of fixed index buffers for every captured batch size (each uses a prefix)."""
+        """One set of fixed index buffers for every captured batch size (each uses a prefix),
+        once the workspace is known to hold the largest batch's split partial outputs."""
+        if max_batch > self.graph_max_batch:
+            raise ValueError(
+                f"the flashinfer workspace ({self.workspace_bytes / 2**20:.0f} MiB) was sized "
+                f"for CUDA graphs up to batch {self.graph_max_batch}, not {max_batch}: build "
+                "the backend with graph_max_batch set to the largest batch")
         capacity = _GRAPH_INDICES_PER_PAGE * self.pool.num_pages + max_batch
         self._graph_buffers = (
             torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device),
@@ -193,13 +290,11 @@ class FlashInferBackend(AttentionBackend):
         max_batch, capacity = len(self._graph_buffers[2]), len(self._graph_buffers[1])
         return len(batch.page_indices) + max_batch - batch.num_seqs <= capacity
 
-    def _plan(self, batch: BatchInput, graph: bool = False,
-              staged: Sequence[torch.Tensor] = ()) -> None:
+    def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[Staged]) -> None:
         dtype, page_size = self.pool.kv.dtype, self.pool.page_size
-        kv_indptr = torch.from_numpy(batch.page_indptr.astype(np.int32))
-        kv_indices = (staged[0] if staged
-                      else torch.from_numpy(batch.page_indices.astype(np.int32)).to(self.device))
-        last_page_len = torch.from_numpy(batch.last_page_lens(page_size))
+        indices, indptr, last_page_lens, qo_offsets = staged
+        kv_indices = indices.on_device
+        kv_indptr, last_page_len = indptr.pinned, last_page_lens.pinned
         # sm_scale is left to FlashInfer's default, 1 / sqrt(head_dim), which is self.scale.
         common = dict(pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype)
         if graph or batch.is_decode:
@@ -210,10 +305,8 @@ class FlashInferBackend(AttentionBackend):
                              window_left=_window_left(window), **common)
             self._active = dict(wrappers)
             return
-        qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
-        qo_indptr[1:] = torch.from_numpy(batch.extend_lens.astype(np.int32)).cumsum(0)
         for window, wrapper in self._prefill.items():
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_heads,
+            wrapper.plan(qo_offsets.pinned, kv_indptr, kv_indices, last_page_len, self.num_heads,
                          self.num_kv_heads, self.head_dim, page_size, causal=True,
                          window_left=_window_left(window), **common)
         self._active = dict(self._prefill)

@@ -30,6 +30,7 @@ from engine.contracts.step import BatchInput
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.cascade import CascadePlan, attend_cascade, plan_cascade
 from engine.worker.cpu_kernels import paged_decode_op, rope_store_op
+from engine.worker.staging import to_device_many
 
 
 @dataclass
@@ -135,16 +136,21 @@ class TorchNativeBackend(AttentionBackend):
                                    batch.seq_lens[seqs].astype(np.int64),
                                    query_pos.reshape(num_seqs, max_extend), page_size, device,
                                    self.pool.kv.dtype)
+        # The group's arrays reach the device in one non-blocking copy (no sync).
+        arrays = {"page_table": page_table}
+        if not whole:
+            arrays["rows"] = rows
+        if num_seqs * max_extend != num_tokens:
+            arrays["pad_index"] = pad_index
+        if cascade is None:
+            arrays["query_pos"] = query_pos
+        staged = dict(zip(arrays, to_device_many(list(arrays.values()), device), strict=True))
         masks = {} if cascade is not None else self._masks(
-            query_pos.reshape(num_seqs, max_extend, 1), kv_len, max_extend, from_zero)
-
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device, non_blocking=True)
-
+            staged["query_pos"].view(num_seqs, max_extend, 1), kv_len, max_extend, from_zero)
         return _Group(
-            rows=None if whole else to_device(rows),
-            pad_index=None if num_seqs * max_extend == num_tokens else to_device(pad_index),
-            page_table=to_device(page_table),
+            rows=staged.get("rows"),
+            pad_index=staged.get("pad_index"),
+            page_table=staged["page_table"],
             num_seqs=num_seqs,
             max_extend=max_extend,
             kv_len=kv_len,
@@ -190,10 +196,10 @@ class TorchNativeBackend(AttentionBackend):
         plan.own_paged = (*paged, torch.from_numpy(plan.shared_tokens.astype(np.int32)))
         return plan
 
-    def _masks(self, query_pos: np.ndarray, kv_len: int, max_extend: int,
+    def _masks(self, query_pos_t: torch.Tensor, kv_len: int, max_extend: int,
                from_zero: bool) -> dict[int | None, torch.Tensor]:
+        """Masks by sliding window from each query row's position ([B, E, 1] on the device)."""
         device = self.device
-        query_pos_t = torch.from_numpy(query_pos).to(device)
         key_pos = torch.arange(kv_len, device=device)
         # Without cached tokens, query row i sits at position i, so SDPA's own (top-left)
         # causal mask is exact, padding included, and skips the blocks above the diagonal.
