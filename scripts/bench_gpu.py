@@ -59,6 +59,7 @@ if str(REPO) not in sys.path:  # run as a file from anywhere
 
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.checkpoints.demo_model import TOKENIZER_VOCAB_SIZE, build_demo_model  # noqa: E402
+from engine.contracts.engine_config import EngineConfig  # noqa: E402
 from engine.contracts.step import BatchInput  # noqa: E402
 from engine.runtime.offline import RequestResult  # noqa: E402
 from engine.worker.runner import ModelRunner  # noqa: E402
@@ -181,6 +182,7 @@ def bench_decode(runner: ModelRunner, batches: tuple[int, ...], context: int, st
         runner.check(step)
         for _ in range(warmup_steps):
             runner.forward(step, checked=True)
+            synchronize(device)  # as the sampler's copy would: see ModelRunner.forward
         seconds = statistics.median(timed(lambda s=step: runner.forward(s, checked=True), device)
                                     for _ in range(steps))
         kv_bytes = kv_read_bytes(batch, context, c.num_layers, runner.model.plan.num_kv_heads,
@@ -214,6 +216,7 @@ def bench_prefill(runner: ModelRunner, num_seqs: int, length: int, chunk: int,
     def run_all() -> None:
         for step in steps:
             runner.forward(step, checked=True)
+            synchronize(runner.device)  # as the sampler's copy would: see ModelRunner.forward
 
     run_all()  # warm-up: kernels and allocator sized for this shape
     seconds = statistics.median(timed(run_all, runner.device) for _ in range(repeats))
@@ -346,10 +349,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pages_per_seq = -(-preset.context // PAGE_SIZE)
         num_pages = max(max(preset.batches), preset.prefill_seqs) * pages_per_seq
         start = time.perf_counter()
-        runner = ModelRunner(model_dir, load_format="dummy", dtype=preset.dtype,
-                             attention_backend=args.attention_backend, num_pages=num_pages,
-                             page_size=PAGE_SIZE, device=args.device,
-                             cuda_graph_max_bs=max(preset.batches) if args.enable_cuda_graph else 0)
+        runner = ModelRunner(EngineConfig(
+            model=str(model_dir), load_format="dummy", dtype=preset.dtype,
+            attention_backend=args.attention_backend, num_pages=num_pages, page_size=PAGE_SIZE,
+            device=args.device, enable_cuda_graph=args.enable_cuda_graph,
+            cuda_graph_max_bs=max(preset.batches)))
         synchronize(device)
         build_s = time.perf_counter() - start
         report["runner"] = {"attention_backend": runner.attention_backend,

@@ -1,11 +1,13 @@
 """GPU check: the flashinfer attention backend against the torch backend, then decode timings.
 
-Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along first). Four parts
-(``--parts``, default all), each printed as a markdown table as soon as it is done:
+Run by ``scripts/gpu_phase.py`` (docs/gpu.md), whose phase 1 installs the wheels and runs
+``--parts prebuild`` and whose phase 2 runs the other parts. Each part prints a markdown table
+as soon as it is done:
 
-0. prebuild: every FlashInfer kernel module the backends here and in check_cuda_graphs.py load
-   (bf16, head_dim 128), compiled in one parallel
-   ninja run, timed (a second run finds them in FlashInfer's cache and compiles nothing);
+0. prebuild (``--kernels fa2`` or ``fa3``): every FlashInfer kernel module of that family that
+   the checks, the benchmark and the CUDA tests load (bf16, head_dim 128, the shapes below),
+   compiled in one parallel ninja run, timed (a second run finds them in FlashInfer's cache
+   and compiles nothing). The engine takes FA3 only where its modules are built;
 1. attention parity, bfloat16: random pool contents, random shuffled page tables, prefill /
    decode / mixed / cached-prefix batches, page sizes 1 and 16, GQA groups 2 and 4, a sliding
    window layer. Both backends read the same pool; both are compared with the torch backend in
@@ -13,9 +15,12 @@ Run through ``scripts/gpu_check.sh`` (which installs the wheels brought along fi
    bf16 error, or under 1e-2); one more row per config reads pages filled by a partial-page copy
    (copy-on-write);
 2. decode attention time per step (32 layer calls + the per-step plan) at batch 1/32/128: torch,
-   and flashinfer with its tensor-core decode on FA2 and on FA3 (the choice on Hopper);
+   and flashinfer with its tensor-core decode on FA2 and, where its modules are built, FA3;
 3. the whole ModelRunner on a Llama-shaped model with dummy weights (drawn on the GPU): logits
-   of both backends on a mixed batch, and decode tokens/s at batch 1/32/128.
+   of both backends on a mixed batch, the host syncs inside a copy-on-write step and a
+   shared-prefix (cascade) step (torch's sync debug mode; 0 expected: the sampler makes the
+   step's one), and decode tokens/s at batch 1/32/128, each step read back before the next
+   as the sampler would.
 
 CUDA graphs against eager decode: scripts/check_cuda_graphs.py.
 
@@ -29,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -37,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.contracts.engine_config import EngineConfig  # noqa: E402
 from engine.contracts.step import BatchInput  # noqa: E402
 from engine.worker.attention import make_backend  # noqa: E402
 from engine.worker.kv_pool import KVPool  # noqa: E402
@@ -88,33 +95,45 @@ def backend(name: str, pool: KVPool, heads: int, kv_heads: int, windows,
     )
 
 
-def prebuild_kernels() -> bool:
-    """Every module the parts below load, built in one parallel ninja run."""
-    from flashinfer.jit import build_jit_specs
+def kernel_specs(family: str) -> list:
+    """The kernel modules of ``family`` (fa2 or fa3) that these checks, scripts/bench_gpu.py,
+    scripts/check_cuda_graphs.py and tests/test_attention.py's CUDA tests load: bf16, head_dim
+    128; (query heads, KV heads, windows) of ATTENTION_CONFIGS, the check model (16/4),
+    Llama-3-8B (32/8) and the tests (8/2, a sliding layer). CUDA-core decode modules (query
+    groups under 4) have no FA3 form and belong to fa2."""
+    from engine.worker.attention.flashinfer import jit_specs
 
-    from engine.worker.attention.flashinfer import FlashInferBackend
-
-    print("## FlashInfer kernels (JIT, built in parallel before anything runs)\n")
+    shapes = [*ATTENTION_CONFIGS, (16, 4, (None,)), (32, 8, (None,)), (8, 2, (None, 5))]
     specs = {}
-    for heads, kv_heads, windows in ATTENTION_CONFIGS:
-        pool = make_pool(len(windows), 4, 16, kv_heads, torch.bfloat16)
-        for decode in ("fa2", "fa3"):
-            fi = FlashInferBackend(pool, num_heads=heads,
-                                   num_kv_heads=kv_heads, head_dim=HEAD_DIM,
-                                   sliding_windows=windows, decode_backend=decode)
-            specs |= {spec.name: spec for spec in fi.jit_specs()}
-    cached = sum(spec.is_compiled for spec in specs.values())
-    start = time.perf_counter()
-    build_jit_specs(list(specs.values()), verbose=False)
-    seconds = time.perf_counter() - start
-    from flashinfer.jit import env
+    for heads, kv_heads, windows in shapes:
+        tensor_cores = heads // kv_heads >= 4
+        found = jit_specs(torch.bfloat16, HEAD_DIM, [w is not None for w in windows],
+                          tensor_cores, family, family)
+        if family == "fa3" and not tensor_cores:
+            found = [spec for spec in found if "fa3" in spec.name]
+        specs |= {spec.name: spec for spec in found}
+    return list(specs.values())
 
-    print(f"{len(specs)} modules, {cached} already in the cache ({env.FLASHINFER_JIT_DIR}): "
-          f"built in {seconds:.1f} s\n")
-    for name in sorted(specs):
-        print(f"- {name}")
-    print(flush=True)
-    return all(spec.is_compiled for spec in specs.values())
+
+def fa3_built() -> bool:
+    return all(spec.is_compiled for spec in kernel_specs("fa3"))
+
+
+def prebuild_kernels(family: str) -> bool:
+    """Every ``family`` module the parts below load, built in one parallel ninja run."""
+    from flashinfer.jit import build_jit_specs, env
+
+    print(f"## FlashInfer {family.upper()} kernels (JIT, built in parallel)\n")
+    specs = kernel_specs(family)
+    cached = sum(spec.is_compiled for spec in specs)
+    print(f"{len(specs)} modules, {cached} already in the cache ({env.FLASHINFER_JIT_DIR})",
+          flush=True)
+    for spec in specs:
+        print(f"- {spec.name}")
+    start = time.perf_counter()
+    build_jit_specs(specs, verbose=False)
+    print(f"\nbuilt in {time.perf_counter() - start:.1f} s\n", flush=True)
+    return all(spec.is_compiled for spec in specs)
 
 
 def check_parity() -> bool:
@@ -188,8 +207,23 @@ def attention_step(b, batch: BatchInput, qkv, layers: int) -> None:
 
 
 def run_batches(runner, batches: list[BatchInput]) -> None:
+    """Steps one after another, each read back before the next is planned, as the sampler's
+    copy does: a ``plan()`` rewrites FlashInfer's pinned plan buffer, which the previous
+    step's copy to the device may not have read yet."""
     for b in batches:
-        runner.forward(b)
+        runner.forward(b).argmax(-1).cpu()
+
+
+def count_syncs(fn) -> int:
+    """Host syncs ``fn`` makes (torch's sync debug mode warns at each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def time_decode_attention(context: int, layers: int = 32) -> None:
@@ -198,8 +232,9 @@ def time_decode_attention(context: int, layers: int = 32) -> None:
         f"\n## decode attention, {heads}/{kv_heads} heads of {HEAD_DIM}, context {context}, "
         f"page {page_size}: ms per step (plan + {layers} layer calls)\n"
     )
-    print("| batch | torch ms | flashinfer FA2 ms | flashinfer FA3 ms | FA2 vs torch | "
-          "FA3 / FA2 |")
+    with_fa3 = fa3_built()
+    print("| batch | torch ms | flashinfer FA2 ms | flashinfer FA3 ms | FA3 / FA2 | "
+          "FA2 vs torch |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch_size in (1, 32, 128):
         pages = batch_size * (-(-(context + 1) // page_size)) + 1
@@ -211,14 +246,15 @@ def time_decode_attention(context: int, layers: int = 32) -> None:
         )
         ms = {}
         for name, decode in (("torch", "fa2"), ("fa2", "fa2"), ("fa3", "fa3")):
+            if name == "fa3" and not with_fa3:
+                continue  # not built in phase 1: building it here would take the step's time
             b = backend("torch" if name == "torch" else "flashinfer", pool, heads, kv_heads,
                         (None,), decode)
             ms[name] = cuda_time(partial(attention_step, b, batch, (q, k, v), layers)) * 1e3
-        print(
-            f"| {batch_size} | {ms['torch']:.2f} | {ms['fa2']:.2f} | {ms['fa3']:.2f} | "
-            f"{ms['torch'] / ms['fa2']:.1f}x | {ms['fa3'] / ms['fa2']:.2f} |",
-            flush=True,
-        )
+        fa3 = (f"{ms['fa3']:.2f} | {ms['fa3'] / ms['fa2']:.2f}" if with_fa3
+               else "not built | -")
+        print(f"| {batch_size} | {ms['torch']:.2f} | {ms['fa2']:.2f} | {fa3} | "
+              f"{ms['torch'] / ms['fa2']:.1f}x |", flush=True)
         del pool
 
 
@@ -230,8 +266,8 @@ def check_model(context: int, steps: int) -> bool:
         write_config(Path(tmp), CHECK_MODEL)
         # The same seed draws the same weights for both.
         runners = {
-            name: ModelRunner(tmp, num_pages=12288, attention_backend=name, load_format="dummy",
-                              dtype="bfloat16")
+            name: ModelRunner(EngineConfig(model=tmp, num_pages=12288, attention_backend=name,
+                                           load_format="dummy", dtype="bfloat16"))
             for name in ("torch", "flashinfer")
         }
     c = runners["torch"].config
@@ -252,8 +288,8 @@ def check_model(context: int, steps: int) -> bool:
             for b, n in enumerate(mixed.seq_lens - mixed.extend_lens)
             if n > 0
         ]
-        runner.forward(BatchInput.build(prefix, 16))
-        logits[name] = runner.forward(mixed)
+        runner.forward(BatchInput.build(prefix, 16)).cpu()
+        logits[name] = runner.forward(mixed).clone()
     diff = (logits["torch"] - logits["flashinfer"]).abs().max().item()
     agree = (logits["torch"].argmax(-1) == logits["flashinfer"].argmax(-1)).float().mean().item()
     ok = agree >= 0.9  # bf16 noise may flip a near-tie; part 1 is the exact check
@@ -261,6 +297,7 @@ def check_model(context: int, steps: int) -> bool:
         f"mixed batch, {mixed.num_tokens} tokens: max |logit diff| {diff:.3f}, argmax agreement "
         f"{agree:.1%} {'ok' if ok else 'FAIL'}\n"
     )
+    ok &= check_step_syncs(runners)
     print(
         f"| batch | torch tok/s | flashinfer tok/s | speedup |   (decode @{context}, {steps} steps)"
     )
@@ -272,7 +309,7 @@ def check_model(context: int, steps: int) -> bool:
             prompt = np.random.default_rng(0).integers(0, c.vocab_size, (batch_size, context))
             runner.forward(
                 BatchInput.build(list(zip(pages, [0] * batch_size, prompt, strict=True)), 16)
-            )
+            ).cpu()
             batches = [
                 BatchInput.build([(p, context + s, [s + 3]) for p in pages], 16)
                 for s in range(steps)
@@ -286,6 +323,33 @@ def check_model(context: int, steps: int) -> bool:
     return ok
 
 
+def check_step_syncs(runners: dict) -> bool:
+    """Host syncs inside a copy-on-write step and a shared-prefix decode step (the torch
+    backend plans a cascade for it), per backend: 0 expected."""
+    print("| backend | copy-on-write step syncs | shared-prefix decode syncs |")
+    print("|---|---:|---:|")
+    ok = True
+    rng = np.random.default_rng(3)
+    shared = list(range(11000, 11008))  # 8 pages of a common 128-token prefix
+    for name, runner in runners.items():
+        runner.forward(BatchInput.build([(shared, 0, rng.integers(0, 999, 128))], 16)).cpu()
+        own = [[11100 + 2 * i, 11101 + 2 * i] for i in range(4)]
+        runner.forward(BatchInput.build([(shared + o, 128, rng.integers(0, 999, 20))
+                                         for o in own], 16)).cpu()
+        cow = BatchInput.build([([*shared[:7], 11200], 120, rng.integers(0, 999, 5))], 16,
+                               copies=[(shared[7], 11200, 8)])
+        decode = BatchInput.build([(shared + o, 148, [5]) for o in own], 16)
+        counts = []
+        for step in (cow, decode):
+            runner.check(step)
+            counts.append(count_syncs(partial(runner.forward, step, checked=True)))
+            torch.cuda.synchronize()
+        ok &= counts == [0, 0]
+        print(f"| {name} | {counts[0]} | {counts[1]} |", flush=True)
+    print()
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -293,8 +357,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="decode context for part 2")
     parser.add_argument("--model-context", type=int, default=512, help="decode context for part 3")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed in part 3")
-    parser.add_argument("--parts", default="prebuild,parity,decode,model",
-                        help="comma-separated parts to run (default: all)")
+    parser.add_argument("--parts", default="parity,decode,model",
+                        help="comma-separated parts to run, of prebuild, parity, decode, model "
+                             "(default: all but prebuild)")
+    parser.add_argument("--kernels", choices=("fa2", "fa3"), default="fa2",
+                        help="the kernel family the prebuild part builds (default fa2)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not torch.cuda.is_available():
@@ -307,7 +374,7 @@ def main() -> None:
     )
     ok = True
     if "prebuild" in parts:
-        ok &= prebuild_kernels()
+        ok &= prebuild_kernels(args.kernels)
     if "parity" in parts:
         ok &= check_parity()
     if "decode" in parts:
