@@ -3,37 +3,49 @@
 Every user of the tree (the scheduler, the profiler's replay, the tests' simulator) goes
 through these steps, in this order::
 
-    lease = tree.lease(tokens, namespace, max_len)   # match the longest prefix and lock it
+    lease = Lease(tree, tokens, namespace, max_len)  # match the longest prefix and lock it
     table, copy = lease.acquire(num_tokens)          # share its full pages, allocate the rest;
                                                      # a match ending inside a page plans the
                                                      # copy of that page's matched slots
     ... run ``copy`` (if any), then drop its source reference ...
-    ... compute KV for positions [lease.length, num_tokens) into ``table`` ...
+    ... compute KV for positions [lease.length, n) into ``table`` ...
+    lease.commit(table, tokens[:n])                  # mid-life (a prefilled chunk): cache what
+                                                     # is computed, move the lock onto it
+    copy = lease.grow(table, more_tokens)            # more pages for decoding (and a fork's
+                                                     # own copy of the page it shares)
+    child, child_table = lease.fork(table)           # another holder of the same prefix
     lease.release(table, tokens)                     # insert, unlock, drop the table's references
+
+Who holds what::
+
+    positions  0 ...... length ........... committed ............ len(table) * P
+    tree       [ matched | committed chunks ]                       (locked while the lease is)
+    table      [ a reference of the holder's own on every page ......................... ]
 
 **Matched pages are valid only while the match is locked.** ``lease.match.pages`` may be
 evicted and reused once the lease is unlocked; ``acquire`` refuses to run on an unlocked lease.
-The table ``acquire`` returns holds its own references (one per page), so it stays valid after
-``unlock``: a holder that lets its lock go early (a sequence swapped out to host) keeps what it
-shares. The copy's source page carries one more reference, the holder's, until the copy has run
-(``allocator.decref([copy.src])``): a freed source could be reused before the copy reads it.
+The table holds its own references (one per page), so it stays valid after ``unlock``: a holder
+that lets its lock go early (a sequence swapped out to host) keeps what it shares, and may
+still grow, commit and release. A copy's source page carries one more reference, the holder's,
+until the copy has run (``allocator.decref([copy.src])``): a freed source could be reused
+before the copy reads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from radix.tree import PrefixMatch, RadixTree
+    from radix.node import Node, PrefixMatch
+    from radix.tree import RadixTree, TokenIds
 
 
-@dataclass(frozen=True)
-class PageCopy:
-    """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` before writing it."""
+class PageCopy(NamedTuple):
+    """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` before writing it
+    (a tuple, as the step message carries it)."""
 
     src: int
     dst: int
@@ -41,15 +53,23 @@ class PageCopy:
 
 
 class Lease:
-    """A locked match in ``tree``, and the steps that turn it into a page table and back."""
+    """A locked path in ``tree``, and the steps that turn it into a page table and back.
 
-    __slots__ = ("tree", "match", "namespace", "_locked")
+    ``match`` is what the cache held when the lease began (``length`` tokens of it); the lock
+    sits on ``match.node`` until ``commit`` moves it onto a longer path the holder cached."""
 
-    def __init__(self, tree: RadixTree, match: PrefixMatch, namespace: Hashable) -> None:
+    __slots__ = ("tree", "match", "namespace", "_node", "_locked")
+
+    def __init__(self, tree: RadixTree, tokens: TokenIds, namespace: Hashable = None,
+                 max_len: int | None = None, *, count: bool = True) -> None:
+        """Match the longest cached prefix of ``tokens`` (at most ``max_len``) and lock it.
+        ``count=False`` keeps the lookup out of the hit-rate stats (a session pin, not a
+        request)."""
         self.tree = tree
-        self.match = match
         self.namespace = namespace
-        tree.lock(match.node)
+        self.match: PrefixMatch = tree._match_prefix(tokens, namespace, max_len, count=count)
+        self._node: Node = self.match.node
+        tree._lock(self._node)
         self._locked = True
 
     @property
@@ -77,7 +97,7 @@ class Lease:
             raise ValueError(f"a table for {num_tokens} tokens cannot hold the "
                              f"{self.match.length}-token match")
         full = self.match.full_pages
-        fresh = self.tree.alloc_pages(self.pages_to_acquire(num_tokens))
+        fresh = self.tree._alloc_pages(self.pages_to_acquire(num_tokens))
         alloc = self.tree.allocator
         alloc.incref(full)
         copy = None
@@ -86,28 +106,74 @@ class Lease:
             alloc.incref([copy.src])
         return full.tolist() + fresh, copy
 
-    def unlock(self) -> None:
-        """Let the matched path be evicted again (idempotent). The table stays valid."""
+    def alloc_pages(self, num_pages: int) -> list[int]:
+        """``num_pages`` fresh pages for the holder's table (a swap-in's), one reference each,
+        evicting unlocked leaves when short. Raises ``OutOfPages`` having changed nothing."""
+        return self.tree._alloc_pages(num_pages)
+
+    def grow(self, table: list[int], num_tokens: int, *,
+             unshare_at: int | None = None) -> PageCopy | None:
+        """Extend ``table`` (in place) with fresh pages to cover ``[0, num_tokens)``.
+
+        ``unshare_at=pos``: the page holding position ``pos`` is one the holder shares with a
+        fork and must not write: it is first replaced by a fresh page, which the returned copy
+        fills with its first ``pos % page_size`` slots; the holder's reference on the shared
+        page becomes the copy source's. Raises ``OutOfPages`` having changed nothing."""
+        need = max(self.tree.allocator.pages_for(num_tokens) - len(table), 0)
+        need += unshare_at is not None
+        if need == 0:
+            return None
+        fresh = self.tree._alloc_pages(need)
+        copy = None
+        if unshare_at is not None:
+            last = unshare_at // self.tree.page_size
+            copy = PageCopy(table[last], fresh.pop(0), unshare_at % self.tree.page_size)
+            table[last] = copy.dst
+        table.extend(fresh)
+        return copy
+
+    def commit(self, table: Sequence[int] | np.ndarray, tokens: TokenIds) -> int:
+        """Cache ``tokens`` mid-life (a prefilled chunk): their KV sits in ``table`` from
+        position 0, and they begin with the tokens this lease matched. A locked lease then moves
+        its lock onto the longer path (locking it before letting the shorter one go), so what it
+        committed stays cached for others to hit until it is released. The table keeps its
+        references. Returns how many of ``tokens`` were cached already."""
+        cached, node = self.tree._insert(tokens, table, self.namespace)
+        if self._locked and node.end > self._node.end:
+            self.tree._lock(node)
+            self.tree._unlock(self._node)
+            self._node = node
+        return cached
+
+    def fork(self, table: Sequence[int]) -> tuple[Lease, list[int]]:
+        """Another holder of the same prefix (a parallel sample, a beam): a lease on the same
+        path (locked if this one is, so either may release first) and a copy of ``table`` with
+        a reference of its own on each page. A partial last page stays shared: the fork takes its
+        own copy before writing into it (``grow(..., unshare_at=...)``), while this holder
+        writes only past the slots they share."""
+        child = Lease.__new__(Lease)
+        child.tree, child.match, child.namespace = self.tree, self.match, self.namespace
+        child._node, child._locked = self._node, self._locked
         if self._locked:
-            self.tree.unlock(self.match.node)
+            self.tree._lock(self._node)
+        child_table = list(table)
+        self.tree.allocator.incref(child_table)
+        return child, child_table
+
+    def unlock(self) -> None:
+        """Let the locked path be evicted again (idempotent). The table stays valid."""
+        if self._locked:
+            self.tree._unlock(self._node)
             self._locked = False
 
-    def fork(self) -> Lease:
-        """A lease for another holder of the same prefix (a parallel sample, a beam): it locks
-        the same path, so either may release first."""
-        if not self._locked:
-            return Lease(self.tree, self.tree.match_prefix((), self.namespace, count=False),
-                         self.namespace)
-        return Lease(self.tree, self.match, self.namespace)
-
     def release(self, table: Sequence[int] | np.ndarray,
-                tokens: Sequence[int] | np.ndarray | None = None) -> int:
+                tokens: TokenIds | None = None) -> int:
         """End the lease: with ``tokens``, first cache them (their KV sits in ``table``, from
         position 0); then unlock and drop the table's references. Returns how many of
         ``tokens`` were cached already."""
         cached = 0
         if tokens is not None and len(tokens):
-            cached = self.tree.insert(tokens, table, self.namespace)
+            cached, _ = self.tree._insert(tokens, table, self.namespace)
         self.unlock()
         self.tree.allocator.decref(table)
         return cached

@@ -25,7 +25,7 @@ def page_array(pages: Sequence[int] | np.ndarray) -> array:
 
 class Node:
     __slots__ = ("key", "start", "num_tokens", "pages", "parent", "children", "lock_ref",
-                 "last_access", "evicted")
+                 "eviction_key", "evicted")
 
     def __init__(self, key: bytes, start: int, pages: array, parent: Node | None) -> None:
         self.key = key  # int32 token ids, packed
@@ -35,7 +35,7 @@ class Node:
         self.parent = parent
         self.children: dict[bytes, Node] = {}
         self.lock_ref = 0
-        self.last_access = 0
+        self.eviction_key = 0  # see radix/eviction.py
         self.evicted = False
 
     @property

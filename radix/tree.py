@@ -14,13 +14,18 @@ first page is its own copy of that page (it holds the parent's slots too), so th
 
 References: every node holds one reference per page it lists (taken at insert or split,
 dropped at eviction). Running sequences hold their own references to their page tables, so
-inserting a duplicate prefix never invalidates a sequence's pages. ``lock`` pins a matched path
+inserting a duplicate prefix never invalidates a sequence's pages. ``_lock`` pins a matched path
 (each node on it counts lockers); locked nodes are never evicted, and their page references
-stop counting as evictable. Unlocked leaves are evicted least-recently-used first, through a
-heap with lazy invalidation (no scan over all leaves per eviction).
+stop counting as evictable. Unlocked leaves are evicted smallest ``eviction_key`` first
+(radix/eviction.py: LRU by default), through a heap with lazy invalidation (no scan over all
+leaves per eviction).
 
-Holders (the scheduler, the profiler, the tests) drive the tree through ``lease``
-(radix/lease.py): match and lock, acquire a page table, release it into the tree.
+Holders (the scheduler, the profiler, the tests) drive the tree through a ``Lease``
+(radix/lease.py), the only caller of the tree's private mutators (``_match_prefix``,
+``_insert``, ``_lock``, ``_unlock``, ``_alloc_pages``): each of those hands out or takes back
+pages and locks that a holder must account for. What stays public cannot take a page from any
+holder: the counts, ``peek_prefix``, ``evict`` and ``reset`` (they drop only unlocked nodes'
+references), ``check``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radix.lease import Lease
+from radix.eviction import EvictionKey, lru
 from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
 
@@ -55,26 +60,28 @@ def _common_tokens(key: bytes, query: bytes, offset: int, limit: int) -> int:
 
 
 @dataclass
-class _Lru:
+class _LeafHeap:
     heap: list[tuple[int, int, Node]] = field(default_factory=list)
     counter: itertools.count = field(default_factory=itertools.count)
 
 
 class RadixTree:
-    """Longest-prefix matching at token granularity over paged KV, with LRU eviction.
+    """Longest-prefix matching at token granularity over paged KV, evicting unlocked leaves in
+    ``eviction_key`` order (radix/eviction.py; LRU by default).
 
     ``namespace`` (tenant, LoRA, cache salt) selects a separate tree: different namespaces never
     share pages. A namespace whose nodes were all evicted is forgotten (clients may send a new
     salt with every request).
     """
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(self, allocator: PageAllocator, eviction_key: EvictionKey = lru) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.stats = CacheStats()
         self._roots: dict[Hashable, Node] = {}
         self._roots_limit = 64  # sweep empty roots when there are this many
-        self._lru = _Lru()
+        self._leaves = _LeafHeap()
+        self._eviction_key = eviction_key
         self._clock = 0
         self._num_nodes = 0
         # At page size 1 no page is shared between nodes (nothing starts inside a page), so the
@@ -104,30 +111,6 @@ class RadixTree:
         """Pages an allocation could get now: free ones plus those eviction would free."""
         return self.allocator.num_free_pages + self.allocator.num_evictable_pages
 
-    def match_prefix(self, tokens: TokenIds, namespace: Hashable = None,
-                     max_len: int | None = None, *, count: bool = True) -> PrefixMatch:
-        """Longest cached prefix of ``tokens`` (at most ``max_len`` tokens).
-
-        Splits the last matched node where the match ends inside it, so ``node`` covers exactly
-        the match and ``lock(node)`` pins exactly it. Touches the path for LRU. ``count=False``
-        keeps the lookup out of the hit-rate stats (bookkeeping lookups, not requests').
-        """
-        query = _as_key(tokens)
-        total = len(query) // 4
-        limit = total if max_len is None else max(0, min(total, max_len))
-        node, length, pages = self._walk(self._root(namespace), query, limit, collect=True)
-        self._touch(node)
-        if count:
-            self.stats.queries += 1
-            self.stats.queried_tokens += total
-            self.stats.hit_tokens += length
-        return PrefixMatch(length, pages, node, self.page_size)
-
-    def lease(self, tokens: TokenIds, namespace: Hashable = None, max_len: int | None = None,
-              *, count: bool = True) -> Lease:
-        """Match the longest cached prefix and lock it: how every holder starts (radix/lease.py)."""
-        return Lease(self, self.match_prefix(tokens, namespace, max_len, count=count), namespace)
-
     def peek_prefix(self, tokens: TokenIds, namespace: Hashable = None,
                     max_len: int | None = None) -> int:
         """Length of the cached prefix, without splitting, touching or counting (for policies)."""
@@ -139,14 +122,78 @@ class RadixTree:
         limit = total if max_len is None else max(0, min(total, max_len))
         return self._walk(root, query, limit, collect=False, split=False)[1]
 
-    # -------------------------------------------------------------- mutations
-    def insert(self, tokens: TokenIds, pages: Sequence[int] | np.ndarray,
-               namespace: Hashable = None) -> int:
+    def evict(self, num_pages: int) -> int:
+        """Evict unlocked leaves, smallest eviction key first, until ``num_pages`` pages are
+        freed or nothing evictable is left. Returns the pages freed.
+
+        Leaves are unlinked in key order until their pages could cover what is still needed,
+        then their references are dropped in one call (at page size 1 a leaf holds one page per
+        token: one vectorised decref instead of one per leaf); pages still held elsewhere free
+        nothing, and then the next leaves go."""
+        freed = unlinked = 0
+        heap = self._leaves.heap
+        pop = heapq.heappop
+        listener = self.listener
+        while freed < num_pages and heap:
+            pages = array("q")
+            want = num_pages - freed
+            while len(pages) < want and heap:
+                key, _, node = pop(heap)
+                if node.evicted or node.children or node.lock_ref or node.parent is None:
+                    continue
+                if key != node.eviction_key:
+                    self._push_leaf(node)  # touched since it was queued: requeue at its real key
+                    continue
+                pages += node.pages
+                # Unlink the leaf; its parent may become an evictable leaf itself.
+                parent = node.parent
+                del parent.children[node.key[:4]]
+                node.evicted = True
+                unlinked += 1
+                if listener is not None:
+                    listener.evicted(node)
+                if parent.parent is not None and not parent.children and not parent.lock_ref:
+                    self._push_leaf(parent)
+            freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
+        self._num_nodes -= unlinked
+        self.stats.evicted_nodes += unlinked
+        self.stats.evicted_pages += freed
+        return freed
+
+    def reset(self) -> None:
+        """Drop every unlocked node (all of them when nothing runs)."""
+        self.evict(self.allocator.num_pages)
+        if self.listener is not None and not self._num_nodes:
+            self.listener.cleared()
+
+    # --------------------------------------------- the lease's (radix/lease.py)
+    def _match_prefix(self, tokens: TokenIds, namespace: Hashable = None,
+                      max_len: int | None = None, *, count: bool = True) -> PrefixMatch:
+        """Longest cached prefix of ``tokens`` (at most ``max_len`` tokens).
+
+        Splits the last matched node where the match ends inside it, so ``node`` covers exactly
+        the match and ``_lock(node)`` pins exactly it. Touches the path as a use. ``count=False``
+        keeps the lookup out of the hit-rate stats (bookkeeping lookups, not requests').
+        """
+        query = _as_key(tokens)
+        total = len(query) // 4
+        limit = total if max_len is None else max(0, min(total, max_len))
+        node, length, pages = self._walk(self._root(namespace), query, limit, collect=True)
+        self._touch(node, used=True)
+        if count:
+            self.stats.queries += 1
+            self.stats.queried_tokens += total
+            self.stats.hit_tokens += length
+        return PrefixMatch(length, pages, node, self.page_size)
+
+    def _insert(self, tokens: TokenIds, pages: Sequence[int] | np.ndarray,
+                namespace: Hashable = None) -> tuple[int, Node]:
         """Cache ``tokens`` whose KV sits in ``pages`` (position-aligned, from position 0).
 
-        Returns how many leading tokens were already cached: the tree keeps its own pages for
-        those and takes references only on the pages of the new suffix. The caller keeps its own
-        references either way.
+        Returns how many leading tokens were already cached, and the node that ends at the last
+        of ``tokens`` (the one to lock to pin them). The tree keeps its own pages for the cached
+        tokens and takes references only on the pages of the new suffix. The caller keeps its
+        own references either way.
         """
         query = _as_key(tokens)
         total = len(query) // 4
@@ -171,12 +218,12 @@ class RadixTree:
             self.stats.inserted_tokens += total - cached
             if self.listener is not None:
                 self.listener.inserted(leaf, query, cached, namespace)
-        self._touch(node)
+        self._touch(node, used=False)
         if not node.children and node.parent is not None:
-            self._push_lru(node)
-        return cached
+            self._push_leaf(node)
+        return cached, node
 
-    def lock(self, node: Node) -> None:
+    def _lock(self, node: Node) -> None:
         """Pin the path from ``node`` to its root against eviction."""
         newly_locked = array("q")
         while node.parent is not None:
@@ -186,7 +233,7 @@ class RadixTree:
             node = node.parent
         self.allocator.set_evictable(newly_locked, False, distinct=self._distinct_paths)
 
-    def unlock(self, node: Node) -> None:
+    def _unlock(self, node: Node) -> None:
         newly_unlocked = array("q")
         leaf = node
         while node.parent is not None:
@@ -198,48 +245,10 @@ class RadixTree:
             node = node.parent
         self.allocator.set_evictable(newly_unlocked, True, distinct=self._distinct_paths)
         if leaf.parent is not None and leaf.lock_ref == 0 and not leaf.children:
-            self._push_lru(leaf)
+            self._push_leaf(leaf)
 
-    def evict(self, num_pages: int) -> int:
-        """Evict unlocked leaves, least recently used first, until ``num_pages`` pages are freed
-        or nothing evictable is left. Returns the pages freed.
-
-        Leaves are unlinked in LRU order until their pages could cover what is still needed,
-        then their references are dropped in one call (at page size 1 a leaf holds one page per
-        token: one vectorised decref instead of one per leaf); pages still held elsewhere free
-        nothing, and then the next leaves go."""
-        freed = unlinked = 0
-        heap = self._lru.heap
-        pop = heapq.heappop
-        listener = self.listener
-        while freed < num_pages and heap:
-            pages = array("q")
-            want = num_pages - freed
-            while len(pages) < want and heap:
-                stamp, _, node = pop(heap)
-                if node.evicted or node.children or node.lock_ref or node.parent is None:
-                    continue
-                if stamp != node.last_access:
-                    self._push_lru(node)  # touched since it was queued: requeue at its real age
-                    continue
-                pages += node.pages
-                # Unlink the leaf; its parent may become an evictable leaf itself.
-                parent = node.parent
-                del parent.children[node.key[:4]]
-                node.evicted = True
-                unlinked += 1
-                if listener is not None:
-                    listener.evicted(node)
-                if parent.parent is not None and not parent.children and not parent.lock_ref:
-                    self._push_lru(parent)
-            freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
-        self._num_nodes -= unlinked
-        self.stats.evicted_nodes += unlinked
-        self.stats.evicted_pages += freed
-        return freed
-
-    def alloc_pages(self, n: int) -> list[int]:
-        """Allocate ``n`` pages, evicting LRU leaves when free pages run short."""
+    def _alloc_pages(self, n: int) -> list[int]:
+        """Allocate ``n`` pages, evicting unlocked leaves when free pages run short."""
         short = n - self.allocator.num_free_pages
         if short > 0:
             self.evict(short)
@@ -249,12 +258,6 @@ class RadixTree:
                 f"evictable ({self.allocator.num_pinned_pages} pinned by running requests)"
             )
         return self.allocator.alloc(n)
-
-    def reset(self) -> None:
-        """Drop every unlocked node (all of them when nothing runs)."""
-        self.evict(self.allocator.num_pages)
-        if self.listener is not None and not self._num_nodes:
-            self.listener.cleared()
 
     # -------------------------------------------------------------- internals
     def _root(self, namespace: Hashable) -> Node:
@@ -298,7 +301,7 @@ class RadixTree:
         lower_pages = node.pages[split_pos // page_size - first_page :]
         upper = Node(node.key[: 4 * at], node.start, upper_pages, node.parent)
         upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
+        upper.eviction_key = node.eviction_key
         if split_pos % page_size:
             # The page holding the split point now has two holders.
             self.allocator.incref([lower_pages[0]], evictable=node.lock_ref == 0)
@@ -312,21 +315,23 @@ class RadixTree:
         self._num_nodes += 1
         return upper
 
-    def _touch(self, node: Node) -> None:
+    def _touch(self, node: Node, used: bool) -> None:
+        """Re-key the path from ``node`` to its root: ``used`` for a match, not for an insert."""
         self._clock += 1
+        clock, key = self._clock, self._eviction_key
         while node.parent is not None:
-            node.last_access = self._clock
+            node.eviction_key = key(node.eviction_key, clock, used)
             node = node.parent
 
-    def _push_lru(self, node: Node) -> None:
-        lru = self._lru
-        heapq.heappush(lru.heap, (node.last_access, next(lru.counter), node))
-        if len(lru.heap) > 4 * self._num_nodes + 64:
+    def _push_leaf(self, node: Node) -> None:
+        leaves = self._leaves
+        heapq.heappush(leaves.heap, (node.eviction_key, next(leaves.counter), node))
+        if len(leaves.heap) > 4 * self._num_nodes + 64:
             # Lazy invalidation leaves stale entries behind; rebuild before they dominate.
-            live = [e for e in lru.heap
-                    if not e[2].evicted and not e[2].children and e[0] == e[2].last_access]
+            live = [e for e in leaves.heap
+                    if not e[2].evicted and not e[2].children and e[0] == e[2].eviction_key]
             heapq.heapify(live)
-            lru.heap = live
+            leaves.heap = live
 
     # --------------------------------------------------------------- checking
     def iter_nodes(self):

@@ -1,17 +1,19 @@
-"""Sequences' pages over the radix cache: admission, growth, forks, swaps and release.
+"""Sequences' pages over the radix cache: admission, growth, forks, swaps and release, each
+through the sequence's lease (radix/lease.py).
 
 Who holds what: a sequence holds one reference per page in its table and one per pending
 copy source (until the batch that runs the copy has come back). The tree holds its own. A
-sequence pins (locks) the tree path it matched at admission until it is released. Copies and
-swaps are only *planned* here: they go into the next batch, and the worker runs them before
-that batch's forward, so a page freed in this step can be reused by this step's writes.
+sequence pins (locks) the tree path it matched at admission, and each prefilled chunk it
+commits, until it is released or swapped out. Copies and swaps are only *planned* here: they
+go into the next batch, and the worker runs them before that batch's forward, so a page freed
+in this step can be reused by this step's writes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from radix import Lease, OutOfPages, RadixTree
+from radix import Lease, OutOfPages, PageCopy, RadixTree
 from scheduler.request import Seq
 
 
@@ -19,7 +21,7 @@ class StepWork:
     """Page copies and swaps collected while planning one step."""
 
     def __init__(self) -> None:
-        self.copies: list[tuple[int, int, int]] = []
+        self.copies: list[PageCopy] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
 
@@ -36,7 +38,7 @@ class SeqMemory:
     def match(self, seq: Seq) -> Lease:
         """Longest cached prefix (at most len - 1: the last token's logits are needed), pinned
         by the sequence's lease until it is released (or swapped out)."""
-        seq.lease = self.tree.lease(seq.tokens, seq.req.namespace, max_len=len(seq.tokens) - 1)
+        seq.lease = Lease(self.tree, seq.tokens, seq.req.namespace, max_len=len(seq.tokens) - 1)
         return seq.lease
 
     def take_match(self, seq: Seq, upto: int, work: StepWork) -> None:
@@ -46,7 +48,13 @@ class SeqMemory:
         seq.computed = seq.settled = seq.lease.length
         if copy is not None:
             seq.pending_refs.append(copy.src)
-            work.copies.append((copy.src, copy.dst, copy.num_slots))
+            work.copies.append(copy)
+
+    def commit(self, seq: Seq, upto: int) -> None:
+        """Cache ``seq``'s first ``upto`` tokens, whose batch came back (a prefilled chunk):
+        waiting requests that share them hit them from the next step on, long before ``seq``
+        finishes, and its lock holds them until then."""
+        seq.lease.commit(seq.pages, seq.tokens[:upto])
 
     def unpin(self, seq: Seq) -> None:
         """Let the matched path go; the sequence keeps its own references."""
@@ -57,18 +65,12 @@ class SeqMemory:
     def grow(self, seq: Seq, upto: int, work: StepWork) -> None:
         """Make ``seq``'s table cover ``upto`` tokens, first giving a fork its own copy of the
         partial page it still shares (raises OutOfPages, changing nothing)."""
-        need = max(self.alloc.pages_for(upto) - len(seq.pages), 0) + seq.copy_last_page
-        if need == 0:
-            return
-        fresh = self.tree.alloc_pages(need)
-        if seq.copy_last_page:
-            # The shared page's reference moves to the pending copy source.
-            last = seq.computed // self.page_size
-            shared, seq.pages[last] = seq.pages[last], fresh.pop(0)
-            seq.pending_refs.append(shared)
-            work.copies.append((shared, seq.pages[last], seq.computed % self.page_size))
+        copy = seq.lease.grow(seq.pages, upto,
+                              unshare_at=seq.computed if seq.copy_last_page else None)
+        if copy is not None:
+            seq.pending_refs.append(copy.src)  # the shared page's reference, until the copy ran
+            work.copies.append(copy)
             seq.copy_last_page = False
-        seq.pages.extend(fresh)
 
     def fork(self, parent: Seq, child: Seq) -> None:
         """``child`` shares ``parent``'s KV by reference, its partial last page too: the copy
@@ -76,9 +78,8 @@ class SeqMemory:
         the next step's planning, where running out of pages can preempt (a fork allocates
         nothing, so it never fails)."""
         computed = parent.computed
-        child.lease = parent.lease.fork()
-        child.pages = list(parent.pages[: self.alloc.pages_for(computed)])
-        self.alloc.incref(child.pages)
+        shared = parent.pages[: self.alloc.pages_for(computed)]
+        child.lease, child.pages = parent.lease.fork(shared)
         child.computed = child.settled = computed
         child.copy_last_page = computed % self.page_size != 0
 
@@ -88,14 +89,14 @@ class SeqMemory:
         before its next write."""
         index = {page: i for i, page in enumerate(seq.pages)}
         kept = []
-        for src, dst, num_slots in work.copies:
-            if dst in index and src in seq.pending_refs:
-                seq.pages[index[dst]] = src
-                seq.pending_refs.remove(src)
-                self.alloc.decref([dst])
+        for copy in work.copies:
+            if copy.dst in index and copy.src in seq.pending_refs:
+                seq.pages[index[copy.dst]] = copy.src
+                seq.pending_refs.remove(copy.src)
+                self.alloc.decref([copy.dst])
                 seq.copy_last_page = True
             else:
-                kept.append((src, dst, num_slots))
+                kept.append(copy)
         work.copies = kept
 
     def copies_done(self, seq: Seq) -> None:
@@ -146,7 +147,7 @@ class SeqMemory:
         return len(seq.host_pages) + growth + seq.copy_last_page
 
     def swap_in(self, seq: Seq, work: StepWork) -> None:
-        fresh = self.tree.alloc_pages(len(seq.host_pages))
+        fresh = seq.lease.alloc_pages(len(seq.host_pages))
         for (i, host), page in zip(seq.host_pages, fresh, strict=True):
             seq.pages[i] = page
             work.swap_in.append((host, page))

@@ -39,7 +39,7 @@ class Seq:
     pages: list[int] = field(default_factory=list)  # one reference each, position order
     computed: int = 0  # tokens whose KV sits in ``pages`` once the batches sent have run
     settled: int = 0  # of those, the ones whose batch came back: all the tree may be given
-    lease: Lease | None = None  # its hold on the tree: the matched path it pins
+    lease: Lease | None = None  # its hold on the tree: the path it pins (match, then commits)
     pending_refs: list[int] = field(default_factory=list)  # copy sources, held until the copy ran
     host_pages: list[tuple[int, int]] = field(default_factory=list)  # (page index, host page)
     cum_logprob: float = 0.0  # beam search

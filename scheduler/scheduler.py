@@ -198,9 +198,7 @@ class Scheduler:
                 row += entry.samples
                 continue
             if entry.extend > 1:
-                # A prefilled chunk goes into the tree now: waiting requests that share it hit it
-                # from the next step on, long before this one finishes.
-                self.tree.insert(seq.tokens[: entry.end], seq.pages, seq.req.namespace)
+                self.mem.commit(seq, entry.end)
             if entry.samples == 0:
                 if seq.closing:
                     self._finish(seq, seq.finish_reason)

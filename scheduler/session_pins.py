@@ -61,7 +61,7 @@ class SessionPins:
         while self.pins and self.pinned_tokens + len(tokens) > self.max_pinned_tokens:
             self.unpin(next(iter(self.pins)))
         # Finding the node to lock is not a request's lookup: keep the hit rate about requests.
-        lease = self.tree.lease(tokens, namespace, count=False)
+        lease = Lease(self.tree, tokens, namespace, count=False)
         if lease.length == 0:
             lease.unlock()
             return

@@ -1,9 +1,11 @@
 """Radix-tree micro-benchmark on a synthetic multi-turn chat workload.
 
-Drives the tree the way the scheduler does (match at most len - 1, lock, evict when short,
-allocate, insert prompt + output, unlock) and reports the median cost of match / insert /
-evict calls, then compares the tokens it reuses with a whole-block hash cache (vLLM's scheme:
-16-token blocks chained by hash, LRU) of the same capacity on the same requests.
+Drives the tree the way the scheduler does, through a lease per request (radix/lease.py):
+lease at most len - 1 tokens (match, lock), acquire a table for prompt + output (evicting
+when short), commit the prompt once it is prefilled, release with prompt + output (insert,
+unlock). Reports the median cost of each step (acquires that evicted apart), then compares
+the tokens it reuses with a whole-block hash cache (vLLM's scheme: 16-token blocks chained by
+hash, LRU) of the same capacity on the same requests.
 
     python scripts/bench_radix.py [--conversations 2400 --turns 8 --slots 786432 --page-size 16 1]
 
@@ -19,7 +21,7 @@ import time
 import numpy as np
 
 from engine.profiler.baselines import run_block_hash
-from radix import PageAllocator, RadixTree
+from radix import Lease, PageAllocator, RadixTree
 
 
 def multi_turn_workload(conversations: int, turns: int, seed: int) -> list[np.ndarray]:
@@ -45,39 +47,41 @@ def multi_turn_workload(conversations: int, turns: int, seed: int) -> list[np.nd
     return requests
 
 
+STEPS = ("lease", "acquire", "acquire+evict", "commit", "release")
+
+
 def run_radix(requests, num_pages: int, page_size: int) -> dict:
     alloc = PageAllocator(num_pages, page_size)
     tree = RadixTree(alloc)
-    t_match, t_insert, t_evict = [], [], []
+    times: dict[str, list[int]] = {step: [] for step in STEPS}
     hit_tokens = prompt_tokens = 0
     peak_nodes = 0
     clock = time.perf_counter_ns
     for prompt, full in requests:
         t0 = clock()
-        match = tree.match_prefix(prompt, max_len=len(prompt) - 1)
-        t_match.append(clock() - t0)
-        hit_tokens += match.length
+        lease = Lease(tree, prompt, max_len=len(prompt) - 1)
+        t1 = clock()
+        evicted = tree.stats.evicted_pages
+        pages, copy = lease.acquire(len(full))
+        t2 = clock()
+        if copy is not None:
+            alloc.decref([copy.src])  # the worker ran the copy
+        t3 = clock()
+        lease.commit(pages, prompt)
+        t4 = clock()
+        lease.release(pages, full)
+        t5 = clock()
+        times["lease"].append(t1 - t0)
+        step = "acquire+evict" if tree.stats.evicted_pages > evicted else "acquire"
+        times[step].append(t2 - t1)
+        times["commit"].append(t4 - t3)
+        times["release"].append(t5 - t4)
+        hit_tokens += lease.length
         prompt_tokens += len(prompt)
-        tree.lock(match.node)
-        shared = match.full_pages
-        need = alloc.pages_for(len(full)) - len(shared)
-        short = need - alloc.num_free_pages
-        if short > 0:
-            t0 = clock()
-            tree.evict(short)
-            t_evict.append(clock() - t0)
-        pages = shared.tolist() + alloc.alloc(need)
-        alloc.incref(shared)
-        t0 = clock()
-        tree.insert(full, pages)
-        t_insert.append(clock() - t0)
-        tree.unlock(match.node)
-        alloc.decref(pages)
         peak_nodes = max(peak_nodes, tree.num_nodes)
     tree.check()
     return {
-        "match": t_match, "insert": t_insert, "evict": t_evict, "hit": hit_tokens,
-        "prompt": prompt_tokens, "peak_nodes": peak_nodes,
+        **times, "hit": hit_tokens, "prompt": prompt_tokens, "peak_nodes": peak_nodes,
         "cached_tokens": num_pages * page_size - alloc.num_free_pages * page_size,
         "evicted_pages": tree.stats.evicted_pages,
     }
@@ -112,7 +116,7 @@ def main() -> None:
     print("| page | op | calls | median µs | p99 µs | ops/s (1 / median) |")
     print("|---:|---|---:|---:|---:|---:|")
     for page_size, result in results.items():
-        for op in ("match", "insert", "evict"):
+        for op in STEPS:
             med, p99 = micros(result[op])
             print(f"| {page_size} | {op} | {len(result[op]):,} | {med:.1f} | {p99:.1f} | "
                   f"{1e6 / med:,.0f} |")

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from engine.profiler.attribution import attribute, per_request
 from engine.profiler.baselines import BlockHashCache, run_block_hash
-from engine.profiler.policies import LfuRadixTree, uses
 from engine.profiler.replay import CacheTooSmall, min_pages
 from engine.profiler.simulate import (
     replay_block_hash,
@@ -24,7 +23,7 @@ from engine.profiler.simulate import (
     sweep_sizes,
 )
 from engine.profiler.trace import (
-    Request,
+    ReplayRequest,
     TraceError,
     load_requests,
     parse_line,
@@ -33,11 +32,13 @@ from engine.profiler.trace import (
     write_trace,
 )
 from engine.profiler.workload import KINDS, generate
-from radix import PageAllocator
+from radix import Lease, PageAllocator, RadixTree
+from radix.eviction import lfu, uses
 
 
-def req(i: int, prompt: list[int], output: list[int] = (), namespace: str | None = None) -> Request:
-    return Request(f"r{i}", float(i), np.array(prompt, dtype=np.int32),
+def req(i: int, prompt: list[int], output: list[int] = (),
+        namespace: str | None = None) -> ReplayRequest:
+    return ReplayRequest(f"r{i}", float(i), np.array(prompt, dtype=np.int32),
                    np.array(output, dtype=np.int32), namespace)
 
 
@@ -140,7 +141,7 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def brute_force(requests: list[Request]) -> tuple[list[int], list[int]]:
+def brute_force(requests: list[ReplayRequest]) -> tuple[list[int], list[int]]:
     """Per request: longest common prefix of its prompt with any earlier prompt + output in
     its namespace, capped at len - 1; and the same counted in whole 16-token blocks."""
     tokens, blocks = [], []
@@ -156,7 +157,7 @@ def brute_force(requests: list[Request]) -> tuple[list[int], list[int]]:
 def traces(draw):
     """Requests over a 3-token alphabet, most of them extending an earlier sequence, so
     prefixes are shared at every length and boundaries fall anywhere in a page."""
-    requests: list[Request] = []
+    requests: list[ReplayRequest] = []
     for i in range(draw(st.integers(1, 10))):
         namespace = draw(st.sampled_from([None, "a"]))
         head: list[int] = []
@@ -253,18 +254,25 @@ def test_lfu_holds_on_to_a_prefix_that_went_cold():
 
 
 def test_lfu_counts_matches_not_inserts():
-    alloc = PageAllocator(8, 4)
-    tree = LfuRadixTree(alloc)
-    pages = tree.alloc_pages(2)
-    tree.insert(A, pages)
-    alloc.decref(pages)
-    node = tree.match_prefix(A, max_len=7).node
+    tree = RadixTree(PageAllocator(8, 4), eviction_key=lfu)
+
+    def cache(tokens: list[int]) -> None:  # a request that matches nothing and caches tokens
+        lease = Lease(tree, tokens, max_len=0)
+        pages, _ = lease.acquire(len(tokens))
+        lease.release(pages, tokens)
+
+    def matched_node(tokens: list[int]):
+        lease = Lease(tree, tokens, max_len=len(tokens) - 1)
+        lease.unlock()
+        return lease.match.node
+
+    cache(A)
+    node = matched_node(A)
     assert uses(node) == 1
-    again = alloc.alloc(2)
-    tree.insert(A, again)  # a re-insert refreshes recency only
-    alloc.decref(again)
+    cache(A)  # a re-insert refreshes recency only
     assert uses(node) == 1
-    assert uses(tree.match_prefix(A, max_len=7).node) == 2
+    assert uses(matched_node(A)) == 2
+    tree.check()
 
 
 def test_a_match_that_leaves_no_room_is_dropped_and_counted():

@@ -13,20 +13,20 @@ from hypothesis import given, settings
 from engine.cli import main
 from engine.profiler.replay import ServiceModel, replay
 from engine.profiler.simulate import replay_radix, replay_unlimited
-from engine.profiler.trace import Request
+from engine.profiler.trace import ReplayRequest
 
 
 def req(rid: str, arrival: float, prompt: list[int], output_len: int = 4,
-        namespace: str | None = None) -> Request:
+        namespace: str | None = None) -> ReplayRequest:
     output = np.full(output_len, 10_000 + int(rid.strip("abcdefghijklmnopqrstuvwxyz") or 0),
                      dtype=np.int32)
-    return Request(rid, arrival, np.asarray(prompt, dtype=np.int32), output, namespace)
+    return ReplayRequest(rid, arrival, np.asarray(prompt, dtype=np.int32), output, namespace)
 
 
 HEAD = list(range(1, 65))  # a 64-token shared head
 
 
-def group(n: int, spacing: float) -> list[Request]:
+def group(n: int, spacing: float) -> list[ReplayRequest]:
     return [req(f"r{i}", i * spacing, HEAD + [100 + i] * 8) for i in range(n)]
 
 

@@ -19,7 +19,7 @@ from engine.profiler.baselines import BlockChains, BlockHashCache, chain_hashes
 from engine.profiler.mooncake import read_mooncake
 from engine.profiler.simulate import replay_block_hash, replay_unlimited
 from engine.profiler.trace import (
-    Request,
+    ReplayRequest,
     TraceError,
     load_requests,
     read_requests,
@@ -172,10 +172,10 @@ class OrderedDictBlockCache:
 
 
 @st.composite
-def block_traces(draw) -> list[Request]:
+def block_traces(draw) -> list[ReplayRequest]:
     """Requests over a 2-token alphabet, most extending an earlier sequence, in 4-token blocks
     so that short traces fill and evict a small cache many times."""
-    requests: list[Request] = []
+    requests: list[ReplayRequest] = []
     for i in range(draw(st.integers(1, 14))):
         head: list[int] = []
         if requests and draw(st.booleans()):
@@ -184,7 +184,7 @@ def block_traces(draw) -> list[Request]:
             head = full[: draw(st.integers(0, len(full)))]
         tail = draw(st.lists(st.integers(0, 1), min_size=0 if head else 1, max_size=30))
         output = draw(st.lists(st.integers(0, 1), max_size=10))
-        requests.append(Request(f"r{i}", float(i), np.array(head + tail, dtype=np.int32),
+        requests.append(ReplayRequest(f"r{i}", float(i), np.array(head + tail, dtype=np.int32),
                                 np.array(output, dtype=np.int32),
                                 draw(st.sampled_from([None, "a"]))))
     return requests

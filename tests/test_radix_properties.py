@@ -1,8 +1,10 @@
 """Random operation sequences against the radix tree and allocator (hypothesis), driven through
-the lease API (radix/lease.py) at page sizes 1, 4 and 16: admit, finish with or without caching,
-fork, unlock early, pin without pages, evict, and pages held outside the tree.
+the lease API (radix/lease.py) at page sizes 1, 4 and 16: admit, commit a prefix mid-life, grow,
+fork, finish with or without caching, unlock early, pin without pages, evict, and pages held
+by a lease that matched nothing.
 
-After every step: the accounting invariant (``check`` with the running sequences' references)
+After every step: the accounting invariant (``check`` with the running sequences' references),
+every running sequence's table holding its own tokens, every locked path still in the tree,
 and, on every match, that each matched slot holds the queried token at that position.
 """
 
@@ -26,7 +28,7 @@ class RadixMachine(RuleBasedStateMachine):
                 vector_min=st.sampled_from([radix.pages.VECTOR_MIN_PAGES, 1, 10**9]))
     def setup(self, page_size: int, num_pages: int, vector_min: int) -> None:
         self.sim = Sim(num_pages * (16 // page_size), page_size)  # same slot budget
-        self.external: list[list[int]] = []  # pages held by something other than sequences
+        self.external: list[tuple[Lease, list[int]]] = []  # pages of leases that matched nothing
         self.pins: list[Lease] = []
         # The allocator's per-page loop and its vectorised path must keep identical books.
         self.saved_vector_min = radix.pages.VECTOR_MIN_PAGES
@@ -54,18 +56,39 @@ class RadixMachine(RuleBasedStateMachine):
         self.sim.fork(self.sim.running[index % len(self.sim.running)])
 
     @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000), upto=st.integers(0, 40))
+    def commit(self, index: int, upto: int) -> None:
+        """A prefilled chunk cached mid-life; the lock moves onto it."""
+        seq = self.sim.running[index % len(self.sim.running)]
+        upto = min(upto, len(seq.tokens))
+        cached = self.sim.commit(seq, upto)
+        assert cached <= upto
+        assert self.sim.tree.peek_prefix(seq.tokens[:upto], seq.namespace) == upto
+
+    @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000), tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def grow(self, index: int, tokens: list[int]) -> None:
+        """Decoding: more tokens in fresh pages (a fork copies its shared page first)."""
+        seq = self.sim.running[index % len(self.sim.running)]
+        before = (list(seq.pages), seq.shares_last_page)
+        try:
+            self.sim.grow(seq, tokens)
+        except OutOfPages:
+            assert (seq.pages, seq.shares_last_page) == before
+
+    @precondition(lambda self: self.sim.running)
     @rule(index=st.integers(0, 1000))
     def unlock_early(self, index: int) -> None:
         """A holder lets its match go (a swap-out): its own table stays valid."""
         seq = self.sim.running[index % len(self.sim.running)]
-        seq.lease.unlock()
+        self.sim.unlock(seq)
         with pytest.raises(RuntimeError):
             seq.lease.acquire(len(seq.tokens))
 
     @rule(tokens=token_lists, namespace=st.sampled_from([None, "b"]))
     def pin(self, tokens: list[int], namespace) -> None:
         """A session pin: a lease that holds no pages, only the lock."""
-        self.pins.append(self.sim.tree.lease(tokens, namespace, count=False))
+        self.pins.append(Lease(self.sim.tree, tokens, namespace, count=False))
 
     @precondition(lambda self: self.pins)
     @rule()
@@ -74,9 +97,10 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=token_lists, max_len=st.integers(0, 40))
     def match(self, tokens: list[int], max_len: int) -> None:
-        m = self.sim.tree.match_prefix(tokens, max_len=max_len)
-        assert m.length <= min(max_len, len(tokens))
-        self.sim.verify_match(tokens, m)
+        lease = Lease(self.sim.tree, tokens, max_len=max_len)
+        assert lease.length <= min(max_len, len(tokens))
+        self.sim.verify_match(tokens, lease.match)
+        lease.unlock()
 
     @rule(num_pages=st.integers(0, 20))
     def evict(self, num_pages: int) -> None:
@@ -88,23 +112,27 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 6))
     def alloc_external(self, n: int) -> None:
+        holder = Lease(self.sim.tree, [], count=False)
         try:
-            self.external.append(self.sim.tree.alloc_pages(n))
+            self.external.append((holder, holder.alloc_pages(n)))
         except OutOfPages:
             assert self.sim.alloc.num_free_pages + self.sim.alloc.num_evictable_pages < n
+            holder.release([])
 
     @precondition(lambda self: self.external)
     @rule()
     def free_external(self) -> None:
-        self.sim.alloc.decref(self.external.pop())
+        holder, pages = self.external.pop()
+        holder.release(pages)
 
     @invariant()
     def accounting(self) -> None:
         refs = self.sim.external_refs()
-        for pages in getattr(self, "external", []):
+        for _, pages in self.external:
             for p in pages:
                 refs[p] += 1
         self.sim.tree.check(refs)
+        self.sim.check_holders()
 
 
 TestRadixMachine = RadixMachine.TestCase
@@ -118,19 +146,17 @@ TestRadixMachine.settings = settings(
 @given(ops=st.lists(st.tuples(st.booleans(), token_lists), min_size=1, max_size=25))
 def test_page_size_16_matches_exactly_like_page_size_1(ops):
     """Token granularity: the same inserts and queries match the same token counts."""
-    trees = {}
-    for page_size in (1, 16):
-        alloc = PageAllocator(4096, page_size)
-        trees[page_size] = RadixTree(alloc)
+    trees = [RadixTree(PageAllocator(4096, page_size)) for page_size in (1, 16)]
     for is_insert, tokens in ops:
         lengths = []
-        for tree in trees.values():
+        for tree in trees:
+            lease = Lease(tree, tokens, max_len=0 if is_insert else None)
             if is_insert:
-                pages = tree.alloc_pages(tree.allocator.pages_for(len(tokens)))
-                lengths.append(tree.insert(tokens, pages))
-                tree.allocator.decref(pages)
+                pages, _ = lease.acquire(len(tokens))
+                lengths.append(lease.release(pages, tokens))
             else:
-                lengths.append(tree.match_prefix(tokens).length)
+                lease.unlock()
+                lengths.append(lease.length)
         assert lengths[0] == lengths[1]
-    for tree in trees.values():
+    for tree in trees:
         tree.check()

@@ -12,7 +12,7 @@ from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import SamplingParams, TokenizedRequest, pack_ids
 from engine.worker.process import Worker
-from radix import PageAllocator, RadixTree
+from radix import Lease, PageAllocator, RadixTree
 from scheduler.scheduler import Scheduler
 from scheduler.session_pins import SessionPins
 from tokenizer_worker.session import ChatSession
@@ -66,9 +66,9 @@ def _cached_tree(tokens_per_history: list[list[int]], page_size: int = 4):
     alloc = PageAllocator(64, page_size)
     tree = RadixTree(alloc)
     for tokens in tokens_per_history:
-        pages = alloc.alloc(alloc.pages_for(len(tokens)))
-        tree.insert(tokens, pages)
-        alloc.decref(pages)  # the finished sequence lets go; only the tree holds them
+        lease = Lease(tree, tokens, max_len=0, count=False)
+        pages, _ = lease.acquire(len(tokens))
+        lease.release(pages, tokens)  # the finished sequence lets go; only the tree holds them
     return alloc, tree
 
 

@@ -12,7 +12,7 @@ from engine.contracts.engine_config import EngineConfig
 from engine.server.app import build_app
 from engine.server.options import ServeOptions
 from engine.server.service import Service
-from radix import PageAllocator, RadixTree
+from radix import Lease, PageAllocator, RadixTree
 from tests.server_process import API_KEY, AUTH, ServerProcess, metric_values
 from tests.test_server_app import INFO, ScriptedClient
 
@@ -111,11 +111,10 @@ def test_a_new_salt_per_request_does_not_grow_the_tree_forever():
     tree = RadixTree(PageAllocator(8, 4))
     for i in range(10_000):
         tokens = [1, 2, 3, 4, 5, i]
-        match = tree.match_prefix(tokens, namespace=f"salt-{i}", max_len=len(tokens) - 1)
-        assert match.length == 0
-        pages = tree.alloc_pages(2)  # evicts older salts' pages once the pool is full
-        tree.insert(tokens, pages, namespace=f"salt-{i}")
-        tree.allocator.decref(pages)  # the request finished: only the tree holds them
+        lease = Lease(tree, tokens, f"salt-{i}", max_len=len(tokens) - 1)
+        assert lease.length == 0
+        pages, _ = lease.acquire(len(tokens))  # evicts older salts' pages once the pool is full
+        lease.release(pages, tokens)  # the request finished: only the tree holds them
         tree.check()
     assert tree.num_namespaces < 200
-    assert tree.match_prefix([1, 2, 3, 4, 5, 9_999], namespace="salt-9999").length == 6
+    assert tree.peek_prefix([1, 2, 3, 4, 5, 9_999], namespace="salt-9999") == 6

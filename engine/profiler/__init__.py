@@ -6,7 +6,6 @@ through the radix tree (offline) or against an OpenAI-compatible server (live).
     block_trace.py  what those two share: line checks, blocks expanded into token ids
     workload.py     synthetic traces: shared-prefix, multi-turn, tree, few-shot, random
     simulate.py     offline replay through ``radix`` at a cache size, page size and policy
-    policies.py     eviction policies beyond the tree's LRU (LFU)
     baselines.py    whole-block hash caching (vLLM's scheme)
     attribution.py  misses split into cold, evicted, short heads and block granularity
     report.py       terminal tables, CSV (per request, session, namespace, window) and JSON

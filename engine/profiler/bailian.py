@@ -32,7 +32,7 @@ from engine.profiler.block_trace import (
     prompt_blocks,
     to_requests,
 )
-from engine.profiler.trace import Request, TraceError
+from engine.profiler.trace import ReplayRequest, TraceError
 
 BAILIAN_BLOCK_TOKENS = 16
 
@@ -77,7 +77,7 @@ def session_roots(chat_ids: list[int], parents: list[int], wheres: list[str]) ->
     return roots
 
 
-def read_bailian(path: str | Path, block_tokens: int = BAILIAN_BLOCK_TOKENS) -> list[Request]:
+def read_bailian(path: str | Path, block_tokens: int = BAILIAN_BLOCK_TOKENS) -> list[ReplayRequest]:
     """Requests of a Bailian-format trace, in arrival order (stable), with their sessions."""
     if block_tokens < 1:
         raise ValueError(f"--block-tokens must be at least 1, got {block_tokens}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.profiler.trace import Request
+from engine.profiler.trace import ReplayRequest
 
 BLOCK_SIZE = 16
 
@@ -115,7 +115,7 @@ class BlockChains:
     block_size: int
 
     @classmethod
-    def of(cls, requests: Sequence[Request], block_size: int = BLOCK_SIZE) -> BlockChains:
+    def of(cls, requests: Sequence[ReplayRequest], block_size: int = BLOCK_SIZE) -> BlockChains:
         prompt = np.array([len(r.prompt) for r in requests], dtype=np.int64)
         total = prompt + np.array([len(r.output) for r in requests], dtype=np.int64)
         starts = np.zeros(len(requests) + 1, dtype=np.int64)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.profiler.trace import Request, TraceError, jsonl_objects
+from engine.profiler.trace import ReplayRequest, TraceError, jsonl_objects
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Hash ids stay below half of int32 so the output ids above them fit too.
@@ -85,7 +85,7 @@ def prompt_blocks(obj: dict[str, Any], where: str, block_tokens: int) -> tuple[i
 
 
 def to_requests(prompts: list[BlockPrompt], block_tokens: int,
-                path: str | Path) -> list[Request]:
+                path: str | Path) -> list[ReplayRequest]:
     """Requests in arrival order (stable), each block as ``block_tokens`` copies of its id."""
     if not prompts:
         raise TraceError(f"{path}: the trace has no requests")
@@ -95,5 +95,5 @@ def to_requests(prompts: list[BlockPrompt], block_tokens: int,
         prompt = np.repeat(p.hash_ids.astype(np.int32), block_tokens)[:p.input_length]
         output = np.full(p.output_length, min(first_output_id + index, _INT32_MAX),
                          dtype=np.int32)
-        requests.append(Request(p.id, p.arrival, prompt, output, session_id=p.session_id))
+        requests.append(ReplayRequest(p.id, p.arrival, prompt, output, session_id=p.session_id))
     return requests

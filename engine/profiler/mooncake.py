@@ -25,12 +25,13 @@ from engine.profiler.block_trace import (
     prompt_blocks,
     to_requests,
 )
-from engine.profiler.trace import Request
+from engine.profiler.trace import ReplayRequest
 
 MOONCAKE_BLOCK_TOKENS = 512
 
 
-def read_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[Request]:
+def read_mooncake(path: str | Path,
+                  block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[ReplayRequest]:
     """Requests of a Mooncake-format trace, in arrival order (stable)."""
     if block_tokens < 1:
         raise ValueError(f"--block-tokens must be at least 1, got {block_tokens}")

@@ -8,15 +8,16 @@ for prompt + output, until it finishes. A ``ServiceModel`` says how long that is
     prefill_s = uncached prompt tokens / prefill_tps      (or a live replay's TTFT)
     total_s   = prefill_s + output tokens / decode_tps    (or a live replay's latency)
 
-At ``start + prefill_s`` the prompt goes into the tree (the scheduler caches each prefilled
-chunk at once, so later requests sharing it hit before this one finishes); at ``start +
-total_s`` prompt + output go in and the lease is released. A request that finds no room waits
-for running ones to finish (as the scheduler's admission does), and at most ``max_concurrency``
-run at once. Like radixserve's scheduler (and SGLang's), a request whose first
-``SHARED_HEAD`` tokens another request is prefilling right now waits for that prefill when it
-would otherwise compute a long stretch itself, and then hits it (``head_wait``; off for
-engines that do not, such as vLLM). With no service model every request finishes before the next arrives: the serial
-replay, a lower bound on eviction pressure.
+At ``start + prefill_s`` the lease commits the prompt (the scheduler commits each prefilled
+chunk at once, so later requests sharing it hit before this one finishes, and its lock keeps
+it cached until then); at ``start + total_s`` the lease is released with prompt + output. A
+request that finds no room waits for running ones to finish (as the scheduler's admission
+does), and at most ``max_concurrency`` run at once. Like radixserve's scheduler (and
+SGLang's), a request whose first ``SHARED_HEAD`` tokens another request is prefilling right now
+waits for that prefill when it would otherwise compute a long stretch itself, and then hits it
+(``head_wait``; off for engines that do not, such as vLLM). With no service model every
+request finishes before the next arrives: the serial replay, a lower bound on eviction
+pressure.
 
 The model ignores that a busier server is slower per request (batching); it is about which
 pages are locked and which prefixes exist yet, not about latency.
@@ -39,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.profiler.policies import POLICIES
-from engine.profiler.trace import Request
+from engine.profiler.trace import ReplayRequest
 from radix import Lease, OutOfPages, PageAllocator, RadixTree
+from radix.eviction import POLICIES
 from scheduler.policy import long_uncached, shared_head
 
 
@@ -77,12 +78,12 @@ class ServiceModel:
             parts.append(f"at most {self.max_concurrency} in flight")
         return ", ".join(parts)
 
-    def arrival(self, request: Request) -> float:
+    def arrival(self, request: ReplayRequest) -> float:
         if self.measured is not None and request.id in self.measured:
             return self.measured[request.id][0]
         return request.arrival
 
-    def times(self, request: Request, uncached: int) -> tuple[float, float]:
+    def times(self, request: ReplayRequest, uncached: int) -> tuple[float, float]:
         """(prefill seconds, total seconds) for ``request`` with ``uncached`` prompt tokens."""
         if self.measured is not None and request.id in self.measured:
             _, ttft, latency = self.measured[request.id]
@@ -105,7 +106,7 @@ class RadixResult:
     peak_running: int
 
 
-def min_pages(requests: list[Request], page_size: int) -> int:
+def min_pages(requests: list[ReplayRequest], page_size: int) -> int:
     """The smallest cache that can run every request: room for its prompt + output."""
     longest = max(len(r.prompt) + len(r.output) for r in requests)
     return -(-longest // page_size)
@@ -116,12 +117,12 @@ class _Tree:
 
     def __init__(self, num_pages: int, page_size: int, policy: str = "lru") -> None:
         self.alloc = PageAllocator(num_pages, page_size)
-        self.tree: RadixTree = POLICIES[policy](self.alloc)
+        self.tree = RadixTree(self.alloc, eviction_key=POLICIES[policy])
 
     def admit(self, prompt: np.ndarray, namespace: str | None, num_tokens: int,
               max_len: int) -> tuple[Lease, list[int]]:
         """Lease the prompt's cached prefix and a table for ``num_tokens`` (OutOfPages: none)."""
-        lease = self.tree.lease(prompt, namespace, max_len=max_len)
+        lease = Lease(self.tree, prompt, namespace, max_len)
         try:
             pages, copy = lease.acquire(num_tokens)
         except OutOfPages:
@@ -130,6 +131,13 @@ class _Tree:
         if copy is not None:
             self.alloc.decref([copy.src])  # the copy has run
         return lease, pages
+
+    def hit(self, prompt: np.ndarray, namespace: str | None, max_len: int) -> int:
+        """Tokens of the prompt's cached prefix, matched as a request's (the match is a use of
+        its path) and let go at once: a lookup that holds nothing."""
+        lease = Lease(self.tree, prompt, namespace, max_len)
+        lease.unlock()
+        return lease.length
 
     def store(self, tokens: np.ndarray, namespace: str | None) -> None:
         """Write ``tokens`` through (the host tier): cached at once, held by nobody; skipped
@@ -151,119 +159,157 @@ class _Running:
     head: tuple | None  # the shared head it is prefilling, that others wait for
 
 
-def replay(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
-           service: ServiceModel | None = None, host_pages: int = 0,
-           progress: Iterator[Request] | None = None) -> RadixResult:
-    """Replay ``requests`` (in arrival order) through a ``num_pages``-page radix cache."""
-    service = service or ServiceModel()
-    overlaps = service.overlaps
-    device = _Tree(num_pages, page_size, policy)
-    host = _Tree(host_pages, page_size) if host_pages else None
-    shadow = None
-    if overlaps:
-        total = sum(-(-(len(r.prompt) + len(r.output)) // page_size) for r in requests)
-        shadow = _Tree(total + 1, page_size)
-    n = len(requests)
-    cached = np.zeros(n, dtype=np.int64)
-    host_cached = np.zeros(n, dtype=np.int64) if host else None
-    visible = np.zeros(n, dtype=np.int64) if shadow else None
-    kv_pages = np.zeros(n, dtype=np.int64)
-    events: list[tuple[float, int, int, _Running]] = []  # (time, order, kind, run)
-    order = 0
-    running = peak_running = peak_pages = dropped = 0
-    clock = waited = 0.0
-    prefilling: dict[tuple, float] = {}  # shared head -> when its prefill in flight ends
+_PREFILLED, _FINISHED = 0, 1
 
-    def insert(run: _Running, num_tokens: int) -> None:
-        tokens = run.tokens[:num_tokens]
-        device.tree.insert(tokens, run.pages, run.lease.namespace)
-        if run.shadow is not None:
-            shadow.tree.insert(tokens, run.shadow[1], run.lease.namespace)
-        if host is not None:
-            host.store(tokens, run.lease.namespace)
 
-    def finish(run: _Running) -> None:
-        nonlocal running
-        insert(run, len(run.tokens))
-        run.lease.release(run.pages)
-        if run.shadow is not None:
-            run.shadow[0].release(run.shadow[1])
-        running -= 1
+class _Replay:
+    """One replay's state: the trees, the requests running and their pending events, the
+    per-request results. ``serve`` takes the requests one by one, in arrival order."""
 
-    def next_event() -> float:
-        time, _, kind, run = heapq.heappop(events)
-        if kind == _PREFILLED:
-            insert(run, run.prompt_len)
-            if run.head is not None and prefilling.get(run.head) == time:
-                del prefilling[run.head]
-        else:
-            finish(run)
-        return time
+    def __init__(self, requests: list[ReplayRequest], num_pages: int, page_size: int,
+                 policy: str, service: ServiceModel, host_pages: int) -> None:
+        self.requests = requests
+        self.num_pages = num_pages
+        self.service = service
+        self.device = _Tree(num_pages, page_size, policy)
+        self.host = _Tree(host_pages, page_size) if host_pages else None
+        self.shadow: _Tree | None = None
+        if service.overlaps:
+            total = sum(-(-(len(r.prompt) + len(r.output)) // page_size) for r in requests)
+            self.shadow = _Tree(total + 1, page_size)
+        n = len(requests)
+        self.cached = np.zeros(n, dtype=np.int64)
+        self.host_cached = np.zeros(n, dtype=np.int64) if self.host else None
+        self.visible = np.zeros(n, dtype=np.int64) if self.shadow else None
+        self.kv_pages = np.zeros(n, dtype=np.int64)
+        self.events: list[tuple[float, int, int, _Running]] = []  # (time, order, kind, run)
+        self.order = 0
+        self.running = self.peak_running = self.peak_pages = self.dropped = 0
+        self.clock = self.waited = 0.0
+        self.prefilling: dict[tuple, float] = {}  # shared head -> when its prefill in flight ends
 
-    for i, r in enumerate(progress if progress is not None else requests):
+    def serve(self, i: int, r: ReplayRequest) -> None:
+        """Admit request ``i`` as soon as it may start, then run it (or schedule its events)."""
         full = np.concatenate([r.prompt, r.output])
-        needed = device.alloc.pages_for(len(full))
-        if needed > num_pages:
+        needed, page_size = self.device.alloc.pages_for(len(full)), self.device.alloc.page_size
+        if needed > self.num_pages:
             raise CacheTooSmall(
                 f"request {r.id!r} needs {needed:,} pages of {page_size} tokens for its prompt "
-                f"and output, but the cache has {num_pages:,}: give at least "
-                f"{min_pages(requests, page_size) * page_size:,} cache tokens")
-        arrival = service.arrival(r)
-        start = max(arrival, clock)
-        while events and events[0][0] <= start:
-            next_event()
-        while service.max_concurrency and running >= service.max_concurrency:
-            start = max(start, next_event())
-        head = shared_head(r.prompt, r.namespace, len(r.prompt)) if service.head_wait else None
-        while head in prefilling and long_uncached(len(r.prompt), device.tree.peek_prefix(
+                f"and output, but the cache has {self.num_pages:,}: give at least "
+                f"{min_pages(self.requests, page_size) * page_size:,} cache tokens")
+        arrival = self.service.arrival(r)
+        head = shared_head(r.prompt, r.namespace, len(r.prompt)) if self.service.head_wait else None
+        start = self._start_time(r, max(arrival, self.clock), head)
+        run, start = self._admit(r, full, start)
+        self.waited += start - arrival
+        self.clock = start
+        self.cached[i] = run.lease.length
+        if self.shadow is not None:
+            run.shadow = self.shadow.admit(r.prompt, r.namespace, len(full), len(r.prompt) - 1)
+            self.visible[i] = run.shadow[0].length
+        if self.host is not None:
+            found = self.host.hit(r.prompt, r.namespace, len(r.prompt) - 1)
+            self.host_cached[i] = max(0, found - run.lease.length)
+        self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
+        self.peak_pages = max(self.peak_pages, self._pages_held())
+        self._launch(run, r, start, head)
+        self.kv_pages[i] = self._pages_held()
+
+    def _start_time(self, r: ReplayRequest, start: float, head: tuple | None) -> float:
+        """When ``r`` may start, from ``start`` on: once a concurrency slot is free, and, when
+        another request is prefilling its shared head and it would compute a long stretch
+        itself, once that prefill is in the tree."""
+        self._run_until(start)
+        while self.service.max_concurrency and self.running >= self.service.max_concurrency:
+            start = max(start, self._next_event())
+        while head in self.prefilling and long_uncached(len(r.prompt), self.device.tree.peek_prefix(
                 r.prompt, r.namespace, len(r.prompt) - 1)):
-            start = max(start, prefilling[head])
-            while events and events[0][0] <= start:
-                next_event()
+            start = max(start, self.prefilling[head])
+            self._run_until(start)
+        return start
+
+    def _admit(self, r: ReplayRequest, full: np.ndarray, start: float) -> tuple[_Running, float]:
+        """Lease ``r``'s prefix and a table for prompt + output, waiting for running requests
+        to finish while there is no room; returns the run and when it starts."""
         max_len = len(r.prompt) - 1
         while True:
             try:
-                lease, pages = device.admit(r.prompt, r.namespace, len(full), max_len)
-                break
+                lease, pages = self.device.admit(r.prompt, r.namespace, len(full), max_len)
+                return _Running(lease, pages, full, len(r.prompt), None, None), start
             except OutOfPages:
-                if running:
-                    start = max(start, next_event())  # wait for room
+                if self.running:
+                    start = max(start, self._next_event())  # wait for room
                     continue
                 # The locked match (its partial page, and a page copy at each fork inside a
                 # page) leaves too little room in a cache barely bigger than the request: drop
                 # the match and run the request uncached, in a cache emptied for it.
-                device.tree.reset()
+                self.device.tree.reset()
                 max_len = 0
-                dropped += 1
-        waited += start - arrival
-        clock = start
-        cached[i] = lease.length
-        run = _Running(lease, pages, full, len(r.prompt), None, None)
-        if shadow is not None:
-            run.shadow = shadow.admit(r.prompt, r.namespace, len(full), len(r.prompt) - 1)
-            visible[i] = run.shadow[0].length
-        if host is not None:
-            found = host.tree.match_prefix(r.prompt, r.namespace, max_len=len(r.prompt) - 1)
-            host_cached[i] = max(0, found.length - lease.length)
-        running += 1
-        peak_running = max(peak_running, running)
-        peak_pages = max(peak_pages, num_pages - device.alloc.num_free_pages)
-        prefill_s, total_s = service.times(r, len(r.prompt) - lease.length)
-        if total_s <= 0 or not overlaps:
-            finish(run)
+                self.dropped += 1
+
+    def _launch(self, run: _Running, r: ReplayRequest, start: float, head: tuple | None) -> None:
+        """Finish ``run`` now (no service model), or schedule its prefill's end and its end."""
+        prefill_s, total_s = self.service.times(r, len(r.prompt) - run.lease.length)
+        if total_s <= 0 or not self.service.overlaps:
+            self._finish(run)
+            return
+        if head is not None and long_uncached(len(r.prompt), run.lease.length):
+            run.head = head
+            self.prefilling[head] = max(self.prefilling.get(head, 0.0), start + prefill_s)
+        heapq.heappush(self.events, (start + prefill_s, self.order, _PREFILLED, run))
+        heapq.heappush(self.events, (start + total_s, self.order + 1, _FINISHED, run))
+        self.order += 2
+
+    def _pages_held(self) -> int:
+        return self.num_pages - self.device.alloc.num_free_pages
+
+    def _run_until(self, time: float) -> None:
+        while self.events and self.events[0][0] <= time:
+            self._next_event()
+
+    def _next_event(self) -> float:
+        time, _, kind, run = heapq.heappop(self.events)
+        if kind == _PREFILLED:
+            self._cache(run, run.prompt_len, finished=False)
+            if run.head is not None and self.prefilling.get(run.head) == time:
+                del self.prefilling[run.head]
         else:
-            if head is not None and long_uncached(len(r.prompt), lease.length):
-                run.head = head
-                prefilling[head] = max(prefilling.get(head, 0.0), start + prefill_s)
-            heapq.heappush(events, (start + prefill_s, order, _PREFILLED, run))
-            heapq.heappush(events, (start + total_s, order + 1, _FINISHED, run))
-            order += 2
-        kv_pages[i] = num_pages - device.alloc.num_free_pages
-    while events:
-        next_event()
-    device.tree.check()
-    return RadixResult(cached, host_cached, visible, device.tree.stats.evicted_pages,
-                       peak_pages, kv_pages, dropped, waited, peak_running)
+            self._finish(run)
+        return time
+
+    def _finish(self, run: _Running) -> None:
+        self._cache(run, len(run.tokens), finished=True)
+        self.running -= 1
+
+    def _cache(self, run: _Running, num_tokens: int, *, finished: bool) -> None:
+        """Cache ``run``'s first ``num_tokens`` in each tree: the leases commit them (a
+        prefill's end) or are released with them (the request's end); the host tier is
+        written through."""
+        tokens = run.tokens[:num_tokens]
+        leases = [(run.lease, run.pages)] + ([run.shadow] if run.shadow is not None else [])
+        for lease, pages in leases:
+            if finished:
+                lease.release(pages, tokens)
+            else:
+                lease.commit(pages, tokens)
+        if self.host is not None:
+            self.host.store(tokens, run.lease.namespace)
+
+    def result(self) -> RadixResult:
+        """Run what is still in flight to its end; the results, the device tree checked."""
+        self._run_until(float("inf"))
+        self.device.tree.check()
+        return RadixResult(self.cached, self.host_cached, self.visible,
+                           self.device.tree.stats.evicted_pages, self.peak_pages, self.kv_pages,
+                           self.dropped, self.waited, self.peak_running)
 
 
-_PREFILLED, _FINISHED = 0, 1
+def replay(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
+           service: ServiceModel | None = None, host_pages: int = 0,
+           progress: Iterator[ReplayRequest] | None = None) -> RadixResult:
+    """Replay ``requests`` (in arrival order) through a ``num_pages``-page radix cache."""
+    state = _Replay(requests, num_pages, page_size, policy, service or ServiceModel(), host_pages)
+    for i, r in enumerate(progress if progress is not None else requests):
+        state.serve(i, r)
+    return state.result()

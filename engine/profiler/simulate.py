@@ -6,6 +6,7 @@ tree::
     lease at most len(prompt) - 1 tokens (match, lock)
     acquire pages for prompt + output, evicting unlocked leaves when short
       (a match ending inside a page shares the full pages and gets a fresh page for the copy)
+    (with a service model: commit the prompt when its prefill ends: insert it, lock it)
     release with prompt + output (insert, unlock, drop the request's own page references)
 
 No model runs: outputs come from the trace. By default requests run one at a time in arrival
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from engine.profiler.baselines import BLOCK_SIZE, BlockChains, BlockHashCache
 from engine.profiler.replay import ServiceModel, min_pages, replay
-from engine.profiler.trace import Request
+from engine.profiler.trace import ReplayRequest
 
 # Below this many requests a replay finishes before a progress bar is worth drawing.
 PROGRESS_MIN_REQUESTS = 2000
@@ -51,15 +52,16 @@ class CacheRun:
         return int(self.cached.sum()) / total if total else 0.0
 
 
-def _progress(requests: list[Request], label: str, progress: bool) -> Iterator[Request]:
+def _progress(requests: list[ReplayRequest], label: str, progress: bool) -> Iterator[ReplayRequest]:
     show = progress and len(requests) >= PROGRESS_MIN_REQUESTS
     return iter(tqdm(requests, desc=label, unit="req", leave=False, disable=not show))
 
 
-def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
-                 label: str = "radix", progress: bool = False,
+def replay_radix(requests: list[ReplayRequest], num_pages: int, page_size: int,
+                 policy: str = "lru", label: str = "radix", progress: bool = False,
                  service: ServiceModel | None = None, host_pages: int = 0) -> CacheRun:
-    """Replay through ``RadixTree`` (or the ``policy``'s subclass) with ``num_pages`` pages."""
+    """Replay through ``RadixTree`` (evicting by ``policy``, radix/eviction.py) with ``num_pages``
+    pages."""
     result = replay(requests, num_pages, page_size, policy, service, host_pages,
                     _progress(requests, label, progress))
     return CacheRun(label, result.cached, num_pages * page_size,
@@ -68,7 +70,8 @@ def replay_radix(requests: list[Request], num_pages: int, page_size: int, policy
                     result.visible, result.waited_s, result.peak_running)
 
 
-def replay_unlimited(requests: list[Request], page_size: int, progress: bool = False) -> CacheRun:
+def replay_unlimited(requests: list[ReplayRequest], page_size: int,
+                     progress: bool = False) -> CacheRun:
     """The radix tree with room for every request's pages at once: it never evicts."""
     num_pages = sum(-(-(len(r.prompt) + len(r.output)) // page_size) for r in requests) + 1
     run = replay_radix(requests, num_pages, page_size, label="unlimited", progress=progress)
@@ -76,7 +79,7 @@ def replay_unlimited(requests: list[Request], page_size: int, progress: bool = F
     return run
 
 
-def replay_block_hash(requests: list[Request], num_blocks: int | None,
+def replay_block_hash(requests: list[ReplayRequest], num_blocks: int | None,
                       block_size: int = BLOCK_SIZE, label: str = "block hash",
                       progress: bool = False, chains: BlockChains | None = None) -> CacheRun:
     """Replay through ``BlockHashCache``; ``chains`` (``BlockChains.of(requests,
@@ -98,7 +101,7 @@ def replay_block_hash(requests: list[Request], num_blocks: int | None,
 class Profile:
     """A trace replayed through the configured cache and every baseline."""
 
-    requests: list[Request]
+    requests: list[ReplayRequest]
     page_size: int
     num_pages: int
     policy: str
@@ -121,7 +124,7 @@ class Profile:
         return [self.radix, self.unlimited, self.block, self.block_unlimited, none]
 
 
-def run_profile(requests: list[Request], num_pages: int, page_size: int, policy: str = "lru",
+def run_profile(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
                 progress: bool = False, service: ServiceModel | None = None,
                 host_pages: int = 0) -> Profile:
     """The configured radix cache (with ``service``'s concurrency and a host tier if given),
@@ -148,7 +151,7 @@ class SweepPoint:
     radix_evicted_tokens: int
 
 
-def sweep_sizes(requests: list[Request], page_size: int, footprint_tokens: int,
+def sweep_sizes(requests: list[ReplayRequest], page_size: int, footprint_tokens: int,
                 points: int = 8) -> list[int]:
     """Cache sizes in tokens, geometric from 1/32 of the trace's footprint (at least twice the
     longest request) up to the footprint, where nothing is evicted any more."""
@@ -160,7 +163,7 @@ def sweep_sizes(requests: list[Request], page_size: int, footprint_tokens: int,
     return [int(p) * page_size for p in pages]
 
 
-def run_sweep(requests: list[Request], sizes_tokens: list[int], page_size: int,
+def run_sweep(requests: list[ReplayRequest], sizes_tokens: list[int], page_size: int,
               policy: str = "lru", progress: bool = False,
               service: ServiceModel | None = None) -> list[SweepPoint]:
     prompt_tokens = np.array([len(r.prompt) for r in requests], dtype=np.int64)

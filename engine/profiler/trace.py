@@ -12,11 +12,11 @@ Fields of a line (docs/profiler.md has examples)::
     session_id          optional: a conversation, a tree, a user
     namespace           optional: tenant / LoRA / cache salt; namespaces never share cache
 
-``read_requests`` reads a trace straight into ``Request``s carrying prompt and output as int32
+``read_requests`` reads a trace straight into ``ReplayRequest``s carrying prompt and output as int32
 arrays, which is what the simulators replay: each line's token ids become an array as the line
 is read, so the trace is never held as Python lists (145M token ids as lists take ~5 GB, as
 int32 arrays 0.6 GB). ``read_trace`` keeps each line as written (``TraceRequest``, lists of
-ids), for the live client that sends them; ``load_requests`` turns those into ``Request``s.
+ids), for the live client that sends them; ``load_requests`` turns those into ``ReplayRequest``s.
 Text prompts need a tokenizer (``load_tokenizer``): the transformers import is deferred to that
 call, so a trace of token ids is replayed without it.
 """
@@ -70,7 +70,7 @@ class TraceRequest:
 
 
 @dataclass
-class Request:
+class ReplayRequest:
     """A request ready to replay: token ids for the prompt and for the output."""
 
     id: str
@@ -181,8 +181,8 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     return requests
 
 
-def read_requests(path: str | Path, tokenizer: Any = None) -> list[Request]:
-    """Read a JSONL trace into ``Request``s ready to replay, sorted by arrival (stable). Token
+def read_requests(path: str | Path, tokenizer: Any = None) -> list[ReplayRequest]:
+    """Read a JSONL trace into ``ReplayRequest``s ready to replay, sorted by arrival (stable). Token
     ids go into int32 arrays and text is tokenized as each line is read; a text prompt without
     a tokenizer is an error."""
     vocab_size = len(tokenizer) if tokenizer is not None else DEFAULT_VOCAB_SIZE
@@ -247,18 +247,18 @@ def prompt_ids(request: TraceRequest, tokenizer: Any = None) -> np.ndarray:
 
 
 def to_request(request: TraceRequest, tokenizer: Any = None,
-               vocab_size: int = DEFAULT_VOCAB_SIZE) -> Request:
+               vocab_size: int = DEFAULT_VOCAB_SIZE) -> ReplayRequest:
     """One line tokenized for replay; its output comes from the line or from
     ``pseudo_output``."""
     if request.output_token_ids is not None:
         output = np.asarray(request.output_token_ids, dtype=np.int32)
     else:
         output = pseudo_output(request.id, request.output_len, vocab_size)
-    return Request(request.id, request.arrival, prompt_ids(request, tokenizer), output,
+    return ReplayRequest(request.id, request.arrival, prompt_ids(request, tokenizer), output,
                    request.namespace, request.session_id)
 
 
-def load_requests(trace: list[TraceRequest], tokenizer: Any = None) -> list[Request]:
+def load_requests(trace: list[TraceRequest], tokenizer: Any = None) -> list[ReplayRequest]:
     """Tokenize a trace read by ``read_trace`` for replay."""
     vocab_size = len(tokenizer) if tokenizer is not None else DEFAULT_VOCAB_SIZE
     return [to_request(r, tokenizer, vocab_size) for r in trace]
