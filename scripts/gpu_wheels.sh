@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download, here (where PyPI is reachable), the wheels the GPU machine lacks into ./wheels
 # (ignored by git; carried to the device with `carry: ["wheels"]`), for its Python 3.12 on
-# x86-64 Linux. scripts/gpu_check.sh installs them there with --no-index --no-deps.
+# x86-64 Linux. scripts/gpu_phase.py installs them there (docs/gpu.md) with --no-index --no-deps.
 #
 #     bash scripts/gpu_wheels.sh && du -sh wheels     # the device carries 64 MiB in all
 #

@@ -1,6 +1,6 @@
 """The GPU step path on CPU: one staged copy of a step's arrays, and decode through the CUDA-graph
 buckets' padded fixed buffers (``DecodeGraphs(capture=False)``: the same padding, buffers and
-plan as a replay, run eagerly; capturing itself needs CUDA and runs in scripts/gpu_check.sh)."""
+plan as a replay, run eagerly; capturing itself needs CUDA: scripts/gpu_phase.py, docs/gpu.md)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ plain torch from exactly the page tables, windows and buffers the backend hands 
 what FlashInfer checks. So the backend's plans (prefill, decode, mixed, page sizes 1 and 16,
 sliding windows, CUDA-graph buffers shared by every batch size), the staged page indices and
 the kernel modules it prebuilds are all exercised here; only FlashInfer's own kernels are not
-(scripts/gpu_check.sh runs them on a GPU)."""
+(scripts/gpu_phase.py runs them on a GPU: docs/gpu.md)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,52 @@
+"""scripts/gpu_phase.py on CPU: the dry run walks every step of both phases in order with
+budgets inside the phase's, and a step past its budget is killed with what it printed kept in
+the phase's JSON summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from scripts import gpu_phase
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_dry_run_walks_every_step_in_order(phase: int, tmp_path, capsys) -> None:
+    assert gpu_phase.main([str(phase), "--dry-run", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    steps = gpu_phase.phase_steps(phase, tmp_path)
+    total = sum(step.budget_s for step in steps)
+    assert total <= gpu_phase.PHASE_BUDGET_S <= 480
+    assert f"budgets adding to {total} of {gpu_phase.PHASE_BUDGET_S} s" in printed
+    positions = [printed.index(f"=== {i}/{len(steps)} {step.name}")
+                 for i, step in enumerate(steps, 1)]
+    assert positions == sorted(positions)
+    summary = json.loads((tmp_path / f"phase{phase}.json").read_text())
+    assert summary["dry_run"] and summary["status"] == "passed"
+    assert [s["name"] for s in summary["steps"]] == [step.name for step in steps]
+    assert all(s["status"].startswith("dry run") for s in summary["steps"])
+    assert (tmp_path / f"phase{phase}.log").read_text().count("===") == 2 * len(steps)
+
+
+def test_a_step_past_its_budget_is_killed_and_its_output_kept(tmp_path, monkeypatch) -> None:
+    steps = [
+        gpu_phase.Step("measures, then hangs", 2,
+                       (sys.executable, "-c", "import time\nprint('measured 42', flush=True)\n"
+                                              "time.sleep(60)")),
+        gpu_phase.Step("fails", 10, (sys.executable, "-c", "raise SystemExit(3)")),
+        gpu_phase.Step("optional, hangs", 1, (sys.executable, "-c", "import time\n"
+                                                                    "time.sleep(60)"),
+                       optional=True),
+    ]
+    monkeypatch.setattr(gpu_phase, "phase_steps", lambda phase, out: steps)
+    assert gpu_phase.main(["1", "--out", str(tmp_path)]) == 1
+    summary = json.loads((tmp_path / "phase1.json").read_text())
+    hung, failed, optional = summary["steps"]
+    assert hung["status"] == "out of budget" and hung["tail"] == ["measured 42"]
+    assert hung["seconds"] < 10
+    assert (failed["status"], failed["rc"]) == ("failed", 3)
+    assert optional["status"] == "out of budget"
+    assert summary["status"] == "FAILED"
+    assert "measured 42" in (tmp_path / "phase1.log").read_text()
