@@ -36,106 +36,132 @@ logger = logging.getLogger("radixserve.scheduler")
 STATS_INTERVAL = 0.25  # seconds between stats messages while the scheduler is busy
 
 
-def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
-    ep = spec.endpoints
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind(ep.scheduler_in)
-    from_worker = ctx.socket(zmq.PULL)
-    from_worker.bind(ep.worker_out)
-    to_worker = ctx.socket(zmq.PUSH)
-    to_worker.connect(ep.worker_in)
-    to_tokenizers = []
-    for address in ep.tokenizer_from_scheduler:
-        sock = ctx.socket(zmq.PUSH)
-        sock.connect(address)
-        to_tokenizers.append(sock)
-    control = ctx.socket(zmq.PUSH)
-    control.connect(ep.control)
+class SchedulerLoop:
+    """The sockets around one ``Scheduler``: what arrives goes in, batches and outputs go out.
+    The policy is the Scheduler's; this class only moves messages."""
 
-    hello = decode(from_worker.recv())
-    assert isinstance(hello, WorkerReady), f"expected WorkerReady, got {type(hello).__name__}"
-    sched = Scheduler(spec.config, hello.info)
-    kv_events = publisher = None
-    if spec.config.kv_events_endpoint:
-        kv_events = BlockEvents(spec.config.kv_events_block)
-        kv_events.attach(sched.tree)
-        publisher = KVEventPublisher(ctx, spec.config.kv_events_endpoint)
-    control.send(encode(Ready("scheduler", os.getpid(), hello.info)))
+    def __init__(self, spec: LaunchSpec, ctx: zmq.Context) -> None:
+        ep, config = spec.endpoints, spec.config
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.bind(ep.scheduler_in)
+        self.from_worker = ctx.socket(zmq.PULL)
+        self.from_worker.bind(ep.worker_out)
+        self.to_worker = ctx.socket(zmq.PUSH)
+        self.to_worker.connect(ep.worker_in)
+        self.to_tokenizers = []
+        for address in ep.tokenizer_from_scheduler:
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(address)
+            self.to_tokenizers.append(sock)
+        self.control = ctx.socket(zmq.PUSH)
+        self.control.connect(ep.control)
 
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    poller.register(from_worker, zmq.POLLIN)
-    aborts: list[AbortRequest] = []
-    checked = True
-    last_stats: SchedulerStats | None = None
-    next_stats = 0.0
+        hello = decode(self.from_worker.recv())
+        assert isinstance(hello, WorkerReady), f"expected WorkerReady, got {type(hello).__name__}"
+        self.sched = Scheduler(config, hello.info)
+        self.kv_events: BlockEvents | None = None
+        self.publisher: KVEventPublisher | None = None
+        if config.kv_events_endpoint:
+            self.kv_events = BlockEvents(config.kv_events_block)
+            self.kv_events.attach(self.sched.tree)
+            self.publisher = KVEventPublisher(ctx, config.kv_events_endpoint)
+        self.control.send(encode(Ready("scheduler", os.getpid(), hello.info)))
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.from_worker, zmq.POLLIN)
+        self.aborts: list[AbortRequest] = []
+        self.checked = True  # the accounting was checked since the last request arrived
+        self.last_stats: SchedulerStats | None = None
+        self.next_stats = 0.0
 
-    def flush(result_at: float = 0.0) -> None:
-        nonlocal last_stats, next_stats
-        if publisher is not None:
-            publisher.publish(kv_events.take())  # one batch per step that changed the tree
+    def run(self) -> None:
+        sched = self.sched
+        while True:
+            runnable = sched.can_schedule()
+            timeout = 0.0 if runnable else sched.sessions.seconds_to_next_expiry(time.monotonic())
+            events = dict(self.poller.poll(None if timeout is None else math.ceil(1000 * timeout)))
+            sched.sessions.expire(time.monotonic())
+            if self.inbox in events and not self._receive_requests():
+                if self.publisher is not None:
+                    self.publisher.close()
+                return
+            result_at = self._receive_results() if self.from_worker in events else 0.0
+            if result_at and sched.inflight:
+                # The worker already has its next batch (overlap): the tokens go out before the
+                # step after it is planned. Without a batch in flight, planning comes first.
+                self._flush(result_at)
+                result_at = 0.0
+            if len(sched.inflight) <= 1:
+                self._step()
+            self._flush(result_at)
+
+    def _receive_requests(self) -> bool:
+        """Take every waiting message from the tokenizers; False on Shutdown."""
+        for msg in _drain(self.inbox):
+            if isinstance(msg, TokenizedRequest):
+                self.sched.add_request(msg)
+                self.checked = False
+            elif isinstance(msg, AbortRequest):
+                self.aborts.append(msg)
+            elif isinstance(msg, SessionOpen):
+                self.sched.sessions.open(msg.session_id, msg.ttl)
+            elif isinstance(msg, SessionClose):
+                self.sched.sessions.close(msg.session_id)
+            elif isinstance(msg, Shutdown):
+                return False
+        return True
+
+    def _receive_results(self) -> float:
+        """Apply every batch result waiting; when the last arrived (monotonic seconds)."""
+        result_at = 0.0
+        for result in _drain(self.from_worker):
+            assert isinstance(result, BatchResult)
+            result_at = time.monotonic()
+            self.sched.process_result(result)
+        return result_at
+
+    def _step(self) -> None:
+        sched = self.sched
+        # An abort frees pages the batch in flight may still write: only batches sent after
+        # it, which the worker runs later, can reuse them. Its tokens that batch samples are
+        # not cached (Scheduler._release).
+        for msg in self.aborts:
+            sched.abort(msg.rid, msg.reason, msg.index)
+        self.aborts.clear()
+        batch = sched.schedule()
+        if batch is not None:
+            self.to_worker.send(encode(batch))
+        elif sched.idle and not self.checked:
+            sched.check()
+            self.checked = True
+
+    def _flush(self, result_at: float = 0.0) -> None:
+        """Send the outputs (and, at most every STATS_INTERVAL or on going idle, the stats) to
+        the tokenizers that own them; publish the step's KV events."""
+        sched = self.sched
+        if self.publisher is not None:
+            self.publisher.publish(self.kv_events.take())  # one batch per step that changed it
         batches = sched.take_outputs()
         stats, now = None, time.monotonic()
-        if sched.idle or now >= next_stats:
+        if sched.idle or now >= self.next_stats:
             current = SchedulerStats(**sched.stats())
-            if current != last_stats:
-                stats = last_stats = current
-                next_stats = now + STATS_INTERVAL
+            if current != self.last_stats:
+                stats = self.last_stats = current
+                self.next_stats = now + STATS_INTERVAL
                 batches = batches or {0: []}
         for reply_to, outputs in batches.items():
-            to_tokenizers[reply_to].send(encode(TokenOutputs(outputs, stats, result_at)))
+            self.to_tokenizers[reply_to].send(encode(TokenOutputs(outputs, stats, result_at)))
             stats = None
 
+
+def _drain(sock: zmq.Socket):
+    """The messages waiting on ``sock``, decoded, without blocking."""
     while True:
-        runnable = sched.can_schedule()
-        timeout = 0.0 if runnable else sched.sessions.seconds_to_next_expiry(time.monotonic())
-        events = dict(poller.poll(None if timeout is None else math.ceil(1000 * timeout)))
-        sched.sessions.expire(time.monotonic())
-        if inbox in events:
-            while True:
-                try:
-                    msg = decode(inbox.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(msg, TokenizedRequest):
-                    sched.add_request(msg)
-                    checked = False
-                elif isinstance(msg, AbortRequest):
-                    aborts.append(msg)
-                elif isinstance(msg, SessionOpen):
-                    sched.sessions.open(msg.session_id, msg.ttl)
-                elif isinstance(msg, SessionClose):
-                    sched.sessions.close(msg.session_id)
-                elif isinstance(msg, Shutdown):
-                    if publisher is not None:
-                        publisher.close()
-                    return
-        result_at = 0.0
-        if from_worker in events:
-            while True:
-                try:
-                    result = decode(from_worker.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                assert isinstance(result, BatchResult)
-                result_at = time.monotonic()
-                sched.process_result(result)
-        if result_at and sched.inflight:
-            # The worker already has its next batch (overlap): the tokens go out before the
-            # step after it is planned. Without a batch in flight, planning comes first.
-            flush(result_at)
-            result_at = 0.0
-        if len(sched.inflight) <= 1:
-            # An abort frees pages the batch in flight may still write: only batches sent after
-            # it, which the worker runs later, can reuse them. Its tokens that batch samples are
-            # not cached (Scheduler._release).
-            for msg in aborts:
-                sched.abort(msg.rid, msg.reason, msg.index)
-            aborts.clear()
-            batch = sched.schedule()
-            if batch is not None:
-                to_worker.send(encode(batch))
-            elif sched.idle and not checked:
-                sched.check()
-                checked = True
-        flush(result_at)
+        try:
+            yield decode(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return
+
+
+def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
+    SchedulerLoop(spec, ctx).run()

@@ -1,4 +1,4 @@
-"""The frontend's pending limit under concurrency: ``--max-pending-requests`` counts a call the
+"""The frontend's pending limit under concurrency: ``--max-inflight-requests`` counts a call the
 moment it is made, so simultaneous arrivals cannot all slip in before any reaches the engine;
 a request that could never fit is a 400, not a "retry later"."""
 
@@ -18,7 +18,7 @@ LIMIT = 4
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(tmp_path_factory.mktemp("admission"), "--num-pages", "512",
-                        "--max-pending-requests", str(LIMIT))
+                        "--max-inflight-requests", str(LIMIT))
     yield srv
     assert srv.stop() == 0
 

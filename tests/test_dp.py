@@ -255,7 +255,7 @@ def test_predicted_and_actual_cached_tokens_are_counted_per_replica():
 @pytest.mark.parametrize("values,message", [
     (dict(dp_size=0), "--dp-size must be at least 1"),
     (dict(dp_size=2, dp_policy="random"), "--dp-policy must be"),
-    (dict(dp_size=2, dp_cache_threshold=1.5), "--dp-cache-threshold is a fraction"),
+    (dict(dp_size=2, dp_cache_threshold=1.5), "--dp-cache-threshold must be at most 1"),
     (dict(dp_size=2, dp_balance_rel=0.5), "--dp-balance-rel must be at least 1"),
     (dict(dp_size=2, kv_events_endpoint="tcp://*:5557"), "publishes one engine's events"),
     (dict(kv_events_block_size=8), "needs --kv-events-endpoint"),

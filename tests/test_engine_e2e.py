@@ -33,7 +33,7 @@ def engine():
 def hf_model(engine):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(engine.contracts.engine_config.model, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(engine.config.model, dtype=torch.float32).eval()
 
 
 def test_concurrent_requests_match_transformers_then_hit_the_cache(engine, hf_model):
@@ -61,7 +61,7 @@ def test_seeded_parallel_sampling_is_reproducible(engine):
 def test_text_joins_to_decode_and_stop_strings_trim(engine):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(engine.contracts.engine_config.model)
+    tok = AutoTokenizer.from_pretrained(engine.config.model)
     full = engine.generate("def main():", SamplingParams(max_tokens=24, temperature=0.0,
                                                          ignore_eos=True))[0]
     assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
@@ -142,7 +142,7 @@ def test_killing_the_worker_fails_pending_requests_and_exits_nonzero(tmp_path):
 def test_engine_api_raises_when_the_worker_dies():
     engine = Engine("demo", num_pages=256)
     try:
-        worker = engine.runtime.launcher.children["worker"].pid
+        worker = engine.launcher.children["worker"].pid
         start = time.monotonic()
 
         import threading
@@ -154,9 +154,9 @@ def test_engine_api_raises_when_the_worker_dies():
         assert not engine.alive
     finally:
         engine.close()
-    for proc in engine.runtime.launcher.children.values():
+    for proc in engine.launcher.children.values():
         assert proc.poll() is not None
-    assert not engine.runtime.launcher.socket_dir.exists()
+    assert not engine.launcher.socket_dir.exists()
 
 
 def test_async_stream_yields_deltas_that_join_to_the_blocking_result(engine):

@@ -16,7 +16,7 @@ from tests.server_process import API_KEY, AUTH, metric_values, serve_module
 
 # The limits the table of bad inputs below expects of a server (test_hostile_inputs.py too).
 TABLE_FLAGS = ("--api-key", API_KEY, "--max-request-bytes", str(1 << 20), "--max-sessions", "4",
-               "--max-pending-requests", "96")
+               "--max-inflight-requests", "96")
 
 
 @pytest.fixture(scope="module")

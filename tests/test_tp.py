@@ -245,7 +245,7 @@ in the reference: outputs are the same either way). Overlap scheduling is on,
 def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
     engine = Engine(model_dir, tp_size=2, num_pages=256, dtype="float32")
     try:
-        rank1 = engine.runtime.launcher.children["tp-rank-1"].pid
+        rank1 = engine.launcher.children["tp-rank-1"].pid
         threading.Timer(2.0, os.kill, (rank1, signal.SIGKILL)).start()
         start = time.monotonic()
         with pytest.raises(EngineDead, match="tp-rank-1 process exited"):
@@ -255,7 +255,7 @@ def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
         assert not engine.alive
     finally:
         engine.close()
-    for proc in engine.runtime.launcher.children.values():
+    for proc in engine.launcher.children.values():
         assert proc.poll() is not None
 
 
