@@ -1,6 +1,6 @@
 """Data-parallel dispatch (``--dp-size`` > 1): which replica (a scheduler and its worker, with
 its own KV pool and radix tree) gets each tokenized request. Pure state, no sockets: the
-tokenizer process (``tokenizer_worker/dp_process.py``) feeds it events and outputs.
+tokenizer process (``tokenizer_worker/process.py``) feeds it events and outputs.
 
 Policy ``cache_aware`` (SGLang's router's rule, over token ids)::
 
@@ -223,3 +223,37 @@ class Dispatcher:
     def snapshot(self, tokenizer: int) -> DispatchStats:
         self.changed = False
         return DispatchStats(tokenizer, [r.load() for r in self.replicas])
+
+
+class OneReplica:
+    """A single engine's router: everything goes to replica 0, which never goes down, and
+    nothing is tracked (no hashing, no reports), so one engine pays nothing for dispatch."""
+
+    changed = False  # nothing to report
+
+    def on_events(self, replica: int, sequence: int, payload: bytes) -> None:
+        raise RuntimeError("a single engine publishes no KV events to its tokenizers")
+
+    def on_stats(self, replica: int, stats: SchedulerStats) -> None:
+        raise RuntimeError("a single engine's stats go to the frontend, not to a dispatcher")
+
+    def on_output(self, out: SeqOutput) -> None:
+        pass
+
+    def route(self, req: TokenizedRequest) -> tuple[int, None]:
+        return 0, None
+
+    def finish(self, rid: str) -> int:
+        return 0
+
+    def open_session(self, session_id: str, ttl: float) -> int:
+        return 0
+
+    def close_session(self, session_id: str) -> int:
+        return 0
+
+    def replica_down(self, replica: int) -> tuple[list[str], list[TokenizedRequest]]:
+        raise RuntimeError("a single engine has no replica to lose")
+
+    def is_alive(self, replica: int) -> bool:
+        return True

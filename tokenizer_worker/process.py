@@ -1,76 +1,217 @@
-"""The tokenizer process's loop: the frontend's messages and the scheduler's outputs through a
-``TokenizerWorker`` (tokenizer_worker/core.py); with ``--dp-size`` > 1 the loop of
-tokenizer_worker/dp_process.py, which adds the dispatcher."""
+"""The tokenizer process's loop: the frontend's messages and the schedulers' outputs through a
+``TokenizerWorker`` (tokenizer_worker/core.py), each tokenized request routed to a scheduler.
+
+    frontend ─▶ tokenizer i ──TokenizedRequest──▶ scheduler r   (r = Dispatcher.route; 0 for
+                    ▲  ◀──TokenOutputs──────────  scheduler r    a single engine)
+                    └──KV event batches (SUB) ──  scheduler r   (--dp-size > 1: its ipc://
+                                                                 kv-events endpoint)
+    launcher ──ReplicaDown──▶ tokenizer i: the replica's requests that had output fail with
+                              503 at once; those that had none go to another replica
+
+Event sockets are read before outputs and requests, so a request sees every event its
+replica published before the outputs it answers (a turn is sent after the previous turn's
+last output, which its scheduler sent after the events of caching it). With replicas the
+dispatcher's per-replica state goes to the frontend's metrics on its own socket, at most every
+``STATS_INTERVAL`` seconds; a single engine's scheduler stats pass straight through.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 
 import zmq
 from transformers import AutoTokenizer
 
-from engine.contracts.engine_config import LaunchSpec
+from engine.contracts.engine_config import LaunchSpec, ReplicaEndpoints
 from engine.contracts.protocol import (
     AbortRequest,
     GenerateRequest,
     Ready,
+    ReplicaDown,
+    RequestOutput,
     SessionClose,
     SessionOpen,
     Shutdown,
     TokenizedRequest,
+    TokenOutputs,
     decode,
     encode,
 )
 from tokenizer_worker.core import TokenizerWorker
+from tokenizer_worker.dispatch import Dispatcher, NoReplica, OneReplica
+
+STATS_INTERVAL = 0.1  # seconds between the dispatcher's reports to the frontend
+
+
+class TokenizerLoop:
+    """The sockets around one ``TokenizerWorker`` and its router: a ``Dispatcher`` over the
+    data-parallel replicas, or ``OneReplica`` for a single engine (then the scheduler's stats
+    go straight to the frontend)."""
+
+    def __init__(self, spec: LaunchSpec, ctx: zmq.Context, worker: TokenizerWorker) -> None:
+        ep, c, i = spec.endpoints, spec.config, spec.index
+        self.index = i
+        self.worker = worker
+        replicas = ep.replicas or [ReplicaEndpoints(
+            scheduler_in=ep.scheduler_in, tokenizer_from_scheduler=ep.tokenizer_from_scheduler,
+            worker_in=ep.worker_in, worker_out=ep.worker_out)]
+        self.dispatcher: Dispatcher | OneReplica = OneReplica()
+        if ep.replicas:
+            self.dispatcher = Dispatcher(len(ep.replicas), c.kv_events_block, policy=c.dp_policy,
+                                         cache_threshold=c.dp_cache_threshold,
+                                         balance_abs=c.dp_balance_abs,
+                                         balance_rel=c.dp_balance_rel)
+        self.from_frontend = ctx.socket(zmq.PULL)
+        self.from_frontend.bind(ep.tokenizer_in[i])
+        self.events, self.outputs, self.schedulers = [], [], []
+        for rep in replicas:
+            if rep.kv_events is not None:
+                sub = ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.RCVHWM, 100_000)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(rep.kv_events)
+                self.events.append(sub)
+            pull = ctx.socket(zmq.PULL)
+            pull.bind(rep.tokenizer_from_scheduler[i])
+            self.outputs.append(pull)
+            push = ctx.socket(zmq.PUSH)
+            push.connect(rep.scheduler_in)
+            self.schedulers.append(push)
+        self.to_frontend = ctx.socket(zmq.PUSH)
+        self.to_frontend.connect(ep.frontend_in)
+        self.to_metrics = None
+        if ep.dispatch_stats is not None:
+            self.to_metrics = ctx.socket(zmq.PUSH)
+            self.to_metrics.setsockopt(zmq.SNDHWM, 16)  # a report only replaces the one before
+            self.to_metrics.connect(ep.dispatch_stats)
+        self.poller = zmq.Poller()
+        for sock in (*self.events, *self.outputs, self.from_frontend):
+            self.poller.register(sock, zmq.POLLIN)
+        self.next_report = 0.0
+
+    def run(self, control: zmq.Socket) -> None:
+        control.send(encode(Ready(f"tokenizer-{self.index}", os.getpid())))
+        while True:
+            timeout = None
+            if self.dispatcher.changed:
+                timeout = max(0, int(1000 * (self.next_report - time.monotonic())) + 1)
+            polled = dict(self.poller.poll(timeout))
+            for r, sub in enumerate(self.events):
+                if sub in polled:
+                    for _, sequence, payload in _drain_multipart(sub):
+                        self.dispatcher.on_events(r, int.from_bytes(sequence, "big"), payload)
+            for r, pull in enumerate(self.outputs):
+                if pull in polled:
+                    for data in _drain(pull):
+                        self.on_outputs(r, decode(data))
+            if self.from_frontend in polled:
+                for data in _drain(self.from_frontend):
+                    if not self.on_frontend(decode(data)):
+                        return
+            now = time.monotonic()
+            if self.dispatcher.changed and now >= self.next_report:
+                try:
+                    self.to_metrics.send(encode(self.dispatcher.snapshot(self.index)),
+                                         zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the frontend is not reading: the next report carries the same
+                self.next_report = now + STATS_INTERVAL
+
+    def on_outputs(self, replica: int, msg: TokenOutputs) -> None:
+        if msg.stats is not None and self.to_metrics is None:
+            self.to_frontend.send(encode(msg.stats))  # a single engine's: the frontend's metrics
+        elif msg.stats is not None:
+            self.dispatcher.on_stats(replica, msg.stats)
+        for out in msg.outputs:
+            self.dispatcher.on_output(out)
+        outputs, aborts = self.worker.on_outputs(msg)
+        for abort in aborts:
+            self._to_replica(replica, abort)
+        for out in outputs:
+            self.to_frontend.send(encode(out))
+            if out.rid not in self.worker.states:
+                self.dispatcher.finish(out.rid)
+
+    def on_frontend(self, msg: object) -> bool:
+        """Handle one message from the frontend (or the launcher); False on Shutdown."""
+        if isinstance(msg, GenerateRequest):
+            reply = self.worker.on_request(msg)
+            if isinstance(reply, TokenizedRequest):
+                reply = self._dispatch(reply)
+            if reply is not None:
+                self.to_frontend.send(encode(reply))
+        elif isinstance(msg, AbortRequest):
+            self.worker.on_abort(msg)
+            replica = self.dispatcher.finish(msg.rid)
+            if replica is not None:
+                self._to_replica(replica, msg)
+        elif isinstance(msg, SessionOpen):
+            self.worker.on_session(msg)
+            try:
+                self._to_replica(self.dispatcher.open_session(msg.session_id, msg.ttl), msg)
+            except NoReplica:
+                pass  # its first turn gets the error
+        elif isinstance(msg, SessionClose):
+            self.worker.on_session(msg)
+            replica = self.dispatcher.close_session(msg.session_id)
+            if replica is not None:
+                self._to_replica(replica, msg)
+        elif isinstance(msg, ReplicaDown):
+            lost, again = self.dispatcher.replica_down(msg.replica)
+            for req in again:
+                reply = self._dispatch(req)
+                if reply is not None:
+                    self.to_frontend.send(encode(reply))
+            for rid in lost:
+                self.worker.states.pop(rid, None)
+                self.to_frontend.send(encode(RequestOutput(
+                    rid=rid, finish_reason="error", status=503,
+                    error=f"data-parallel replica {msg.replica} stopped while serving this "
+                          f"request ({msg.reason}); retry it")))
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def _dispatch(self, req: TokenizedRequest) -> RequestOutput | None:
+        """Send a tokenized request to its replica; the error to answer with if none serves."""
+        try:
+            replica, reopen = self.dispatcher.route(req)
+        except NoReplica as exc:
+            self.worker.states.pop(req.rid, None)
+            return RequestOutput(rid=req.rid, finish_reason="error", status=503, error=str(exc))
+        if reopen is not None:
+            self._to_replica(replica, SessionOpen(req.session_id, reopen))
+        self._to_replica(replica, req)
+        return None
+
+    def _to_replica(self, replica: int, msg: object) -> None:
+        if self.dispatcher.is_alive(replica):  # a dead replica's socket would only queue
+            self.schedulers[replica].send(encode(msg))
+
+
+def _drain(sock: zmq.Socket):
+    while True:
+        try:
+            yield sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
+def _drain_multipart(sock: zmq.Socket):
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
-    ep, i = spec.endpoints, spec.index
     tokenizer = AutoTokenizer.from_pretrained(spec.config.model)
     tokenizer.model_max_length = 1 << 30  # the scheduler checks lengths against the context
     # The launcher resolved the context (--context-len, else the model's) into the config.
-    worker = TokenizerWorker(tokenizer, i, context_len=spec.config.context_len,
+    worker = TokenizerWorker(tokenizer, spec.index, context_len=spec.config.context_len,
                              special_in_content=spec.config.allow_special_tokens_in_content)
-    if spec.config.dp_size > 1:  # replicas behind a cache-aware dispatcher
-        from tokenizer_worker import dp_process
-        return dp_process.run(spec, ctx, worker)
-    from_frontend = ctx.socket(zmq.PULL)
-    from_frontend.bind(ep.tokenizer_in[i])
-    from_scheduler = ctx.socket(zmq.PULL)
-    from_scheduler.bind(ep.tokenizer_from_scheduler[i])
-    to_scheduler = ctx.socket(zmq.PUSH)
-    to_scheduler.connect(ep.scheduler_in)
-    to_frontend = ctx.socket(zmq.PUSH)
-    to_frontend.connect(ep.frontend_in)
     control = ctx.socket(zmq.PUSH)
-    control.connect(ep.control)
-    control.send(encode(Ready(f"tokenizer-{i}", os.getpid())))
-
-    poller = zmq.Poller()
-    poller.register(from_frontend, zmq.POLLIN)
-    poller.register(from_scheduler, zmq.POLLIN)
-    while True:
-        events = dict(poller.poll())
-        if from_scheduler in events:
-            msg = decode(from_scheduler.recv())
-            if msg.stats is not None:
-                to_frontend.send(encode(msg.stats))
-            outputs, aborts = worker.on_outputs(msg)
-            for abort in aborts:
-                to_scheduler.send(encode(abort))
-            for out in outputs:
-                to_frontend.send(encode(out))
-        if from_frontend in events:
-            msg = decode(from_frontend.recv())
-            if isinstance(msg, GenerateRequest):
-                reply = worker.on_request(msg)
-                sock = to_scheduler if isinstance(reply, TokenizedRequest) else to_frontend
-                sock.send(encode(reply))
-            elif isinstance(msg, AbortRequest):
-                worker.on_abort(msg)
-                to_scheduler.send(encode(msg))
-            elif isinstance(msg, SessionOpen | SessionClose):
-                worker.on_session(msg)
-                to_scheduler.send(encode(msg))
-            elif isinstance(msg, Shutdown):
-                return
+    control.connect(spec.endpoints.control)
+    TokenizerLoop(spec, ctx, worker).run(control)

@@ -12,7 +12,7 @@ other node's launcher runs only its ranks, until the group ends.
 
 With ``--dp-size R`` > 1 there is one scheduler and one worker per replica (``scheduler-r``,
 ``worker-r``), each pair with its own sockets and KV events endpoint; the tokenizers dispatch
-between them (tokenizer_worker/dp_process.py).
+between them (tokenizer_worker/process.py).
 
 Children get their LaunchSpec as msgpack on stdin and talk over ``ipc://`` sockets in a fresh
 0700 directory. Any child exiting while the group runs ends the whole group: ``on_death`` is
