@@ -30,21 +30,21 @@ from engine import Engine, SamplingParams
 from engine.checkpoints.model_source import resolve_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import TokenizedRequest, pack_ids
+from engine.profiler.workload import SharedPrefixParams, shared_prefix
 from engine.worker.process import Worker
 from scheduler.scheduler import Scheduler
 
 
 def workload(groups: int, per_group: int, prefix: int, question: int, shared: bool,
              vocab: int, seed: int = 0) -> list[list[int]]:
+    """The profiler's shared-prefix draw (groups interleaved, as real traffic arrives): a head
+    per group, or with ``shared`` False one per prompt; ids from 3 up, clear of special ones."""
     rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(groups):
-        system = rng.integers(3, vocab, prefix).tolist()
-        for _ in range(per_group):
-            head = system if shared else rng.integers(3, vocab, prefix).tolist()
-            prompts.append(head + rng.integers(3, vocab, question).tolist())
-    order = rng.permutation(len(prompts))  # groups arrive interleaved, as real traffic does
-    return [prompts[i] for i in order]
+    heads, per_head = (groups, per_group) if shared else (groups * per_group, 1)
+    params = SharedPrefixParams(groups=heads, prompts_per_group=per_head, system_len=prefix,
+                                question_len=question, output_len=0)
+    drafts = shared_prefix(params, rng, lambda n: rng.integers(3, vocab, n))
+    return [draft.prompt.tolist() for draft in drafts]
 
 
 def run_engine(engine: Engine, prompts, output_len: int) -> tuple[float, float]:

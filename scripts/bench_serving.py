@@ -50,6 +50,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from engine.profiler.workload import SharedPrefixParams, shared_prefix
+
 WORKLOADS = ("shared-prefix", "multi-turn", "no-sharing")
 DEFAULT_VOCAB = 4096  # the demo model's
 # Random ids stay clear of both ends of the vocabulary, where special tokens usually sit.
@@ -63,19 +65,20 @@ def random_ids(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
 
 def grouped_prompts(rng: np.random.Generator, groups: int, per_group: int,
                     args: argparse.Namespace, vocab: int, shared: bool) -> list[list[int]]:
-    prompts = []
-    for _ in range(groups):
-        group_head = random_ids(rng, args.head, vocab)
-        for _ in range(per_group):
-            head = group_head if shared else random_ids(rng, args.head, vocab)
-            prompts.append(head + random_ids(rng, args.question, vocab))
-    order = rng.permutation(len(prompts))  # groups arrive interleaved, as real traffic does
-    return [prompts[i] for i in order]
+    """The profiler's shared-prefix draw (groups interleaved, as real traffic arrives): a head
+    per group, or with ``shared`` False one per prompt."""
+    heads, per_head = (groups, per_group) if shared else (groups * per_group, 1)
+    params = SharedPrefixParams(groups=heads, prompts_per_group=per_head, system_len=args.head,
+                                question_len=args.question, output_len=0)
+    drafts = shared_prefix(params, rng, lambda n: rng.integers(LOW_IDS, vocab - HIGH_IDS, n))
+    return [draft.prompt.tolist() for draft in drafts]
 
 
 def user_turns(rng: np.random.Generator, args: argparse.Namespace,
                vocab: int) -> list[list[list[int]]]:
-    """Per conversation, the new tokens of each turn (the first carries the head)."""
+    """Per conversation, the new tokens of each turn (the first carries the head). Not the
+    profiler's multi-turn draw: here each conversation has a head of its own, every turn the
+    same length, and the replies are the server's."""
     return [[random_ids(rng, args.head + args.question if turn == 0 else args.question, vocab)
              for turn in range(args.turns)] for _ in range(args.conversations)]
 

@@ -7,7 +7,8 @@ tree is counted (frontend, tokenizers, schedulers, workers), each process's user
 read from /proc before and after the command, and the command's own (the client's) from its
 rusage. Prints one line per process and the total. On a machine whose cores are all busy for
 the whole run, the ratio of two servers' totals for the same requests is their throughput ratio
-(docs/benchmarks.md, "Session 6: how far dispatch can lift throughput here"). Linux only.
+(docs/benchmarks.md, "How far dispatch can lift throughput here" under "Data parallel").
+Linux only.
 """
 
 from __future__ import annotations
