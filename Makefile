@@ -1,5 +1,5 @@
 # radixserve: `make serve` runs the server (SmolLM2-135M-Instruct unless MODEL=dir|file.gguf|demo),
-# `make test` runs the tests.
+# `make test` runs the tests (`make test-fast`: all but the e2e ones, which start processes).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,7 +17,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
 
-.PHONY: setup test serve lint bench clean
+.PHONY: setup test test-fast serve lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ $(SMG_VENV)/.installed:
 
 test: setup $(SMG_VENV)/.installed
 	SMG_VENV=$(abspath $(SMG_VENV)) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the tests that start no process (no server, engine, CLI, smg or ranks): under a minute
+test-fast: setup
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)

@@ -12,6 +12,8 @@ import pytest
 
 from tests.server_process import ServerProcess, metric_values
 
+pytestmark = pytest.mark.e2e
+
 LIMIT = 4
 
 

@@ -42,6 +42,7 @@ def test_written_config_has_llama3_8b_shapes(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
 
 
+@pytest.mark.e2e
 def test_tiny_run_reports_every_part(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -69,6 +69,7 @@ def server(tmp_path_factory):
     assert srv.stop() == 0
 
 
+@pytest.mark.e2e
 def test_tiny_run_of_every_workload_against_one_server_twice(server, tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(

@@ -12,6 +12,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 STATS = re.compile(
     r"\[(\d+) prompt tokens, (\d+) cached, (\d+) generated; "
     r"time to first token (\d+) ms\]"

@@ -18,6 +18,7 @@ def test_every_subcommand_has_help(name, capsys):
     assert "usage: radixserve " + name in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_bench_reports_throughput_and_hits():
     out = subprocess.run(
         [sys.executable, "-m", "engine.cli", "bench", "--workload", "shared-prefix",

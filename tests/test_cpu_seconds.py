@@ -9,6 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cpu_seconds.py"
 _spec = importlib.util.spec_from_file_location("cpu_seconds", SCRIPT)
 cpu_seconds = importlib.util.module_from_spec(_spec)

@@ -53,6 +53,7 @@ def test_existing_model_is_reused_and_a_damaged_one_rebuilt(tmp_path: Path) -> N
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
 
 
+@pytest.mark.e2e
 def test_concurrent_builders_agree_and_leave_no_temp_dirs(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "engine.checkpoints.demo_model", "--out", str(tmp_path)]
     procs = [

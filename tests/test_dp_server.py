@@ -17,6 +17,8 @@ import pytest
 
 from tests.server_process import AUTH, metric_values, serve_module
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -18,6 +18,8 @@ from engine import Engine, SamplingParams
 from engine.runtime.offline import EngineDead
 from tests.test_scheduler import hf_greedy, shared_prefix_prompts
 
+pytestmark = pytest.mark.e2e
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 

@@ -19,6 +19,8 @@ import pytest
 from engine.server.zmq_client import ZmqAPIError, ZmqClient
 from tests.server_process import ServerProcess, free_port, metric_values
 
+pytestmark = pytest.mark.e2e
+
 LONG = {"prompt": "Tell a long story:", "ignore_eos": True}
 
 

@@ -90,6 +90,7 @@ def door(tmp_path_factory):
 PROMPT = [(7 * i + 3) % 3000 + 10 for i in range(40)]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("key", [None, "wrong-key", API_KEY + "x"])
 def test_calls_without_the_key_are_refused_and_reach_nothing(door, key):
     """Every RPC (unary, server-streaming) needs the server's --api-key as
@@ -117,6 +118,7 @@ def test_calls_without_the_key_are_refused_and_reach_nothing(door, key):
     assert door.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
 
 
+@pytest.mark.e2e
 def test_generate_streams_the_tokens_http_generates(door):
     expected = door.http_generate(PROMPT, temperature=0, max_tokens=8)["choices"][0]
     replies = door.generate(PROMPT, temperature=0, max_tokens=8)
@@ -131,6 +133,7 @@ def test_generate_streams_the_tokens_http_generates(door):
     assert list(whole.complete.output_ids) == expected["token_ids"]
 
 
+@pytest.mark.e2e
 def test_logprobs_carry_the_top_alternatives_by_id(door):
     """smg's ``logprobs`` = N (vLLM's meaning): each output token's logprob and its N most
     likely alternatives, the same as /generate's, streamed or whole."""
@@ -155,6 +158,7 @@ def test_logprobs_carry_the_top_alternatives_by_id(door):
             pytest.approx([t["logprob"] for t in top], abs=1e-3) for top in expected["top_logprobs"]]
 
 
+@pytest.mark.e2e
 def test_health_model_server_info_and_loads(door):
     assert door.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
     info = door.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -168,6 +172,7 @@ def test_health_model_server_info_and_loads(door):
     assert loads.loads[0].max_total_num_tokens > 0
 
 
+@pytest.mark.e2e
 def test_get_tokenizer_sends_the_model_directorys_tokenizer(door, tmp_path):
     from transformers import AutoTokenizer
 
@@ -203,6 +208,7 @@ def test_tokenizer_bundle_chunks_and_refusal(tmp_path):
         tokenizer_bundle(str(tmp_path))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("params, words", [
     ({"json_schema": "{}"}, "json_schema"),
     ({"min_tokens": 3}, "min_tokens"),
@@ -214,6 +220,7 @@ def test_unsupported_parameters_are_refused(door, params, words):
     assert words in info.value.details()
 
 
+@pytest.mark.e2e
 def test_out_of_vocabulary_ids_are_invalid(door):
     with pytest.raises(grpc.RpcError) as info:
         door.generate([10, 999_999], max_tokens=2)
@@ -221,6 +228,7 @@ def test_out_of_vocabulary_ids_are_invalid(door):
     assert "token ids must be in" in info.value.details()
 
 
+@pytest.mark.e2e
 def test_kv_events_carry_the_stored_blocks(door):
     prompt = [(11 * i + 5) % 3000 + 20 for i in range(50)]
     door.generate(prompt, temperature=0, max_tokens=2)
@@ -330,6 +338,7 @@ class Smg:
         self.log.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not SMG.exists(), reason=f"smg is not installed at {SMG} (set SMG_VENV)")
 def test_smg_routes_by_the_engines_kv_events(tmp_path):
     """A prefix cached on one server behind smg's back (a direct HTTP request smg never saw)
@@ -370,6 +379,7 @@ def test_smg_routes_by_the_engines_kv_events(tmp_path):
             smg.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not SMG.exists(), reason=f"smg is not installed at {SMG} (set SMG_VENV)")
 def test_smg_loads_the_tokenizer_through_get_tokenizer(tmp_path):
     """A gateway on another machine cannot read the model_path a worker reports; smg then asks

@@ -285,6 +285,7 @@ DEEP_BODIES = [
 ]
 
 
+@pytest.mark.e2e
 def test_hostile_numbers_and_nesting_are_named_400s(server, side_stream):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
         for name, path, body, param in HOSTILE:
@@ -296,6 +297,7 @@ def test_hostile_numbers_and_nesting_are_named_400s(server, side_stream):
             assert "deeply" in error["message"]
 
 
+@pytest.mark.e2e
 def test_a_huge_text_is_refused_before_tokenizing(server):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
         started = time.monotonic()
@@ -306,6 +308,7 @@ def test_a_huge_text_is_refused_before_tokenizing(server):
     assert "context of 4,096 tokens" in error["message"]
 
 
+@pytest.mark.e2e
 def test_seeds_at_the_top_of_uint64_wrap_for_parallel_samples(server, side_stream):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
         response = client.post("/v1/completions", json=_completion(
@@ -320,6 +323,7 @@ def test_seeds_at_the_top_of_uint64_wrap_for_parallel_samples(server, side_strea
         assert beams.status_code == 200, beams.text
 
 
+@pytest.mark.e2e
 def test_a_forged_system_turn_stays_text(server, tokenizer):
     messages = [{"role": "user", "content": FORGED}]
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
@@ -329,6 +333,7 @@ def test_a_forged_system_turn_stays_text(server, tokenizer):
     assert len(safe) != len(render_chat(tokenizer, messages, special_in_content=True))
 
 
+@pytest.mark.e2e
 def test_a_body_shorter_than_its_content_length_gets_408(server):
     body = json.dumps(_completion()).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
@@ -348,6 +353,7 @@ def test_a_body_shorter_than_its_content_length_gets_408(server):
     assert b'"param"' in reply and b"Content-Length" in reply
 
 
+@pytest.mark.e2e
 def test_the_existing_bad_inputs_beside_a_stream(server, side_stream):
     for name, method, path, body, headers, status, words in BAD_INPUTS:
         content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
@@ -402,6 +408,7 @@ def _bodies():
                      native.map(lambda b: ("/generate", b)))
 
 
+@pytest.mark.e2e
 def test_fuzzed_request_bodies_are_answered_never_fatal(server, side_stream):
     client = httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
 
@@ -420,6 +427,7 @@ def test_fuzzed_request_bodies_are_answered_never_fatal(server, side_stream):
         one()
 
 
+@pytest.mark.e2e
 def test_pages_go_back_to_idle(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -257,6 +257,7 @@ def generate(server, input_ids: list[int], cache_salt: str | None = None) -> lis
     return reply.json()["choices"][0]["token_ids"]
 
 
+@pytest.mark.e2e
 def test_a_live_server_publishes_what_it_caches_and_evicts(server):
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
@@ -365,6 +366,7 @@ def as_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not smg_relay_available(), reason="smg (+ smg-grpc-proto) not in SMG_VENV")
 def test_smg_relay_reads_our_events(tmp_path):
     ctx = zmq.Context.instance()

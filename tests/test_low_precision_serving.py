@@ -148,6 +148,7 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int]) -> tuple[int, li
     return resp.status_code, pieces, finish
 
 
+@pytest.mark.e2e
 def test_bf16_server_serves_concurrent_shared_prefix_streams(bf16_server):
     """The issue's reproduction: streams in 8 groups sharing 512-token heads, 16 in flight;
     every one completes (four waves, so later waves also extend cached heads)."""

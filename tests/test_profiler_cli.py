@@ -150,6 +150,7 @@ def test_text_traces_through_a_tokenizer(tmp_path, tokenizer_dir, capsys):
     assert all(r.prompt and r.output_token_ids for r in read_trace(few_shot))
 
 
+@pytest.mark.e2e
 def test_profiler_never_imports_torch(tmp_path):
     trace = tmp_path / "t.jsonl"
     main(["workload", "gen", "tree", "--seed", "1", "--out", str(trace), "--trees", "2",

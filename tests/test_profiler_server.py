@@ -11,6 +11,8 @@ import pytest
 from engine.cli import main as cli
 from tests.server_process import ServerProcess
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

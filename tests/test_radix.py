@@ -314,6 +314,7 @@ def test_insert_needs_enough_pages():
         lease.commit([0], list(range(5)))
 
 
+@pytest.mark.e2e
 def test_radix_does_not_import_torch():
     code = "import sys, radix; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,6 +14,8 @@ import pytest
 
 from tests.server_process import API_KEY, AUTH, metric_values, serve_module
 
+pytestmark = pytest.mark.e2e
+
 # The limits the table of bad inputs below expects of a server (test_hostile_inputs.py too).
 TABLE_FLAGS = ("--api-key", API_KEY, "--max-request-bytes", str(1 << 20), "--max-sessions", "4",
                "--max-inflight-requests", "96")

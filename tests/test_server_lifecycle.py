@@ -19,6 +19,8 @@ import pytest
 
 from tests.server_process import ServerProcess, free_port
 
+pytestmark = pytest.mark.e2e
+
 
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

@@ -42,6 +42,7 @@ def cached(server, path: str, body: dict) -> int:
     return hit
 
 
+@pytest.mark.e2e
 def test_metrics_need_the_key_and_count_the_pool_from_startup(server):
     # First in the module: no request has run yet, so the scheduler has reported nothing.
     refused = httpx.get(f"{server.url}/metrics", timeout=30)
@@ -65,6 +66,7 @@ def test_metrics_open_serves_them_without_the_key():
     assert opened.post("/v1/completions", json={"prompt": "x"}).status_code == 401
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": SECRET}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": SECRET}]}),
@@ -82,6 +84,7 @@ def test_different_salts_never_share_cache(server, path, body):
     assert cached(server, path, {**body, "cache_salt": "tenant-b"}) == hit
 
 
+@pytest.mark.e2e
 def test_user_is_the_salt_with_salt_from_user(server):
     body = {"prompt": "user scoped: " + SECRET}
     assert cached(server, "/v1/completions", {**body, "user": "alice"}) == 0
@@ -91,6 +94,7 @@ def test_user_is_the_salt_with_salt_from_user(server):
     assert cached(server, "/v1/completions", body) == 0  # no user: the shared namespace
 
 
+@pytest.mark.e2e
 def test_a_salt_never_reaches_into_another_users_cache(server):
     body = {"prompt": "both: " + SECRET, "cache_salt": "shared-salt"}
     assert cached(server, "/v1/completions", {**body, "user": "alice"}) == 0
@@ -100,6 +104,7 @@ def test_a_salt_never_reaches_into_another_users_cache(server):
     assert cached(server, "/v1/completions", {"prompt": body["prompt"], "user": "alice"}) == 0
 
 
+@pytest.mark.e2e
 def test_an_empty_salt_is_refused(server):
     response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
                           json={"prompt": "x", "cache_salt": ""})

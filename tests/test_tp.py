@@ -201,6 +201,7 @@ def test_sharded_forward_equals_unsharded(tmp_path, kind, size):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.e2e
 def test_tp2_over_gloo_gives_tp1_outputs_with_hits_chunks_and_preemption(model_dir):
     """Two processes over gloo against the in-process tp 1 worker, token for token in fp32:
     two waves over shared prefixes (the second hits the first's cache) in 24-token chunks,
@@ -242,6 +243,7 @@ in the reference: outputs are the same either way). Overlap scheduling is on,
     assert [r.token_ids for r in results] == [small.outputs[f"p{i}"][0] for i in range(10)]
 
 
+@pytest.mark.e2e
 def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
     engine = Engine(model_dir, tp_size=2, num_pages=256, dtype="float32")
     try:
@@ -259,6 +261,7 @@ def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
         assert proc.poll() is not None
 
 
+@pytest.mark.e2e
 def test_two_nodes_on_one_machine(model_dir, tmp_path):
     """--nnodes 2 with both nodes on 127.0.0.1: node 1 is `radixserve serve --node-rank 1`,
     which runs only rank 1; node 0 runs the engine and rank 0. Outputs equal tp 1's, and node

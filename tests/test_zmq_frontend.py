@@ -15,6 +15,8 @@ from engine.server.zmq_client import AsyncZmqClient, ZmqAPIError, ZmqClient
 from engine.server.zmq_messages import ErrorReply, reply_decoder
 from tests.server_process import ServerProcess, free_port, metric_values
 
+pytestmark = pytest.mark.e2e
+
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 

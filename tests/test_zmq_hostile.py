@@ -80,11 +80,13 @@ def assert_still_serves(server) -> None:
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
+@pytest.mark.e2e
 def test_the_door_binds_where_http_binds(server):
     # --host localhost: HTTP listens on 127.0.0.1 only, and so does ZMQ (not every interface).
     assert f"ZMQ at {server.zmq_url}" in server.ready_line
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("frames", [
     [b"\x93not a call"],
     [b""],
@@ -109,6 +111,7 @@ def test_malformed_messages_get_an_error_reply(server, raw, frames):
     assert_still_serves(server)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("api_key", [None, "", "sk-wrong", API_KEY + "x"])
 def test_a_call_without_the_key_gets_401(server, raw, api_key):
     for kind, fields in [("GenerateCall", {"body": {"input_ids": [5, 6]}}),
@@ -178,6 +181,7 @@ def expected_end(frames: list[bytes]) -> tuple[str, int | None] | None:
     return None if isinstance(call, AbortCall) else (call.id, None)
 
 
+@pytest.mark.e2e
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(frames=_frames)
 def test_fuzzed_frames_get_an_answer_and_the_door_stays_up(server, raw, frames):
@@ -197,6 +201,7 @@ def test_fuzzed_frames_get_an_answer_and_the_door_stays_up(server, raw, frames):
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
+@pytest.mark.e2e
 def test_after_the_fuzz_the_door_and_http_still_serve(server):
     assert_still_serves(server)
     response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
