@@ -39,7 +39,8 @@ def workload(groups: int, per_group: int, prefix: int, question: int, shared: bo
              vocab: int, seed: int = 0) -> list[list[int]]:
     """The profiler's shared-prefix draw (groups interleaved, as real traffic arrives): a head
     per group, or with ``shared`` False one per prompt; ids from 3 up, clear of special ones."""
-    rng = np.random.default_rng(seed)
+    # Seeded apart per workload: one engine runs both and keeps what the first one cached.
+    rng = np.random.default_rng([seed, int(shared)])
     heads, per_head = (groups, per_group) if shared else (groups * per_group, 1)
     params = SharedPrefixParams(groups=heads, prompts_per_group=per_head, system_len=prefix,
                                 question_len=question, output_len=0)
