@@ -18,7 +18,8 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork,
     for entry in entries:
         seq = entry.seq
         start = seq.computed
-        builder.add(seq.pages, start, seq.tokens[start : start + entry.extend], entry.samples)
+        new_ids = seq.tokens[start : start + entry.extend - len(entry.drafts)] + entry.drafts
+        builder.add(seq.pages, start, new_ids, entry.samples, num_drafts=len(entry.drafts))
         if entry.samples:
             sampling.extend(sampling_rows(entry))
     step = builder.finish(work.copies, work.swap_out, work.swap_in)
@@ -26,7 +27,9 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork,
 
 
 def sampling_rows(entry: Entry) -> list[RowSampling]:
-    """The sampling parameters of ``entry``'s logits rows."""
+    """The sampling parameters of ``entry``'s logits rows. A verify's rows are one sample's
+    next outputs (scheduler/speculation.py): each drawn as that output would be without
+    drafts, with the sample's seed and its own step index."""
     seq, req = entry.seq, entry.seq.req
     params = req.params
     if req.is_beam:
@@ -34,12 +37,14 @@ def sampling_rows(entry: Entry) -> list[RowSampling]:
                                          temperature=0.0)
     history = pack_ids(seq.tokens) if req.has_penalties else b""
     rows = []
+    verify = bool(entry.drafts)
     for i in range(entry.samples):
+        sample, step = (0, i) if verify else (i, 0)
         row_params = params
-        if params.seed is not None and (seq.index or i):
+        if params.seed is not None and (seq.index or sample):
             # Parallel samples of a seeded request need distinct, reproducible seeds; they
             # wrap to stay uint64, what the wire (and the sampler's mixing) carries.
-            seed = (params.seed + seq.index + i) % SEED_LIMIT
+            seed = (params.seed + seq.index + sample) % SEED_LIMIT
             row_params = msgspec.structs.replace(params, seed=seed)
-        rows.append(RowSampling(row_params, seq.num_outputs, req.prompt_len, history))
+        rows.append(RowSampling(row_params, seq.num_outputs + step, req.prompt_len, history))
     return rows

@@ -72,6 +72,15 @@ class SeqMemory:
             work.copies.append(copy)
             seq.copy_last_page = False
 
+    def trim(self, seq: Seq, upto: int) -> None:
+        """Drop ``seq``'s pages past its first ``upto`` tokens: pages it grew for draft tokens
+        that verification rejected. Only this sequence ever held them (drafts never reach the
+        tree), so they return to the free list."""
+        keep = self.alloc.pages_for(upto)
+        if len(seq.pages) > keep:
+            self.alloc.decref(seq.pages[keep:])
+            del seq.pages[keep:]
+
     def fork(self, parent: Seq, child: Seq) -> None:
         """``child`` shares ``parent``'s KV by reference, its partial last page too: the copy
         that both need before writing their own next tokens there is planned by ``grow``, in

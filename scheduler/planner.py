@@ -23,6 +23,7 @@ from scheduler.kv import SeqMemory, StepWork
 from scheduler.policy import long_uncached, order_waiting, shared_head
 from scheduler.request import Request, Seq, Status
 from scheduler.session_pins import SessionPins
+from scheduler.speculation import Speculator
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -40,9 +41,11 @@ class Entry:
 
     seq: Seq
     extend: int
-    samples: int  # logits rows drawn for it: 0 mid-prefill, n for a fork, else 1
-    end: int = 0  # the sequence's computed tokens once this step has run (set when sent)
+    samples: int  # logits rows drawn for it: 0 mid-prefill, n for a fork, k + 1 to verify k
+    end: int = 0  # the sequence's computed tokens once this step has run (set when sent;
+    #               drafts not counted: verification adds those it accepts)
     token_index: int = -1  # where its sampled token goes in ``seq.tokens`` (its placeholder)
+    drafts: list[int] = field(default_factory=list)  # draft tokens it verifies after its last
 
 
 @dataclass
@@ -58,8 +61,9 @@ class Plan:
 
 class StepPlanner:
     def __init__(self, config: EngineConfig, info: ModelInfo, mem: SeqMemory,
-                 sessions: SessionPins) -> None:
+                 sessions: SessionPins, speculator: Speculator | None = None) -> None:
         self.config = config
+        self.speculator = speculator
         self.info = info
         self.mem = mem
         self.tree: RadixTree = mem.tree
@@ -70,6 +74,7 @@ class StepPlanner:
         self.new_token_ratio = NEW_TOKEN_RATIO[0]
         self.num_preemptions = 0
         self._lookahead = self._starved = False
+        self._num_running = 0  # sequences running when this plan began (speculation reads it)
 
     def plan(self, lookahead: bool = False) -> Plan:
         """Plan the next step (its entries are empty when nothing can run). ``lookahead``: a
@@ -81,6 +86,7 @@ class StepPlanner:
         budget = self.config.max_prefill_tokens
         preempted: set[int] = set()
         order = sorted(self.running, key=lambda r: r.progress, reverse=True)
+        self._num_running = sum(len(r.live_seqs()) for r in self.running)
         for position, req in enumerate(order):
             if id(req) in preempted:
                 continue
@@ -88,7 +94,7 @@ class StepPlanner:
             if planned is None:
                 continue
             entries.extend(planned)
-            budget -= sum(e.extend for e in planned if e.extend > 1)
+            budget -= sum(e.extend for e in planned if e.extend > 1 and not e.drafts)
         blocked = None
         if preempted:
             self.new_token_ratio = NEW_TOKEN_RATIO[0]
@@ -123,18 +129,41 @@ class StepPlanner:
                                      and (len(seq.tokens) >= limit or seq.closing)):
                 continue  # the batch in flight samples its last token, or runs its closing step
             extend = seq.remaining
+            drafts: list[int] = []
             if extend > 1:
                 extend = min(extend, self.config.chunked_prefill_size, budget)
                 if extend <= 0:
                     continue
                 budget -= extend
+            else:
+                drafts = self._drafts(seq, limit, work)
             grown = self._grow(seq, seq.computed + extend, order, position, preempted, work)
             if grown is None:
                 continue  # look-ahead, short of pages
             if not grown:
                 return None
-            planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
+            if drafts:
+                planned.append(Entry(seq, 1 + len(drafts), 1 + len(drafts), drafts=drafts))
+            else:
+                planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
         return planned
+
+    def _drafts(self, seq: Seq, limit: int, work: StepWork) -> list[int]:
+        """Draft tokens for ``seq``'s decode step, with pages for them taken from the free
+        ones (drafts never evict or preempt); empty when it does not draft."""
+        req = seq.req
+        if (self.speculator is None or req.is_beam or req.has_penalties or seq.closing
+                or is_placeholder(seq.tokens[-1]) or self._samples_for(seq, 1) != 1):
+            return []
+        drafts = self.speculator.drafts_for(seq, limit, self._num_running)
+        if not drafts:
+            return []
+        upto = seq.computed + 1 + len(drafts)
+        need = self.mem.alloc.pages_for(upto) - len(seq.pages) + seq.copy_last_page
+        if need > self.mem.alloc.num_free_pages:
+            return []
+        self.mem.grow(seq, upto, work)
+        return drafts
 
     def _grow(self, seq: Seq, upto: int, order: list[Request], position: int,
               preempted: set[int], work: StepWork) -> bool | None:

@@ -48,6 +48,11 @@ class Seq:
     closing: bool = False  # a session turn's last token runs for its KV; no more samples
     copy_last_page: bool = False  # a fork's last page is its parent's, until grow() copies it
     prefills_in_flight: int = 0  # batches in flight prefilling a chunk of it (not in the tree yet)
+    # speculative decoding (scheduler/speculation.py): the moving acceptance rate of its drafts,
+    # decode steps left without drafting, and the next such pause's length
+    draft_rate: float = 1.0
+    draft_pause: int = 0
+    draft_backoff: int = 4
 
     @property
     def num_outputs(self) -> int:

@@ -36,6 +36,7 @@ from scheduler.kv import SeqMemory
 from scheduler.planner import Entry, StepPlanner, is_placeholder
 from scheduler.request import Request, Seq, Status
 from scheduler.session_pins import SessionPins
+from scheduler.speculation import Speculator
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -52,7 +53,9 @@ class Scheduler:
         if pinnable is None:
             pinnable = info.num_pages * info.page_size // 2
         self.sessions = SessionPins(self.tree, pinnable)
-        self.planner = StepPlanner(config, info, self.mem, self.sessions)
+        speculative = config.speculative()
+        self.speculator = Speculator(speculative) if speculative is not None else None
+        self.planner = StepPlanner(config, info, self.mem, self.sessions, self.speculator)
         self.requests: dict[str, Request] = {}
         self.outputs: dict[int, list[SeqOutput]] = {}
         # Batches sent and not yet answered, oldest first: one, or two while overlapping.
@@ -89,6 +92,9 @@ class Scheduler:
             return True
         if not self.overlap or len(self.inflight) > 1 or self._serial_next or self._looked_ahead:
             return False
+        if self.speculator is not None and self.speculator.may_draft(
+                sum(len(r.live_seqs()) for r in self.running)):
+            return False  # drafts need the settled last token: a look-ahead step has none
         # The batch in flight must decide nothing the next plan depends on: no forks or beam
         # steps (sequences appear or reorder), no penalties (the sampler reads the whole history).
         return all(e.samples <= 1 and not e.seq.req.is_beam and not e.seq.req.has_penalties
@@ -157,8 +163,8 @@ class Scheduler:
         row = 0
         for entry in plan.entries:
             seq = entry.seq
-            seq.computed = entry.end = seq.computed + entry.extend
-            seq.prefills_in_flight += entry.extend > 1
+            seq.computed = entry.end = seq.computed + entry.extend - len(entry.drafts)
+            seq.prefills_in_flight += entry.extend > 1 and not entry.drafts
             if entry.samples == 1 and not seq.req.is_beam:
                 entry.token_index = len(seq.tokens)
                 seq.tokens.append(-1 - row)
@@ -186,7 +192,7 @@ class Scheduler:
         for entry in entries:
             seq = entry.seq
             self.mem.copies_done(seq)
-            seq.prefills_in_flight -= entry.extend > 1
+            seq.prefills_in_flight -= entry.extend > 1 and not entry.drafts
             if seq.status is not Status.RUNNING:
                 row += entry.samples
                 continue
@@ -195,6 +201,17 @@ class Scheduler:
                 # A session turn that ended in the step before this one: this step computed its
                 # last token's KV (its sample is dropped), so the turn is cached to its end.
                 self._finish(seq, seq.finish_reason)
+                row += entry.samples
+                continue
+            if entry.drafts:
+                # Verification: the accepted drafts' KV is kept, the rest rolls back.
+                sampled = tokens[row : row + entry.samples]
+                kept = self.speculator.accept(seq, entry.drafts, sampled)
+                seq.computed = seq.settled = entry.end + kept - 1
+                self.mem.trim(seq, seq.computed + 1)
+                self._append(seq, sampled[:kept].tolist(), logprobs, top_ids, top_lps, row)
+                if seq.status is Status.RUNNING:  # a stop inside the drafts ends the tokens
+                    seq.computed = seq.settled = min(seq.computed, len(seq.tokens) - 1)
                 row += entry.samples
                 continue
             if entry.extend > 1:
@@ -209,7 +226,7 @@ class Scheduler:
                 self._fork_samples(seq, tokens[row : row + entry.samples], logprobs, top_ids,
                                    top_lps, row)
             else:
-                self._append(seq, int(tokens[row]), logprobs, top_ids, top_lps, row,
+                self._append(seq, [int(tokens[row])], logprobs, top_ids, top_lps, row,
                              entry.token_index)
             row += entry.samples
         for rows in beam_rows.values():
@@ -224,23 +241,31 @@ class Scheduler:
         for req in [r for r in self.running if not r.live_seqs()]:
             self._retire(req)
 
-    def _append(self, seq: Seq, token: int, logprobs, top_ids, top_lps, row: int,
+    def _append(self, seq: Seq, new: list[int], logprobs, top_ids, top_lps, row: int,
                 index: int = -1) -> None:
-        """``token`` is ``seq``'s output at ``tokens[index]`` (its placeholder), or a new one."""
+        """``new`` are ``seq``'s next outputs, sampled at rows ``row``, ``row + 1``, ...: the
+        first at ``tokens[index]`` (its placeholder), or all appended; it ends at the first one
+        that finishes it (a verification's accepted drafts can hold a stop token)."""
         if index < 0:
             index = len(seq.tokens)
-            seq.tokens.append(token)
+            seq.tokens.append(new[0])
         else:
-            seq.tokens[index] = token
-        req = seq.req
-        reason = self._finish_reason(seq, token, index + 1)
+            seq.tokens[index] = new[0]
+        reason = self._finish_reason(seq, new[0], index + 1)
+        for i, token in enumerate(new[1:], 1):
+            if reason is not None:
+                new = new[:i]
+                break
+            seq.tokens.append(token)
+            reason = self._finish_reason(seq, token, index + 1 + i)
+        req, end = seq.req, row + len(new)
         want = req.params.logprobs
-        lp = logprobs[row : row + 1].tobytes() if want is not None else b""
+        lp = logprobs[row:end].tobytes() if want is not None else b""
         tid = tlp = b""
         if want and top_ids is not None:
-            tid = top_ids[row, :want].astype(np.int32).tobytes()
-            tlp = top_lps[row, :want].astype(np.float32).tobytes()
-        self._emit(req, seq.index, [token], finish_reason=reason, logprobs=lp, top_ids=tid,
+            tid = top_ids[row:end, :want].astype(np.int32).tobytes()
+            tlp = top_lps[row:end, :want].astype(np.float32).tobytes()
+        self._emit(req, seq.index, new, finish_reason=reason, logprobs=lp, top_ids=tid,
                    top_logprobs=tlp)
         if reason is not None:
             self._finish(seq, reason)
@@ -299,7 +324,7 @@ class Scheduler:
             req.seqs.append(child)
             children.append(child)
         for i, child in enumerate(children):
-            self._append(child, int(tokens[i]), logprobs, top_ids, top_lps, row + i)
+            self._append(child, [int(tokens[i])], logprobs, top_ids, top_lps, row + i)
 
     def _beam_step(self, rows: list[tuple[Seq, int]], top_ids, top_lps) -> None:
         beams = [seq for seq, _ in rows]
@@ -386,9 +411,10 @@ class Scheduler:
         seqs = [s for r in self.requests.values() for s in r.live_seqs()]
         self.mem.check(seqs)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         s = self.tree.stats
         return {
+            **(self.speculator.stats() if self.speculator is not None else {}),
             "running": sum(len(r.live_seqs()) for r in self.running),
             "waiting": len(self.waiting),
             "kv_pages_total": self.alloc.num_pages,

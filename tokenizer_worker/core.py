@@ -201,9 +201,21 @@ class TokenizerWorker:
         if sample.done:
             result.token_ids = b""
             return result, False
-        if out.logprobs:
+        if not out.replace:
+            kept, delta, stopped = self._feed(sample, ids, bool(state.req.params.stop),
+                                              out.finish_reason is not None)
+            if kept < len(ids):
+                # A stop string inside several tokens at once (a verification's accepted
+                # drafts): the tokens after the one that completed it were never generated.
+                width = len(out.top_ids) // (4 * len(ids))
+                ids = ids[:kept]
+                result.token_ids = out.token_ids[: 4 * kept]
+                result.logprobs = out.logprobs[: 4 * kept]
+                result.top_ids = out.top_ids[: 4 * kept * width]
+                result.top_logprobs = out.top_logprobs[: 4 * kept * width]
+        if result.logprobs:
             result.token_texts = self._token_texts(ids)
-            result.top_texts = self._token_texts(unpack_ids(out.top_ids))
+            result.top_texts = self._token_texts(unpack_ids(result.top_ids))
         if out.replace:
             # Beam search sends each final beam whole: decode it in one go.
             text = self.tokenizer.decode(ids.tolist(),
@@ -212,10 +224,7 @@ class TokenizerWorker:
             result.text = emitted + ("" if stopped else sample.stop.flush())
             stopped = False  # the beam is final already: nothing to abort
         else:
-            delta = sample.detok.add(ids)
-            if out.finish_reason is not None:
-                delta += sample.detok.flush()
-            emitted, stopped = sample.stop.feed(delta)
+            emitted = delta
             if out.finish_reason is not None and not stopped:
                 emitted += sample.stop.flush()
                 if sample.stop.matched is not None:  # a stop string settled only at the end
@@ -233,6 +242,25 @@ class TokenizerWorker:
                 state.session.commit(state.prompt_ids.tolist(), state.req.messages,
                                      state.reply_ids, "".join(state.reply_text))
         return result, stopped and out.finish_reason is None
+
+    @staticmethod
+    def _feed(sample: SampleState, ids: np.ndarray, has_stops: bool,
+              final: bool) -> tuple[int, str, bool]:
+        """Detokenize ``ids`` and cut the text at a stop string: (ids kept, text, stopped).
+        With stop strings, several ids (a verification's accepted drafts) go in one at a time,
+        so the ids kept end at the one whose text completed the stop, as one per step would."""
+        pieces = [ids[i : i + 1] for i in range(len(ids))] if has_stops and len(ids) > 1 \
+            else [ids]
+        texts = []
+        for count, piece in enumerate(pieces, 1):
+            delta = sample.detok.add(piece)
+            if final and count == len(pieces):
+                delta += sample.detok.flush()
+            text, stopped = sample.stop.feed(delta)
+            texts.append(text)
+            if stopped:
+                return len(ids) if len(pieces) == 1 else count, "".join(texts), True
+        return len(ids), "".join(texts), False
 
     def _token_texts(self, ids: np.ndarray) -> list[str]:
         """Each token's own text (logprobs name tokens by it), special tokens spelled out."""

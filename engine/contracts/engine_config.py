@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from engine.contracts.options import check_declared
+from engine.contracts.speculative import SpeculativeConfig
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -72,6 +73,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "token)"))] = "auto"
     context_len: Annotated[int, Meta(ge=1, description=(
         "override the model's context length"))] | None = None
+    speculative_config: Annotated[str, Meta(description=(
+        "speculative decoding with no draft model, as JSON with vLLM's keys: "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+        "\"prompt_lookup_max\": 5}' drafts from the request's own prompt and output; "
+        "\"disable_by_batch_size\" (default 8) stops drafting while more sequences run"))
+        ] | None = None
     # sessions
     max_sessions: Annotated[int, Meta(ge=0, description=(
         "open multi-turn sessions at most"))] = 1024
@@ -144,9 +151,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """Tokens per block of the KV events."""
         return self.kv_events_block_size or self.page_size
 
+    def speculative(self) -> SpeculativeConfig | None:
+        """``--speculative-config`` parsed (ValueError with a sentence if it is not valid)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def validate(self) -> None:
         """The declared bounds and choices, then the rules that tie options together."""
         check_declared(self)
+        self.speculative()
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError("--preemption-mode swap needs --num-host-pages > 0")
         if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(

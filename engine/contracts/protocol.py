@@ -225,6 +225,12 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     preemptions: int = 0
     sessions_pinned: int = 0
     pinned_tokens: int = 0
+    # speculative decoding (scheduler/speculation.py); spec_method is "" when it is off
+    spec_method: str = ""
+    spec_drafted_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_emitted_tokens: int = 0  # tokens verifications produced (accepted + one each)
+    spec_verifications: int = 0  # sequence-steps that verified drafts
 
 
 class TokenOutputs(msgspec.Struct, tag=True):

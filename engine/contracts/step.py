@@ -161,11 +161,13 @@ class StepBuilder:
         self._rows: list[int] = []
 
     def add(self, pages: PageTable, cached_len: int, new_ids: Sequence[int] | np.ndarray,
-            samples: int = 1) -> None:
+            samples: int = 1, *, num_drafts: int = 0) -> None:
         """One sequence: KV for ``[0, cached_len)`` already in ``pages`` (position order, covering
         at least ``cached_len + len(new_ids)`` tokens; extra trailing pages are ignored), the new
         tokens' KV written to the slots this computes; ``samples`` logits rows of its last new
-        token (0 mid-prefill, n for parallel samples sharing one prefill)."""
+        token (0 mid-prefill, n for parallel samples sharing one prefill). ``num_drafts``: the
+        last that many new ids are draft tokens to verify, and the sequence gets one logits row
+        for each of its last ``num_drafts + 1`` new tokens instead (``samples`` is ignored)."""
         num_new = len(new_ids)
         if num_new == 0:
             raise ValueError(f"sequence {len(self._extend_lens)} has no new tokens; every "
@@ -195,7 +197,10 @@ class StepBuilder:
         self._indptr.append(len(self._pages))
         self._extend_lens.append(num_new)
         self._seq_lens.append(end)
-        if samples:
+        if num_drafts:
+            last = len(self._ids) - 1
+            self._rows.extend(range(last - num_drafts, last + 1))
+        elif samples:
             self._rows.extend([len(self._ids) - 1] * samples)
 
     def finish(self, copies=None, swap_out=None, swap_in=None, *,

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (its own registry, so several servers can share a process).
 
 Frontend-side counters and latency histograms are updated as requests run; scheduler-side
-gauges (running, waiting, KV pages, cache hits, preemptions, pinned sessions) are read at scrape
-time from the last ``SchedulerStats`` the scheduler sent, so a scrape costs no IPC.
+gauges (running, waiting, KV pages, cache hits, preemptions, pinned sessions, speculative
+decoding's drafts by method) are read at scrape time from the last ``SchedulerStats`` the
+scheduler sent, so a scrape costs no IPC.
 """
 
 from __future__ import annotations
@@ -69,6 +70,34 @@ class _SchedulerCollector(Collector):
         yield gauge("sessions_pinned", "Sessions whose KV is pinned.", s.sessions_pinned)
         yield gauge("pinned_tokens", "Tokens pinned by sessions.", s.pinned_tokens)
         yield gauge("engine_alive", "1 while every engine process runs.", float(f.alive))
+        if s.spec_method:
+            yield from _speculation(s)
+
+
+def _speculation(s: SchedulerStats) -> Iterator[Metric]:
+    """Speculative decoding's counters (scheduler/speculation.py), labelled by method."""
+
+    def family(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,
+               value: float) -> Metric:
+        metric = kind(f"{PREFIX}_{name}", doc, labels=["method"])
+        metric.add_metric([s.spec_method], value)
+        return metric
+
+    yield family(CounterMetricFamily, "spec_decode_num_draft_tokens",
+                 "Draft tokens verified.", s.spec_drafted_tokens)
+    yield family(CounterMetricFamily, "spec_decode_num_accepted_tokens",
+                 "Draft tokens accepted.", s.spec_accepted_tokens)
+    yield family(CounterMetricFamily, "spec_decode_num_emitted_tokens",
+                 "Tokens produced by verification steps (accepted drafts plus one each).",
+                 s.spec_emitted_tokens)
+    yield family(CounterMetricFamily, "spec_decode_num_verifications",
+                 "Sequence-steps that verified drafts.", s.spec_verifications)
+    drafted, verified = s.spec_drafted_tokens, s.spec_verifications
+    yield family(GaugeMetricFamily, "spec_decode_acceptance_rate",
+                 "Accepted / drafted tokens.", s.spec_accepted_tokens / drafted if drafted else 0.0)
+    yield family(GaugeMetricFamily, "spec_decode_mean_accepted_length",
+                 "Accepted drafts per verification.",
+                 s.spec_accepted_tokens / verified if verified else 0.0)
 
 
 class Metrics:

@@ -1,0 +1,108 @@
+"""Speculative decoding with no draft model: which sequences draft, how many tokens, and what
+their verification kept.
+
+A decoding sequence with ``k`` drafts runs as a ``k + 1``-token extend (its last token, then
+the drafts) with logits on every row; row ``i`` is sampled as that sequence's output number
+``num_outputs + i`` would be without drafts (the same seeded noise, scheduler/batch.py), so::
+
+    drafts        d0   d1   d2   d3
+    sampled   s0   s1   s2   s3   s4        (s_i from the logits after d_{i-1})
+    kept      s0 .. s_a, where a is the first i with s_i != d_i (or k: all accepted + bonus)
+
+Greedy rows pick the argmax, so the output is the one decoding without drafts gives. Sampled
+rows follow speculative (rejection) sampling for a draft that is a point mass on ``d``: the
+sampler's exponential race returns ``d`` with probability ``p(d)`` (accept), and otherwise a
+token drawn from ``p`` with ``d`` removed and renormalised (the race's winner given it is not
+``d``), which is exactly the rule's residual; seeded runs give the output they give without
+drafts. Rejected positions roll back: the sequence's ``computed`` counts only kept tokens, the
+tree only ever gets settled ones, and pages past the kept tokens return (``SeqMemory.trim``).
+
+Adaptive rules: a sequence's acceptance rate (a moving average of accepted / drafted) sets how
+many tokens it drafts; one whose drafts are mostly rejected pauses drafting for a number of
+steps that doubles each time it happens again. No sequence drafts while more than
+``disable_by_batch_size`` run: the step is then bound by compute, and a draft costs as much as
+a token. Not drafted: beams, rows with penalties (their sampler reads the whole history), a
+session's closing step, prefill chunks, and a sequence whose drafts would need pages that are
+not free (drafts never evict the cache or preempt anyone).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.contracts.speculative import SpeculativeConfig
+from scheduler.ngram import LOOKUP_WINDOW, propose_ngram
+
+if TYPE_CHECKING:
+    from scheduler.request import Seq
+
+RATE_WEIGHT = 0.3  # weight of the latest verification in the moving acceptance rate
+PAUSE_BELOW = 0.25  # acceptance rate under which a sequence pauses drafting
+FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # decode steps without drafts; doubled on each new pause
+
+
+class Speculator:
+    """Drafts for decoding sequences and the counters behind ``/metrics``. Holds no pages and
+    no tokens: the per-sequence state lives on the ``Seq`` (``draft_rate``, ``draft_pause``,
+    ``draft_backoff``)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.method = config.method
+        self.drafted_tokens = 0  # draft tokens verified
+        self.accepted_tokens = 0  # of those, accepted
+        self.emitted_tokens = 0  # tokens verification steps produced (accepted + one each)
+        self.verifications = 0  # sequence-steps that verified drafts
+
+    def may_draft(self, num_running: int) -> bool:
+        """Whether sequences draft while ``num_running`` run (else the step is compute-bound)."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def drafts_for(self, seq: Seq, limit: int, num_running: int) -> list[int]:
+        """Draft tokens for ``seq``'s next decode step (empty: decode as usual); ``limit`` is
+        the length the sequence may reach, ``num_running`` the sequences running."""
+        c = self.config
+        if not self.may_draft(num_running):
+            return []
+        if seq.draft_pause > 0:
+            seq.draft_pause -= 1
+            return []
+        k = min(math.ceil(c.num_speculative_tokens * seq.draft_rate),
+                limit - len(seq.tokens) - 1)  # room for the drafts and the bonus token
+        if k < 1:
+            return []
+        tokens = np.asarray(seq.tokens[-LOOKUP_WINDOW:], dtype=np.int64)
+        return propose_ngram(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k).tolist()
+
+    def accept(self, seq: Seq, drafts: list[int], sampled: np.ndarray) -> int:
+        """How many of ``sampled`` (one token per verify row, ``len(drafts) + 1``) ``seq``
+        keeps: the accepted drafts and the token after them. Updates its rate and the
+        counters."""
+        k = len(drafts)
+        agree = sampled[:k] == np.asarray(drafts, dtype=sampled.dtype)
+        accepted = int(np.cumprod(agree).sum())
+        self.drafted_tokens += k
+        self.accepted_tokens += accepted
+        self.emitted_tokens += accepted + 1
+        self.verifications += 1
+        seq.draft_rate += RATE_WEIGHT * (accepted / k - seq.draft_rate)
+        if accepted / k >= 0.5:
+            seq.draft_backoff = FIRST_PAUSE
+        if seq.draft_rate < PAUSE_BELOW:
+            seq.draft_pause = seq.draft_backoff
+            seq.draft_backoff = min(2 * seq.draft_backoff, LONGEST_PAUSE)
+            seq.draft_rate = 0.5  # after the pause, try again with half the drafts
+        return accepted + 1
+
+    def stats(self) -> dict[str, float | str]:
+        return {
+            "spec_method": self.method,
+            "spec_drafted_tokens": self.drafted_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_emitted_tokens": self.emitted_tokens,
+            "spec_verifications": self.verifications,
+        }
+
