@@ -112,14 +112,16 @@ def _ops() -> object | None:
 
 
 @functools.cache
-def paged_decode_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+def paged_decode_op(quantized: bool = False) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """None also where the build has no AVX-512 loops: there the plain C++ kernel measured no
     faster than gathering pages for torch's SDPA (653 vs 664 us, 908 vs 802 us at batch 8 and
-    608-token contexts, against 361 / 512 us vectorised)."""
+    608-token contexts, against 361 / 512 us vectorised). ``quantized`` (an int8 pool): the
+    kernel wherever it is built, since the torch path would dequantize each sequence's pages
+    into a full-precision copy first."""
     ops = _ops()
     if ops is None:
         return None
-    if not ops.paged_decode_vectorized():
+    if not quantized and not ops.paged_decode_vectorized():
         logger.info("decode attention gathers pages for torch's SDPA: this CPU has no AVX-512 "
                     "for the compiled kernel")
         return None

@@ -8,10 +8,15 @@ layout allows).
 Layout, one tensor for everything (a layer's K and V are contiguous, which is what FlashInfer's
 paged kernels take as ``(k_cache, v_cache)`` in NHD layout)::
 
-    kv   [num_layers, 2 (K, V), num_pages,      page_size, num_kv_heads, head_dim]  device
-    host [num_layers, 2 (K, V), num_host_pages, page_size, num_kv_heads, head_dim]  cpu, pinned
-                                                                                    when on CUDA
+    kv   [num_layers, 2 (K, V), num_pages,      page_size, num_kv_heads, row]  device
+    host [num_layers, 2 (K, V), num_host_pages, page_size, num_kv_heads, row]  cpu, pinned
+                                                                               when on CUDA
     slot s of a layer = page s // page_size, offset s % page_size
+
+``row`` is ``head_dim`` values in the KV dtype (``kv_dtype``: the model's by default), or, for
+int8, ``head_dim`` int8 values and their float16 scale (engine/worker/kv_quant.py): a page's
+scales are bytes of the page, so every copy, swap and shard below carries them with the values.
+``dtype`` is the model's: what attention computes in and what ``write`` is given.
 
 The device pool starts zeroed: attention kernels may read (and mask) slots no token was ever
 written to, and zeros keep those reads finite.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.worker.kv_quant import quantize, row_width
 from engine.worker.staging import to_device, to_device_many
 
 
@@ -44,51 +50,61 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         num_host_pages: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_host_pages = num_host_pages
         self.device = torch.device(device)
-        page = (page_size, num_kv_heads, head_dim)
-        self.kv = _zeros((num_layers, 2, num_pages, *page), dtype, self.device)
+        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
+        self.quantized = self.kv_dtype == torch.int8
+        self.head_dim = head_dim
+        row = row_width(head_dim, self.kv_dtype)
+        page = (page_size, num_kv_heads, row)
+        self.kv = _zeros((num_layers, 2, num_pages, *page), self.kv_dtype, self.device)
         self.host = _zeros(
             (num_layers, 2, num_host_pages, *page),
-            dtype,
+            self.kv_dtype,
             torch.device("cpu"),
             pin=self.device.type == "cuda" and num_host_pages > 0,
         )
-        # Per-layer slot-major views [num_pages * page_size, heads, head_dim] for token writes.
+        # Per-layer slot-major views [num_pages * page_size, heads, row] for token writes.
         self._slot_views = [
             (
-                self.kv[i, 0].view(-1, num_kv_heads, head_dim),
-                self.kv[i, 1].view(-1, num_kv_heads, head_dim),
+                self.kv[i, 0].view(-1, num_kv_heads, row),
+                self.kv[i, 1].view(-1, num_kv_heads, row),
             )
             for i in range(num_layers)
         ]
-        # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, head_dim].
-        self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, head_dim)
+        # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, row].
+        self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, row)
         # CUDA swaps: a flat pinned buffer and the event after the last copy that used it.
-        self._staging = torch.empty(0, dtype=dtype)
+        self._staging = torch.empty(0, dtype=self.kv_dtype)
         self._staging_used = torch.cuda.Event() if self.device.type == "cuda" else None
 
     @staticmethod
     def bytes_per_page(
         *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
+        """Bytes of one page in every layer, K and V, for a pool storing ``dtype`` (int8: with
+        its scales)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
+        return num_layers * 2 * page_size * num_kv_heads * row_width(head_dim, dtype) * itemsize
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
+        """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, row]."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one layer by slot, each [num_pages * page_size, num_kv_heads, head_dim]:
+        """(K, V) of one layer by slot, each [num_pages * page_size, num_kv_heads, row]:
         views of the pages, for writing new tokens' K and V in place."""
         return self._slot_views[layer]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K and V ([T, num_kv_heads, head_dim]) at ``slots`` (int64, device)."""
+        """Store new tokens' K and V ([T, num_kv_heads, head_dim]) at ``slots`` (int64, device),
+        quantized in an int8 pool."""
         k_slots, v_slots = self._slot_views[layer]
+        if self.quantized:
+            k, v = quantize(k), quantize(v)
         k_slots.index_copy_(0, slots, k)
         v_slots.index_copy_(0, slots, v)
 

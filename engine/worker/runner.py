@@ -29,6 +29,7 @@ from engine.worker.attention import make_backend
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.distributed import TensorParallel
 from engine.worker.kv_pool import KVPool
+from engine.worker.kv_quant import resolve_kv_dtype
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.loader import load_model
 from engine.worker.staging import HostStaging
@@ -89,7 +90,7 @@ class ModelRunner:
 
     Reads from ``EngineConfig``: ``model``, ``load_format``, ``seed``, ``device``, ``dtype``
     (the weights); ``page_size``, ``num_pages`` / ``kv_cache_gb`` / ``mem_fraction``,
-    ``num_host_pages`` (the pool); ``attention_backend``, ``flashinfer_decode_backend`` (the
+    ``num_host_pages``, ``kv_cache_dtype`` (the pool); ``attention_backend``, ``flashinfer_decode_backend`` (the
     attention); ``enable_cuda_graph``, ``cuda_graph_max_bs`` (decode graphs). Its defaults
     are the config's: the runner declares none of its own.
     """
@@ -102,6 +103,7 @@ class ModelRunner:
         self.device = tp.device if tp else torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graph_max_batch = config.cuda_graph_max_bs if config.enable_cuda_graph else 0
         self._load_model(config)
         self._make_pool(config)
@@ -141,15 +143,16 @@ class ModelRunner:
         mc, plan = self.config, self.model.plan
         page_bytes = KVPool.bytes_per_page(num_layers=mc.num_layers, page_size=c.page_size,
                                            num_kv_heads=plan.num_kv_heads,
-                                           head_dim=mc.head_dim, dtype=self.dtype)
+                                           head_dim=mc.head_dim, dtype=self.kv_dtype)
         self.num_pages, how = self._size_pool(page_bytes, c.num_pages, c.kv_cache_gb,
                                               c.mem_fraction)
         if self.tp is not None:
             self.num_pages = self.tp.agree_min(self.num_pages)
         self.kv_cache_bytes = self.num_pages * page_bytes
-        logger.info("KV cache: %d pages of %d tokens (%.2f GiB, %s) on %s, %d host pages",
-                    self.num_pages, c.page_size, self.kv_cache_bytes / 2**30, how, self.device,
-                    c.num_host_pages)
+        logger.info("KV cache: %s, %d pages of %d tokens = %d tokens (%.2f GiB, %s) on %s, "
+                    "%d host pages", str(self.kv_dtype).removeprefix("torch."), self.num_pages,
+                    c.page_size, self.num_pages * c.page_size, self.kv_cache_bytes / 2**30, how,
+                    self.device, c.num_host_pages)
         # With CUDA graphs, a scratch page past the pages the scheduler sees: the graphs'
         # padding rows write and read it, and nothing else does.
         self.scratch_page = self.num_pages if self.graph_max_batch > 0 else None
@@ -162,6 +165,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             num_host_pages=c.num_host_pages,
+            kv_dtype=self.kv_dtype,
         )
 
     def _capture_graphs(self) -> DecodeGraphs | None:

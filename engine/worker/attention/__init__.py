@@ -40,9 +40,12 @@ def flashinfer_installed() -> bool:
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype,
                     head_dim: int | None = None) -> str:
-    """The concrete backend ``name`` means on this device, dtype and head size."""
+    """The concrete backend ``name`` means on this device, KV dtype and head size."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "flashinfer" and dtype == torch.int8:
+        raise ValueError("FlashInfer has no int8 KV cache: use --attention-backend torch with "
+                         "--kv-cache-dtype int8, or --kv-cache-dtype auto")
     if name != "auto":
         return name
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.worker.kv_quant import dequantize
 from engine.worker.staging import to_device_many
 
 MIN_SHARED_PAGES = 4
@@ -195,7 +196,11 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
 
     def gather(pages: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
         # [n, kv, S, D] as a strided view: the fused kernel reads it as is (a copy measured no faster).
-        return pages.index_select(0, table).view(n, -1, num_kv, head_dim).transpose(1, 2)
+        # An int8 pool's pages are dequantized here: only the pages this part reads.
+        selected = pages.index_select(0, table)
+        if selected.dtype == torch.int8:
+            selected = dequantize(selected, q.dtype)
+        return selected.view(n, -1, num_kv, head_dim).transpose(1, 2)
 
     if plan.own_paged is not None and paged_decode is not None:
         # Heads h = kv * per_kv + i: the kernel's [B, heads] rows are q4's for E = 1.

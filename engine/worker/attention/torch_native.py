@@ -30,6 +30,7 @@ from engine.contracts.step import BatchInput
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.cascade import CascadePlan, attend_cascade, plan_cascade
 from engine.worker.cpu_kernels import paged_decode_op, rope_store_op
+from engine.worker.kv_quant import dequantize
 from engine.worker.staging import to_device_many
 
 
@@ -74,7 +75,7 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
         on_cpu = compiled and self.device.type == "cpu"
-        self._paged_decode = paged_decode_op() if on_cpu else None
+        self._paged_decode = paged_decode_op(self.pool.quantized) if on_cpu else None
         self._rope_store = rope_store_op() if on_cpu else None
 
     def forward_rotating(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
@@ -135,7 +136,7 @@ class TorchNativeBackend(AttentionBackend):
             cascade = plan_cascade(batch.page_indices[take], num_pages.astype(np.int64),
                                    batch.seq_lens[seqs].astype(np.int64),
                                    query_pos.reshape(num_seqs, max_extend), page_size, device,
-                                   self.pool.kv.dtype)
+                                   self.pool.dtype)
         # The group's arrays reach the device in one non-blocking copy (no sync).
         arrays = {"page_table": page_table}
         if not whole:
@@ -189,7 +190,7 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens = batch.seq_lens[seqs].astype(np.int64)
         plan = plan_cascade(batch.page_indices[take], counts.astype(np.int64), seq_lens,
                             seq_lens[:, None] - 1, self.pool.page_size, self.device,
-                            self.pool.kv.dtype, ragged_own=True,
+                            self.pool.dtype, ragged_own=True,
                             min_saved_keys=CASCADE_MIN_SAVED_KEYS)
         if plan is None:
             return None
@@ -210,7 +211,7 @@ class TorchNativeBackend(AttentionBackend):
                 allowed &= key_pos > query_pos_t - window
             if max_extend == 1:
                 # Additive float mask: the faster SDPA path for single-row queries.
-                mask = torch.zeros(allowed.shape, dtype=self.pool.kv.dtype, device=device)
+                mask = torch.zeros(allowed.shape, dtype=self.pool.dtype, device=device)
                 allowed = mask.masked_fill_(~allowed, float("-inf"))
             masks[window] = allowed.unsqueeze(1)
         return masks
@@ -227,15 +228,20 @@ class TorchNativeBackend(AttentionBackend):
 
     def _gather(self, which: int, pages: torch.Tensor, g: _Group) -> torch.Tensor:
         """``pages[g.page_table]`` into a reused buffer: a fresh multi-hundred-MB tensor per
-        layer and step costs more in page faults than the copy itself (4x, measured on CPU)."""
-        per_page = pages[0].numel()
+        layer and step costs more in page faults than the copy itself (4x, measured on CPU).
+        An int8 pool's pages are dequantized as they land: only the pages this group reads
+        exist in full precision, and only for this layer."""
+        per_page = pages[0].numel() // pages.shape[-1] * self.head_dim
         need = len(g.page_table) * per_page
         buf = self._gather_buffers[which]
         if buf is None or buf.numel() < need:
-            buf = self._gather_buffers[which] = torch.empty(need + need // 4, dtype=pages.dtype,
+            buf = self._gather_buffers[which] = torch.empty(need + need // 4, dtype=self.pool.dtype,
                                                device=pages.device)
-        out = buf[:need].view(len(g.page_table), *pages.shape[1:])
-        torch.index_select(pages, 0, g.page_table, out=out)
+        out = buf[:need].view(len(g.page_table), *pages.shape[1:-1], self.head_dim)
+        if self.pool.quantized:
+            out.copy_(dequantize(pages.index_select(0, g.page_table), out.dtype))
+        else:
+            torch.index_select(pages, 0, g.page_table, out=out)
         return out.view(g.num_seqs, g.kv_len, self.num_kv_heads, self.head_dim)
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:

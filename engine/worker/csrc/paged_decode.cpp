@@ -4,7 +4,8 @@
 // torch.ops.radixserve.paged_decode.
 //
 //   q        [B, H, D]                    the step's queries (one per sequence)
-//   k, v     [num_pages, P, KVH, D]       one layer's pages
+//   k, v     [num_pages, P, KVH, D]       one layer's pages, in q's dtype or int8 rows of D + 2
+//                                         (D values and their float16 scale: kv_quant.py)
 //   indptr   int32 [B + 1], indices       each sequence's pages, in position order (CSR)
 //   seq_lens int32 [B]                    keys per sequence, the new token's included
 //   starts   int32 [B], optional          attend keys from this position on (the cascade's
@@ -15,7 +16,9 @@
 // Work item = a sequence and a run of its KV heads (all of them unless a small batch must be
 // split further to keep every thread busy); the H / KVH query heads sharing a KV head read
 // each key once. Keys go in blocks of 16 with an online softmax (running max and sum in
-// float32); scores, weights and sums are float32 whatever the KV dtype. On CPUs with AVX-512
+// float32); scores, weights and sums are float32 whatever the KV dtype. int8 keys and values
+// are widened in registers and their scales folded into the block's scores (score = scale_k *
+// q.k) and weights (p * scale_v): no page is ever dequantized into memory. On CPUs with AVX-512
 // (and head sizes that are multiples of 16, up to 256) the loops run on 16-wide registers;
 // elsewhere they are plain C++ (the build with RADIXSERVE_PORTABLE, which the tests also run).
 
@@ -84,6 +87,10 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
@@ -255,11 +262,14 @@ inline float softmax_block(float* s, int64_t n, float& run_max, float& run_sum) 
   return rescale;
 }
 
-template <typename T>
-void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_t* indptr,
+// T: q's dtype; KV: the pages' (T, or int8_t for quantized rows of D + 2).
+template <typename T, typename KV>
+void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int32_t* indptr,
             const int32_t* indices, const int32_t* seq_lens, const int32_t* starts, int64_t B,
             int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t window, float scale,
             int64_t page_stride, int64_t token_stride) {
+  constexpr bool quantized = std::is_same_v<KV, int8_t>;
+  const int64_t row_len = quantized ? D + radixserve::kScaleBytes : D;  // a head's row
   const int64_t G = H / KVH;
   // A work item is a sequence's keys for a run of its KV heads: all of them when there are
   // enough sequences to keep every thread busy (a token's heads are adjacent in its page, so
@@ -270,9 +280,9 @@ void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_
   at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows = heads_per_chunk * G;  // query heads of one item
     std::vector<float> qf(rows * D), acc(rows * D), run_max(rows), run_sum(rows),
-        s(rows * kBlock);
+        s(rows * kBlock), weighted(quantized ? rows * kBlock : 0), scales(kBlock);
     std::vector<int64_t> row_at(kBlock);
-    std::vector<const T*> key_rows(kBlock), value_rows(kBlock);
+    std::vector<const KV*> key_rows(kBlock), value_rows(kBlock);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks;
       const int64_t h0 = (item % chunks) * heads_per_chunk;
@@ -300,8 +310,8 @@ void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_
         const int64_t ahead = std::min(kBlock, len - start - kBlock);
         for (int64_t t = 0, page = (start + kBlock) / P, slot = (start + kBlock) % P; t < ahead;
              ++t) {
-          const int64_t row = pages[page] * page_stride + slot * token_stride + h0 * D;
-          for (int64_t byte = 0; byte < (h1 - h0) * D * int64_t(sizeof(T)); byte += 64) {
+          const int64_t row = pages[page] * page_stride + slot * token_stride + h0 * row_len;
+          for (int64_t byte = 0; byte < (h1 - h0) * row_len * int64_t(sizeof(KV)); byte += 64) {
             __builtin_prefetch(reinterpret_cast<const char*>(k + row) + byte);
             __builtin_prefetch(reinterpret_cast<const char*>(v + row) + byte);
           }
@@ -309,9 +319,14 @@ void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_
         }
         // Scores: s[row * kBlock + t] for query row `row` (head h, group member i).
         for (int64_t h = h0; h < h1; ++h) {
-          for (int64_t t = 0; t < n; ++t) key_rows[t] = k + row_at[t] + h * D;
+          for (int64_t t = 0; t < n; ++t) key_rows[t] = k + row_at[t] + h * row_len;
           const int64_t row0 = (h - h0) * G;
           score_keys(qf.data() + row0 * D, key_rows.data(), n, G, D, s.data() + row0 * kBlock);
+          if constexpr (quantized) {
+            for (int64_t t = 0; t < n; ++t) scales[t] = radixserve::row_scale(key_rows[t], D);
+            for (int64_t i = row0; i < row0 + G; ++i)
+              for (int64_t t = 0; t < n; ++t) s[i * kBlock + t] *= scales[t];
+          }
         }
         for (int64_t row = 0; row < used; ++row) {
           const float rescale =
@@ -320,9 +335,18 @@ void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_
           for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
         }
         for (int64_t h = h0; h < h1; ++h) {
-          for (int64_t t = 0; t < n; ++t) value_rows[t] = v + row_at[t] + h * D;
+          for (int64_t t = 0; t < n; ++t) value_rows[t] = v + row_at[t] + h * row_len;
           const int64_t row0 = (h - h0) * G;
-          add_values(s.data() + row0 * kBlock, value_rows.data(), n, G, D, acc.data() + row0 * D);
+          const float* weights = s.data() + row0 * kBlock;
+          if constexpr (quantized) {
+            // The softmax's sums took the weights as they are; the values take them scaled.
+            for (int64_t t = 0; t < n; ++t) scales[t] = radixserve::row_scale(value_rows[t], D);
+            for (int64_t i = row0; i < row0 + G; ++i)
+              for (int64_t t = 0; t < n; ++t)
+                weighted[i * kBlock + t] = s[i * kBlock + t] * scales[t];
+            weights = weighted.data() + row0 * kBlock;
+          }
+          add_values(weights, value_rows.data(), n, G, D, acc.data() + row0 * D);
         }
       }
       T* ob = out + (b * H + h0 * G) * D;
@@ -335,15 +359,27 @@ void decode(const T* q, const T* k, const T* v, T* out, float* lse, const int32_
   });
 }
 
+template <typename T, typename KV>
+void run_kv(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+            at::Tensor& out, at::Tensor& lse, const at::Tensor& indptr, const at::Tensor& indices,
+            const at::Tensor& seq_lens, const int32_t* starts, int64_t window, double scale) {
+  decode<T, KV>(q.data_ptr<T>(), k_pages.data_ptr<KV>(), v_pages.data_ptr<KV>(),
+                out.data_ptr<T>(), lse.data_ptr<float>(), indptr.data_ptr<int32_t>(),
+                indices.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), starts, q.size(0),
+                q.size(1), k_pages.size(2), q.size(2), k_pages.size(1), window,
+                static_cast<float>(scale), k_pages.stride(0), k_pages.stride(1));
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
          at::Tensor& out, at::Tensor& lse, const at::Tensor& indptr, const at::Tensor& indices,
          const at::Tensor& seq_lens, const int32_t* starts, int64_t window, double scale) {
-  decode<T>(q.data_ptr<T>(), k_pages.data_ptr<T>(), v_pages.data_ptr<T>(), out.data_ptr<T>(),
-            lse.data_ptr<float>(), indptr.data_ptr<int32_t>(), indices.data_ptr<int32_t>(),
-            seq_lens.data_ptr<int32_t>(), starts, q.size(0), q.size(1), k_pages.size(2),
-            q.size(2), k_pages.size(1), window, static_cast<float>(scale), k_pages.stride(0),
-            k_pages.stride(1));
+  if (k_pages.scalar_type() == at::kChar)
+    run_kv<T, int8_t>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, starts, window,
+                      scale);
+  else
+    run_kv<T, T>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, starts, window,
+                 scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode(
@@ -352,12 +388,16 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
     int64_t window, double scale, const std::optional<at::Tensor>& starts) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
               "paged_decode: q [B, H, D] and pages [N, P, KVH, D] expected");
-  TORCH_CHECK(q.is_contiguous() && k_pages.stride(3) == 1 && k_pages.stride(2) == q.size(2) &&
-                  v_pages.strides() == k_pages.strides(),
+  TORCH_CHECK(q.is_contiguous() && k_pages.stride(3) == 1 &&
+                  k_pages.stride(2) == k_pages.size(3) && v_pages.strides() == k_pages.strides(),
               "paged_decode: q contiguous, pages with contiguous heads expected");
-  TORCH_CHECK(q.size(2) == k_pages.size(3) && q.size(1) % k_pages.size(2) == 0,
-              "paged_decode: head sizes disagree");
-  TORCH_CHECK(k_pages.scalar_type() == q.scalar_type(), "paged_decode: q and KV dtypes differ");
+  const bool quantized = k_pages.scalar_type() == at::kChar;
+  TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() || quantized,
+              "paged_decode: KV pages in q's dtype or int8 expected");
+  TORCH_CHECK(v_pages.scalar_type() == k_pages.scalar_type(), "paged_decode: K and V dtypes differ");
+  TORCH_CHECK(q.size(2) + (quantized ? radixserve::kScaleBytes : 0) == k_pages.size(3) &&
+                  q.size(1) % k_pages.size(2) == 0,
+              "paged_decode: head sizes disagree (int8 rows hold D values and a 2-byte scale)");
   TORCH_CHECK(indptr.scalar_type() == at::kInt && indices.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt && indptr.numel() == q.size(0) + 1 &&
                   seq_lens.numel() == q.size(0) && indptr.is_contiguous() &&

@@ -9,12 +9,15 @@
 //                                              multiply-add)
 //
 // which is engine/worker/attention/base.py's apply_rope (``signed_sin`` has rotate_half's sign folded
-// into its first half). Registered as torch.ops.radixserve.rope_store; built by
-// engine/worker/cpu_kernels.py.
+// into its first half). An int8 pool's rows (engine/worker/kv_quant.py) are quantized as they are
+// stored: K after its rotation is rounded to the model's dtype, as the torch path quantizes it.
+// Registered as torch.ops.radixserve.rope_store; built by engine/worker/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "ops.h"
 
@@ -45,40 +48,62 @@ inline void rotate<float>(const float* x, const float* cos, const float* signed_
   }
 }
 
-template <typename T>
+// KV = T: the pool holds the model's dtype; KV = int8_t: quantized rows of D + 2 bytes.
+template <typename T, typename KV>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
          const at::Tensor& signed_sin, const at::Tensor& slots, at::Tensor& k_slots,
          at::Tensor& v_slots, at::Tensor& out) {
+  constexpr bool quantized = std::is_same_v<KV, int8_t>;
   const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), D = q.size(2);
+  const int64_t row = k_slots.size(2);
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = signed_sin.data_ptr<T>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  T* ks = k_slots.data_ptr<T>();
-  T* vs = v_slots.data_ptr<T>();
+  KV* ks = k_slots.data_ptr<KV>();
+  KV* vs = v_slots.data_ptr<KV>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> rotated(quantized ? D : 0);
     for (int64_t t = begin; t < end; ++t) {
       const T* ct = cp + t * D;
       const T* st = sp + t * D;
       for (int64_t h = 0; h < heads; ++h)
         rotate(qp + t * q.stride(0) + h * q.stride(1), ct, st, D, op + (t * heads + h) * D);
-      T* k_dst = ks + slot[t] * kv_heads * D;
-      T* v_dst = vs + slot[t] * kv_heads * D;
+      KV* k_dst = ks + slot[t] * kv_heads * row;
+      KV* v_dst = vs + slot[t] * kv_heads * row;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(kp + t * k.stride(0) + h * k.stride(1), ct, st, D, k_dst + h * D);
+        const T* kh = kp + t * k.stride(0) + h * k.stride(1);
         const T* vh = vp + t * v.stride(0) + h * v.stride(1);
-        for (int64_t d = 0; d < D; ++d) v_dst[h * D + d] = vh[d];
+        if constexpr (quantized) {
+          rotate(kh, ct, st, D, rotated.data());
+          radixserve::quantize_row(rotated.data(), D, k_dst + h * row);
+          radixserve::quantize_row(vh, D, v_dst + h * row);
+        } else {
+          rotate(kh, ct, st, D, k_dst + h * row);
+          for (int64_t d = 0; d < D; ++d) v_dst[h * row + d] = vh[d];
+        }
       }
     }
   });
 }
 
+template <typename T>
+void run_for_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& cos, const at::Tensor& signed_sin, const at::Tensor& slots,
+                  at::Tensor& k_slots, at::Tensor& v_slots, at::Tensor& out) {
+  if (k_slots.scalar_type() == at::kChar)
+    run<T, int8_t>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
+  else
+    run<T, T>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
+}
+
 // q [T, H, D], k and v [T, KVH, D] (rows may be strided, heads contiguous); cos, signed_sin
 // [T, 1, D] contiguous; slots int64 [T]; k_slots, v_slots [num_slots, KVH, D] contiguous (one
-// layer of the pool). Returns the rotated queries, [T, H, D] contiguous.
+// layer of the pool; int8 pools: [num_slots, KVH, D + 2]). Returns the rotated queries, [T, H, D]
+// contiguous.
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& cos, const at::Tensor& signed_sin,
                       const at::Tensor& slots, at::Tensor k_slots, at::Tensor v_slots) {
@@ -92,18 +117,21 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == tokens * D &&
                   signed_sin.numel() == tokens * D,
               "rope_store: cos and signed_sin [T, 1, D] expected");
+  const bool quantized = k_slots.scalar_type() == at::kChar;
   TORCH_CHECK(k_slots.is_contiguous() && v_slots.is_contiguous() &&
                   k_slots.sizes() == v_slots.sizes() && k_slots.dim() == 3 &&
-                  k_slots.size(1) == k.size(1) && k_slots.size(2) == D,
-              "rope_store: the pool's slots [num_slots, KVH, D] expected");
+                  k_slots.size(1) == k.size(1) &&
+                  k_slots.size(2) == D + (quantized ? radixserve::kScaleBytes : 0),
+              "rope_store: the pool's slots [num_slots, KVH, D] (int8: D + 2) expected");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == tokens,
               "rope_store: int64 slots [T] expected");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype &&
                   cos.scalar_type() == dtype && signed_sin.scalar_type() == dtype &&
-                  k_slots.scalar_type() == dtype && v_slots.scalar_type() == dtype,
-              "rope_store: every tensor in the model's dtype expected");
+                  (quantized || k_slots.scalar_type() == dtype) &&
+                  v_slots.scalar_type() == k_slots.scalar_type(),
+              "rope_store: every tensor in the model's dtype (the pool's: or int8) expected");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < k_slots.size(0), "rope_store: slot ", slot[t],
@@ -111,13 +139,13 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   auto out = at::empty({tokens, q.size(1), D}, q.options());
   switch (dtype) {
     case at::kFloat:
-      run<float>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
+      run_for_pool<float>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
+      run_for_pool<c10::BFloat16>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
       break;
     case at::kHalf:
-      run<c10::Half>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
+      run_for_pool<c10::Half>(q, k, v, cos, signed_sin, slots, k_slots, v_slots, out);
       break;
     default:
       TORCH_CHECK(false, "rope_store: unsupported dtype ", dtype);
