@@ -30,6 +30,7 @@ def test_dry_run_walks_every_step_in_order(phase: int, tmp_path, capsys) -> None
     assert (tmp_path / f"phase{phase}.log").read_text().count("===") == 2 * len(steps)
 
 
+@pytest.mark.e2e
 def test_a_step_past_its_budget_is_killed_and_its_output_kept(tmp_path, monkeypatch) -> None:
     steps = [
         gpu_phase.Step("measures, then hangs", 2,
