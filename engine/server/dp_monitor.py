@@ -69,10 +69,12 @@ class DispatchReports:
         return views
 
     def total_stats(self) -> SchedulerStats:
-        """The replicas' scheduler stats summed: the engine-wide gauges of ``/metrics``."""
+        """The replicas' scheduler stats summed: the engine-wide gauges of ``/metrics``.
+        A field that is not a number (a name the replicas share) is replica 0's."""
         fields = msgspec.structs.fields(SchedulerStats)
-        return SchedulerStats(**{f.name: sum(getattr(s, f.name) for s in self.stats)
-                                 for f in fields})
+        return SchedulerStats(**{
+            f.name: sum(getattr(s, f.name) for s in self.stats)
+            if f.type in (int, float) else getattr(self.stats[0], f.name) for f in fields})
 
     def collector(self) -> Collector:
         return _DispatchCollector(self)
