@@ -84,7 +84,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "speculative decoding with no draft model, as JSON with vLLM's keys: "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
         "\"prompt_lookup_max\": 5}' drafts from the request's own prompt and output; "
-        "\"disable_by_batch_size\" (default 8) stops drafting while more sequences run"))
+        "\"disable_by_batch_size\" (default 16) stops drafting while more sequences run"))
         ] | None = None
     # sessions
     max_sessions: Annotated[int, Meta(ge=0, description=(

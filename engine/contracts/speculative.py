@@ -19,9 +19,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-# Measured on a 2-core CPU with SmolLM2-135M (scripts/bench_speculation.py --cost): a 5-token
-# verify over a batch costs about what it saves up to this many sequences, and more past it.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# scripts/bench_speculation.py --cost, SmolLM2-135M on a shared 2-core CPU, one thread, 300
+# cached tokens a sequence: a verify step with 5 drafts a sequence costs 1.4-2.1x a decode
+# step of the same batch up to 16 sequences (one accepted draft in a verify pays for it) and
+# 2.6x at 32, where the step is bound by compute. Noisy (others' jobs ran meanwhile).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
