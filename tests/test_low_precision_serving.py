@@ -12,7 +12,10 @@ request joins changes its batch, and bf16 rounding with it) and agrees with tran
 on 173. A count over 192 tokens moves 6 points with one early flip, so the test asserts what
 bf16 may do instead: every token where the engine's bf16 leaves its fp32 path is a near-tie in
 fp32 (top-2 logit lead under ``NEAR_TIE``; transformers' own bf16 flips leads up to 0.13 on
-these prompts), and at least 75% agreement with transformers' bf16 tokens.
+these prompts), and that it keeps about as many of its fp32 tokens as transformers' bf16
+keeps of its own (within ``DRIFT_MARGIN``). Agreeing with transformers' bf16 token for token
+is no oracle: with the engine unchanged it fell from 173 of 192 tokens to 0.73 of them under
+transformers 5.24.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tests.test_scheduler import Harness, hf_greedy, model_dir  # noqa: F401 (fi
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 NEAR_TIE = 0.25  # fp32 logit lead of the greedy token over the next one
-AGREEMENT_FLOOR = 0.75
+DRIFT_MARGIN = 0.10  # two flips early in a 12-token output of the 16 grouped requests
 
 
 def grouped_prompts(groups: int, members: int, head: int, seed: int) -> list[list[int]]:
@@ -105,7 +108,9 @@ def test_scheduler_paths_in_bf16_agree_with_fp32(model_dir, mode, compiled):  # 
                 top = hf32(ids).logits[0, -1].topk(2).values
             lead = float(top[0] - top[1])
             assert lead < NEAR_TIE, f"bf16 flipped token {at} of {prompt[:4]}..., fp32 lead {lead}"
-    assert agreement(ours16, ref16) >= AGREEMENT_FLOOR
+    # No more drift from fp32 than transformers' own bf16 shows on the same prompts, within
+    # two early flips (its bf16 numerics move between transformers releases).
+    assert agreement(ours16, ref32) >= agreement(ref16, ref32) - DRIFT_MARGIN
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
