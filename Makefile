@@ -1,5 +1,6 @@
 # radixserve: `make serve` runs the server (SmolLM2-135M-Instruct unless MODEL=dir|file.gguf|demo),
-# `make test` runs the tests (`make test-fast`: all but the e2e ones, which start processes).
+# `make test` runs the tests (`make test-fast`: all but the e2e ones, which start processes, and
+# the slow transformers oracles).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -41,9 +42,9 @@ $(SMG_VENV)/.installed:
 test: setup $(SMG_VENV)/.installed
 	SMG_VENV=$(abspath $(SMG_VENV)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# the tests that start no process (no server, engine, CLI, smg or ranks)
+# the tests that start no process (no server, engine, CLI, smg or ranks) and run no slow oracle
 test-fast: setup
-	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)

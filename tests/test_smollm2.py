@@ -47,6 +47,7 @@ def prompts(checkpoint) -> list[list[int]]:
     return [tokenizer(text)["input_ids"] for text in texts]
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_with_prefix_hits(checkpoint, oracle, prompts):
     h = Harness(checkpoint, device="cpu", dtype="float32", page_size=PAGE_SIZE, num_pages=64)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
