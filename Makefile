@@ -17,6 +17,9 @@ SMG_SPEC ?= smg==1.13.0 smg-grpc-proto==0.4.28
 HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
+# two pytest workers (pytest-xdist), each test file on one of them (its module servers stay
+# shared), under a short fresh base directory: ipc:// socket paths have a 107-byte limit
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=$$(mktemp -d /tmp/rs-tests.XXXXXX)
 
 .PHONY: setup test test-fast serve lint bench clean
 
@@ -40,11 +43,11 @@ $(SMG_VENV)/.installed:
 	touch $@
 
 test: setup $(SMG_VENV)/.installed
-	SMG_VENV=$(abspath $(SMG_VENV)) $(PY) -m pytest -q $(PYTEST_ARGS)
+	SMG_VENV=$(abspath $(SMG_VENV)) $(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # the tests that start no process (no server, engine, CLI, smg or ranks) and run no slow oracle
 test-fast: setup
-	$(PY) -m pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not e2e and not slow" $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)

@@ -57,6 +57,9 @@ logger = logging.getLogger("radixserve.launcher")
 
 SOCKET_DIR_PREFIX = "radixserve-"
 OWNER_LOCK = "owner.lock"
+IPC_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL)
+# "/radixserve-XXXXXXXX/" (mkdtemp) and the longest socket name ("r15-tokenizer-15-out")
+SOCKET_PATH_ROOM = 42
 
 
 class LaunchError(RuntimeError):
@@ -115,10 +118,17 @@ def remove_stale_socket_dirs(root: Path) -> list[Path]:
     return removed
 
 
+def socket_root() -> Path:
+    """Where socket directories go: the temp directory ($TMPDIR), unless an ipc:// path under it
+    could pass the kernel's limit on a socket's path (107 bytes), then /tmp."""
+    root = Path(tempfile.gettempdir())
+    return root if len(str(root)) + SOCKET_PATH_ROOM <= IPC_PATH_MAX else Path("/tmp")
+
+
 def _own_socket_dir() -> tuple[Path, int]:
     """A fresh private socket directory and the open file holding its owner lock."""
     # mkdtemp creates the directory with mode 0700: only this user can reach the sockets.
-    path = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+    path = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir=socket_root()))
     fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return path, fd
@@ -147,7 +157,7 @@ class Launcher:
         self.config = config
         self.on_death = on_death
         self.ctx = zmq.Context.instance()
-        remove_stale_socket_dirs(Path(tempfile.gettempdir()))
+        remove_stale_socket_dirs(socket_root())
         self.socket_dir, self._owner_lock = _own_socket_dir()
         if publish_kv_events and config.kv_events_endpoint is None:
             # The gRPC door relays the events; nobody else needs to reach them.
