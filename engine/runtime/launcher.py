@@ -58,7 +58,8 @@ logger = logging.getLogger("radixserve.launcher")
 SOCKET_DIR_PREFIX = "radixserve-"
 OWNER_LOCK = "owner.lock"
 IPC_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL)
-# "/radixserve-XXXXXXXX/" (mkdtemp) and the longest socket name ("r15-tokenizer-15-out")
+# "/radixserve-" + 8 random characters + "/" (mkdtemp) and the longest socket name
+# ("r15-tokenizer-15-out")
 SOCKET_PATH_ROOM = 42
 
 
