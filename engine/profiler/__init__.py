@@ -8,6 +8,7 @@ through the radix tree (offline) or against an OpenAI-compatible server (live).
     simulate.py     offline replay through ``radix`` at a cache size, page size and policy
     baselines.py    whole-block hash caching (vLLM's scheme)
     attribution.py  misses split into cold, evicted, short heads and block granularity
+    kv_bytes.py     bytes per cached token from a model's shape: sizes in GiB, int8 vs 16-bit
     report.py       terminal tables, CSV (per request, session, namespace, window) and JSON
     plots.py        PNG plots
     live.py         replay against a server; measured hit rate and TTFT

@@ -2,7 +2,9 @@
 
 Offline (default): replays the trace through the radix tree at the given cache size, page size
 and eviction policy, beside an unlimited cache, 16-token block hashing and no cache; prints the
-tables, and with ``--out DIR`` writes CSV/JSON files and PNG plots. With ``--url`` it replays
+tables, and with ``--out DIR`` writes CSV/JSON files and PNG plots. With a model's shape
+(``--checkpoint``) or ``--kv-bytes-per-token``, sizes are given (``--cache-gb``) and shown in
+bytes too, and a sweep adds the hit rate an int8 KV cache gets from the same bytes. With ``--url`` it replays
 the trace against an OpenAI-compatible server and compares what it measures with the offline
 simulation. docs/profiler.md describes the trace format and the report.
 """
@@ -25,6 +27,8 @@ BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.profiler.kv_bytes import KV_CACHE_DTYPES
+
     parser.add_argument("trace", type=Path, help="JSONL trace (docs/profiler.md)")
     parser.add_argument("--format", choices=("radixserve", *BLOCK_TOKENS), default="radixserve",
                         help="the trace's format: radixserve's own (token ids, text or chat), "
@@ -39,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--cache-tokens", type=int, default=None,
                       help=f"KV cache size in tokens (default {DEFAULT_CACHE_TOKENS:,})")
     size.add_argument("--num-pages", type=int, help="KV cache size in pages")
+    size.add_argument("--cache-gb", type=float, metavar="G",
+                      help="KV cache size in GiB, in whole pages of the bytes a token takes "
+                           "(needs --checkpoint or --kv-bytes-per-token)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     parser.add_argument("--policy", choices=("lru", "lfu"), default="lru",
                         help="eviction policy (default lru)")
@@ -58,9 +65,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--no-head-wait", action="store_true",
                         help="admit a request at once even when another one is prefilling its "
                              "shared head (vLLM does; radixserve and SGLang hold it back)")
-    timing.add_argument("--host-cache-tokens", type=int,
-                        help="a host tier of this many tokens behind the cache, written through "
-                             "(hits split into device and host)")
+    host = timing.add_mutually_exclusive_group()
+    host.add_argument("--host-cache-tokens", type=int,
+                      help="a host tier of this many tokens behind the cache, written through "
+                           "(hits split into device and host)")
+    host.add_argument("--host-cache-gb", type=float, metavar="G",
+                      help="the host tier's size in GiB instead (needs --checkpoint or "
+                           "--kv-bytes-per-token)")
+    kv = parser.add_argument_group(
+        "cache sizes in bytes, and what an 8-bit KV cache buys (docs/profiler.md)")
+    shape = kv.add_mutually_exclusive_group()
+    shape.add_argument("--checkpoint", type=Path, metavar="DIR|FILE.gguf",
+                       help="the model whose KV shape sets the bytes of a cached token: a "
+                            "checkpoint directory or a .gguf file (its config or metadata is "
+                            "read, never its weights); adds int8 to --sweep")
+    shape.add_argument("--kv-bytes-per-token", type=int, metavar="N",
+                       help="the bytes of a cached token, given outright")
+    kv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="what the cache stores, as the engine's --kv-cache-dtype (with "
+                         "--checkpoint): auto is the model's dtype (bfloat16 when its config "
+                         "names none), int8 a byte a value plus a 2-byte scale per token and KV "
+                         "head (default auto)")
     parser.add_argument("--windows", type=int, default=10,
                         help="time windows in the hit-rate-over-time table (default 10)")
     parser.add_argument("--out", type=Path, metavar="DIR",
@@ -84,11 +109,52 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
-def _num_pages(args: argparse.Namespace) -> int:
+def _kv_bytes(args: argparse.Namespace) -> Any:
+    """The bytes of a cached token (a ``KVBytes``), or None when neither a model nor a count
+    gives them; a ValueError when an option needs them."""
+    from engine.profiler.kv_bytes import KVBytes, read_shape
+
+    if args.checkpoint is not None:
+        return KVBytes.of_model(read_shape(args.checkpoint), args.kv_cache_dtype)
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} sizes a model's KV rows: pass "
+                         "--checkpoint DIR|FILE.gguf too"
+                         + (" (--kv-bytes-per-token already gives the bytes of a token)"
+                            if args.kv_bytes_per_token else ""))
+    if args.kv_bytes_per_token is not None:
+        return KVBytes(args.kv_bytes_per_token)
+    for flag, value in (("--cache-gb", args.cache_gb), ("--host-cache-gb", args.host_cache_gb)):
+        if value is not None:
+            raise ValueError(f"{flag} needs the bytes of a cached token: pass --checkpoint "
+                             "DIR|FILE.gguf (a model's config is read, not its weights) or "
+                             "--kv-bytes-per-token N")
+    return None
+
+
+def _pages_in(kv: Any, gib: float, flag: str, page_size: int) -> int:
+    from engine.profiler.kv_bytes import format_bytes
+
+    pages = kv.pages(gib, page_size)
+    if pages < 1:
+        raise ValueError(f"{flag} {gib:g} holds no page: a page of {page_size} tokens takes "
+                         f"{format_bytes(kv.bytes_per_token * page_size)}")
+    return pages
+
+
+def _num_pages(args: argparse.Namespace, kv: Any) -> int:
     if args.num_pages is not None:
         return args.num_pages
+    if args.cache_gb is not None:
+        return _pages_in(kv, args.cache_gb, "--cache-gb", args.page_size)
     cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
     return max(1, cache_tokens // args.page_size)
+
+
+def _host_tokens(args: argparse.Namespace, kv: Any) -> int | None:
+    """The host tier's size in tokens, whole pages when given in GiB; None: no host tier."""
+    if args.host_cache_gb is not None:
+        return _pages_in(kv, args.host_cache_gb, "--host-cache-gb", args.page_size) * args.page_size
+    return args.host_cache_tokens
 
 
 def _parse_sweep(spec: str | None) -> list[int] | str | None:
@@ -115,22 +181,23 @@ def _service(args: argparse.Namespace) -> Any:
 
 
 def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | None,
-             progress: bool) -> Any:
+             progress: bool, kv: Any) -> Any:
     """Replay, print the report, write the files; returns the profile."""
     from engine.profiler.report import format_text, summarize, write_outputs
     from engine.profiler.simulate import run_profile, run_sweep, sweep_sizes
 
     service = _service(args)
-    host_pages = -(-(args.host_cache_tokens or 0) // args.page_size)
-    profile = run_profile(requests, _num_pages(args), args.page_size, args.policy, progress,
+    host_tokens = _host_tokens(args, kv)
+    host_pages = -(-(host_tokens or 0) // args.page_size)
+    profile = run_profile(requests, _num_pages(args, kv), args.page_size, args.policy, progress,
                           service, host_pages)
     sweep = None
     if sizes == "auto":
         sizes = sweep_sizes(requests, args.page_size, profile.unlimited.peak_tokens)
     if sizes:
-        sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress, service)
+        sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress, service, kv)
     summary = summarize(profile, args.trace.name, args.windows, sweep, args.block_tokens,
-                        service.describe(), args.host_cache_tokens)
+                        service.describe(), host_tokens, kv)
     print(format_text(summary))
     if args.out:
         from engine.profiler.plots import write_plots
@@ -212,12 +279,18 @@ def run(args: argparse.Namespace) -> int:
     )
 
     counts = (args.page_size, args.windows, args.max_concurrency, args.num_pages,
-              args.cache_tokens, args.rate, args.block_tokens, args.prefill_tps,
-              args.decode_tps, args.host_cache_tokens)
+              args.cache_tokens, args.cache_gb, args.rate, args.block_tokens, args.prefill_tps,
+              args.decode_tps, args.host_cache_tokens, args.host_cache_gb,
+              args.kv_bytes_per_token)
     if any(value is not None and value <= 0 for value in counts):
         return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens, "
-                     "--rate, --block-tokens, --prefill-tps, --decode-tps and "
-                     "--host-cache-tokens must be positive")
+                     "--cache-gb, --rate, --block-tokens, --prefill-tps, --decode-tps, "
+                     "--host-cache-tokens, --host-cache-gb and --kv-bytes-per-token must be "
+                     "positive")
+    try:
+        kv = _kv_bytes(args)
+    except ValueError as exc:
+        return _fail(str(exc))
     progress = sys.stderr.isatty()
     if args.format in BLOCK_TOKENS:
         if args.url:
@@ -232,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             sizes = _parse_sweep(args.sweep)
             requests = read(args.trace, args.block_tokens)
-            _offline(args, requests, sizes, progress)
+            _offline(args, requests, sizes, progress, kv)
         except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
             return _fail(str(exc))
         return 0
@@ -251,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             requests = (read_requests(args.trace, tokenizer) if trace is None
                         else load_requests(trace, tokenizer))
-            profile = _offline(args, requests, sizes, progress)
+            profile = _offline(args, requests, sizes, progress, kv)
         except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
             return _fail(str(exc))
     if args.url:

@@ -58,17 +58,30 @@ def cached_tokens_histogram(cached: np.ndarray, unlimited: np.ndarray, label: st
 
 
 def hit_rate_vs_cache_size(summary: dict[str, Any], path: Path) -> Path:
+    """Hit rate against the cache's size: in tokens, or in GiB when the bytes of a token are
+    known, with a curve for the model's dtype or int8 at the same bytes, whichever the
+    configured cache is not."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    sweep = summary["sweep"]
-    sizes = [p["cache_tokens"] for p in sweep]
-    ax.plot(sizes, [100 * p["radix_hit_rate"] for p in sweep], "-o",
-            label=summary["caches"][0]["cache"])
+    sweep, kv = summary["sweep"], summary["kv"]
+    if kv:
+        sizes = [p["cache_bytes"] / 2**30 for p in sweep]
+        radix_label = f"{summary['caches'][0]['cache']}, {kv['kv_dtype']} KV"
+    else:
+        sizes = [p["cache_tokens"] for p in sweep]
+        radix_label = summary["caches"][0]["cache"]
+    ax.plot(sizes, [100 * p["radix_hit_rate"] for p in sweep], "-o", label=radix_label)
+    for dtype in (kv["compared_bytes_per_token"] if kv else {}):
+        if dtype != kv["kv_dtype"]:
+            rates = [np.nan if p[f"{dtype}_hit_rate"] is None else 100 * p[f"{dtype}_hit_rate"]
+                     for p in sweep]
+            ax.plot(sizes, rates, "-^", label=f"{summary['caches'][0]['cache']}, {dtype} KV")
     ax.plot(sizes, [100 * p["block_hit_rate"] for p in sweep], ":s", label="block hash 16")
     ax.axhline(100 * summary["caches"][1]["hit_rate"], color="gray", linestyle="--",
                label="unlimited")
     ax.set_xscale("log")
-    ax.set(xlabel="cache size (tokens)", ylabel="hit rate (%)", ylim=(0, 100),
+    ax.set(xlabel="cache size (GiB of KV)" if kv else "cache size (tokens)",
+           ylabel="hit rate (%)", ylim=(0, 100),
            title=f"Hit rate vs cache size: {summary['trace']}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="lower right", fontsize=8)

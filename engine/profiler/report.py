@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from engine.profiler.attribution import attribute, per_request
+from engine.profiler.kv_bytes import KVBytes, format_bytes
 from engine.profiler.simulate import Profile, SweepPoint
 
 
@@ -78,11 +79,15 @@ def trace_blocks(profile: Profile, block_tokens: int) -> dict[str, Any]:
 def summarize(profile: Profile, trace_name: str, windows: int = 10,
               sweep: list[SweepPoint] | None = None,
               trace_block_tokens: int | None = None, service_label: str | None = None,
-              host_tokens: int | None = None) -> dict[str, Any]:
+              host_tokens: int | None = None, kv: KVBytes | None = None) -> dict[str, Any]:
     """Everything the report shows, as plain JSON-ready data; ``trace_block_tokens`` is the
     block size of a trace given as block hashes (Mooncake, Bailian), None for token traces;
     ``service_label`` says how overlapping requests were timed, ``host_tokens`` the host
-    tier's size."""
+    tier's size; ``kv`` the bytes of a cached token, when known (every size in bytes too)."""
+
+    def in_bytes(tokens: int | None) -> int | None:
+        return None if kv is None or tokens is None else tokens * kv.bytes_per_token
+
     prompt = profile.prompt_tokens
     cached = profile.radix.cached
     requests = profile.requests
@@ -93,7 +98,8 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
         concurrency = {"model": service_label, "peak_running": profile.radix.peak_running,
                        "waited_s": round(profile.radix.waited_s, 3)}
     if profile.radix.host_cached is not None:
-        host_tier = {"capacity_tokens": host_tokens, "host_hit_tokens": attribution.host_hit,
+        host_tier = {"capacity_tokens": host_tokens, "capacity_bytes": in_bytes(host_tokens),
+                     "host_hit_tokens": attribution.host_hit,
                      "host_hit_rate": attribution.host_hit / total,
                      "total_hit_rate": (attribution.hit + attribution.host_hit) / total}
     return {
@@ -106,8 +112,11 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
         "duration_s": round(float(profile.arrivals.max() - profile.arrivals.min()), 3),
         "config": {"page_size": profile.page_size, "num_pages": profile.num_pages,
                    "cache_tokens": profile.num_pages * profile.page_size,
+                   "cache_bytes": in_bytes(profile.num_pages * profile.page_size),
                    "policy": profile.policy},
+        "kv": None if kv is None else kv.to_json(),
         "caches": [{"cache": run.label, "capacity_tokens": run.capacity_tokens,
+                    "capacity_bytes": in_bytes(run.capacity_tokens),
                     "hit_tokens": int(run.cached.sum()), "hit_rate": run.hit_rate(prompt),
                     "evicted_tokens": run.evicted_tokens, "peak_kv_tokens": run.peak_tokens,
                     "dropped_matches": run.dropped_matches}
@@ -123,7 +132,7 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
             "zero_hit_requests": int(np.count_nonzero(cached == 0)),
         },
         "timeline": timeline(profile, windows),
-        "sweep": [vars(p) for p in sweep] if sweep else [],
+        "sweep": [p.to_json() for p in sweep] if sweep else [],
     }
 
 
@@ -134,16 +143,22 @@ def format_text(s: dict[str, Any]) -> str:
     per_req = s["cached_tokens_per_request"]
     names = {"unlimited": "unlimited (upper bound)"}
     blocks = s["trace_blocks"]
+    kv = s["kv"]
     unlimited_rate = s["caches"][1]["hit_rate"]
     lines = [
         f"trace {s['trace']}: {s['requests']:,} requests, {s['sessions']:,} sessions, "
         f"{s['namespaces']:,} namespace(s), {s['duration_s']:,.1f} s; "
         f"{s['prompt_tokens']:,} prompt + {s['output_tokens']:,} output tokens",
         f"cache: {cfg['cache_tokens']:,} tokens = {cfg['num_pages']:,} pages x "
-        f"{cfg['page_size']}, {cfg['policy'].upper()} eviction",
+        f"{cfg['page_size']}"
+        + (f" = {format_bytes(cfg['cache_bytes'])}" if kv else "")
+        + f", {cfg['policy'].upper()} eviction",
+        *([f"KV: {kv['description']}"] if kv else []),
         "",
-        table(["cache", "capacity", "hit tokens", "hit rate", "evicted", "peak KV"],
-              [[names.get(c["cache"], c["cache"]), _n(c["capacity_tokens"]), _n(c["hit_tokens"]),
+        table(["cache", "capacity", *(["bytes"] if kv else []), "hit tokens", "hit rate",
+               "evicted", "peak KV"],
+              [[names.get(c["cache"], c["cache"]), _n(c["capacity_tokens"]),
+                *([format_bytes(c["capacity_bytes"])] if kv else []), _n(c["hit_tokens"]),
                 _pct(c["hit_rate"]), _n(c["evicted_tokens"]), _n(c["peak_kv_tokens"])]
                for c in s["caches"]]),
         *(["", blocks["note"],
@@ -162,7 +177,8 @@ def format_text(s: dict[str, Any]) -> str:
            f"{s['concurrency']['waited_s']:,.1f} s in all for room or a slot (the other caches "
            "above replay one request at a time)"]
           if s["concurrency"] else []),
-        *([f"host tier of {_n(s['host_tier']['capacity_tokens'])} tokens: "
+        *([f"host tier of {_n(s['host_tier']['capacity_tokens'])} tokens"
+           + (f" ({format_bytes(s['host_tier']['capacity_bytes'])})" if kv else "") + ": "
            f"{s['host_tier']['host_hit_tokens']:,} of the {att['evicted']:,} evicted tokens "
            f"found there (loaded, not recomputed); hit rate device "
            f"{_pct(s['caches'][0]['hit_rate'])} + host {_pct(s['host_tier']['host_hit_rate'])}"
@@ -189,11 +205,33 @@ def format_text(s: dict[str, Any]) -> str:
                for w in s["timeline"]]),
     ]
     if s["sweep"]:
-        lines += ["", "hit rate vs cache size:",
-                  table(["cache tokens", radix_label, "block hash 16", "evicted"],
-                        [[_n(p["cache_tokens"]), _pct(p["radix_hit_rate"]),
-                          _pct(p["block_hit_rate"]), _n(p["radix_evicted_tokens"])]
-                         for p in s["sweep"]])]
+        lines += ["", "hit rate vs cache size:", sweep_table(s)]
+    return "\n".join(lines)
+
+
+def sweep_table(s: dict[str, Any]) -> str:
+    """Hit rate at each swept size; with a model's shape, also the tokens the same bytes hold
+    in the model's dtype or int8, whichever the cache is not, and the hit rate there."""
+    kv = s["kv"]
+    per_token = kv["compared_bytes_per_token"] if kv else {}
+    compared = [dtype for dtype in per_token if dtype != kv["kv_dtype"]]
+    header = ["cache tokens", *(["cache bytes"] if kv else []), s["caches"][0]["cache"],
+              "block hash 16", "evicted"]
+    for dtype in compared:
+        header += [f"{dtype} tokens", f"{dtype} hit rate"]
+    rows = []
+    for p in s["sweep"]:
+        row = [_n(p["cache_tokens"]), *([format_bytes(p["cache_bytes"])] if kv else []),
+               _pct(p["radix_hit_rate"]), _pct(p["block_hit_rate"]), _n(p["radix_evicted_tokens"])]
+        for dtype in compared:
+            rate = p[f"{dtype}_hit_rate"]
+            row += [_n(p[f"{dtype}_tokens"]), "-" if rate is None else _pct(rate)]
+        rows.append(row)
+    lines = [table(header, rows)]
+    if len(per_token) == 2:
+        (full, full_bytes), (eight, eight_bytes) = per_token.items()
+        lines.append(f"at the same bytes, {eight} KV holds {full_bytes / eight_bytes:.2f}x the "
+                     f"tokens of {full} KV ({full_bytes:,} and {eight_bytes:,} bytes a token)")
     return "\n".join(lines)
 
 

@@ -18,12 +18,14 @@ a host tier (engine/profiler/replay.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from engine.profiler.baselines import BLOCK_SIZE, BlockChains, BlockHashCache
+from engine.profiler.kv_bytes import KVBytes
 from engine.profiler.replay import ServiceModel, min_pages, replay
 from engine.profiler.trace import ReplayRequest
 
@@ -149,6 +151,21 @@ class SweepPoint:
     radix_hit_rate: float
     block_hit_rate: float
     radix_evicted_tokens: int
+    cache_bytes: int | None = None  # None: the bytes of a token are not known
+    # What 8-bit KV buys: per KV dtype (the model's own and int8), the tokens ``cache_bytes``
+    # hold in it and the radix hit rate there (None: too few for the longest request).
+    by_kv_dtype: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """One flat row (sweep.csv and summary.json): ``<dtype>_tokens``, ``<dtype>_hit_rate``
+        per compared KV dtype."""
+        row: dict[str, Any] = {"cache_tokens": self.cache_tokens, "cache_bytes": self.cache_bytes,
+                               "radix_hit_rate": self.radix_hit_rate,
+                               "block_hit_rate": self.block_hit_rate,
+                               "radix_evicted_tokens": self.radix_evicted_tokens}
+        for dtype, (tokens, hit_rate) in self.by_kv_dtype.items():
+            row[f"{dtype}_tokens"], row[f"{dtype}_hit_rate"] = tokens, hit_rate
+        return row
 
 
 def sweep_sizes(requests: list[ReplayRequest], page_size: int, footprint_tokens: int,
@@ -165,15 +182,33 @@ def sweep_sizes(requests: list[ReplayRequest], page_size: int, footprint_tokens:
 
 def run_sweep(requests: list[ReplayRequest], sizes_tokens: list[int], page_size: int,
               policy: str = "lru", progress: bool = False,
-              service: ServiceModel | None = None) -> list[SweepPoint]:
+              service: ServiceModel | None = None, kv: KVBytes | None = None) -> list[SweepPoint]:
+    """The radix cache and block hashing at each size; with ``kv``, each size in bytes too,
+    and with a model's shape the radix cache again at the tokens those bytes hold in the
+    model's dtype and in int8 (a size given in one of them is not replayed twice)."""
     prompt_tokens = np.array([len(r.prompt) for r in requests], dtype=np.int64)
     chains = BlockChains.of(requests)
+    smallest = min_pages(requests, page_size)
+    compared = kv.compared() if kv is not None else {}
     points = []
     for size in tqdm(sizes_tokens, desc="sweep", unit="size", leave=False,
                      disable=not progress or len(requests) < PROGRESS_MIN_REQUESTS):
-        radix = replay_radix(requests, max(1, size // page_size), page_size, policy,
-                             service=service)
+        num_pages = max(1, size // page_size)
+        radix = replay_radix(requests, num_pages, page_size, policy, service=service)
         block = replay_block_hash(requests, max(1, size // BLOCK_SIZE), chains=chains)
-        points.append(SweepPoint(size, radix.hit_rate(prompt_tokens),
-                                 block.hit_rate(prompt_tokens), radix.evicted_tokens))
+        point = SweepPoint(size, radix.hit_rate(prompt_tokens), block.hit_rate(prompt_tokens),
+                           radix.evicted_tokens)
+        if kv is not None:
+            point.cache_bytes = size * kv.bytes_per_token
+        for dtype, bytes_per_token in compared.items():
+            pages = point.cache_bytes // (bytes_per_token * page_size)
+            if pages == num_pages:
+                hit_rate: float | None = point.radix_hit_rate
+            elif pages < smallest:
+                hit_rate = None
+            else:
+                hit_rate = replay_radix(requests, pages, page_size, policy,
+                                        service=service).hit_rate(prompt_tokens)
+            point.by_kv_dtype[dtype] = (pages * page_size, hit_rate)
+        points.append(point)
     return points
