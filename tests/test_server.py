@@ -368,6 +368,12 @@ def test_metrics_parse_and_count_what_happened(server):
     assert 0 < values["radixserve_token_delivery_seconds_sum"] < delivered  # seconds, < 1 each
     assert 0 < values["radixserve_prefix_cache_hit_rate"] < 1
     assert values["radixserve_kv_pages_total"] == 2048
+    # The pool's dtype, capacity and bytes (the model's dtype: no --kv-cache-dtype given).
+    info = [key for key in values if key.startswith("radixserve_kv_cache_info{")]
+    assert len(info) == 1 and "kv_cache_dtype=" in info[0] and values[info[0]] == 1
+    page_size = int(info[0].split("page_size=")[1].split(",")[0].rstrip("}"))
+    assert values["radixserve_kv_cache_capacity_tokens"] == 2048 * page_size
+    assert values["radixserve_kv_cache_bytes"] > 0
 
 
 def test_health_models_and_openapi(server):

@@ -34,10 +34,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_dtype: Annotated[
         Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"],
         Meta(description=(
-            "what the KV cache stores: auto (the model's --dtype), that dtype by name, or int8 "
+            "what the KV cache stores: auto (the model's --dtype), that dtype by name, int8 "
             "(one byte a value plus a scale per token and KV head: about 1.9x the tokens per "
-            "GiB of bf16; CPU and the torch backend); fp8_e4m3 and fp8_e5m2 are refused until "
-            "FlashInfer's fp8 path is built"))] = "auto"
+            "GiB of bf16; the torch backend, compiled CPU kernels) or fp8_e4m3 / fp8_e5m2 (one "
+            "byte a value, one scale of 1.0: 2x; FlashInfer's fp8 kernels on GPU, the torch "
+            "paths on CPU)"))] = "auto"
     # the model runner
     device: Annotated[str, Meta(description=(
         "cpu or cuda (default: cuda when available)"))] | None = None

@@ -314,6 +314,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     device: str
     dtype: str
     attention_backend: str
+    kv_cache_dtype: str = ""  # what the pool stores (--kv-cache-dtype resolved)
+    kv_cache_bytes: int = 0  # the device pool's bytes, scales included
 
 
 class WorkerReady(msgspec.Struct, tag=True):

@@ -3,7 +3,8 @@
 Frontend-side counters and latency histograms are updated as requests run; scheduler-side
 gauges (running, waiting, KV pages, cache hits, preemptions, pinned sessions, speculative
 decoding's drafts by method) are read at scrape time from the last ``SchedulerStats`` the
-scheduler sent, so a scrape costs no IPC.
+scheduler sent, so a scrape costs no IPC. The KV cache's dtype, token capacity and bytes come
+from the worker's ``ModelInfo`` (``kv_cache_info``, vLLM's ``cache_config_info`` in spirit).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.contracts.protocol import SchedulerStats
+from engine.contracts.protocol import ModelInfo, SchedulerStats
 
 PREFIX = "radixserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -36,9 +37,10 @@ class FrontendState:
 
 class _SchedulerCollector(Collector):
     def __init__(self, stats: Callable[[], SchedulerStats],
-                 frontend: Callable[[], FrontendState]) -> None:
+                 frontend: Callable[[], FrontendState], info: ModelInfo | None) -> None:
         self.stats = stats
         self.frontend = frontend
+        self.info = info
 
     def collect(self) -> Iterator[Metric]:
         s, f = self.stats(), self.frontend()
@@ -57,6 +59,8 @@ class _SchedulerCollector(Collector):
                     s.kv_pages_used)
         yield gauge("kv_pages_cached", "KV pages held only by the prefix cache (evictable).",
                     s.kv_pages_cached)
+        if self.info is not None:
+            yield from _kv_cache(self.info, s.kv_pages_total)
         usage = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
         yield gauge("kv_cache_usage_ratio", "Fraction of KV pages in use (not evictable).", usage)
         rate = s.hit_tokens / s.queried_tokens if s.queried_tokens else 0.0
@@ -72,6 +76,22 @@ class _SchedulerCollector(Collector):
         yield gauge("engine_alive", "1 while every engine process runs.", float(f.alive))
         if s.spec_method:
             yield from _speculation(s)
+
+
+def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
+    """What the KV pool stores and holds: ``pages`` is the engine-wide page count (summed over
+    data-parallel replicas, which share one model and page layout)."""
+    labels = {"kv_cache_dtype": info.kv_cache_dtype or info.dtype,
+              "page_size": str(info.page_size), "attention_backend": info.attention_backend}
+    described = GaugeMetricFamily(f"{PREFIX}_kv_cache_info", "The KV cache's configuration "
+                                  "(value 1).", labels=list(labels))
+    described.add_metric(list(labels.values()), 1.0)
+    yield described
+    yield GaugeMetricFamily(f"{PREFIX}_kv_cache_capacity_tokens",
+                            "Tokens the device KV pool holds.", value=pages * info.page_size)
+    per_page = info.kv_cache_bytes / info.num_pages if info.num_pages else 0.0
+    yield GaugeMetricFamily(f"{PREFIX}_kv_cache_bytes", "Bytes of the device KV pool (8-bit "
+                            "caches' scales included).", value=pages * per_page)
 
 
 def _speculation(s: SchedulerStats) -> Iterator[Metric]:
@@ -102,7 +122,7 @@ def _speculation(s: SchedulerStats) -> Iterator[Metric]:
 
 class Metrics:
     def __init__(self, stats: Callable[[], SchedulerStats],
-                 frontend: Callable[[], FrontendState]) -> None:
+                 frontend: Callable[[], FrontendState], info: ModelInfo | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(f"{PREFIX}_requests", "API requests answered, by endpoint and "
                                 "status.", ["endpoint", "status"], registry=self.registry)
@@ -124,7 +144,7 @@ class Metrics:
                                   "getting a step's result to the frontend handing its tokens "
                                   "to the response: the hops through the tokenizer worker.",
                                   buckets=DELIVERY_BUCKETS, registry=self.registry)
-        self.registry.register(_SchedulerCollector(stats, frontend))
+        self.registry.register(_SchedulerCollector(stats, frontend, info))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

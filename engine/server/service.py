@@ -107,9 +107,9 @@ class Service:
         self.door_failure: str | None = None  # why a front door (ZMQ) stopped receiving
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
         if dispatch is None:
-            self.metrics = Metrics(lambda: client.stats, self._frontend_state)
+            self.metrics = Metrics(lambda: client.stats, self._frontend_state, info)
         else:  # data parallel: the replicas' stats summed, and each replica's own
-            self.metrics = Metrics(dispatch.reports.total_stats, self._frontend_state)
+            self.metrics = Metrics(dispatch.reports.total_stats, self._frontend_state, info)
             self.metrics.registry.register(dispatch.reports.collector())
         self.created = int(time.time())
 

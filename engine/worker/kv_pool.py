@@ -13,10 +13,12 @@ paged kernels take as ``(k_cache, v_cache)`` in NHD layout)::
                                                                                when on CUDA
     slot s of a layer = page s // page_size, offset s % page_size
 
-``row`` is ``head_dim`` values in the KV dtype (``kv_dtype``: the model's by default), or, for
-int8, ``head_dim`` int8 values and their float16 scale (engine/worker/kv_quant.py): a page's
-scales are bytes of the page, so every copy, swap and shard below carries them with the values.
-``dtype`` is the model's: what attention computes in and what ``write`` is given.
+``row`` is ``head_dim`` values in the KV dtype (``kv_dtype``: the model's by default); for
+int8, ``head_dim`` int8 values and their float16 scale, a page's scales being bytes of the page,
+so every copy, swap and shard below carries them with the values; for fp8, ``head_dim`` fp8
+values kept as their bytes (uint8: engine/worker/kv_quant.py says why). ``dtype`` is the
+model's: what attention computes in and what ``write`` is given; ``layer`` hands out the stored
+form, which ``kv_quant.decode`` turns back into values.
 
 The device pool starts zeroed: attention kernels may read (and mask) slots no token was ever
 written to, and zeros keep those reads finite.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.worker.kv_quant import quantize, row_width
+from engine.worker.kv_quant import encode, row_width, storage_dtype
 from engine.worker.staging import to_device, to_device_many
 
 
@@ -57,13 +59,17 @@ class KVPool:
         self.device = torch.device(device)
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
         self.quantized = self.kv_dtype == torch.int8
+        # Stored in another form than the model's values (int8 rows, fp8 bytes, or a full
+        # precision other than the model's): readers decode what they gather.
+        self.encoded = self.kv_dtype != dtype
         self.head_dim = head_dim
         row = row_width(head_dim, self.kv_dtype)
         page = (page_size, num_kv_heads, row)
-        self.kv = _zeros((num_layers, 2, num_pages, *page), self.kv_dtype, self.device)
+        stored = storage_dtype(self.kv_dtype)
+        self.kv = _zeros((num_layers, 2, num_pages, *page), stored, self.device)
         self.host = _zeros(
             (num_layers, 2, num_host_pages, *page),
-            self.kv_dtype,
+            stored,
             torch.device("cpu"),
             pin=self.device.type == "cuda" and num_host_pages > 0,
         )
@@ -78,7 +84,7 @@ class KVPool:
         # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, row].
         self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, row)
         # CUDA swaps: a flat pinned buffer and the event after the last copy that used it.
-        self._staging = torch.empty(0, dtype=self.kv_dtype)
+        self._staging = torch.empty(0, dtype=stored)
         self._staging_used = torch.cuda.Event() if self.device.type == "cuda" else None
 
     @staticmethod
@@ -91,7 +97,8 @@ class KVPool:
         return num_layers * 2 * page_size * num_kv_heads * row_width(head_dim, dtype) * itemsize
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, row]."""
+        """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, row], in the
+        stored form (fp8 as uint8: ``kv_quant.decode``, or ``.view(kv_dtype)``)."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,10 +108,10 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K and V ([T, num_kv_heads, head_dim]) at ``slots`` (int64, device),
-        quantized in an int8 pool."""
+        encoded in the pool's form (``kv_quant.encode``)."""
         k_slots, v_slots = self._slot_views[layer]
-        if self.quantized:
-            k, v = quantize(k), quantize(v)
+        if self.encoded:
+            k, v = encode(k, self.kv_dtype), encode(v, self.kv_dtype)
         k_slots.index_copy_(0, slots, k)
         v_slots.index_copy_(0, slots, v)
 

@@ -1,4 +1,4 @@
-"""8-bit KV: what ``--kv-cache-dtype`` means, and the int8 format the pool and kernels share.
+"""8-bit KV: what ``--kv-cache-dtype`` means, and the 8-bit formats the pool and kernels share.
 
 An int8 pool stores each (token, KV head) row of K or V as ``head_dim`` int8 values followed by
 its scale, a float16 in the row's last two bytes::
@@ -15,6 +15,14 @@ float32 one would take the page count below 1.9x bf16's); ``value_d`` is exact i
 The compiled ``rope_store`` op quantizes this way as it stores (engine/worker/csrc/), the
 compiled ``paged_decode`` dequantizes in registers, and ``quantize`` / ``dequantize`` below are
 the torch forms of both (the torch paths, and the tests' reference).
+
+fp8 (``fp8_e4m3``: float8_e4m3fn, 3 mantissa bits, up to 448; ``fp8_e5m2``: 2 bits, up to
+57,344) stores each value cast to the 8-bit float with one scale for the whole cache, 1.0 (as
+vLLM does when a checkpoint brings no KV scales): values past the format's range saturate.
+This is the layout FlashInfer's fp8 paged kernels read (a scale per tensor, none per row). The
+pool keeps fp8 pages as their bytes (uint8, ``storage_dtype``): CPU torch has no indexed copy
+for fp8 tensors, and every copy, swap and shard moves bytes anyway; ``encode`` / ``decode``
+turn rows into and out of that form.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ QMAX = 127
 _FP16_MAX = 65504.0
 
 _FULL = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = tuple(_FP8.values())
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -35,13 +45,11 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
     if name == "int8":
         return torch.int8
-    if name in ("fp8_e4m3", "fp8_e5m2"):
-        raise ValueError(f"--kv-cache-dtype {name} is not available: radixserve has no fp8 KV "
-                         "kernels yet; use --kv-cache-dtype int8 (about the same capacity, on "
-                         "the torch attention backend) or auto")
+    if name in _FP8:
+        return _FP8[name]
     if name not in _FULL:
         raise ValueError(f"unknown --kv-cache-dtype {name!r}; choose auto, bfloat16, float16, "
-                         "float32 or int8")
+                         "float32, int8, fp8_e4m3 or fp8_e5m2")
     if _FULL[name] != model_dtype:
         model = str(model_dtype).removeprefix("torch.")
         raise ValueError(f"--kv-cache-dtype {name} differs from the model's dtype ({model}): a "
@@ -53,6 +61,30 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 def row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
     """Elements of one (token, KV head) row of the pool: the scale's bytes ride in int8 rows."""
     return head_dim + SCALE_BYTES if kv_dtype == torch.int8 else head_dim
+
+
+def storage_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the pool's tensor for a cache of ``kv_dtype``: fp8's bytes as uint8."""
+    return torch.uint8 if kv_dtype in FP8_DTYPES else kv_dtype
+
+
+def encode(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``x`` [..., D] in the pool's stored form for ``kv_dtype`` (``storage_dtype``)."""
+    if kv_dtype == torch.int8:
+        return quantize(x)
+    if kv_dtype in FP8_DTYPES:
+        limit = torch.finfo(kv_dtype).max
+        return x.clamp(-limit, limit).to(kv_dtype).view(torch.uint8)
+    return x.to(kv_dtype)
+
+
+def decode(rows: torch.Tensor, kv_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows of a ``kv_dtype`` cache back to values [..., D] in ``dtype``."""
+    if kv_dtype == torch.int8:
+        return dequantize(rows, dtype)
+    if kv_dtype in FP8_DTYPES:
+        return rows.view(kv_dtype).to(dtype)
+    return rows.to(dtype)
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:

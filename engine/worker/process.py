@@ -48,6 +48,8 @@ class Worker:
             num_pages=self.runner.num_pages, num_host_pages=self.runner.num_host_pages,
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),
             attention_backend=self.runner.attention_backend,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            kv_cache_bytes=self.runner.kv_cache_bytes,
         )
         # The previous batch's sampled tokens: a step planned while that batch ran (overlap
         # scheduling) names them as input ids ``-1 - row``.

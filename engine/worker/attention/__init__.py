@@ -39,16 +39,19 @@ def flashinfer_installed() -> bool:
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype,
-                    head_dim: int | None = None) -> str:
-    """The concrete backend ``name`` means on this device, KV dtype and head size."""
+                    head_dim: int | None = None, kv_dtype: torch.dtype | None = None) -> str:
+    """The concrete backend ``name`` means on this device, model dtype, head size and KV dtype
+    (default: the model's)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "flashinfer" and dtype == torch.int8:
-        raise ValueError("FlashInfer has no int8 KV cache: use --attention-backend torch with "
-                         "--kv-cache-dtype int8, or --kv-cache-dtype auto")
+    if name == "flashinfer" and kv_dtype == torch.int8:
+        raise ValueError("FlashInfer has no int8 KV cache: use --kv-cache-dtype fp8_e4m3 (the "
+                         "same capacity, FlashInfer's fp8 kernels), or --attention-backend torch "
+                         "with --kv-cache-dtype int8")
     if name != "auto":
         return name
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or (
+            kv_dtype == torch.int8):
         return "torch"
     if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
         logger.info("attention backend auto: head_dim %d has no FlashInfer kernels (%s); torch",
@@ -77,7 +80,7 @@ def make_backend(
         head_dim=head_dim,
         sliding_windows=sliding_windows,
     )
-    resolved = resolve_backend(name, pool.device, pool.kv.dtype, head_dim)
+    resolved = resolve_backend(name, pool.device, pool.dtype, head_dim, pool.kv_dtype)
     if resolved == "torch":
         return TorchNativeBackend(pool, **shape)
     if name == "flashinfer":

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.worker.kv_quant import dequantize
+from engine.worker.kv_quant import decode
 from engine.worker.staging import to_device_many
 
 MIN_SHARED_PAGES = 4
@@ -182,11 +182,11 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
 def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                    plan: CascadePlan, scale: float,
-                   paged_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-                   ) -> torch.Tensor:
+                   paged_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """q: [B, E, heads, D] (E query rows per sequence, padded); returns the same shape.
     ``paged_decode``: the compiled CPU kernel, which attends the own parts when the plan has
-    ``own_paged`` (decode steps, E = 1)."""
+    ``own_paged`` (decode steps, E = 1). ``kv_dtype``: what the pages store (default q's)."""
     num_seqs, rows, num_heads, head_dim = q.shape
     num_kv = k_pages.shape[2]
     per_kv = num_heads // num_kv
@@ -196,10 +196,10 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
 
     def gather(pages: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
         # [n, kv, S, D] as a strided view: the fused kernel reads it as is (a copy measured no faster).
-        # An int8 pool's pages are dequantized here: only the pages this part reads.
+        # An 8-bit pool's pages are decoded here: only the pages this part reads.
         selected = pages.index_select(0, table)
-        if selected.dtype == torch.int8:
-            selected = dequantize(selected, q.dtype)
+        if kv_dtype not in (None, q.dtype):
+            selected = decode(selected, kv_dtype, q.dtype)
         return selected.view(n, -1, num_kv, head_dim).transpose(1, 2)
 
     if plan.own_paged is not None and paged_decode is not None:

@@ -1,4 +1,5 @@
-"""Attention over paged KV with FlashInfer's paged kernels (CUDA, fp16/bf16).
+"""Attention over paged KV with FlashInfer's paged kernels (CUDA, fp16/bf16, KV in the model's
+dtype or fp8).
 
 The page tables go to FlashInfer unchanged: ``kv_indptr`` = ``batch.page_indptr``,
 ``kv_indices`` = ``batch.page_indices``, ``kv_last_page_len`` = tokens in each sequence's last
@@ -34,6 +35,11 @@ otherwise, with a log line. Decode on tensor cores (query groups of 4 or more) t
 ``decode_backend``: ``fa2`` by default, because FA3 is slower for decode; ``auto`` leaves it to
 FlashInfer (FA3 again only if built); ``fa3`` asks for it, built if need be.
 
+fp8 KV (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``): the pages hold fp8 values with one scale of
+1.0 for the cache (engine/worker/kv_quant.py); the plans name fp8 as the KV dtype and the
+model's as the query's, the kernels read the pages as fp8 views of the pool's bytes, and both
+prefill and decode take FA2 (FA3's fp8 kernels want fp8 queries too).
+
 CUDA graphs (engine/worker/cuda_graphs.py): each captured batch size gets its own decode wrappers in
 CUDA-graph mode, all over one set of fixed index buffers sized for the largest batch;
 ``plan(batch, graph=True)`` fills them before the replay.
@@ -52,6 +58,7 @@ import torch
 from engine.contracts.step import BatchInput
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.kv_pool import KVPool
+from engine.worker.kv_quant import FP8_DTYPES
 from engine.worker.staging import Staged
 
 logger = logging.getLogger("radixserve.attention")
@@ -89,14 +96,18 @@ def import_flashinfer() -> ModuleType:
 
 
 def check_pool(pool: KVPool) -> None:
-    """Raise unless FlashInfer can run over this pool: CUDA, fp16 or bf16."""
+    """Raise unless FlashInfer can run over this pool: CUDA, a float16 or bfloat16 model, KV in
+    its dtype or fp8."""
     if pool.device.type != "cuda":
         raise RuntimeError(f"{INSTALL_HINT} (the KV pool is on {pool.device}, not CUDA)")
-    if pool.kv.dtype not in (torch.float16, torch.bfloat16):
+    if pool.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
-            f"the flashinfer backend runs float16 or bfloat16, not {pool.kv.dtype}; "
+            f"the flashinfer backend runs float16 or bfloat16, not {pool.dtype}; "
             "pass dtype='bfloat16' or attention_backend='torch'"
         )
+    if pool.kv_dtype not in (pool.dtype, *FP8_DTYPES):
+        raise ValueError(f"the flashinfer backend reads KV in the model's dtype or fp8, not "
+                         f"{pool.kv_dtype}: use --kv-cache-dtype auto, fp8_e4m3 or fp8_e5m2")
 
 
 def decode_query_tile(group: int) -> int:
@@ -129,16 +140,19 @@ def workspace_bytes(*, num_qo_heads: int, num_kv_heads: int, head_dim: int,
 
 
 def jit_specs(dtype: torch.dtype, head_dim: int, windowed_kinds: Sequence[bool],
-              tensor_cores: bool, prefill_backend: str, decode_backend: str) -> list:
+              tensor_cores: bool, prefill_backend: str, decode_backend: str,
+              kv_dtype: torch.dtype | None = None) -> list:
     """The kernel modules a backend of these shapes loads: per kind of layer (with or without
     a sliding window), a paged prefill module and a decode module (on tensor cores, a prefill
-    module of ``decode_backend``), for this dtype and head size, int32 page indices and no
-    positional encoding inside the kernel (RoPE is applied before attention)."""
+    module of ``decode_backend``), for queries and outputs in ``dtype``, KV in ``kv_dtype``
+    (default the same), this head size, int32 page indices and no positional encoding inside
+    the kernel (RoPE is applied before attention)."""
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
 
     specs = {}
+    kv_dtype = kv_dtype or dtype
     for windowed in sorted(set(windowed_kinds)):
-        args = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, windowed, False)
+        args = (dtype, kv_dtype, dtype, torch.int32, head_dim, head_dim, 0, windowed, False)
         prefill = gen_batch_prefill_module(prefill_backend, *args, False)
         specs[prefill.name] = prefill
         spec = (gen_batch_prefill_module(decode_backend, *args, False) if tensor_cores
@@ -208,6 +222,9 @@ class FlashInferBackend(AttentionBackend):
         self._graph_decode: dict[int, dict[int | None, object]] = {}
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._active: dict[int | None, object] = {}
+        # Each layer's (K, V) pages as the kernels read them: fp8 views of an fp8 pool's bytes.
+        self._kv = [tuple(t.view(pool.kv_dtype) for t in pool.layer(i))
+                    for i in range(pool.num_layers)]
 
     def _decode_wrapper(self, batch_size: int | None = None):
         """A decode wrapper; with ``batch_size``, in CUDA-graph mode over the shared fixed
@@ -227,8 +244,12 @@ class FlashInferBackend(AttentionBackend):
         where its modules are built (``decode_backend="fa3"`` is honoured regardless)."""
         from flashinfer.utils import determine_attention_backend
 
-        dtype = self.pool.kv.dtype
-        chosen = determine_attention_backend(self.device, 0, False, False, dtype, dtype)
+        dtype, kv_dtype = self.pool.dtype, self.pool.kv_dtype
+        if kv_dtype in FP8_DTYPES:
+            if self.decode_backend == "fa3":
+                logger.info("flashinfer: fp8 KV decodes on FA2 (FA3's fp8 wants fp8 queries)")
+            return "fa2", "fa2"
+        chosen = determine_attention_backend(self.device, 0, False, False, dtype, kv_dtype)
         if chosen == "fa3":
             fa3 = jit_specs(dtype, self.head_dim, [w is not None for w in self.sliding_windows],
                             self.tensor_cores, "fa3", "fa3")
@@ -241,9 +262,9 @@ class FlashInferBackend(AttentionBackend):
 
     def jit_specs(self) -> list:
         """The kernel modules this backend loads (module-level ``jit_specs``)."""
-        return jit_specs(self.pool.kv.dtype, self.head_dim,
+        return jit_specs(self.pool.dtype, self.head_dim,
                          [w is not None for w in self.sliding_windows], self.tensor_cores,
-                         self.prefill_kernel, self.decode_kernel)
+                         self.prefill_kernel, self.decode_kernel, self.pool.kv_dtype)
 
     def prebuild(self) -> float:
         """Compile (or find in the cache) every module ``jit_specs`` names, in parallel; the
@@ -291,12 +312,13 @@ class FlashInferBackend(AttentionBackend):
         return len(batch.page_indices) + max_batch - batch.num_seqs <= capacity
 
     def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[Staged]) -> None:
-        dtype, page_size = self.pool.kv.dtype, self.pool.page_size
+        page_size = self.pool.page_size
         indices, indptr, last_page_lens, qo_offsets = staged
         kv_indices = indices.on_device
         kv_indptr, last_page_len = indptr.pinned, last_page_lens.pinned
         # sm_scale is left to FlashInfer's default, 1 / sqrt(head_dim), which is self.scale.
-        common = dict(pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype)
+        common = dict(pos_encoding_mode="NONE", q_data_type=self.pool.dtype,
+                      kv_data_type=self.pool.kv_dtype)
         if graph or batch.is_decode:
             wrappers = self._graph_wrappers(batch.num_seqs) if graph else self._decode
             for window, wrapper in wrappers.items():
@@ -333,7 +355,7 @@ class FlashInferBackend(AttentionBackend):
                       BatchInput.build([(pages, 1, [0])], page_size)):
             self.plan(batch)
             q = torch.zeros(batch.num_tokens, self.num_heads, self.head_dim,
-                            dtype=self.pool.kv.dtype, device=self.device)
+                            dtype=self.pool.dtype, device=self.device)
             for layer in first_layer.values():
                 self._attend(layer, q)
         if self.device.type == "cuda":
@@ -341,7 +363,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         wrapper = self._active[self.sliding_windows[layer]]
-        return wrapper.run(q.contiguous(), self.pool.layer(layer))
+        return wrapper.run(q.contiguous(), self._kv[layer])
 
 
 def _window_left(window: int | None) -> int:

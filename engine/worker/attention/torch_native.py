@@ -30,7 +30,7 @@ from engine.contracts.step import BatchInput
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.cascade import CascadePlan, attend_cascade, plan_cascade
 from engine.worker.cpu_kernels import paged_decode_op, rope_store_op
-from engine.worker.kv_quant import dequantize
+from engine.worker.kv_quant import FP8_DTYPES, decode
 from engine.worker.staging import to_device_many
 
 
@@ -74,7 +74,9 @@ class TorchNativeBackend(AttentionBackend):
         """``compiled``: decode through the compiled CPU kernel where it is available."""
         super().__init__(*args, **kwargs)
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
-        on_cpu = compiled and self.device.type == "cpu"
+        # The compiled ops read and write pages in the model's dtype or int8 rows; an fp8
+        # pool's steps take the torch paths, which decode the pages a step gathers.
+        on_cpu = compiled and self.device.type == "cpu" and self.pool.kv_dtype not in FP8_DTYPES
         self._paged_decode = paged_decode_op(self.pool.quantized) if on_cpu else None
         self._rope_store = rope_store_op() if on_cpu else None
 
@@ -229,7 +231,7 @@ class TorchNativeBackend(AttentionBackend):
     def _gather(self, which: int, pages: torch.Tensor, g: _Group) -> torch.Tensor:
         """``pages[g.page_table]`` into a reused buffer: a fresh multi-hundred-MB tensor per
         layer and step costs more in page faults than the copy itself (4x, measured on CPU).
-        An int8 pool's pages are dequantized as they land: only the pages this group reads
+        An 8-bit pool's pages are decoded as they land: only the pages this group reads
         exist in full precision, and only for this layer."""
         per_page = pages[0].numel() // pages.shape[-1] * self.head_dim
         need = len(g.page_table) * per_page
@@ -238,8 +240,8 @@ class TorchNativeBackend(AttentionBackend):
             buf = self._gather_buffers[which] = torch.empty(need + need // 4, dtype=self.pool.dtype,
                                                device=pages.device)
         out = buf[:need].view(len(g.page_table), *pages.shape[1:-1], self.head_dim)
-        if self.pool.quantized:
-            out.copy_(dequantize(pages.index_select(0, g.page_table), out.dtype))
+        if self.pool.encoded:
+            out.copy_(decode(pages.index_select(0, g.page_table), self.pool.kv_dtype, out.dtype))
         else:
             torch.index_select(pages, 0, g.page_table, out=out)
         return out.view(g.num_seqs, g.kv_len, self.num_kv_heads, self.head_dim)
@@ -256,8 +258,8 @@ class TorchNativeBackend(AttentionBackend):
                 padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
                 q = padded.index_copy_(0, g.pad_index, q)
             out = attend_cascade(q.view(g.num_seqs, g.max_extend, *q.shape[1:]), k_pages,
-                                 v_pages, g.cascade, self.scale,
-                                 self._paged_decode).view(-1, *q.shape[1:])
+                                 v_pages, g.cascade, self.scale, self._paged_decode,
+                                 self.pool.kv_dtype).view(-1, *q.shape[1:])
             return out if g.pad_index is None else out.index_select(0, g.pad_index)
         k = self._gather(0, k_pages, g)
         v = self._gather(1, v_pages, g)

@@ -1,16 +1,16 @@
-"""What int8 KV costs in accuracy: SmolLM2-135M-Instruct with an int8 cache against the same
-model with a cache in its own dtype (``--dtype``: bfloat16, the GPU default, or float32, the
-default on CPUs without native bf16, a stricter reference), over a fixed set of prompts.
+"""What an 8-bit KV cache costs in accuracy: SmolLM2-135M-Instruct with an int8 or fp8 cache
+(``--kv-cache-dtypes``) against the same model with a cache in its own dtype (``--dtype``:
+bfloat16, or float32, a stricter reference), over a fixed set of prompts.
 
 Each prompt (a window of Python's reference manual, ``pydoc_data.topics``: fixed per Python
 version) is prefilled by both runners, then both are fed the bf16 run's greedy tokens for
 ``--steps`` steps (teacher forcing: every step compares the two caches on the same context).
-Reported: greedy agreement (the int8 run's argmax equals the reference's) over every step, and
-the mean KL divergence KL(reference || int8) of the next-token distributions; plus the worst
-prompt.
+Reported per 8-bit dtype: greedy agreement (its run's argmax equals the reference's) over every
+step, and the mean KL divergence KL(reference || 8-bit) of the next-token distributions; plus the
+worst prompt.
 
-    .venv/bin/python scripts/kv_int8_accuracy.py            # 32 prompts of 200-1,500 tokens
-    .venv/bin/python scripts/kv_int8_accuracy.py --prompts 4 --max-len 400 --json out.json
+    .venv/bin/python scripts/kv_accuracy.py            # 32 prompts of 200-1,500 tokens
+    .venv/bin/python scripts/kv_accuracy.py --prompts 4 --max-len 400 --json out.json
 
 tests/test_kv_int8_accuracy.py runs a smaller set of the same measurement.
 """
@@ -59,13 +59,15 @@ def runner_for(checkpoint: str, dtype: str, kv_cache_dtype: str, num_pages: int
 
 
 def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = "bfloat16",
-            batch_size: int = 8) -> dict[str, float]:
-    """Agreement and KL of int8 against ``dtype`` KV over ``prompts``, ``steps`` tokens each
-    (the model in ``dtype`` both times)."""
+            kv_dtypes: tuple[str, ...] = ("int8",), batch_size: int = 8
+            ) -> dict[str, dict[str, object]]:
+    """Per KV dtype of ``kv_dtypes``: agreement and KL against ``dtype`` KV over ``prompts``,
+    ``steps`` tokens each (the model in ``dtype`` every time)."""
     pages_per_seq = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
     num_pages = pages_per_seq * batch_size
-    runners = {kv: runner_for(checkpoint, dtype, kv, num_pages) for kv in ("auto", "int8")}
-    agree, kls = [], []
+    runners = {kv: runner_for(checkpoint, dtype, kv, num_pages) for kv in ("auto", *kv_dtypes)}
+    agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
+    kls: dict[str, list] = {kv: [] for kv in kv_dtypes}
     for first in range(0, len(prompts), batch_size):
         group = prompts[first:first + batch_size]
         tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq))
@@ -73,26 +75,32 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
         batch = BatchInput.build([(t, 0, p) for t, p in zip(tables, group, strict=True)],
                                  PAGE_SIZE)
         lengths = [len(p) for p in group]
-        group_agree, group_kl = [], []
+        group_agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
+        group_kl: dict[str, list] = {kv: [] for kv in kv_dtypes}
         for _ in range(steps):
             ref = runners["auto"].forward(batch).double().log_softmax(-1)
-            got = runners["int8"].forward(batch).double().log_softmax(-1)
             tokens = ref.argmax(-1)
-            group_agree.append((got.argmax(-1) == tokens).numpy())
-            group_kl.append((ref.exp() * (ref - got)).sum(-1).numpy())
+            for kv in kv_dtypes:
+                got = runners[kv].forward(batch).double().log_softmax(-1)
+                group_agree[kv].append((got.argmax(-1) == tokens).numpy())
+                group_kl[kv].append((ref.exp() * (ref - got)).sum(-1).numpy())
             batch = BatchInput.build(
                 [(t, n, [int(tok)]) for t, n, tok in zip(tables, lengths, tokens, strict=True)],
                 PAGE_SIZE)
             lengths = [n + 1 for n in lengths]
-        agree.append(np.stack(group_agree, 1))
-        kls.append(np.stack(group_kl, 1))
-    agreement, kl = np.concatenate(agree), np.concatenate(kls)
-    per_prompt = agreement.mean(1)
-    return {"dtype": dtype, "prompts": len(prompts), "steps": steps,
+        for kv in kv_dtypes:
+            agree[kv].append(np.stack(group_agree[kv], 1))
+            kls[kv].append(np.stack(group_kl[kv], 1))
+    results = {}
+    for kv in kv_dtypes:
+        agreement, kl = np.concatenate(agree[kv]), np.concatenate(kls[kv])
+        results[kv] = {
+            "dtype": dtype, "prompts": len(prompts), "steps": steps,
             "tokens": [int(min(map(len, prompts))), int(max(map(len, prompts)))],
             "agreement": float(agreement.mean()), "mean_kl": float(kl.mean()),
             "max_kl": float(kl.max()), "p99_kl": float(np.quantile(kl, 0.99)),
-            "worst_prompt_agreement": float(per_prompt.min())}
+            "worst_prompt_agreement": float(agreement.mean(1).min())}
+    return results
 
 
 def main() -> None:
@@ -108,6 +116,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="the model's dtype and the reference cache's")
+    parser.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2",
+                        help="the 8-bit caches to compare, comma-separated")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
@@ -120,7 +130,8 @@ def main() -> None:
     prompts = make_prompts(AutoTokenizer.from_pretrained(checkpoint), args.prompts,
                            args.min_len, args.max_len)
     began = time.perf_counter()
-    result = compare(checkpoint, prompts, args.steps, args.dtype)
+    result = compare(checkpoint, prompts, args.steps, args.dtype,
+                     tuple(args.kv_cache_dtypes.split(",")))
     result["seconds"] = round(time.perf_counter() - began, 1)
     print(json.dumps(result, indent=2))
     if args.json:
