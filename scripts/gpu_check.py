@@ -22,6 +22,12 @@ as soon as it is done:
    step's one), and decode tokens/s at batch 1/32/128, each step read back before the next
    as the sampler would.
 
+4. fp8 KV (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``): FlashInfer over fp8 pages against the torch
+   backend in float32 over the same pages' values (the parity rule of part 1), decode attention
+   time over fp8 pages against bf16 pages at batch 32/128, and the ModelRunner on an fp8 cache
+   with CUDA graphs: its logits against the torch backend's on the same pages, and decode
+   tokens/s against a bf16 cache.
+
 CUDA graphs against eager decode: scripts/check_cuda_graphs.py.
 
 Exit status 1 when a check fails.
@@ -36,6 +42,7 @@ import tempfile
 import time
 import warnings
 from functools import partial
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.contracts.engine_config import EngineConfig  # noqa: E402
 from engine.contracts.step import BatchInput  # noqa: E402
+from engine.worker import kv_quant  # noqa: E402
 from engine.worker.attention import make_backend  # noqa: E402
 from engine.worker.kv_pool import KVPool  # noqa: E402
 
@@ -57,6 +65,8 @@ SHAPES = {
 }
 # (query heads, kv heads, per-layer sliding windows)
 ATTENTION_CONFIGS = [(32, 8, (None, 64)), (16, 8, (None,))]
+# (query heads, kv heads) of part 4: Llama-3-8B's and the check model's
+FP8_SHAPES = [(32, 8), (16, 4)]
 
 
 def random_batch(page_size: int, num_pages: int, shapes, seed: int = 0) -> BatchInput:
@@ -70,7 +80,8 @@ def random_batch(page_size: int, num_pages: int, shapes, seed: int = 0) -> Batch
     return BatchInput.build(seqs, page_size, "all")
 
 
-def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, dtype) -> KVPool:
+def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, dtype,
+              kv_dtype=None) -> KVPool:
     return KVPool(
         num_layers=layers,
         num_pages=pages,
@@ -79,6 +90,7 @@ def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, dtype) -> 
         head_dim=HEAD_DIM,
         dtype=dtype,
         device="cuda",
+        kv_dtype=kv_dtype,
     )
 
 
@@ -112,6 +124,11 @@ def kernel_specs(family: str) -> list:
         if family == "fa3" and not tensor_cores:
             found = [spec for spec in found if "fa3" in spec.name]
         specs |= {spec.name: spec for spec in found}
+    if family == "fa2":  # part 4: fp8 KV runs on FA2 only, at its check shapes
+        for (heads, kv_heads), kv_dtype in product(FP8_SHAPES, kv_quant.FP8_DTYPES):
+            found = jit_specs(torch.bfloat16, HEAD_DIM, [False], heads // kv_heads >= 4,
+                              "fa2", "fa2", kv_dtype)
+            specs |= {spec.name: spec for spec in found}
     return list(specs.values())
 
 
@@ -350,6 +367,89 @@ def check_step_syncs(runners: dict) -> bool:
     return ok
 
 
+def check_fp8(context: int, model_context: int, steps: int) -> bool:
+    """Part 4: fp8 pages through FlashInfer, against float32 over their values; time; runner."""
+    from engine.worker.runner import ModelRunner
+    from scripts.bench_gpu import CHECK_MODEL, write_config
+
+    heads, kv_heads = FP8_SHAPES[0]
+    print(f"\n## fp8 KV, {heads}/{kv_heads} heads of {HEAD_DIM}, bf16 queries, page 16: max abs "
+          "error vs torch float32 over the pages' values\n")
+    print("| KV dtype | batch | tokens | flashinfer err | torch bf16 err | ok |")
+    print("|---|---|---:|---:|---:|---|")
+    ok, pages = True, 16384 // 16
+    for kv_dtype in kv_quant.FP8_DTYPES:
+        pool = make_pool(1, pages, 16, kv_heads, torch.bfloat16, kv_dtype)
+        pool.kv.copy_(kv_quant.encode(torch.randn(pool.kv.shape, device="cuda"), kv_dtype))
+        pool32 = make_pool(1, pages, 16, kv_heads, torch.float32)
+        pool32.kv.copy_(kv_quant.decode(pool.kv, kv_dtype, torch.float32))
+        for name, shapes in SHAPES.items():
+            batch = random_batch(16, pages, shapes)
+            q, k, v = (torch.randn(batch.num_tokens, h, HEAD_DIM, device="cuda")
+                       for h in (heads, kv_heads, kv_heads))
+            # this step's K and V as fp8 values, so that every backend stores the same
+            k, v = (kv_quant.decode(kv_quant.encode(t, kv_dtype), kv_dtype, torch.float32)
+                    for t in (k, v))
+            out = {}
+            for label, b_pool, dtype in (("flashinfer", pool, torch.bfloat16),
+                                         ("torch", pool, torch.bfloat16),
+                                         ("fp32", pool32, torch.float32)):
+                b = backend("torch" if label != "flashinfer" else "flashinfer", b_pool, heads,
+                            kv_heads, (None,))
+                b.plan(batch)
+                out[label] = b.forward(0, *(t.to(dtype) for t in (q, k, v))).float()
+            fi_err = (out["flashinfer"] - out["fp32"]).abs().max().item()
+            torch_err = (out["torch"] - out["fp32"]).abs().max().item()
+            row_ok = fi_err <= max(2 * torch_err, 1e-2)
+            ok &= row_ok
+            print(f"| {str(kv_dtype).removeprefix('torch.')} | {name} | {batch.num_tokens} | "
+                  f"{fi_err:.2e} | {torch_err:.2e} | {'ok' if row_ok else 'FAIL'} |", flush=True)
+    print(f"\n| batch | bf16 KV ms | fp8_e4m3 KV ms | bf16 / fp8 |   (decode attention @{context}, "
+          "32 layer calls)")
+    print("|---:|---:|---:|---:|")
+    for batch_size in (32, 128):
+        num_pages = batch_size * (-(-(context + 1) // 16)) + 1
+        batch = random_batch(16, num_pages, [(context, 1)] * batch_size)
+        qkv = [torch.randn(batch_size, h, HEAD_DIM, device="cuda").bfloat16()
+               for h in (heads, kv_heads, kv_heads)]
+        ms = {}
+        for label, kv_dtype in (("bf16", None), ("fp8", torch.float8_e4m3fn)):
+            b = backend("flashinfer", make_pool(1, num_pages, 16, kv_heads, torch.bfloat16,
+                                                kv_dtype), heads, kv_heads, (None,))
+            ms[label] = cuda_time(partial(attention_step, b, batch, qkv, 32)) * 1e3
+        print(f"| {batch_size} | {ms['bf16']:.2f} | {ms['fp8']:.2f} | "
+              f"{ms['bf16'] / ms['fp8']:.2f}x |", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(Path(tmp), CHECK_MODEL)
+        runners = {
+            (name, kv): ModelRunner(EngineConfig(
+                model=tmp, num_pages=4096, attention_backend=name, load_format="dummy",
+                dtype="bfloat16", kv_cache_dtype=kv, enable_cuda_graph=name == "flashinfer"))
+            for name, kv in (("torch", "fp8_e4m3"), ("flashinfer", "fp8_e4m3"),
+                             ("flashinfer", "auto"))}
+    graphs = runners[("flashinfer", "fp8_e4m3")].graphs
+    print(f"\nModelRunner on an fp8_e4m3 cache, CUDA graphs "
+          f"{'captured' if graphs is not None else 'OFF'}")
+    ok &= graphs is not None
+    prompt = np.random.default_rng(0).integers(0, 999, (8, model_context))
+    tables = np.arange(8 * (-(-(model_context + steps) // 16))).reshape(8, -1)
+    logits, rates = {}, {}
+    for key, runner in runners.items():
+        runner.forward(BatchInput.build(list(zip(tables, [0] * 8, prompt, strict=True)), 16)).cpu()
+        batches = [BatchInput.build([(t, model_context + s, [s + 3]) for t in tables], 16)
+                   for s in range(steps)]
+        logits[key] = runner.forward(batches[0]).float().cpu()
+        rates[key] = 8 * steps / cuda_time(partial(run_batches, runner, batches[1:]), 3)
+    agree = (logits[("torch", "fp8_e4m3")].argmax(-1)
+             == logits[("flashinfer", "fp8_e4m3")].argmax(-1)).float().mean().item()
+    ok &= agree >= 0.9
+    print(f"decode logits, flashinfer (graphs) vs torch over fp8 pages: argmax agreement "
+          f"{agree:.0%} {'ok' if agree >= 0.9 else 'FAIL'}; decode at batch 8 @{model_context}: "
+          f"bf16 KV {rates[('flashinfer', 'auto')]:,.0f} tok/s, fp8 KV "
+          f"{rates[('flashinfer', 'fp8_e4m3')]:,.0f} tok/s\n", flush=True)
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -358,8 +458,8 @@ def main() -> None:
     parser.add_argument("--model-context", type=int, default=512, help="decode context for part 3")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed in part 3")
     parser.add_argument("--parts", default="parity,decode,model",
-                        help="comma-separated parts to run, of prebuild, parity, decode, model "
-                             "(default: all but prebuild)")
+                        help="comma-separated parts to run, of prebuild, parity, decode, model, "
+                             "fp8 (default: parity, decode, model)")
     parser.add_argument("--kernels", choices=("fa2", "fa3"), default="fa2",
                         help="the kernel family the prebuild part builds (default fa2)")
     args = parser.parse_args()
@@ -381,6 +481,8 @@ def main() -> None:
         time_decode_attention(args.context)
     if "model" in parts:
         ok &= check_model(args.model_context, args.steps)
+    if "fp8" in parts:
+        ok &= check_fp8(args.context, args.model_context, args.steps)
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     sys.exit(0 if ok else 1)
 

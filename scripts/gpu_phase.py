@@ -88,7 +88,7 @@ class Step:
 
 def install_wheels(skip_if: Path | None = None) -> Step:
     wheels = tuple(sorted(str(p) for p in (REPO / "wheels").glob("*.whl")))
-    return Step("install the carried wheels into .flashinfer-cache/site", 40,
+    return Step("install the carried wheels into .flashinfer-cache/site", 35,
                 (PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                  "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels),
                 skip_if=skip_if)
@@ -110,12 +110,14 @@ def phase_steps(phase: int, out: Path) -> list[Step]:
         install_wheels(skip_if=SITE / "flashinfer"),
         Step("versions, chosen backends, phase 1's kernels", 20,
              (PYTHON, "-c", VERSIONS + FA2_BUILT)),
-        Step("attention parity, decode timings, the runner and its syncs", 100,
+        Step("attention parity, decode timings, the runner and its syncs", 90,
              (PYTHON, gpu_check, "--parts", "parity,decode,model")),
-        Step("CUDA graphs vs eager", 110,
+        Step("fp8 KV: parity, decode timings, the runner with CUDA graphs", 60,
+             (PYTHON, gpu_check, "--parts", "fp8")),
+        Step("CUDA graphs vs eager", 95,
              (PYTHON, str(REPO / "scripts" / "check_cuda_graphs.py"), "--json",
               str(out / "graphs.json"))),
-        Step("bench_gpu.py at Llama-3-8B's shapes, CUDA graphs", 130,
+        Step("bench_gpu.py at Llama-3-8B's shapes, CUDA graphs", 100,
              (PYTHON, str(REPO / "scripts" / "bench_gpu.py"), "--enable-cuda-graph", "--json",
               str(out / "bench_gpu_graphs.json"))),
         Step("bench_gpu.py, eager decode", 50,
