@@ -11,8 +11,8 @@ from scheduler.kv import StepWork
 from scheduler.planner import Entry
 
 
-def build_batch(batch_id: int, entries: list[Entry], work: StepWork,
-                page_size: int) -> ForwardBatch:
+def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: int,
+                released_grammars: list[str] | None = None) -> ForwardBatch:
     builder = StepBuilder(page_size)
     sampling: list[RowSampling] = []
     for entry in entries:
@@ -23,7 +23,8 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork,
         if entry.samples:
             sampling.extend(sampling_rows(entry))
     step = builder.finish(work.copies, work.swap_out, work.swap_in)
-    return ForwardBatch(batch_id=batch_id, step=step, sampling=sampling)
+    return ForwardBatch(batch_id=batch_id, step=step, sampling=sampling,
+                        released_grammars=released_grammars or [])
 
 
 def sampling_rows(entry: Entry) -> list[RowSampling]:
@@ -46,5 +47,6 @@ def sampling_rows(entry: Entry) -> list[RowSampling]:
             # wrap to stay uint64, what the wire (and the sampler's mixing) carries.
             seed = (params.seed + seq.index + sample) % SEED_LIMIT
             row_params = msgspec.structs.replace(params, seed=seed)
-        rows.append(RowSampling(row_params, seq.num_outputs + step, req.prompt_len, history))
+        key = f"{req.rid}#{seq.index + sample}" if params.structured_outputs is not None else ""
+        rows.append(RowSampling(row_params, seq.num_outputs + step, req.prompt_len, history, key))
     return rows

@@ -65,6 +65,8 @@ class Scheduler:
                         and info.device.startswith("cuda"))
         self._serial_next = False  # a look-ahead plan went short of pages: wait, then preempt
         self._looked_ahead = False  # a look-ahead plan found nothing; retry after news
+        # constrained sequences ended since the last batch: the worker drops their grammars
+        self.released_grammars: list[str] = []
 
     # ------------------------------------------------------------- requests
     @property
@@ -96,8 +98,10 @@ class Scheduler:
                 sum(len(r.live_seqs()) for r in self.running)):
             return False  # drafts need the settled last token: a look-ahead step has none
         # The batch in flight must decide nothing the next plan depends on: no forks or beam
-        # steps (sequences appear or reorder), no penalties (the sampler reads the whole history).
+        # steps (sequences appear or reorder), no penalties (the sampler reads the whole
+        # history), no grammar (it may force tokens that the next step must run).
         return all(e.samples <= 1 and not e.seq.req.is_beam and not e.seq.req.has_penalties
+                   and e.seq.req.params.structured_outputs is None
                    for e in self.inflight[0][1])
 
     def add_request(self, msg: TokenizedRequest) -> None:
@@ -159,7 +163,9 @@ class Scheduler:
             self._looked_ahead = lookahead
             return None
         self.batch_id += 1
-        batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size)
+        batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size,
+                            self.released_grammars)
+        self.released_grammars = []
         row = 0
         for entry in plan.entries:
             seq = entry.seq
@@ -187,6 +193,8 @@ class Scheduler:
         if result.top_n:
             top_ids = unpack_ids(result.top_ids).reshape(-1, result.top_n)
             top_lps = np.frombuffer(result.top_logprobs, dtype=np.float32).reshape(-1, result.top_n)
+        forced = _forced_tokens(result, len(tokens))
+        ended = set(unpack_ids(result.grammar_ended).tolist())
         row = 0
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
         for entry in entries:
@@ -224,10 +232,11 @@ class Scheduler:
                 beam_rows.setdefault(id(seq.req), []).append((seq, row))
             elif entry.samples > 1:
                 self._fork_samples(seq, tokens[row : row + entry.samples], logprobs, top_ids,
-                                   top_lps, row)
+                                   top_lps, row, forced, ended)
             else:
-                self._append(seq, [int(tokens[row])], logprobs, top_ids, top_lps, row,
-                             entry.token_index)
+                self._append(seq, [int(tokens[row]), *forced.get(row, ())], logprobs, top_ids,
+                             top_lps, row, entry.token_index)
+                self._grammar_ended(seq, row in ended)
             row += entry.samples
         for rows in beam_rows.values():
             try:
@@ -298,6 +307,8 @@ class Scheduler:
         self._release(seq, cache=cache)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        if seq.req.params.structured_outputs is not None:
+            self.released_grammars.append(f"{seq.req.rid}#{seq.index}")
         if emit:
             self._emit(seq.req, seq.index, [], finish_reason=reason, error=error, status=status)
 
@@ -313,8 +324,15 @@ class Scheduler:
         if cache and req.session_id is not None and seq.index == 0 and not req.is_beam:
             self.sessions.pin(req.session_id, history, req.namespace, time.monotonic())
 
+    def _grammar_ended(self, seq: Seq, ended: bool) -> None:
+        """A constrained sequence whose grammar can take nothing more ends with "stop" (unless
+        its last token ended it already)."""
+        if ended and seq.status is Status.RUNNING and not seq.closing:
+            self._emit(seq.req, seq.index, [], finish_reason="stop")
+            self._finish(seq, "stop")
+
     def _fork_samples(self, parent: Seq, tokens: np.ndarray, logprobs, top_ids, top_lps,
-                      row: int) -> None:
+                      row: int, forced: dict[int, list[int]], ended: set[int]) -> None:
         req = parent.req
         req.forked = True
         children = [parent]
@@ -324,7 +342,9 @@ class Scheduler:
             req.seqs.append(child)
             children.append(child)
         for i, child in enumerate(children):
-            self._append(child, [int(tokens[i])], logprobs, top_ids, top_lps, row + i)
+            self._append(child, [int(tokens[i]), *forced.get(row + i, ())], logprobs, top_ids,
+                         top_lps, row + i)
+            self._grammar_ended(child, row + i in ended)
 
     def _beam_step(self, rows: list[tuple[Seq, int]], top_ids, top_lps) -> None:
         beams = [seq for seq, _ in rows]
@@ -427,3 +447,15 @@ class Scheduler:
             "pinned_tokens": self.sessions.pinned_tokens,
         }
 
+
+def _forced_tokens(result: BatchResult, num_rows: int) -> dict[int, list[int]]:
+    """The tokens each constrained row's grammar forced after its sample (row -> tokens)."""
+    if not result.forced_counts:
+        return {}
+    counts = unpack_ids(result.forced_counts)
+    ids = unpack_ids(result.forced_ids).tolist()
+    if len(counts) != num_rows or int(counts.sum()) != len(ids):
+        raise ValueError(f"batch {result.batch_id}'s forced tokens do not match its rows")
+    ends = np.cumsum(counts).tolist()
+    return {row: ids[end - n : end] for row, (n, end) in enumerate(zip(counts.tolist(), ends,
+                                                                          strict=True)) if n}

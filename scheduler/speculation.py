@@ -65,8 +65,8 @@ class Speculator:
         """Draft tokens for ``seq``'s next decode step (empty: decode as usual); ``limit`` is
         the length the sequence may reach, ``num_running`` the sequences running."""
         c = self.config
-        if not self.may_draft(num_running):
-            return []
+        if not self.may_draft(num_running) or seq.req.params.structured_outputs is not None:
+            return []  # a constrained row's grammar state advances one sampled token a step
         if seq.draft_pause > 0:
             seq.draft_pause -= 1
             return []

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from engine.contracts import structured
 from engine.contracts.protocol import (
     AbortRequest,
     GenerateRequest,
@@ -83,6 +84,19 @@ class TokenizerWorker:
         self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = None if context_len is None else context_len * self.longest_token
         self.context_len = context_len
+        self._grammar_tokenizer = None  # built for the first constrained request (about 1 s)
+
+    def check_constraint(self, req: GenerateRequest) -> None:
+        """A request's structured output compiles against this tokenizer (a ValueError naming
+        the problem if not: the client's 400), in bounded time (the parser's fuel limits)."""
+        spec = req.params.structured_outputs
+        if spec is None:
+            return
+        if self._grammar_tokenizer is None:
+            eos = self.tokenizer.eos_token_id
+            self._grammar_tokenizer = structured.grammar_tokenizer(
+                self.tokenizer, None, [] if eos is None else [eos])
+        structured.check(spec, self._grammar_tokenizer)
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
         given = sum(x is not None for x in (req.text, req.prompt_ids, req.messages))
@@ -114,6 +128,7 @@ class TokenizerWorker:
                     return RequestOutput(rid=req.rid, finish_reason="error", status=404,
                                          error=f"session {req.session_id!r} does not exist")
                 ids = self._session_prompt(session, req)
+            self.check_constraint(req)
         except ValueError as exc:
             return RequestOutput(rid=req.rid, finish_reason="error", error=str(exc), status=400)
         except RecursionError:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import zmq
-from transformers import PreTrainedTokenizerBase
 
 from engine.contracts.engine_config import LaunchSpec, ReplicaEndpoints
 from engine.contracts.protocol import (
@@ -39,6 +37,7 @@ from engine.contracts.protocol import (
     decode,
     encode,
 )
+from engine.contracts.tokenizer import load_tokenizer
 from tokenizer_worker.core import TokenizerWorker
 from tokenizer_worker.dispatch import Dispatcher, NoReplica, OneReplica
 
@@ -205,19 +204,6 @@ def _drain_multipart(sock: zmq.Socket):
             yield sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
-
-
-def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
-    """The model's tokenizer. A ``tokenizer.json`` loads as the fast tokenizer directly, the
-    class transformers' AutoTokenizer picks for it too, without importing torch (AutoTokenizer
-    does: about 6 s of CPU on every start); other layouts go through AutoTokenizer."""
-    if (Path(model_dir) / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:

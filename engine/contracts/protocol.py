@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from engine.contracts.step import BatchInput
+from engine.contracts.structured import StructuredOutputs
 
 
 def pack_ids(ids: np.ndarray | list[int]) -> bytes:
@@ -57,6 +58,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     length_penalty: float = 1.0
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled token's)
     skip_special_tokens: bool = True
+    # a constraint on the output (engine/contracts/structured.py); compiled and checked against
+    # the tokenizer by the tokenizer worker, enforced by the worker's sampler
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +125,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidParam("stop_token_ids", f"stop_token_ids may hold at most "
                                f"{MAX_STOP_TOKEN_IDS:,} ids, got {len(self.stop_token_ids):,}")
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs.check_sizes()
+            except ValueError as exc:
+                raise InvalidParam("structured_outputs", str(exc)) from None
+            if self.beam_width > 1:
+                raise InvalidParam("structured_outputs", "beam search cannot be combined with "
+                                   "structured output (a grammar state per beam is not kept)")
         id_limit = vocab_size or INT32_MAX + 1
         bad = [t for t in self.stop_token_ids if not 0 <= t < id_limit]
         if bad:
@@ -268,12 +280,15 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
 # ------------------------------------------------------------------------- the worker
 class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     """How to sample one logits row. ``history`` (prompt then output ids) is sent only for rows
-    with penalties; ``output_len`` is the seeded step index."""
+    with penalties; ``output_len`` is the seeded step index. A constrained row
+    (``params.structured_outputs``) names its sequence in ``grammar_key``: the worker keeps
+    that sequence's grammar state between steps (engine/worker/grammar.py)."""
 
     params: SamplingParams
     output_len: int
     prompt_len: int = 0
     history: bytes = b""
+    grammar_key: str = ""
 
 
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
@@ -288,16 +303,24 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     batch_id: int
     step: BatchInput
     sampling: list[RowSampling]
+    # constrained sequences that ended since the last batch: their grammar states are dropped
+    released_grammars: list[str] = []
 
 
 class BatchResult(msgspec.Struct, tag=True, kw_only=True):
-    """Worker → scheduler: one sampled token per sampling row."""
+    """Worker → scheduler: one sampled token per sampling row; for constrained rows, the tokens
+    their grammar forces after it (``forced_counts`` int32 per row, ``forced_ids`` the tokens
+    in row order; empty when none) and the rows whose grammar can take nothing more
+    (``grammar_ended``, int32 row numbers: those sequences finish with "stop")."""
 
     batch_id: int
     token_ids: bytes = b""
     logprobs: bytes = b""
     top_ids: bytes = b""
     top_logprobs: bytes = b""
+    forced_counts: bytes = b""
+    forced_ids: bytes = b""
+    grammar_ended: bytes = b""
     top_n: int = 0
     error: str | None = None
 

@@ -6,11 +6,13 @@ only they can (a text's token count, the KV pool); here is what needs no tokeniz
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
 from engine.contracts.protocol import InvalidParam, ModelInfo, SamplingParams, show_int
+from engine.contracts.structured import StructuredOutputs
 from engine.server.errors import APIError
 from engine.server.schemas import (
     ChatCompletionRequest,
@@ -68,7 +70,44 @@ def _common(req: SamplingFields, max_tokens: int, logprobs: int | None, info: Mo
     )
     if beam_width > 1:
         params.temperature = 0.0  # beam search is deterministic
+    params.structured_outputs = constraint_of(req)
     return _validated(params, info, names)
+
+
+def structured_outputs(value: Any, param: str = "structured_outputs") -> StructuredOutputs:
+    """vLLM's ``structured_outputs`` object (``json`` may be the schema itself or its text)."""
+    if not isinstance(value, dict):
+        raise APIError(400, f"{param} must be an object", param=param)
+    if isinstance(value.get("json"), dict | bool):
+        value = {**value, "json": json.dumps(value["json"])}
+    try:
+        spec = msgspec.convert(value, StructuredOutputs)
+        spec.kind  # noqa: B018 (raises unless exactly one constraint is set)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise APIError(400, f"invalid {param}: {exc}", param=param) from None
+    return spec
+
+
+def constraint_of(req: SamplingFields) -> StructuredOutputs | None:
+    """The request's constraint: OpenAI's ``response_format`` or vLLM's ``structured_outputs``
+    (not both)."""
+    fmt = req.response_format
+    if fmt is not None and req.structured_outputs is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both",
+                       param="response_format")
+    if req.structured_outputs is not None:
+        return structured_outputs(req.structured_outputs)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputs(json_object=True)
+    if fmt.type != "json_schema":
+        raise APIError(400, f"response_format.type must be text, json_object or json_schema, "
+                       f"got {fmt.type!r}", param="response_format.type")
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise APIError(400, "response_format json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+    return StructuredOutputs(json=json.dumps(fmt.json_schema.schema))
 
 
 def completion_params(req: CompletionRequest, info: ModelInfo) -> SamplingParams:
@@ -104,6 +143,9 @@ def native_params(values: dict[str, Any], info: ModelInfo) -> SamplingParams:
     if unknown:
         raise APIError(400, f"unknown sampling parameter {unknown[0]!r}",
                        param=f"sampling_params.{unknown[0]}")
+    if "structured_outputs" in values and values["structured_outputs"] is not None:
+        spec = structured_outputs(values["structured_outputs"], "sampling_params.structured_outputs")
+        values = {**values, "structured_outputs": msgspec.to_builtins(spec)}
     try:
         params = msgspec.convert(values, SamplingParams)
     except msgspec.ValidationError as exc:

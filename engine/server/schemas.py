@@ -22,6 +22,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM-style extras)."""
 
@@ -48,6 +62,9 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # the cache namespace with --salt-from-user; else unused
     cache_salt: str | None = None  # requests with different salts never share cached KV
+    response_format: ResponseFormat | None = None
+    # vLLM's: exactly one of json (a schema), json_object, regex, choice, grammar
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

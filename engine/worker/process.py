@@ -1,5 +1,6 @@
 """The GPU worker process: receives a ForwardBatch, runs its step (copies/swaps, the forward)
-and the sampler, and replies with one token per sampling row. It decides nothing about memory.
+and the sampler (constrained rows through their grammars: engine/worker/grammar.py), and
+replies with one token per sampling row. It decides nothing about memory.
 
 With ``--tp-size`` > 1 it is rank 0 of the tensor-parallel group (engine/worker/distributed.py): it
 hands every step, its input ids resolved, to the other ranks (engine/worker/tp_rank.py) before
@@ -21,6 +22,7 @@ from engine.contracts.protocol import (
     WorkerReady,
     decode,
     encode,
+    pack_ids,
     unpack_ids,
 )
 from engine.worker.distributed import GroupBroken, TensorParallel, start_tensor_parallel
@@ -51,6 +53,9 @@ class Worker:
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             kv_cache_bytes=self.runner.kv_cache_bytes,
         )
+        from engine.worker.grammar import Grammars
+
+        self.grammars = Grammars(c.model, mc.vocab_size, list(mc.eos_token_ids))
         # The previous batch's sampled tokens: a step planned while that batch ran (overlap
         # scheduling) names them as input ids ``-1 - row``.
         self.last_tokens = np.zeros(0, dtype=np.int32)
@@ -71,6 +76,8 @@ class Worker:
                                  f"sampled {len(sampled)}")
             step.input_ids = step.input_ids.copy()
             step.input_ids[placeholders] = sampled[rows]
+        self.grammars.release(msg.released_grammars)
+        masks = self.grammars.start_masks(msg.sampling)  # filled while the forward runs
         if self.tp is None:
             logits = self.runner.forward(step)
         else:
@@ -84,13 +91,26 @@ class Worker:
                 # No penalties: the sampler needs only the step index, len(output_ids).
                 prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
             rows.append(RowState(row.params, prompt, output))
-        out = sample(logits, rows)
+        allowed = None
+        if masks is not None:
+            allowed = masks.rows, self.grammars.allowed(masks, logits.device, logits.shape[-1])
+        out = sample(logits, rows, allowed)
         self.last_tokens = out.token_ids.astype(np.int32, copy=False)
         result = BatchResult(
             batch_id=msg.batch_id,
             token_ids=self.last_tokens.tobytes(),
             logprobs=out.logprobs.astype(np.float32, copy=False).tobytes(),
         )
+        if masks is not None:
+            advanced = self.grammars.advance(msg.sampling, masks, out.token_ids)
+            if advanced.forced:
+                counts = np.zeros(len(msg.sampling), dtype=np.int32)
+                for row, ids in advanced.forced.items():
+                    counts[row] = len(ids)
+                result.forced_counts = counts.tobytes()
+                result.forced_ids = pack_ids([t for row in sorted(advanced.forced)
+                                              for t in advanced.forced[row]])
+            result.grammar_ended = pack_ids(advanced.ended)
         if out.top_ids is not None:
             result.top_n = out.top_ids.shape[1]
             result.top_ids = out.top_ids.astype(np.int32).tobytes()

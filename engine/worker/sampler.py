@@ -4,6 +4,7 @@ Pipeline for one step::
 
     raw logits ──▶ logprobs / top-N logprobs (reported from the *raw* logits)
         │
+        ├─ constrained rows: tokens their grammar forbids to -inf (engine/worker/grammar.py)
         ├─ penalties: repetition (prompt + output), frequency, presence
         ├─ greedy rows (temperature 0 or top_k 1): argmax, no random draw at all
         └─ random rows: / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race
@@ -241,14 +242,20 @@ def _sample_random(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     return (probs / _exponential_noise(rows, logits.shape[-1], device)).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
-    """Pick one token per row of ``logits`` [B, V] following each row's ``SamplingParams``.
+def sample(logits: torch.Tensor, rows: list[RowState],
+           allowed: tuple[list[int], torch.Tensor] | None = None) -> SampleOutput:
+    """Pick one token per row of ``logits`` [B, V] following each row's ``SamplingParams``;
+    ``allowed`` (row numbers, [len(rows), V] bool): the only tokens those rows may take.
 
     The returned arrays are views of one host buffer: the step's single device-to-host copy.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if allowed is not None:
+        index = to_device(np.asarray(allowed[0], dtype=np.int64), logits.device)
+        constrained = logits.index_select(0, index).masked_fill(~allowed[1], float("-inf"))
+        logits = logits.index_copy(0, index, constrained)
     penalised = apply_penalties(logits, rows)
 
     token_ids = penalised.argmax(dim=-1)

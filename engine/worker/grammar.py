@@ -1,0 +1,176 @@
+"""Constrained sampling in the model worker: one grammar state per constrained sequence.
+
+A constrained row (``RowSampling.grammar_key``, its ``params.structured_outputs``) gets a
+matcher the first time its sequence is sampled (compiled by llguidance in about a millisecond;
+engine/contracts/structured.py says what each constraint means). Each step:
+
+1. ``start_masks`` (before the forward): on a host thread, each constrained row's matcher fills
+   its row of a token bitmask (llguidance releases the GIL), while the forward runs;
+2. ``allowed`` (after it): the bitmask as a [rows, vocab] bool tensor on the logits' device,
+   which the sampler applies before choosing (engine/worker/sampler.py);
+3. ``advance`` (after sampling): each matcher consumes its sampled token, then the tokens the
+   grammar forces next (several at once: ``compute_ff_tokens``), which go back to the scheduler
+   to be appended and run as one extend in the next step instead of one step each. A row that
+   asks for logprobs gets no forced tokens (a forced token has no distribution of its own): its
+   mask admits only that token, one step each. A grammar that can take nothing more ends its
+   sequence ("stop").
+
+Matchers live until the scheduler releases their sequence (``ForwardBatch.released_grammars``).
+Preemption keeps them: a resumed sequence's outputs are the tokens its matcher consumed. The
+scheduler never plans a look-ahead step behind a constrained row (forced tokens change what
+the next step runs), so rows arrive here in step with their matcher: ``output_len`` is the
+count it consumed (a matcher that consumed more, for a step the scheduler dropped, rolls back).
+
+The grammar engine's view of the vocabulary takes about a second to build; it is built on the
+first constrained request, not at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.contracts.protocol import RowSampling
+from engine.contracts.structured import grammar_text, grammar_tokenizer, parser_limits
+from engine.contracts.tokenizer import load_tokenizer
+from engine.worker.staging import to_device
+
+logger = logging.getLogger("radixserve.worker")
+
+
+@dataclass
+class _State:
+    matcher: object  # llguidance.LLMatcher
+    consumed: int = 0  # output tokens it has consumed
+
+
+@dataclass
+class Masks:
+    """One step's constrained rows (indices into the step's sampling rows) and the future of
+    their bitmask, int32 [len(rows), ceil(vocab / 32)]."""
+
+    rows: list[int]
+    bitmask: np.ndarray
+    done: Future
+
+
+@dataclass
+class Advanced:
+    """What the grammar added after a step's samples: forced tokens per sampling row, and the
+    rows whose grammar ended."""
+
+    forced: dict[int, list[int]]
+    ended: list[int]
+
+
+class Grammars:
+    def __init__(self, model_dir: str, vocab_size: int, eos_ids: list[int]) -> None:
+        self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, list(eos_ids)
+        self.states: dict[str, _State] = {}
+        self._tokenizer = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+        # counters for /metrics (summed by the scheduler's stats in a later message)
+        self.mask_seconds = 0.0
+        self.forced_tokens = 0
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            began = time.perf_counter()
+            self._tokenizer = grammar_tokenizer(load_tokenizer(self.model_dir), self.vocab_size,
+                                                self.eos_ids)
+            logger.info("grammar engine ready for this vocabulary in %.1f s",
+                        time.perf_counter() - began)
+        return self._tokenizer
+
+    def release(self, keys: list[str]) -> None:
+        for key in keys:
+            self.states.pop(key, None)
+
+    def _state(self, row: RowSampling) -> _State:
+        import llguidance
+
+        state = self.states.get(row.grammar_key)
+        if state is None:
+            if row.output_len:
+                raise RuntimeError(f"constrained sequence {row.grammar_key} has "
+                                   f"{row.output_len} outputs but no grammar state here")
+            matcher = llguidance.LLMatcher(self.tokenizer,
+                                           grammar_text(row.params.structured_outputs),
+                                           log_level=0, limits=parser_limits())
+            if matcher.is_error():
+                raise RuntimeError(f"the grammar of {row.grammar_key} failed to compile: "
+                                   f"{matcher.get_error()}")
+            state = self.states[row.grammar_key] = _State(matcher)
+        if state.consumed > row.output_len:
+            state.matcher.rollback(state.consumed - row.output_len)
+            state.consumed = row.output_len
+        if state.consumed != row.output_len:
+            raise RuntimeError(f"constrained sequence {row.grammar_key} is at output "
+                               f"{row.output_len}, its grammar at {state.consumed}")
+        return state
+
+    def start_masks(self, rows: list[RowSampling]) -> Masks | None:
+        """Each constrained row's bitmask, filled on the grammar thread; None when no row is
+        constrained. A row's state is checked (and made) here, on the caller's thread."""
+        import llguidance.numpy as llnp
+
+        constrained = [i for i, row in enumerate(rows) if row.grammar_key]
+        if not constrained:
+            return None
+        matchers = [self._state(rows[i]).matcher for i in constrained]
+        bitmask = llnp.allocate_token_bitmask(len(constrained), self.vocab_size)
+
+        def fill() -> None:
+            began = time.perf_counter()
+            for i, matcher in enumerate(matchers):
+                llnp.fill_next_token_bitmask(matcher, bitmask, i)
+            self.mask_seconds += time.perf_counter() - began
+
+        return Masks(constrained, bitmask, self._thread.submit(fill))
+
+    def allowed(self, masks: Masks, device: torch.device, vocab: int) -> torch.Tensor:
+        """[len(masks.rows), vocab] bool: the tokens each constrained row may take. A row its
+        grammar leaves nothing (it should not happen) may take an end-of-sequence token."""
+        masks.done.result()
+        bits = to_device(masks.bitmask, device)
+        shifts = self._shifts.get(device)
+        if shifts is None:
+            shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+        if vocab > self.vocab_size:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        empty = ~allowed.any(-1)
+        if self.eos_ids:
+            allowed[:, self.eos_ids[0]] |= empty
+        return allowed
+
+    def advance(self, rows: list[RowSampling], masks: Masks, tokens: np.ndarray) -> Advanced:
+        """Each constrained row's matcher takes its sampled token, then what the grammar forces
+        (within ``max_tokens``; none for rows that report logprobs)."""
+        forced: dict[int, list[int]] = {}
+        ended: list[int] = []
+        for i in masks.rows:
+            row = rows[i]
+            state = self.states[row.grammar_key]
+            matcher = state.matcher
+            if not matcher.consume_token(int(tokens[i])):
+                ended.append(i)  # the token broke the grammar (only an end token can)
+                continue
+            state.consumed += 1
+            room = row.params.max_tokens - state.consumed
+            if not matcher.is_stopped() and row.params.logprobs is None and room > 0:
+                extra = list(matcher.compute_ff_tokens())[:room]
+                if extra and matcher.consume_tokens(extra):
+                    state.consumed += len(extra)
+                    forced[i] = extra
+                    self.forced_tokens += len(extra)
+            if matcher.is_stopped():
+                ended.append(i)
+        return Advanced(forced, ended)
