@@ -1,5 +1,6 @@
-"""The compiled CPU kernels (engine/worker/csrc/) against float64 references, in the build every CPU
-with AVX-512 takes and in the portable build other CPUs take; and the engine's use of them."""
+"""The compiled CPU kernels (engine/worker/csrc/) against float64 references, in this CPU's build,
+the AVX2 build that CPUs without AVX-512 take and the portable build that CPUs with neither
+take; and the engine's use of them."""
 
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ from engine.worker.cpu_kernels import ENV_SWITCH, paged_decode_op
 from engine.worker.kv_pool import KVPool
 from tests.test_attention import make_pool, random_batch, reference_attention
 
+VARIANTS = list(cpu_kernels.VARIANTS)
+
+
+def load_variants() -> dict[str, object]:
+    """Every build of the kernels, loaded side by side: variant -> its torch.ops namespace."""
+    assert cpu_kernels._ops() is not None, "the compiled kernels did not build here (see the log)"
+    for variant in VARIANTS:
+        if variant != "native":
+            torch.ops.load_library(str(cpu_kernels.build(variant)))
+    return {variant: getattr(torch.ops, cpu_kernels.ops_namespace(variant)) for variant in VARIANTS}
+
 
 @pytest.fixture(scope="module")
 def variants() -> dict[str, object]:
-    assert cpu_kernels._ops() is not None, "the compiled kernels did not build here (see the log)"
-    torch.ops.load_library(str(cpu_kernels.build(portable=True)))
-    return {"native": torch.ops.radixserve, "portable": torch.ops.radixserve_portable}
+    return load_variants()
 
 
 def reference(q, k_pages, v_pages, indptr, indices, seq_lens, window, scale, starts=None
@@ -63,13 +73,13 @@ def random_case(num_heads, num_kv, head_dim, page_size, seq_lens, dtype, seed=0)
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
     [(8, 4, 32), (9, 3, 64), (4, 4, 16), (32, 8, 128), (6, 2, 40), (8, 1, 64), (14, 2, 16),
-     (12, 1, 32)],  # groups 1-8 compile to fixed-size loops; 12 takes the general ones
-)
+     (12, 1, 32)],  # groups 1-8 compile to fixed-size loops; 12 takes the general ones (AVX2:
+)                   # runs of 8 and 4); head_dim 40 is 8-wide in the AVX-512 build too
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("window", [0, 5, 40])
 def test_kernel_matches_float64_reference(variants, variant, dtype, heads, kv_heads, head_dim,
@@ -103,7 +113,7 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * normed.to(weight.dtype)
 
 
-@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("x_dtype,w_dtype", [
     (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
     (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16), (torch.float16, torch.float16),
@@ -148,7 +158,7 @@ def test_kernel_refuses_what_it_cannot_read(variants) -> None:
 
 def backend(pool: KVPool, compiled: bool) -> TorchNativeBackend:
     """The torch backend with the compiled kernels, or with none. ``compiled``: the decode
-    kernel too, also on a CPU where the engine would not pick it (no AVX-512)."""
+    kernel too, also on a CPU where the engine would not pick it (neither AVX-512 nor AVX2)."""
     attention = TorchNativeBackend(pool, num_heads=8, num_kv_heads=2, head_dim=16,
                                    sliding_windows=(None, 5), compiled=compiled)
     if compiled:
@@ -233,7 +243,7 @@ def test_switch_and_failed_build_leave_the_torch_path(monkeypatch, caplog) -> No
 
     monkeypatch.delenv(ENV_SWITCH)
 
-    def no_compiler(portable: bool = False):
+    def no_compiler(variant: str = "native"):
         raise RuntimeError("compiling the CPU kernels failed:\nc++: not found")
 
     monkeypatch.setattr(cpu_kernels, "build", no_compiler)
@@ -278,7 +288,7 @@ def rope_case(tokens: int, dtype: torch.dtype, heads: int = 8, kv_heads: int = 4
     return qk, v, cos, signed_sin
 
 
-@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_rope_store_is_apply_rope_and_the_pool_write(variants, variant, dtype, tokens) -> None:
@@ -347,12 +357,17 @@ def test_backend_rotating_forward_is_apply_rope_then_forward(variants, dtype) ->
 
 def test_decode_kernel_serves_only_where_it_is_vectorised(variants, monkeypatch) -> None:
     """The plain C++ build's decode kernel is no faster than gather + SDPA, so the engine
-    takes it only from a build with the AVX-512 loops (RMSNorm and rope_store, faster in
-    both builds, serve either way)."""
+    takes it only from a build with AVX-512 or AVX2 loops (RMSNorm and rope_store, faster in
+    every build, serve either way)."""
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    avx2 = {"avx2", "fma", "f16c"} <= flags
     assert not variants["portable"].paged_decode_vectorized()
+    assert variants["avx2"].paged_decode_vectorized() == avx2
     native = variants["native"].paged_decode_vectorized()
-    assert native == ("avx512f" in open("/proc/cpuinfo").read())
+    assert native == ("avx512f" in flags or avx2)
     assert (paged_decode_op() is not None) == native
+    monkeypatch.setattr(cpu_kernels, "_ops", lambda: variants["avx2"])
+    assert (cpu_kernels.paged_decode_op.__wrapped__() is not None) == avx2
     monkeypatch.setattr(cpu_kernels, "_ops", lambda: variants["portable"])
     assert cpu_kernels.paged_decode_op.__wrapped__() is None
     assert cpu_kernels.rms_norm_op() is variants["portable"].rms_norm

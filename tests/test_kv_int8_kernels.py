@@ -1,4 +1,4 @@
-"""Attention over int8 pages: the compiled decode kernel (both builds) and the torch backend's
+"""Attention over int8 pages: the compiled decode kernel (every build) and the torch backend's
 extend, decode and cascade paths against float64 attention over the dequantized values; the
 compiled rotary + store op quantizing as kv_quant.quantize does."""
 
@@ -8,21 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine.worker import cpu_kernels
 from engine.worker.attention import TorchNativeBackend, torch_native
 from engine.worker.attention.base import apply_rope
 from engine.worker.kv_pool import KVPool
 from engine.worker.kv_quant import dequantize, quantize, scales
 from tests.test_attention import SHAPES, random_batch, reference_attention
-from tests.test_cpu_kernels import TOLERANCE, reference, rope_case
+from tests.test_cpu_kernels import TOLERANCE, VARIANTS, load_variants, reference, rope_case
 
 
 @pytest.fixture(scope="module")
 def variants() -> dict[str, object]:
-    """Both builds of the kernels: the one this CPU takes and the portable one."""
-    assert cpu_kernels._ops() is not None, "the compiled kernels did not build here (see the log)"
-    torch.ops.load_library(str(cpu_kernels.build(portable=True)))
-    return {"native": torch.ops.radixserve, "portable": torch.ops.radixserve_portable}
+    return load_variants()
 
 
 def int8_case(num_heads, num_kv, head_dim, page_size, seq_lens, dtype, seed=0):
@@ -40,7 +36,7 @@ def int8_case(num_heads, num_kv, head_dim, page_size, seq_lens, dtype, seed=0):
     return q, pages[0], pages[1], indptr, indices, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim",
                          [(8, 4, 32), (9, 3, 64), (8, 1, 64), (12, 1, 32), (4, 4, 16)])
@@ -72,14 +68,17 @@ def test_decode_kernel_refuses_int8_rows_without_their_scales(variants) -> None:
                                         indptr, indices, lens, 0, 1.0)
 
 
-@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_rope_store_quantizes_as_kv_quant_does(variants, variant, dtype, tokens) -> None:
-    qk, v, cos, signed_sin = rope_case(tokens, dtype)
+@pytest.mark.parametrize("head_dim", [64, 36])  # 36: runs of 8 values, then 4 one at a time
+def test_rope_store_quantizes_as_kv_quant_does(variants, variant, dtype, tokens,
+                                               head_dim) -> None:
+    qk, v, cos, signed_sin = rope_case(tokens, dtype, head_dim=head_dim)
+    v[0, 0] = 0  # a row of zeros: scale 0
     want_q, want_k = apply_rope(qk, cos, signed_sin).split([8, 4], dim=1)
-    k_slots = torch.zeros(1000, 4, 66, dtype=torch.int8)
-    v_slots = torch.zeros(1000, 4, 66, dtype=torch.int8)
+    k_slots = torch.zeros(1000, 4, head_dim + 2, dtype=torch.int8)
+    v_slots = torch.zeros(1000, 4, head_dim + 2, dtype=torch.int8)
     slots = torch.randperm(1000)[:tokens]
     q = variants[variant].rope_store(qk[:, :8], qk[:, 8:], v, cos, signed_sin, slots, k_slots,
                                      v_slots)
@@ -89,7 +88,7 @@ def test_rope_store_quantizes_as_kv_quant_does(variants, variant, dtype, tokens)
     # K is rotated as torch rotates it (to its last place), then quantized the same way.
     got_k, want_k = k_slots[slots], quantize(want_k)
     torch.testing.assert_close(scales(got_k), scales(want_k), rtol=2**-10, atol=0)
-    assert (got_k[..., :64].int() - want_k[..., :64].int()).abs().max() <= 1
+    assert (got_k[..., :head_dim].int() - want_k[..., :head_dim].int()).abs().max() <= 1
     untouched = torch.ones(1000, dtype=torch.bool)
     untouched[slots] = False
     assert not k_slots[untouched].any() and not v_slots[untouched].any()

@@ -40,13 +40,17 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 # -fopenmp links libgomp.so.1; torch ships and loads its own under that name, so the kernel's
 # parallel loops run on torch's OpenMP threads (torch.set_num_threads governs both).
 _LDFLAGS = ("-fopenmp",)
+# The engine loads "native"; the tests load the others beside it (ops_namespace) to check the
+# loops other CPUs take: "avx2", the 8-wide loops of CPUs with AVX2, FMA and F16C but no AVX-512
+# (-march=native less AVX-512, so that a CPU with it runs them too), and "portable", the plain
+# C++ ones of CPUs with neither.
+VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-DRADIXSERVE_PORTABLE",)}
 _BUILD_SCRIPT = """
 import sys
 from torch.utils.cpp_extension import load
-name, sources, build_dir, portable = sys.argv[1:5]
-defines = ["-DRADIXSERVE_PORTABLE"] if portable == "1" else []
+name, sources, build_dir = sys.argv[1:4]
 load(name=name, sources=sources.split(","), build_directory=build_dir, is_python_module=False,
-     extra_cflags=[*sys.argv[5].split(), *defines], extra_ldflags=sys.argv[6].split())
+     extra_cflags=sys.argv[4].split(), extra_ldflags=sys.argv[5].split())
 """
 
 
@@ -60,17 +64,21 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def build(portable: bool = False) -> Path:
+def ops_namespace(variant: str) -> str:
+    """Where a build's ops register: ``torch.ops.<this>``."""
+    return "radixserve" if variant == "native" else f"radixserve_{variant}"
+
+
+def build(variant: str = "native") -> Path:
     """The compiled kernels' shared library, built unless the cache holds it already.
-    ``portable``: without the AVX-512 paths (every CPU takes those where it can; the tests
-    build this variant to check the plain C++ loops that other CPUs run)."""
+    ``variant``: one of ``VARIANTS``, the engine's build unless a test asks for another."""
     sources = sorted(CSRC.glob("*.cpp"))
     texts = [path.read_text() for path in sorted(CSRC.iterdir()) if path.suffix in (".cpp", ".h")]
+    name = _NAME if variant == "native" else f"{_NAME}_{variant}"
+    cflags = [*_CFLAGS, *VARIANTS[variant], f"-DRADIXSERVE_OPS_NAMESPACE={ops_namespace(variant)}"]
     key = hashlib.sha256(
-        "\0".join([*texts, torch.__version__, " ".join(_CFLAGS), _cpu_id(), sys.version,
-                   str(portable)]).encode()
+        "\0".join([*texts, torch.__version__, " ".join(cflags), _cpu_id(), sys.version]).encode()
     ).hexdigest()[:16]
-    name = f"{_NAME}_portable" if portable else _NAME
 
     def write(staging: Path) -> None:
         logger.info("compiling the CPU kernels for this machine (once; cached in %s)",
@@ -82,7 +90,7 @@ def build(portable: bool = False) -> Path:
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         done = subprocess.run(
             [sys.executable, "-c", _BUILD_SCRIPT, name, ",".join(map(str, sources)), str(staging),
-             "1" if portable else "0", " ".join(_CFLAGS), " ".join(_LDFLAGS)],
+             " ".join(cflags), " ".join(_LDFLAGS)],
             capture_output=True, text=True, timeout=600, env=env,
         )
         if done.returncode != 0:
@@ -113,17 +121,17 @@ def _ops() -> object | None:
 
 @functools.cache
 def paged_decode_op(quantized: bool = False) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """None also where the build has no AVX-512 loops: there the plain C++ kernel measured no
-    faster than gathering pages for torch's SDPA (653 vs 664 us, 908 vs 802 us at batch 8 and
-    608-token contexts, against 361 / 512 us vectorised). ``quantized`` (an int8 pool): the
-    kernel wherever it is built, since the torch path would dequantize each sequence's pages
-    into a full-precision copy first."""
+    """None also where the build has no vectorised loops (neither AVX-512 nor AVX2 with FMA
+    and F16C): there the plain C++ kernel measured no faster than gathering pages for torch's
+    SDPA (653 vs 664 us, 908 vs 802 us at batch 8 and 608-token contexts, against 361 / 512 us
+    with AVX-512). ``quantized`` (an int8 pool): the kernel wherever it is built, since the
+    torch path would dequantize each sequence's pages into a full-precision copy first."""
     ops = _ops()
     if ops is None:
         return None
     if not quantized and not ops.paged_decode_vectorized():
-        logger.info("decode attention gathers pages for torch's SDPA: this CPU has no AVX-512 "
-                    "for the compiled kernel")
+        logger.info("decode attention gathers pages for torch's SDPA: this CPU has neither "
+                    "AVX-512 nor AVX2 with FMA and F16C for the compiled kernel")
         return None
     return ops.paged_decode
 
