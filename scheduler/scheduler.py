@@ -67,6 +67,9 @@ class Scheduler:
         self._looked_ahead = False  # a look-ahead plan found nothing; retry after news
         # constrained sequences ended since the last batch: the worker drops their grammars
         self.released_grammars: list[str] = []
+        self.constrained_requests = 0
+        self.grammar_forced_tokens = 0
+        self.grammar_mask_seconds = 0.0
 
     # ------------------------------------------------------------- requests
     @property
@@ -124,6 +127,7 @@ class Scheduler:
             return
         req.seqs.append(Seq(req, 0, prompt.tolist()))
         self.requests[req.rid] = req
+        self.constrained_requests += req.params.structured_outputs is not None
         self.waiting.append(req)
         self._looked_ahead = False
 
@@ -195,6 +199,8 @@ class Scheduler:
             top_lps = np.frombuffer(result.top_logprobs, dtype=np.float32).reshape(-1, result.top_n)
         forced = _forced_tokens(result, len(tokens))
         ended = set(unpack_ids(result.grammar_ended).tolist())
+        self.grammar_forced_tokens += sum(map(len, forced.values()))
+        self.grammar_mask_seconds += result.mask_seconds
         row = 0
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
         for entry in entries:
@@ -445,6 +451,9 @@ class Scheduler:
             "preemptions": self.num_preemptions,
             "sessions_pinned": len(self.sessions.pins),
             "pinned_tokens": self.sessions.pinned_tokens,
+            "constrained_requests": self.constrained_requests,
+            "grammar_forced_tokens": self.grammar_forced_tokens,
+            "grammar_mask_seconds": self.grammar_mask_seconds,
         }
 
 

@@ -102,6 +102,9 @@ def test_every_output_parses_and_matches_its_constraint(model, prompts) -> None:
             else:
                 assert text in CHOICES, text
     assert h.worker.grammars.forced_tokens > 0
+    stats = h.sched.stats()
+    assert stats["grammar_forced_tokens"] == h.worker.grammars.forced_tokens
+    assert stats["constrained_requests"] == len(h.outputs) and stats["grammar_mask_seconds"] > 0
     # every finished sequence released its grammar (the last ones ride on the next batch)
     assert set(h.worker.grammars.states) <= set(h.sched.released_grammars)
 

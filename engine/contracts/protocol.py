@@ -243,6 +243,10 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_emitted_tokens: int = 0  # tokens verifications produced (accepted + one each)
     spec_verifications: int = 0  # sequence-steps that verified drafts
+    # structured output (engine/worker/grammar.py)
+    constrained_requests: int = 0  # requests admitted with a constraint
+    grammar_forced_tokens: int = 0  # tokens grammars forced (appended without their own step)
+    grammar_mask_seconds: float = 0.0  # host time filling token masks (beside the forwards)
 
 
 class TokenOutputs(msgspec.Struct, tag=True):
@@ -321,6 +325,7 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     forced_counts: bytes = b""
     forced_ids: bytes = b""
     grammar_ended: bytes = b""
+    mask_seconds: float = 0.0  # host time the step's token masks took (filled beside the forward)
     top_n: int = 0
     error: str | None = None
 

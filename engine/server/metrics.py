@@ -2,7 +2,7 @@
 
 Frontend-side counters and latency histograms are updated as requests run; scheduler-side
 gauges (running, waiting, KV pages, cache hits, preemptions, pinned sessions, speculative
-decoding's drafts by method) are read at scrape time from the last ``SchedulerStats`` the
+decoding's drafts by method, structured output's requests, forced tokens and mask time) are read at scrape time from the last ``SchedulerStats`` the
 scheduler sent, so a scrape costs no IPC. The KV cache's dtype, token capacity and bytes come
 from the worker's ``ModelInfo`` (``kv_cache_info``, vLLM's ``cache_config_info`` in spirit).
 """
@@ -74,6 +74,12 @@ class _SchedulerCollector(Collector):
         yield gauge("sessions_pinned", "Sessions whose KV is pinned.", s.sessions_pinned)
         yield gauge("pinned_tokens", "Tokens pinned by sessions.", s.pinned_tokens)
         yield gauge("engine_alive", "1 while every engine process runs.", float(f.alive))
+        yield counter("structured_output_requests", "Requests admitted with a structured "
+                      "output constraint.", s.constrained_requests)
+        yield counter("structured_output_forced_tokens", "Tokens grammars forced (appended "
+                      "without a step of their own).", s.grammar_forced_tokens)
+        yield counter("structured_output_mask_seconds", "Host seconds filling token masks "
+                      "(beside the forwards).", s.grammar_mask_seconds)
         if s.spec_method:
             yield from _speculation(s)
 

@@ -51,12 +51,13 @@ class _State:
 
 @dataclass
 class Masks:
-    """One step's constrained rows (indices into the step's sampling rows) and the future of
-    their bitmask, int32 [len(rows), ceil(vocab / 32)]."""
+    """One step's constrained rows (indices into the step's sampling rows), the future of their
+    bitmask, int32 [len(rows), ceil(vocab / 32)], and the seconds filling it took."""
 
     rows: list[int]
     bitmask: np.ndarray
     done: Future
+    seconds: float = 0.0
 
 
 @dataclass
@@ -75,9 +76,7 @@ class Grammars:
         self._tokenizer = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._shifts: dict[torch.device, torch.Tensor] = {}
-        # counters for /metrics (summed by the scheduler's stats in a later message)
-        self.mask_seconds = 0.0
-        self.forced_tokens = 0
+        self.forced_tokens = 0  # forced tokens handed out (the scheduler counts them too)
 
     @property
     def tokenizer(self):
@@ -126,14 +125,16 @@ class Grammars:
             return None
         matchers = [self._state(rows[i]).matcher for i in constrained]
         bitmask = llnp.allocate_token_bitmask(len(constrained), self.vocab_size)
+        masks = Masks(constrained, bitmask, Future())
 
         def fill() -> None:
             began = time.perf_counter()
             for i, matcher in enumerate(matchers):
                 llnp.fill_next_token_bitmask(matcher, bitmask, i)
-            self.mask_seconds += time.perf_counter() - began
+            masks.seconds = time.perf_counter() - began
 
-        return Masks(constrained, bitmask, self._thread.submit(fill))
+        masks.done = self._thread.submit(fill)
+        return masks
 
     def allowed(self, masks: Masks, device: torch.device, vocab: int) -> torch.Tensor:
         """[len(masks.rows), vocab] bool: the tokens each constrained row may take. A row its

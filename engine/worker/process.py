@@ -111,6 +111,7 @@ class Worker:
                 result.forced_ids = pack_ids([t for row in sorted(advanced.forced)
                                               for t in advanced.forced[row]])
             result.grammar_ended = pack_ids(advanced.ended)
+            result.mask_seconds = masks.seconds
         if out.top_ids is not None:
             result.top_n = out.top_ids.shape[1]
             result.top_ids = out.top_ids.astype(np.int32).tobytes()
