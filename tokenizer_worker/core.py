@@ -13,6 +13,7 @@ finishes (``tokenizer_worker/session.py``). The scheduler's stats pass through t
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -103,8 +104,8 @@ class TokenizerWorker:
         if given != 1:
             raise ValueError("give exactly one of a text prompt, prompt token ids or chat messages")
         if req.messages is not None:
-            self._check_chars(sum(map(_text_chars, req.messages)), "the messages have")
-            return render_chat(self.tokenizer, req.messages,
+            self._check_chars(_chat_chars(req), "the messages have")
+            return render_chat(self.tokenizer, req.messages, tools=req.tools,
                                special_in_content=self.special_in_content)
         if req.text is not None:
             self._check_chars(len(req.text), "the prompt has")
@@ -150,8 +151,8 @@ class TokenizerWorker:
             raise ValueError("a session turn takes chat messages (the new turn's only)")
         if req.params.n != 1 or req.params.beam_width != 1:
             raise ValueError("a session turn makes one reply: n and beam search must be 1")
-        self._check_chars(sum(map(_text_chars, req.messages)), "the messages have")
-        return session.prompt_for(self.tokenizer, req.messages,
+        self._check_chars(_chat_chars(req), "the messages have")
+        return session.prompt_for(self.tokenizer, req.messages, tools=req.tools,
                                   special_in_content=self.special_in_content)
 
     def on_session(self, msg: SessionOpen | SessionClose) -> None:
@@ -281,6 +282,12 @@ class TokenizerWorker:
         """Each token's own text (logprobs name tokens by it), special tokens spelled out."""
         return self.tokenizer.batch_decode(ids.reshape(-1, 1).tolist(),
                                            skip_special_tokens=False)
+
+
+def _chat_chars(req: GenerateRequest) -> int:
+    """Characters of a chat request's message texts and tools (as JSON)."""
+    tools = len(json.dumps(req.tools)) if req.tools else 0
+    return sum(map(_text_chars, req.messages or [])) + tools
 
 
 def _text_chars(message: object) -> int:

@@ -38,14 +38,16 @@ class ChatSession:
 
     def prompt_for(self, tokenizer: PreTrainedTokenizerBase,
                    new_messages: Sequence[Mapping[str, Any]], *,
+                   tools: Sequence[Mapping[str, Any]] | None = None,
                    special_in_content: bool = False) -> list[int]:
         """Token ids of the next turn's prompt: the history, then the new messages' fragment
         (special tokens in message text are text, as in ``render_chat``)."""
         if not self.messages:
-            return render_chat(tokenizer, new_messages, special_in_content=special_in_content)
+            return render_chat(tokenizer, new_messages, tools=tools,
+                               special_in_content=special_in_content)
         conversation = [*self.messages[:-1], {"role": "assistant", "content": SENTINEL},
                         *new_messages]
-        text, spans = render_chat_spans(tokenizer, conversation,
+        text, spans = render_chat_spans(tokenizer, conversation, tools=tools,
                                         special_in_content=special_in_content)
         if text.count(SENTINEL) != 1:
             raise ValueError("this model's chat template does not keep assistant replies "

@@ -13,6 +13,7 @@ time with markers in their place (only when some string spells a special token):
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,17 +32,21 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     special_in_content: bool = False,
 ) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template.
 
     Content may be a string or OpenAI's list of text parts (``[{"type": "text", "text": ...}]``),
-    whose texts are joined with newlines as vLLM does. Special tokens spelled in message text
-    are encoded as text unless ``special_in_content`` (the server's explicit opt-out). Raises
-    ValueError with a sentence a user can act on when the tokenizer has no chat template or a
-    message is malformed.
+    whose texts are joined with newlines as vLLM does. An assistant message may carry OpenAI's
+    ``tool_calls`` (its content then may be null), whose arguments reach the template as objects
+    (transformers' convention); a ``tool`` message answers one by ``tool_call_id``. ``tools``
+    (OpenAI's function definitions) go to the template as they are. Special tokens spelled in
+    message text are encoded as text unless ``special_in_content`` (the server's explicit
+    opt-out); in tools they are refused. Raises ValueError with a sentence a user can act on
+    when the tokenizer has no chat template or a message is malformed.
     """
-    text, spans = render_chat_spans(tokenizer, messages, add_generation_prompt,
+    text, spans = render_chat_spans(tokenizer, messages, add_generation_prompt, tools=tools,
                                     special_in_content=special_in_content)
     return encode_rendered(tokenizer, text, spans)
 
@@ -51,20 +56,26 @@ def render_chat_spans(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     special_in_content: bool = False,
 ) -> tuple[str, list[Span]]:
     """The rendered text and the spans of it that are message strings spelling a special token
     (none when no string does, or with ``special_in_content``)."""
-    text = render_chat_text(tokenizer, messages, add_generation_prompt)
+    text = render_chat_text(tokenizer, messages, add_generation_prompt, tools=tools)
     pattern = _special_pattern(tokenizer)
     if special_in_content or pattern is None:
         return text, []
+    # Templates write tools as JSON, which changes strings, so they cannot be kept as text.
+    spelled = pattern.search(json.dumps(tools, ensure_ascii=False)) if tools else None
+    if spelled is not None:
+        raise ValueError(f"tools spell the special token {spelled[0]!r}; remove it from the "
+                         "function definitions")
     conversation = _normalize_messages(messages)
     found: list[str] = []
     marked = [_marked(message, pattern, found) for message in conversation]
     if not found:
         return text, []
-    rendered = render_chat_text(tokenizer, marked, add_generation_prompt)
+    rendered = render_chat_text(tokenizer, marked, add_generation_prompt, tools=tools)
     pieces: list[str] = []
     spans: list[Span] = []
     length = position = 0
@@ -121,6 +132,8 @@ def render_chat_text(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """``messages`` rendered by the chat template as text (see ``render_chat``)."""
     if not tokenizer.chat_template:
@@ -131,7 +144,8 @@ def render_chat_text(
     conversation = _normalize_messages(messages)
     try:
         return tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tools=list(tools) if tools else None, tokenize=False,
+            add_generation_prompt=add_generation_prompt
         )
     except jinja2.TemplateError as error:
         # Templates reject conversations themselves (e.g. "roles must alternate").
@@ -195,16 +209,51 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
 
 
 def _normalize_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
-    """The message with its content as one string; other fields pass through for the template."""
+    """The message with its content as one string (and an assistant's tool call arguments as
+    objects); other fields pass through for the template."""
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where} must be an object with 'role' and 'content'")
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+    calls = message.get("tool_calls")
+    if role == "assistant" and calls is not None:
+        normalized = {**message, "tool_calls": _tool_calls(where, calls)}
+        if message.get("content") is None:  # OpenAI's null content beside tool calls
+            return {**normalized, "content": ""}
+        return {**normalized, "content": _content_text(where, message["content"])}
     if "content" not in message:
         raise ValueError(f"{where} has no 'content'")
+    if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+        raise ValueError(f"{where}.tool_call_id must be a string naming the call it answers")
     return {**message, "content": _content_text(where, message["content"])}
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` of an assistant message, each call's arguments parsed from its
+    JSON text into the object chat templates expect."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list of calls")
+    normalized = []
+    for index, call in enumerate(calls):
+        call_where = f"{where}.tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{call_where} must be like {{'id': ..., 'type': 'function', "
+                             "'function': {'name': ..., 'arguments': '{...}'}}")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{call_where}.type must be 'function'")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, Mapping):
+            raise ValueError(f"{call_where}.function.arguments must be a JSON object (as text)")
+        normalized.append({**call, "function": {**function, "arguments": arguments}})
+    return normalized
 
 
 def _content_text(where: str, content: Any) -> str:

@@ -166,6 +166,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     text: str | None = None
     prompt_ids: bytes | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # with messages: OpenAI's tools, for the chat template
     namespace: str | None = None
     session_id: str | None = None  # the scheduler-side history to continue (multi-turn)
     stream: bool = True

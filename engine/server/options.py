@@ -4,7 +4,7 @@ door's defaults come from here."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -42,6 +42,11 @@ class ServeOptions(msgspec.Struct, kw_only=True):
         "use each request's OpenAI 'user' field as its cache salt: different users never "
         "share cached prompt prefixes; a request's cache_salt then splits its user's cache "
         "further"))] = False
+    tool_call_parser: Annotated[Literal["hermes"], Meta(description=(
+        "read tool calls out of the text a chat request with tools and tool_choice \"auto\" "
+        "generates: hermes takes <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
+        "blocks (Hermes, Qwen 2.5 and later); without it such a request is refused (default: "
+        "none)"))] | None = None
     shutdown_timeout: Annotated[float, Meta(ge=0, description=(
         "seconds running requests get to finish after SIGTERM / SIGINT before they are failed "
         "with 503"))] = 30.0

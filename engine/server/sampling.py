@@ -42,7 +42,8 @@ def _validated(params: SamplingParams, info: ModelInfo,
 
 
 def _common(req: SamplingFields, max_tokens: int, logprobs: int | None, info: ModelInfo,
-            names: dict[str, str]) -> SamplingParams:
+            names: dict[str, str], constraint: StructuredOutputs | None = None
+            ) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.n < 1:
@@ -70,7 +71,7 @@ def _common(req: SamplingFields, max_tokens: int, logprobs: int | None, info: Mo
     )
     if beam_width > 1:
         params.temperature = 0.0  # beam search is deterministic
-    params.structured_outputs = constraint_of(req)
+    params.structured_outputs = constraint or constraint_of(req)
     return _validated(params, info, names)
 
 
@@ -119,8 +120,10 @@ def completion_params(req: CompletionRequest, info: ModelInfo) -> SamplingParams
     return _common(req, max_tokens, req.logprobs, info, _OPENAI_FIELDS)
 
 
-def chat_params(req: ChatCompletionRequest, default_max_tokens: int,
-                info: ModelInfo) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, default_max_tokens: int, info: ModelInfo,
+                constraint: StructuredOutputs | None = None) -> SamplingParams:
+    """``constraint``: the grammar of a tool_choice (engine/server/tools.py), which takes the
+    place of response_format and structured_outputs."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -134,7 +137,8 @@ def chat_params(req: ChatCompletionRequest, default_max_tokens: int,
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _common(req, default if max_tokens is None else max_tokens, logprobs, info, names)
+    return _common(req, default if max_tokens is None else max_tokens, logprobs, info, names,
+                   constraint)
 
 
 def native_params(values: dict[str, Any], info: ModelInfo) -> SamplingParams:
@@ -194,20 +198,21 @@ def completion_prompts(prompt: str | list[Any], info: ModelInfo,
                    "list of non-empty token-id lists", param="prompt")
 
 
-def check_messages(messages: list[dict[str, Any]]) -> None:
-    """Chat messages nest at most ``MAX_MESSAGE_DEPTH`` levels (extra fields included), and
-    every integer in them fits the 64 bits the messages travel in (msgpack) to the tokenizer."""
+def check_messages(messages: list[Any], name: str = "messages") -> None:
+    """Chat messages (or the chat template's tools, ``name``) nest at most
+    ``MAX_MESSAGE_DEPTH`` levels (extra fields included), and every integer in them fits the 64
+    bits the messages travel in (msgpack) to the tokenizer."""
     # Iterative: a recursive walk would meet the recursion limit it is here to keep away from.
     stack: list[tuple[Any, int, int]] = [(m, 1, i) for i, m in enumerate(messages)]
     while stack:
         value, depth, index = stack.pop()
         if depth > MAX_MESSAGE_DEPTH:
-            raise APIError(400, f"messages[{index}] nests deeper than {MAX_MESSAGE_DEPTH} "
-                           "levels", param=f"messages[{index}]")
+            raise APIError(400, f"{name}[{index}] nests deeper than {MAX_MESSAGE_DEPTH} "
+                           "levels", param=f"{name}[{index}]")
         children = value.values() if isinstance(value, dict) else value  # only these stack
         if any(isinstance(child, int) and not -(1 << 63) <= child < (1 << 64)
                for child in children):
-            raise APIError(400, f"messages[{index}] holds an integer outside 64 bits",
-                           param=f"messages[{index}]")
+            raise APIError(400, f"{name}[{index}] holds an integer outside 64 bits",
+                           param=f"{name}[{index}]")
         stack.extend((child, depth + 1, index) for child in children
                      if isinstance(child, dict | list))

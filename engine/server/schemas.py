@@ -8,7 +8,7 @@ shapes: fields that OpenAI sends as ``null`` are ``None`` here, fields it leaves
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -78,6 +78,31 @@ class CompletionRequest(SamplingFields, kw_only=True):
     return_token_ids: bool = False  # vLLM's: each choice also carries its output token ids
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    """One entry of ``tools`` (engine/server/tools.py reads them)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """``/v1/chat/completions``. With ``session_id``, ``messages`` are the new turn's only."""
 
@@ -86,6 +111,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     session_id: str | None = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class GenerateBody(_Body):
@@ -157,9 +186,21 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob]
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(Struct):
-    content: str
+    content: str | None  # None when the message holds only tool calls
     role: str = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -178,9 +219,24 @@ class ChatCompletionResponse(Struct):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(Struct, omit_defaults=True):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None  # the next piece of the arguments' text
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A piece of tool call ``index``: its first carries ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -34,7 +34,7 @@ from engine.contracts.protocol import (
     pack_ids,
 )
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
-from engine.server import sampling
+from engine.server import sampling, tools
 from engine.server.choices import (
     Choice,
     Choices,
@@ -86,6 +86,7 @@ class Call:
     # prompt's tokens (too many for the context or the KV pool, none at all, bad messages).
     prompt_param: str = "prompt"
     return_token_ids: bool = False  # completions: choices carry their output token ids
+    tool_plan: tools.ToolPlan | None = None  # chat: how the output becomes tool calls
     # Gives the call's places under --max-inflight-requests back: once its outputs are done
     # (``Service._deltas``), or when the call is dropped without ever running. Runs once.
     release: weakref.finalize | None = None
@@ -198,14 +199,19 @@ class Service:
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
         self.check_model(req.model)
-        params = sampling.chat_params(req, self.options.default_max_tokens, self.info)
+        template_tools, plan = tools.resolve(req, self.options.tool_call_parser)
+        params = sampling.chat_params(req, self.options.default_max_tokens, self.info,
+                                      plan.constraint if plan is not None else None)
         sampling.check_messages(req.messages)
+        sampling.check_messages(template_tools or [], "tools")
         if req.session_id is not None:
             self.sessions.get(req.session_id)  # 404 now, before any stream starts
         request = self._engine_request(params, messages=req.messages, session_id=req.session_id,
                                        namespace=self._namespace(req.cache_salt, req.user))
+        request.tools = template_tools
         call = self._call("chatcmpl", "chat", [request], params.n)
         call.prompt_param = "messages"
+        call.tool_plan = plan
         return call
 
     def generate_call(self, body: GenerateBody) -> Call:
@@ -354,17 +360,26 @@ class Service:
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
             return ChatCompletionChunk(call.id, call.created, call.model, [choice], usage)
 
+        readers = None if call.tool_plan is None else tools.ToolStreams(
+            call.tool_plan, len(call.choices.choices))
         async with aclosing(self._deltas(call)) as deltas:
             async for choice, out, _, tokens in deltas:
                 if not choice.started:
                     choice.started = True
                     yield chunk(ChatChunkChoice(choice.index, ChatDelta("assistant", "")))
-                if out.text or tokens:
-                    yield chunk(ChatChunkChoice(choice.index, ChatDelta(content=out.text),
+                finish = out.finish_reason
+                if readers is None:
+                    delta = ChatDelta(content=out.text) if out.text else None
+                else:  # text becomes content and tool call deltas as the reader sees them
+                    delta = readers.delta(choice.index, out.text, finish is not None)
+                    if finish is not None:
+                        finish = readers.finish_reason(choice.index, finish)
+                if delta is not None or tokens:
+                    yield chunk(ChatChunkChoice(choice.index, delta or ChatDelta(content=""),
                                                 chat_logprobs(tokens) if tokens else None))
-                if out.finish_reason is not None:
+                if finish is not None:
                     yield chunk(ChatChunkChoice(choice.index, ChatDelta(),
-                                                finish_reason=out.finish_reason))
+                                                finish_reason=finish))
         if include_usage:
             yield ChatCompletionChunk(call.id, call.created, call.model, [],
                                       call.choices.usage())
@@ -373,10 +388,14 @@ class Service:
         async with aclosing(self._deltas(call)) as deltas:
             async for _ in deltas:
                 pass
-        return ChatCompletionResponse(call.id, call.created, call.model, [
-            ChatChoice(c.index, ChatMessage(c.text),
-                       chat_logprobs(c.tokens) if c.tokens else None, c.finish_reason)
-            for c in call.choices.choices], call.choices.usage())
+        choices = []
+        for c in call.choices.choices:
+            message, finish = (ChatMessage(c.text), c.finish_reason) if call.tool_plan is None \
+                else call.tool_plan.message(c.text, c.finish_reason)
+            choices.append(ChatChoice(c.index, message,
+                                      chat_logprobs(c.tokens) if c.tokens else None, finish))
+        return ChatCompletionResponse(call.id, call.created, call.model, choices,
+                                      call.choices.usage())
 
     async def generate_stream(self, call: Call) -> AsyncIterator[GenerateResponse]:
         async with aclosing(self._deltas(call)) as deltas:
