@@ -15,6 +15,9 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: 
                 released_grammars: list[str] | None = None) -> ForwardBatch:
     builder = StepBuilder(page_size)
     sampling: list[RowSampling] = []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    top_n, offset = 0, 0
     for entry in entries:
         seq = entry.seq
         start = seq.computed
@@ -22,9 +25,21 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: 
         builder.add(seq.pages, start, new_ids, entry.samples, num_drafts=len(entry.drafts))
         if entry.samples:
             sampling.extend(sampling_rows(entry))
+        req = seq.req
+        if req.wants_prompt_logprobs and seq.index == 0 and not req.forked:
+            # position p's logits give prompt token p + 1's logprob
+            positions = range(max(start, req.prompt_logits_done),
+                              min(start + entry.extend, req.prompt_len - 1))
+            entry.prompt_rows = len(positions)
+            prompt_rows.extend(offset + p - start for p in positions)
+            prompt_targets.extend(seq.tokens[p + 1] for p in positions)
+            top_n = max(top_n, req.params.prompt_logprobs)
+        offset += entry.extend
     step = builder.finish(work.copies, work.swap_out, work.swap_in)
     return ForwardBatch(batch_id=batch_id, step=step, sampling=sampling,
-                        released_grammars=released_grammars or [])
+                        released_grammars=released_grammars or [],
+                        prompt_rows=pack_ids(prompt_rows), prompt_targets=pack_ids(prompt_targets),
+                        prompt_top_n=top_n if prompt_rows else 0)
 
 
 def sampling_rows(entry: Entry) -> list[RowSampling]:

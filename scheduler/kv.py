@@ -36,9 +36,13 @@ class SeqMemory:
 
     # ------------------------------------------------------------- admission
     def match(self, seq: Seq) -> Lease:
-        """Longest cached prefix (at most len - 1: the last token's logits are needed), pinned
-        by the sequence's lease until it is released (or swapped out)."""
-        seq.lease = Lease(self.tree, seq.tokens, seq.req.namespace, max_len=len(seq.tokens) - 1)
+        """Longest cached prefix (at most len - 1: the last token's logits are needed; for a
+        request that wants prompt logprobs, no further than the positions whose logits it has),
+        pinned by the sequence's lease until it is released (or swapped out)."""
+        limit = len(seq.tokens) - 1
+        if seq.req.wants_prompt_logprobs:
+            limit = min(limit, seq.req.prompt_logits_done)
+        seq.lease = Lease(self.tree, seq.tokens, seq.req.namespace, max_len=limit)
         return seq.lease
 
     def take_match(self, seq: Seq, upto: int, work: StepWork) -> None:

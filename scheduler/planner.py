@@ -46,6 +46,7 @@ class Entry:
     #               drafts not counted: verification adds those it accepts)
     token_index: int = -1  # where its sampled token goes in ``seq.tokens`` (its placeholder)
     drafts: list[int] = field(default_factory=list)  # draft tokens it verifies after its last
+    prompt_rows: int = 0  # prompt positions whose logits it returns (prompt logprobs)
 
 
 @dataclass
@@ -242,6 +243,8 @@ class StepPlanner:
 
     @staticmethod
     def _head(req: Request) -> tuple | None:
+        if req.wants_prompt_logprobs:
+            return None  # it computes its whole prompt: waiting for a shared head gains nothing
         return shared_head(req.seqs[0].tokens, req.namespace, req.prompt_len)
 
     @staticmethod

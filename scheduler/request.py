@@ -79,6 +79,14 @@ class Request:
     finished_beams: list[tuple[float, list[int]]] = field(default_factory=list)
     sent_final: bool = False
     peeked_prefix: int = 0  # the policy's last estimate of the cached prefix
+    # prompt_logprobs: prompt positions whose logits have been computed (each gives the next
+    # prompt token's logprob); only those may come from the cache when it is admitted again
+    prompt_logits_done: int = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (self.params.prompt_logprobs is not None
+                and self.prompt_logits_done < self.prompt_len - 1)
 
     @property
     def prompt_len(self) -> int:

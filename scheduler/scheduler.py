@@ -197,6 +197,7 @@ class Scheduler:
         if result.top_n:
             top_ids = unpack_ids(result.top_ids).reshape(-1, result.top_n)
             top_lps = np.frombuffer(result.top_logprobs, dtype=np.float32).reshape(-1, result.top_n)
+        self._prompt_logprobs(entries, result)
         forced = _forced_tokens(result, len(tokens))
         ended = set(unpack_ids(result.grammar_ended).tolist())
         self.grammar_forced_tokens += sum(map(len, forced.values()))
@@ -329,6 +330,33 @@ class Scheduler:
         req = seq.req
         if cache and req.session_id is not None and seq.index == 0 and not req.is_beam:
             self.sessions.pin(req.session_id, history, req.namespace, time.monotonic())
+
+    def _prompt_logprobs(self, entries: list, result: BatchResult) -> None:
+        """Each entry's prompt logprobs (the rows ``build_batch`` asked for, in entry order) go
+        out as an output of sample 0 holding only them."""
+        if not result.prompt_logprobs:
+            return
+        logprobs = np.frombuffer(result.prompt_logprobs, dtype=np.float32)
+        width = len(result.prompt_top_ids) // 4 // len(logprobs)
+        top_ids = unpack_ids(result.prompt_top_ids).reshape(len(logprobs), width)
+        top_lps = np.frombuffer(result.prompt_top_logprobs, dtype=np.float32).reshape(
+            len(logprobs), width)
+        row = 0
+        for entry in entries:
+            n = entry.prompt_rows
+            if not n:
+                continue
+            req = entry.seq.req
+            want = req.params.prompt_logprobs
+            if entry.seq.status is Status.RUNNING:
+                req.prompt_logits_done += n
+                self.outputs.setdefault(req.reply_to, []).append(SeqOutput(
+                    req.rid, 0, b"", prompt_tokens=req.prompt_len,
+                    prompt_logprobs=logprobs[row : row + n].tobytes(),
+                    prompt_top_ids=top_ids[row : row + n, :want].astype(np.int32).tobytes(),
+                    prompt_top_logprobs=top_lps[row : row + n, :want].astype(
+                        np.float32).tobytes()))
+            row += n
 
     def _grammar_ended(self, seq: Seq, ended: bool) -> None:
         """A constrained sequence whose grammar can take nothing more ends with "stop" (unless

@@ -59,6 +59,7 @@ class Harness:
         self.sched = Scheduler(self.config, self.worker.info)
         self.outputs: dict[str, dict[int, list[int]]] = {}
         self.finals: dict[str, list] = {}
+        self.prompt_outputs: dict[str, list] = {}  # outputs carrying prompt logprobs
         self.steps = 0
         self.queued: deque = deque()
         self.ahead = 0
@@ -81,6 +82,9 @@ class Harness:
             self.steps += 1
         self.sched.check()  # accounting after every step
         for out in self.sched.take_outputs().get(0, []):
+            if out.prompt_logprobs:
+                self.prompt_outputs.setdefault(out.rid, []).append(out)
+                continue
             seqs = self.outputs.setdefault(out.rid, {})
             ids = unpack_ids(out.token_ids).tolist()
             seqs[out.index] = ids if out.replace else seqs.get(out.index, []) + ids

@@ -55,6 +55,8 @@ class RequestState:
     samples: dict[int, SampleState] = field(default_factory=dict)
     finished: int = 0
     session: ChatSession | None = None  # the session this turn continues
+    prompt_logprobs_sent: int = 0  # prompt tokens (after the first) whose logprobs went out
+    echo_pending: bool = False  # the prompt's text still to go out (echo)
     reply_ids: list[int] = field(default_factory=list)  # a session turn's reply so far
     reply_text: list[str] = field(default_factory=list)
 
@@ -141,7 +143,8 @@ class TokenizerWorker:
             return RequestOutput(rid=req.rid, finish_reason="error", status=500,
                                  error="the server failed to tokenize this request; its log "
                                        "has the details")
-        self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32), session=session)
+        self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32), session=session,
+                                            echo_pending=req.echo)
         return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
                                 reply_to=self.index, namespace=req.namespace,
                                 session_id=req.session_id)
@@ -170,6 +173,9 @@ class TokenizerWorker:
             state = self.states.get(out.rid)
             if state is None:
                 continue  # finished here already (stop string) or aborted by the client
+            if out.prompt_logprobs:
+                outputs.append(self._prompt_logprobs(state, out))
+                continue
             if out.error is not None:
                 outputs.append(RequestOutput(rid=out.rid, index=out.index, finish_reason="error",
                                              error=out.error, status=out.status))
@@ -188,11 +194,42 @@ class TokenizerWorker:
                 continue
             if stopped:
                 aborts.append(AbortRequest(out.rid, "stop", out.index))
+            if state.echo_pending:
+                result.prompt_text, state.echo_pending = self._prompt_text(state), False
             result.result_at = msg.result_at
             outputs.append(result)
             if state.finished >= state.width:
                 self.states.pop(out.rid, None)
         return outputs, aborts
+
+    def _prompt_text(self, state: RequestState) -> str:
+        return self.tokenizer.decode(state.prompt_ids.tolist(), skip_special_tokens=False)
+
+    def _prompt_logprobs(self, state: RequestState, out: SeqOutput) -> RequestOutput:
+        """The next prompt tokens' logprobs, named by their text (the scheduler sends them in
+        prompt order, before the first generated token). The first such output starts with
+        the prompt's first token, whose logprob is NaN (it has none) and top rows empty."""
+        logprobs = np.frombuffer(out.prompt_logprobs, dtype=np.float32)
+        top_ids = unpack_ids(out.prompt_top_ids).reshape(len(logprobs), -1)
+        top_lps = np.frombuffer(out.prompt_top_logprobs, dtype=np.float32).reshape(top_ids.shape)
+        first = 1 + state.prompt_logprobs_sent
+        ids = state.prompt_ids[first : first + len(logprobs)]
+        state.prompt_logprobs_sent += len(logprobs)
+        if first == 1:
+            ids = state.prompt_ids[: len(ids) + 1]
+            logprobs = np.concatenate([[np.nan], logprobs]).astype(np.float32)
+            top_ids = np.concatenate([np.zeros((1, top_ids.shape[1]), np.int32), top_ids])
+            top_lps = np.concatenate([np.full((1, top_ids.shape[1]), np.nan, np.float32),
+                                      top_lps])
+        result = RequestOutput(
+            rid=out.rid, index=0, prompt_tokens=out.prompt_tokens, prompt_token_ids=ids.tobytes(),
+            prompt_token_texts=self._token_texts(ids), prompt_logprobs=logprobs.tobytes(),
+            prompt_top_ids=top_ids.astype(np.int32).tobytes(),
+            prompt_top_logprobs=top_lps.astype(np.float32).tobytes(),
+            prompt_top_texts=self._token_texts(top_ids))
+        if state.echo_pending:
+            result.prompt_text, state.echo_pending = self._prompt_text(state), False
+        return result
 
     def _sample(self, state: RequestState, index: int) -> SampleState:
         sample = state.samples.get(index)

@@ -57,6 +57,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     beam_width: int = 1  # > 1: beam search (deterministic, length-normalised like transformers)
     length_penalty: float = 1.0
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled token's)
+    # top-N logprobs of every prompt token after the first (0: only the token's own); the
+    # prompt is computed whole for them (no prefix-cache hit: cached positions have no logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # a constraint on the output (engine/contracts/structured.py); compiled and checked against
     # the tokenizer by the tokenizer worker, enforced by the worker's sampler
@@ -113,6 +116,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise InvalidParam("logprobs", f"logprobs must be between 0 and 20, got "
                                f"{show_int(self.logprobs)}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be between 0 and 20, "
+                               f"got {show_int(self.prompt_logprobs)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
                                f"got {len(self.stop):,}")
@@ -170,6 +176,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     namespace: str | None = None
     session_id: str | None = None  # the scheduler-side history to continue (multi-turn)
     stream: bool = True
+    echo: bool = False  # the first output carries the prompt's text (``prompt_text``)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -219,6 +226,11 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replace: bool = False  # beam search: token_ids replace everything sent before
+    # prompt_logprobs: the next prompt tokens' logprobs (float32; the first prompt token has
+    # none, so a request's chunks together hold prompt_len - 1), their top-N ids and logprobs
+    prompt_logprobs: bytes = b""
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
@@ -280,6 +292,16 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     # With logprobs: each token's text, then each top alternative's (tokens x N, row-major).
     token_texts: list[str] = []
     top_texts: list[str] = []
+    # echo: the prompt's text, on the request's first output
+    prompt_text: str = ""
+    # prompt_logprobs, in prompt order across outputs: the next prompt tokens (ids, texts),
+    # their logprobs, and their top-N alternatives (ids, logprobs, texts; tokens x N)
+    prompt_token_ids: bytes = b""
+    prompt_token_texts: list[str] = []
+    prompt_logprobs: bytes = b""
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
+    prompt_top_texts: list[str] = []
 
 
 # ------------------------------------------------------------------------- the worker
@@ -310,6 +332,11 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     sampling: list[RowSampling]
     # constrained sequences that ended since the last batch: their grammar states are dropped
     released_grammars: list[str] = []
+    # prompt logprobs: token rows of ``step`` whose logits are wanted too (int32), the token
+    # each row's logprob is taken at (the next prompt token), and how many top logprobs
+    prompt_rows: bytes = b""
+    prompt_targets: bytes = b""
+    prompt_top_n: int = 0
 
 
 class BatchResult(msgspec.Struct, tag=True, kw_only=True):
@@ -327,6 +354,10 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     forced_ids: bytes = b""
     grammar_ended: bytes = b""
     mask_seconds: float = 0.0  # host time the step's token masks took (filled beside the forward)
+    # per ForwardBatch.prompt_rows row: the target's logprob (float32), the top-N ids and logprobs
+    prompt_logprobs: bytes = b""
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
     top_n: int = 0
     error: str | None = None
 

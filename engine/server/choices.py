@@ -3,7 +3,8 @@ output for a stream chunk, or everything for a full response), and the request's
 
 A request of ``k`` prompts and ``n`` samples has ``k * n`` choices; choice ``i * n + j`` is
 sample ``j`` of prompt ``i`` (OpenAI's order). Beam search sends each final beam whole
-(``replace``), which resets that choice.
+(``replace``), which resets that choice. Each prompt's own text and its tokens' logprobs (for
+``echo``) are kept once per prompt, beside its choices.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from engine.server.schemas import (
 
 @dataclass
 class TokenInfo:
-    """One generated token with its logprob and the top alternatives, named by their text (and
-    by their ids in ``top_ids``)."""
+    """One token with its logprob and the top alternatives, named by their text (and by their
+    ids in ``top_ids``); a prompt's first token has none (``logprob`` None)."""
 
     text: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]]
     top_ids: list[int]  # the alternatives' token ids, in ``top``'s order
 
@@ -52,6 +53,25 @@ def token_infos(out: RequestOutput) -> list[TokenInfo]:
     ]
 
 
+def prompt_token_infos(out: RequestOutput) -> list[TokenInfo]:
+    """The prompt tokens an output carries logprobs for (``prompt_logprobs``): the first
+    prompt token, in the first such output, has a NaN logprob, which becomes None."""
+    logprobs = np.frombuffer(out.prompt_logprobs, dtype=np.float32).tolist()
+    count = len(logprobs)
+    width = len(out.prompt_top_texts) // count if count else 0
+    top_lps = np.frombuffer(out.prompt_top_logprobs, dtype=np.float32).reshape(count, width)
+    top_ids = np.frombuffer(out.prompt_top_ids, dtype=np.int32).reshape(count, width)
+    infos = []
+    for i in range(count):
+        texts = out.prompt_top_texts[i * width:(i + 1) * width]
+        first = logprobs[i] != logprobs[i]  # NaN: the prompt's first token
+        infos.append(TokenInfo(
+            out.prompt_token_texts[i], None if first else logprobs[i],
+            [] if first else list(zip(texts, top_lps[i].tolist(), strict=True)),
+            [] if first else top_ids[i].tolist()))
+    return infos
+
+
 def completion_logprobs(tokens: list[TokenInfo], offset: int, top: bool) -> CompletionLogprobs:
     """The legacy completions shape; ``offset`` is where the first token's text starts."""
     offsets = []
@@ -61,7 +81,8 @@ def completion_logprobs(tokens: list[TokenInfo], offset: int, top: bool) -> Comp
     return CompletionLogprobs(
         tokens=[t.text for t in tokens],
         token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[dict(t.top) for t in tokens] if top else None,
+        top_logprobs=[dict(t.top) if t.logprob is not None else None for t in tokens]
+        if top else None,
         text_offset=offsets,
     )
 
@@ -95,20 +116,30 @@ class Choice:
 class Choices:
     """Every choice of one API request, and its usage, folded from engine outputs."""
 
-    def __init__(self, num_prompts: int, n: int) -> None:
+    def __init__(self, num_prompts: int, n: int, discard: bool = False) -> None:
+        """``discard``: the generated tokens are dropped (``echo`` with ``max_tokens`` 0: the
+        engine samples one token, which the response leaves out)."""
         self.n = n
+        self.discard = discard
         self.choices = [Choice(i) for i in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
+        self.prompt_texts = [""] * num_prompts
+        self.prompt_infos: list[list[TokenInfo]] = [[] for _ in range(num_prompts)]
 
     def add(self, prompt_index: int, out: RequestOutput) -> tuple[Choice, list[int],
                                                                    list[TokenInfo]]:
         """Fold one output in; returns its choice and the output's own token ids and tokens."""
         self.prompt_tokens[prompt_index] = out.prompt_tokens or self.prompt_tokens[prompt_index]
         self.cached_tokens[prompt_index] = out.cached_tokens or self.cached_tokens[prompt_index]
+        self.prompt_texts[prompt_index] += out.prompt_text
+        if out.prompt_logprobs:
+            self.prompt_infos[prompt_index] += prompt_token_infos(out)
         choice = self.choices[prompt_index * self.n + out.index]
         ids = unpack_ids(out.token_ids).tolist()
         tokens = token_infos(out)
+        if self.discard:
+            ids, tokens, out.text = [], [], ""
         if out.replace:
             choice.text, choice.token_ids, choice.tokens = "", [], []
         choice.text += out.text
@@ -117,6 +148,12 @@ class Choices:
         if out.finish_reason is not None:
             choice.finish_reason = out.finish_reason
         return choice, ids, tokens
+
+    def echoed(self, choice: Choice, text: str, tokens: list[TokenInfo]
+               ) -> tuple[str, list[TokenInfo]]:
+        """``text`` and ``tokens`` of ``choice`` after its prompt's (``echo``)."""
+        prompt = choice.index // self.n
+        return self.prompt_texts[prompt] + text, self.prompt_infos[prompt] + tokens
 
     @property
     def completion_tokens(self) -> int:

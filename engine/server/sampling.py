@@ -112,12 +112,26 @@ def constraint_of(req: SamplingFields) -> StructuredOutputs | None:
 
 
 def completion_params(req: CompletionRequest, info: ModelInfo) -> SamplingParams:
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+    """With ``echo``, ``logprobs`` covers the prompt's tokens too (``prompt_logprobs``), and
+    ``max_tokens`` may be 0 (scoring a prompt, as lm-evaluation-harness does): the engine then
+    samples one token, which the response leaves out (``echo_only``)."""
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    return _common(req, max_tokens, req.logprobs, info, _OPENAI_FIELDS)
+    if echo_only(req):
+        max_tokens = 1
+    params = _common(req, max_tokens, req.logprobs, info, _OPENAI_FIELDS)
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = params.logprobs
+        if params.beam_width > 1:
+            raise APIError(400, "echo with logprobs cannot be combined with beam search",
+                           param="echo")
+    return params
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the prompt alone comes back."""
+    return req.echo and req.max_tokens == 0
 
 
 def chat_params(req: ChatCompletionRequest, default_max_tokens: int, info: ModelInfo,

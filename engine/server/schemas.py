@@ -147,8 +147,8 @@ class Usage(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: the first prompt token of an echo
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -277,6 +277,10 @@ class GenerateChoice(Struct):
     logprobs: list[float] | None = None
     # With sampling_params.logprobs = N > 0: each token's N most likely alternatives.
     top_logprobs: list[list[TopToken]] | None = None
+    # With sampling_params.prompt_logprobs: each prompt token's logprob (None for the first)
+    # and, for N > 0, its N most likely alternatives
+    prompt_logprobs: list[float | None] | UnsetType = UNSET
+    prompt_top_logprobs: list[list[TopToken]] | UnsetType = UNSET
 
 
 class GenerateResponse(Struct):

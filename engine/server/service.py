@@ -17,11 +17,9 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from msgspec import UNSET
 
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
@@ -36,63 +34,26 @@ from engine.contracts.protocol import (
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.server import sampling, tools
 from engine.server.choices import (
-    Choice,
     Choices,
-    TokenInfo,
-    chat_logprobs,
-    completion_logprobs,
-    top_tokens,
 )
 from engine.server.dp_monitor import DispatchMonitor
 from engine.server.errors import APIError
-from engine.server.metrics import FrontendState, Metrics, RequestTimer
+from engine.server.metrics import FrontendState, Metrics
 from engine.server.options import ServeOptions
 from engine.server.schemas import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessage,
-    CompletionChoice,
-    CompletionChunk,
     CompletionRequest,
-    CompletionResponse,
     GenerateBody,
-    GenerateChoice,
-    GenerateResponse,
     ModelCard,
     ModelList,
     SessionDeleted,
     SessionObject,
 )
 from engine.server.session_table import SessionTable
-
-Delta = tuple[Choice, RequestOutput, list[int], list[TokenInfo]]
-
-
-@dataclass
-class Call:
-    """One API request in progress: its engine requests and what they produced so far."""
-
-    id: str
-    created: int
-    model: str
-    requests: list[GenerateRequest]
-    choices: Choices
-    timer: RequestTimer
-    # The field an engine-side 400 names: past the door's checks, every one is about the
-    # prompt's tokens (too many for the context or the KV pool, none at all, bad messages).
-    prompt_param: str = "prompt"
-    return_token_ids: bool = False  # completions: choices carry their output token ids
-    tool_plan: tools.ToolPlan | None = None  # chat: how the output becomes tool calls
-    # Gives the call's places under --max-inflight-requests back: once its outputs are done
-    # (``Service._deltas``), or when the call is dropped without ever running. Runs once.
-    release: weakref.finalize | None = None
+from engine.server.shapes import Call, Delta, Shapes
 
 
-class Service:
+class Service(Shapes):
     def __init__(self, client: EngineClient, info: ModelInfo, config: EngineConfig,
                  options: ServeOptions | None = None,
                  dispatch: DispatchMonitor | None = None) -> None:
@@ -167,7 +128,7 @@ class Service:
 
     # ------------------------------------------------------------- requests
     def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
-              n: int) -> Call:
+              n: int, discard: bool = False) -> Call:
         self._check_alive()
         limit = self.options.max_inflight_requests
         if len(requests) > limit:
@@ -178,7 +139,7 @@ class Service:
                            f"in flight ({self.admitted:,} now, this one adds "
                            f"{len(requests):,}); retry later")
         call = Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                    requests, Choices(len(requests), n), self.metrics.track(endpoint))
+                    requests, Choices(len(requests), n, discard), self.metrics.track(endpoint))
         self.admitted += len(requests)
         call.release = weakref.finalize(call, self._release, len(requests))
         return call
@@ -193,8 +154,12 @@ class Service:
         requests = [self._engine_request(params, prompt=p, namespace=namespace)
                     for p in sampling.completion_prompts(req.prompt, self.info,
                                                          params.max_tokens)]
-        call = self._call("cmpl", "completions", requests, params.n)
+        for request in requests:
+            request.echo = req.echo
+        call = self._call("cmpl", "completions", requests, params.n,
+                          discard=sampling.echo_only(req))
         call.return_token_ids = req.return_token_ids
+        call.echo = req.echo
         return call
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
@@ -326,91 +291,3 @@ class Service:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    # --------------------------------------------------------------- shapes
-    async def completion_stream(self, call: Call, include_usage: bool,
-                                top: bool) -> AsyncIterator[CompletionChunk]:
-        usage = None if include_usage else UNSET
-        async with aclosing(self._deltas(call)) as deltas:
-            async for choice, out, ids, tokens in deltas:
-                if not (out.text or ids or out.finish_reason):
-                    continue
-                offset = len(choice.text) - len(out.text)
-                logprobs = completion_logprobs(tokens, offset, top) if tokens else None
-                yield CompletionChunk(call.id, call.created, call.model, [CompletionChoice(
-                    choice.index, out.text, logprobs, out.finish_reason,
-                    ids if call.return_token_ids else UNSET)], usage)
-        if include_usage:
-            yield CompletionChunk(call.id, call.created, call.model, [], call.choices.usage())
-
-    async def completion(self, call: Call, top: bool) -> CompletionResponse:
-        async with aclosing(self._deltas(call)) as deltas:
-            async for _ in deltas:
-                pass
-        return CompletionResponse(call.id, call.created, call.model, [
-            CompletionChoice(c.index, c.text,
-                             completion_logprobs(c.tokens, 0, top) if c.tokens else None,
-                             c.finish_reason, c.token_ids if call.return_token_ids else UNSET)
-            for c in call.choices.choices], call.choices.usage())
-
-    async def chat_stream(self, call: Call, include_usage: bool
-                          ) -> AsyncIterator[ChatCompletionChunk]:
-        usage = None if include_usage else UNSET
-
-        def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(call.id, call.created, call.model, [choice], usage)
-
-        readers = None if call.tool_plan is None else tools.ToolStreams(
-            call.tool_plan, len(call.choices.choices))
-        async with aclosing(self._deltas(call)) as deltas:
-            async for choice, out, _, tokens in deltas:
-                if not choice.started:
-                    choice.started = True
-                    yield chunk(ChatChunkChoice(choice.index, ChatDelta("assistant", "")))
-                finish = out.finish_reason
-                if readers is None:
-                    delta = ChatDelta(content=out.text) if out.text else None
-                else:  # text becomes content and tool call deltas as the reader sees them
-                    delta = readers.delta(choice.index, out.text, finish is not None)
-                    if finish is not None:
-                        finish = readers.finish_reason(choice.index, finish)
-                if delta is not None or tokens:
-                    yield chunk(ChatChunkChoice(choice.index, delta or ChatDelta(content=""),
-                                                chat_logprobs(tokens) if tokens else None))
-                if finish is not None:
-                    yield chunk(ChatChunkChoice(choice.index, ChatDelta(),
-                                                finish_reason=finish))
-        if include_usage:
-            yield ChatCompletionChunk(call.id, call.created, call.model, [],
-                                      call.choices.usage())
-
-    async def chat(self, call: Call) -> ChatCompletionResponse:
-        async with aclosing(self._deltas(call)) as deltas:
-            async for _ in deltas:
-                pass
-        choices = []
-        for c in call.choices.choices:
-            message, finish = (ChatMessage(c.text), c.finish_reason) if call.tool_plan is None \
-                else call.tool_plan.message(c.text, c.finish_reason)
-            choices.append(ChatChoice(c.index, message,
-                                      chat_logprobs(c.tokens) if c.tokens else None, finish))
-        return ChatCompletionResponse(call.id, call.created, call.model, choices,
-                                      call.choices.usage())
-
-    async def generate_stream(self, call: Call) -> AsyncIterator[GenerateResponse]:
-        async with aclosing(self._deltas(call)) as deltas:
-            async for choice, out, ids, tokens in deltas:
-                yield GenerateResponse(call.id, call.created, call.model, [GenerateChoice(
-                    choice.index, ids, out.text, out.finish_reason,
-                    [t.logprob for t in tokens] if tokens else None, top_tokens(tokens))])
-        yield GenerateResponse(call.id, call.created, call.model, [], call.choices.usage())
-
-    async def generate(self, call: Call) -> GenerateResponse:
-        async with aclosing(self._deltas(call)) as deltas:
-            async for _ in deltas:
-                pass
-        return GenerateResponse(call.id, call.created, call.model, [
-            GenerateChoice(c.index, c.token_ids, c.text, c.finish_reason,
-                           [t.logprob for t in c.tokens] if c.tokens else None,
-                           top_tokens(c.tokens))
-            for c in call.choices.choices], call.choices.usage())

@@ -78,6 +78,10 @@ class Worker:
             step.input_ids[placeholders] = sampled[rows]
         self.grammars.release(msg.released_grammars)
         masks = self.grammars.start_masks(msg.sampling)  # filled while the forward runs
+        prompt_rows = unpack_ids(msg.prompt_rows)
+        if len(prompt_rows):
+            # Prompt logprobs: the logits of those rows too, after the sampled rows'.
+            step.logits_rows = np.concatenate([step.resolved_logits_rows(), prompt_rows])
         if self.tp is None:
             logits = self.runner.forward(step)
         else:
@@ -91,6 +95,9 @@ class Worker:
                 # No penalties: the sampler needs only the step index, len(output_ids).
                 prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
             rows.append(RowState(row.params, prompt, output))
+        prompt_logits = None
+        if len(prompt_rows):
+            logits, prompt_logits = logits[: len(msg.sampling)], logits[len(msg.sampling):]
         allowed = None
         if masks is not None:
             allowed = masks.rows, self.grammars.allowed(masks, logits.device, logits.shape[-1])
@@ -112,6 +119,9 @@ class Worker:
                                               for t in advanced.forced[row]])
             result.grammar_ended = pack_ids(advanced.ended)
             result.mask_seconds = masks.seconds
+        if prompt_logits is not None:
+            _prompt_logprobs(result, prompt_logits, unpack_ids(msg.prompt_targets),
+                             msg.prompt_top_n)
         if out.top_ids is not None:
             result.top_n = out.top_ids.shape[1]
             result.top_ids = out.top_ids.astype(np.int32).tobytes()
@@ -128,6 +138,20 @@ class Worker:
         except Exception as exc:
             raise GroupBroken(f"batch {batch_id} failed inside the tensor-parallel forward "
                               f"({type(exc).__name__}: {exc})") from exc
+
+
+def _prompt_logprobs(result: BatchResult, logits, targets: np.ndarray, top_n: int) -> None:
+    """Each prompt row's logprob at its target (the next prompt token) and its top ``top_n``,
+    from the raw logits as the sampler reports generated tokens'."""
+    import torch
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.from_numpy(targets.astype(np.int64)).to(logprobs.device)
+    result.prompt_logprobs = logprobs.gather(1, index[:, None]).squeeze(1).cpu().numpy().tobytes()
+    if top_n:
+        values, ids = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
+        result.prompt_top_ids = ids.to(torch.int32).cpu().numpy().tobytes()
+        result.prompt_top_logprobs = values.cpu().numpy().tobytes()
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
