@@ -218,7 +218,7 @@ def run_paths(path: Path, dtype: torch.dtype, page_size: int, compiled: bool = T
     runner = ModelRunner(EngineConfig(model=str(path), page_size=page_size,
                                       num_pages=NUM_SLOTS // page_size, num_host_pages=64,
                                       dtype=str(dtype).removeprefix("torch.")))
-    # The decode kernel, also where the engine would not pick it (a CPU without AVX-512).
+    # The decode kernel, also where the engine would not pick it (a CPU with neither AVX-512 nor AVX2).
     runner.attention._paged_decode = torch.ops.radixserve.paged_decode if compiled else None
     paths = Paths(runner)
     return paths.all(), paths

@@ -58,7 +58,7 @@ def run_mix(directory: str, dtype: str, mode: str, compiled: bool = True
     h = Harness(directory, dtype=dtype, num_pages=40, preemption_mode=mode,
                 num_host_pages=64 if mode == "swap" else 0, chunked_prefill_size=48)
     backend = h.worker.runner.attention
-    # The decode kernel, also where the engine would not pick it (a CPU without AVX-512).
+    # The decode kernel, also where the engine would not pick it (a CPU with neither AVX-512 nor AVX2).
     backend._paged_decode = torch.ops.radixserve.paged_decode if compiled else None
     plan, cascade_groups = backend._plan, []
 
