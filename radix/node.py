@@ -88,7 +88,8 @@ class CacheStats:
 
 
 class TreeListener(Protocol):
-    """Told what the tree caches and drops (scheduler/kv_events.py publishes it to gateways).
+    """Told what the tree caches and drops (scheduler/kv_events.py publishes it to gateways;
+    scheduler/suffix_index.py indexes it for speculative drafts).
 
     ``inserted``: ``leaf`` now ends a path of ``key`` (int32 token ids, packed) in ``namespace``,
     whose tokens from ``cached`` on were not in the tree before. ``evicted``: ``node`` (a leaf)

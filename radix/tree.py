@@ -87,7 +87,9 @@ class RadixTree:
         # At page size 1 no page is shared between nodes (nothing starts inside a page), so the
         # pages of distinct nodes never repeat and the allocator can skip its duplicate check.
         self._distinct_paths = self.page_size == 1
-        self.listener: TreeListener | None = None  # None costs one check per insert / eviction
+        # told of inserts and evictions (KV events, the suffix index); empty costs one loop
+        # over nothing per insert / eviction
+        self.listeners: list[TreeListener] = []
 
     # ---------------------------------------------------------------- queries
     @property
@@ -133,7 +135,7 @@ class RadixTree:
         freed = unlinked = 0
         heap = self._leaves.heap
         pop = heapq.heappop
-        listener = self.listener
+        listeners = self.listeners
         while freed < num_pages and heap:
             pages = array("q")
             want = num_pages - freed
@@ -150,7 +152,7 @@ class RadixTree:
                 del parent.children[node.key[:4]]
                 node.evicted = True
                 unlinked += 1
-                if listener is not None:
+                for listener in listeners:
                     listener.evicted(node)
                 if parent.parent is not None and not parent.children and not parent.lock_ref:
                     self._push_leaf(parent)
@@ -163,8 +165,9 @@ class RadixTree:
     def reset(self) -> None:
         """Drop every unlocked node (all of them when nothing runs)."""
         self.evict(self.allocator.num_pages)
-        if self.listener is not None and not self._num_nodes:
-            self.listener.cleared()
+        if not self._num_nodes:
+            for listener in self.listeners:
+                listener.cleared()
 
     # --------------------------------------------- the lease's (radix/lease.py)
     def _match_prefix(self, tokens: TokenIds, namespace: Hashable = None,
@@ -216,8 +219,8 @@ class RadixTree:
             self._num_nodes += 1
             node = leaf
             self.stats.inserted_tokens += total - cached
-            if self.listener is not None:
-                self.listener.inserted(leaf, query, cached, namespace)
+            for listener in self.listeners:
+                listener.inserted(leaf, query, cached, namespace)
         self._touch(node, used=False)
         if not node.children and node.parent is not None:
             self._push_leaf(node)

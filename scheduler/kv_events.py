@@ -54,7 +54,7 @@ class BlockEvents:
         if tree.num_nodes:
             raise RuntimeError("attach KV events to an empty tree: its blocks so far were never "
                                "published")
-        tree.listener = self
+        tree.listeners.append(self)
 
     def take(self) -> list[KVEvent]:
         events, self.pending = self.pending, []

@@ -54,7 +54,8 @@ class Scheduler:
             pinnable = info.num_pages * info.page_size // 2
         self.sessions = SessionPins(self.tree, pinnable)
         speculative = config.speculative()
-        self.speculator = Speculator(speculative) if speculative is not None else None
+        self.speculator = (Speculator(speculative, self.tree) if speculative is not None
+                           else None)
         self.planner = StepPlanner(config, info, self.mem, self.sessions, self.speculator)
         self.requests: dict[str, Request] = {}
         self.outputs: dict[int, list[SeqOutput]] = {}
@@ -461,9 +462,12 @@ class Scheduler:
 
     # ------------------------------------------------------------ checking
     def check(self) -> None:
-        """The accounting invariant over the tree and every live sequence (run on idle)."""
+        """The accounting invariant over the tree and every live sequence, and the suffix
+        index's bookkeeping (run on idle)."""
         seqs = [s for r in self.requests.values() for s in r.live_seqs()]
         self.mem.check(seqs)
+        if self.speculator is not None:
+            self.speculator.check()
 
     def stats(self) -> dict[str, float | str]:
         s = self.tree.stats

@@ -1,5 +1,7 @@
 """Speculative decoding with no draft model: which sequences draft, how many tokens, and what
-their verification kept.
+their verification kept. The drafts come from prompt lookup over the sequence's own tokens
+(``ngram``, scheduler/ngram.py) or from its own tokens and everything the radix cache holds
+(``suffix``, scheduler/suffix.py over scheduler/suffix_index.py).
 
 A decoding sequence with ``k`` drafts runs as a ``k + 1``-token extend (its last token, then
 the drafts) with logits on every row; row ``i`` is sampled as that sequence's output number
@@ -35,8 +37,11 @@ import numpy as np
 
 from engine.contracts.speculative import SpeculativeConfig
 from scheduler.ngram import LOOKUP_WINDOW, propose_ngram
+from scheduler.suffix import SuffixProposer
+from scheduler.suffix_index import SuffixIndex
 
 if TYPE_CHECKING:
+    from radix.tree import RadixTree
     from scheduler.request import Seq
 
 RATE_WEIGHT = 0.3  # weight of the latest verification in the moving acceptance rate
@@ -45,13 +50,21 @@ FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # decode steps without drafts; doubled on ea
 
 
 class Speculator:
-    """Drafts for decoding sequences and the counters behind ``/metrics``. Holds no pages and
-    no tokens: the per-sequence state lives on the ``Seq`` (``draft_rate``, ``draft_pause``,
-    ``draft_backoff``)."""
+    """Drafts for decoding sequences and the counters behind ``/metrics``. Holds no pages; the
+    per-sequence state lives on the ``Seq`` (``draft_rate``, ``draft_pause``,
+    ``draft_backoff``). With the ``suffix`` method and a ``tree``, its index holds copies of
+    the tokens the tree caches (bounded: scheduler/suffix_index.py)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, tree: RadixTree | None = None) -> None:
         self.config = config
         self.method = config.method
+        self.suffix: SuffixProposer | None = None
+        if config.method == "suffix":
+            index = None
+            if tree is not None and config.suffix_decoding_max_cached_requests:
+                index = SuffixIndex.attached(tree, config.suffix_decoding_max_cached_requests,
+                                             config.suffix_decoding_max_tree_depth)
+            self.suffix = SuffixProposer(config, index)
         self.drafted_tokens = 0  # draft tokens verified
         self.accepted_tokens = 0  # of those, accepted
         self.emitted_tokens = 0  # tokens verification steps produced (accepted + one each)
@@ -75,6 +88,8 @@ class Speculator:
         if k < 1:
             return []
         tokens = np.asarray(seq.tokens[-LOOKUP_WINDOW:], dtype=np.int64)
+        if self.suffix is not None:
+            return self.suffix.propose(tokens, seq.req.namespace, k)
         return propose_ngram(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k).tolist()
 
     def accept(self, seq: Seq, drafts: list[int], sampled: np.ndarray) -> int:
@@ -96,6 +111,11 @@ class Speculator:
             seq.draft_backoff = min(2 * seq.draft_backoff, LONGEST_PAUSE)
             seq.draft_rate = 0.5  # after the pause, try again with half the drafts
         return accepted + 1
+
+    def check(self) -> None:
+        """The suffix index's bookkeeping (with the scheduler's accounting check)."""
+        if self.suffix is not None and self.suffix.index is not None:
+            self.suffix.index.check()
 
     def stats(self) -> dict[str, float | str]:
         return {

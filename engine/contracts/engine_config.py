@@ -85,6 +85,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "speculative decoding with no draft model, as JSON with vLLM's keys: "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
         "\"prompt_lookup_max\": 5}' drafts from the request's own prompt and output; "
+        "'{\"method\": \"suffix\", \"num_speculative_tokens\": 8}' also from every token "
+        "run the prefix cache holds (suffix_decoding_max_tree_depth, "
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+        "suffix_decoding_min_token_prob as in vLLM); "
         "\"disable_by_batch_size\" (default 16) stops drafting while more sequences run"))
         ] | None = None
     # sessions

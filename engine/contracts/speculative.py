@@ -2,14 +2,21 @@
 
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+    --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
 
 ``ngram`` drafts the tokens that followed the latest earlier occurrence of the sequence's last
 ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens in its own prompt and output (prompt
-lookup, scheduler/ngram.py). The scheduler verifies a sequence's drafts in one step
-(scheduler/speculation.py) and stops drafting where it does not pay: for a sequence whose
-drafts are mostly rejected, and while more than ``disable_by_batch_size`` sequences run (the
-step is then bound by compute, not by reading the weights, and a draft costs as much as a
-token).
+lookup, scheduler/ngram.py). ``suffix`` matches the sequence's last tokens (at most
+``suffix_decoding_max_tree_depth``) in its own tokens and in every token run the radix cache
+holds (other requests' prompts and outputs, same namespace only) and drafts the most frequent
+continuation of the longest match (scheduler/suffix.py, scheduler/suffix_index.py): at most
+``suffix_decoding_max_spec_factor`` x the match length, while the continuation's estimated
+probability stays at least ``suffix_decoding_min_token_prob``; the index covers at most
+``suffix_decoding_max_cached_requests`` runs (0: the request's own tokens only). The scheduler
+verifies a sequence's drafts in one step (scheduler/speculation.py) and stops drafting where
+it does not pay: for a sequence whose drafts are mostly rejected, and while more than
+``disable_by_batch_size`` sequences run (the step is then bound by compute, not by reading the
+weights, and a draft costs as much as a token).
 """
 
 from __future__ import annotations
@@ -25,14 +32,28 @@ from msgspec import Meta
 # 2.6x at 32, where the step is bound by compute. Noisy (others' jobs ran meanwhile).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
+# vLLM's defaults for the suffix method's keys
+SUFFIX_DEFAULTS = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
+NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+MIN_SUFFIX_MATCH = 2  # the shortest match the suffix method drafts from (scheduler/suffix.py)
+
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The parsed ``--speculative-config``; ``parse`` fills vLLM's defaults and checks it."""
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "suffix"]
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=16)]
     prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None
+    suffix_decoding_max_tree_depth: Annotated[int, Meta(ge=MIN_SUFFIX_MATCH, le=64)] | None = None
+    suffix_decoding_max_cached_requests: Annotated[int, Meta(ge=0)] | None = None
+    suffix_decoding_max_spec_factor: Annotated[float, Meta(gt=0)] | None = None
+    suffix_decoding_min_token_prob: Annotated[float, Meta(ge=0, le=1)] | None = None
     disable_by_batch_size: Annotated[int, Meta(ge=1)] = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
@@ -46,6 +67,16 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                              f"{exc}") from None
         except msgspec.ValidationError as exc:
             raise ValueError(f"--speculative-config is not valid: {exc}") from None
+        others = SUFFIX_DEFAULTS if config.method == "ngram" else NGRAM_KEYS
+        given = [key for key in others if getattr(config, key) is not None]
+        if given:
+            raise ValueError(f"--speculative-config: the {config.method!r} method does not "
+                             f"take {', '.join(given)}")
+        if config.method == "suffix":
+            for key, default in SUFFIX_DEFAULTS.items():
+                if getattr(config, key) is None:
+                    setattr(config, key, default)
+            return config
         # vLLM's rule: one bound given sets the other; neither sets both to 5.
         if config.prompt_lookup_min is None and config.prompt_lookup_max is None:
             config.prompt_lookup_min = config.prompt_lookup_max = 5
