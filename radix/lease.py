@@ -22,6 +22,10 @@ Who holds what::
     tree       [ matched | committed chunks ]                       (locked while the lease is)
     table      [ a reference of the holder's own on every page ......................... ]
 
+A match may reach into the host tier (radix/host.py): ``acquire`` then loads that part into
+fresh device pages, and the host tier holds the planned loads until the holder's next step
+carries them (``HostTier.take_moves``), with the write-downs that evictions planned.
+
 **Matched pages are valid only while the match is locked.** ``lease.match.pages`` may be
 evicted and reused once the lease is unlocked; ``acquire`` refuses to run on an unlocked lease.
 The table holds its own references (one per page), so it stays valid after ``unlock``: a holder
@@ -82,23 +86,33 @@ class Lease:
         return self._locked
 
     def pages_to_acquire(self, num_tokens: int) -> int:
-        """Fresh pages ``acquire(num_tokens)`` allocates (the match's full pages are shared)."""
-        return self.tree.allocator.pages_for(num_tokens) - len(self.match.full_pages)
+        """Fresh pages ``acquire(num_tokens)`` allocates: the match's full pages are shared,
+        and its part in the host tier takes device pages to load into."""
+        tree = self.tree
+        return (tree.allocator.pages_for(num_tokens) - self.match.length // tree.page_size
+                + tree._pages_to_load(self.match.node))
 
     def acquire(self, num_tokens: int) -> tuple[list[int], PageCopy | None]:
         """A page table for positions ``[0, num_tokens)``: the match's full pages (a new reference
-        each), then fresh pages, evicting unlocked leaves when short. When the match ends inside
-        a page, the first fresh page is to receive that page's matched slots: the returned copy,
-        whose source holds one more reference for the holder. Raises ``OutOfPages`` having
-        changed nothing."""
+        each), then fresh pages, evicting unlocked leaves when short. A match that reaches into
+        the host tier first gets device pages for that part, whose loads the host tier plans
+        (they run before the copy below); its nodes then live on the device too. When the match
+        ends inside a page, the first fresh page is to receive that page's matched slots: the
+        returned copy, whose source holds one more reference for the holder. Raises
+        ``OutOfPages`` having changed nothing."""
         if not self._locked:
             raise RuntimeError("acquire on an unlocked lease: its matched pages may be gone")
         if num_tokens < self.match.length:
             raise ValueError(f"a table for {num_tokens} tokens cannot hold the "
                              f"{self.match.length}-token match")
+        tree = self.tree
+        loads = tree._pages_to_load(self.match.node)
+        fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens))
+        if loads:
+            self.match.pages = tree._load(self.match.node, fresh[:loads])
+            del fresh[:loads]
         full = self.match.full_pages
-        fresh = self.tree._alloc_pages(self.pages_to_acquire(num_tokens))
-        alloc = self.tree.allocator
+        alloc = tree.allocator
         alloc.incref(full)
         copy = None
         if self.match.partial_len:

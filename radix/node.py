@@ -1,6 +1,6 @@
-"""The radix tree's records: a node (a run of tokens and the pages under it), a prefix match,
-the hit-rate counters, the listener interface. Pages are held as ``array('q')`` (see
-``page_array``)."""
+"""The radix tree's records: a node (a run of tokens and the pages under it, on the device, in
+host memory or both), a prefix match, the hit-rate counters, the listener interface. Pages are
+held as ``array('q')`` (see ``page_array``)."""
 
 from __future__ import annotations
 
@@ -24,26 +24,41 @@ def page_array(pages: Sequence[int] | np.ndarray) -> array:
 
 
 class Node:
-    __slots__ = ("key", "start", "num_tokens", "pages", "parent", "children", "lock_ref",
-                 "eviction_key", "evicted")
+    """A run of tokens at positions ``[start, end)`` and where its KV lives: ``pages`` (device
+    pages, the pool the model reads) and ``host_pages`` (the host tier, radix/host.py), each
+    listing the page indices ``start // P .. (end - 1) // P`` or empty where the node is not in
+    that tier; a node is in at least one. A node on the device has its parent on the device too
+    (the root counts as everywhere), so a path is device pages first, then host pages."""
 
-    def __init__(self, key: bytes, start: int, pages: array, parent: Node | None) -> None:
+    __slots__ = ("key", "start", "num_tokens", "pages", "host_pages", "parent", "children",
+                 "lock_ref", "eviction_key", "evicted", "hits")
+
+    def __init__(self, key: bytes, start: int, pages: array, parent: Node | None,
+                 host_pages: array | None = None) -> None:
         self.key = key  # int32 token ids, packed
         self.start = start
         self.num_tokens = len(key) // 4
         self.pages = pages
+        self.host_pages = array("q") if host_pages is None else host_pages
         self.parent = parent
         self.children: dict[bytes, Node] = {}
         self.lock_ref = 0
         self.eviction_key = 0  # see radix/eviction.py
-        self.evicted = False
+        self.evicted = False  # unlinked from the tree
+        self.hits = 0  # matches that reached it (the host tier's write_through_selective)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
+    @property
+    def on_device(self) -> bool:
+        return self.parent is None or bool(self.pages)
+
     def __repr__(self) -> str:
-        return f"Node([{self.start}, {self.end}), pages={self.pages.tolist()}, lock={self.lock_ref})"
+        host = f", host={self.host_pages.tolist()}" if self.host_pages else ""
+        return (f"Node([{self.start}, {self.end}), pages={self.pages.tolist()}{host}, "
+                f"lock={self.lock_ref})")
 
 
 @dataclass
@@ -53,12 +68,17 @@ class PrefixMatch:
     ``pages`` (an ``array('q')``) covers positions ``[0, length)``: the fully shared pages, then,
     when the match ends inside a page, that page (``partial_page``) whose first ``partial_len``
     slots the caller copies into a fresh page of its own before writing (copy-on-write).
+
+    Its last ``host_length`` tokens were found only in the host tier: until the lease loads them
+    (``Lease.acquire``), ``pages`` lists only the device pages below them, and afterwards every
+    page of the match.
     """
 
     length: int
     pages: array
     node: Node
     page_size: int
+    host_length: int = 0
 
     @property
     def full_pages(self) -> array:
@@ -81,6 +101,10 @@ class CacheStats:
     inserted_tokens: int = 0
     evicted_pages: int = 0
     evicted_nodes: int = 0
+    # the host tier (radix/host.py)
+    host_hit_tokens: int = 0  # of hit_tokens, those found only in host memory
+    pages_written: int = 0  # device pages copied down to the host tier
+    pages_loaded: int = 0  # host pages loaded back onto the device
 
     @property
     def hit_rate(self) -> float:
@@ -93,8 +117,9 @@ class TreeListener(Protocol):
 
     ``inserted``: ``leaf`` now ends a path of ``key`` (int32 token ids, packed) in ``namespace``,
     whose tokens from ``cached`` on were not in the tree before. ``evicted``: ``node`` (a leaf)
-    was unlinked; its ``parent`` chain still leads to its root. ``cleared``: a reset left the
-    tree empty."""
+    was unlinked; its ``parent`` chain still leads to its root (a node that moves between the
+    device and the host tier stays in the tree, and listeners are not told). ``cleared``: a
+    reset left the tree empty."""
 
     def inserted(self, leaf: Node, key: bytes, cached: int, namespace: Hashable) -> None: ...
 

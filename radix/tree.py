@@ -20,6 +20,23 @@ stop counting as evictable. Unlocked leaves are evicted smallest ``eviction_key`
 (radix/eviction.py: LRU by default), through a heap with lazy invalidation (no scan over all
 leaves per eviction).
 
+Tiers: with a host tier (``host``, radix/host.py) a node's KV lives on the device
+(``node.pages``), in host memory (``node.host_pages``) or both, and a node on the device has its
+parent there too, so every path is device nodes first, then host-only ones::
+
+    path        root ─ [A: device] ─ [B: device + host] ─ [C: host] ─ [D: host]
+    match       [ device pages: shared       ][ host pages: loaded into fresh device pages ]
+
+The device evicts its unlocked *device leaves* (no child on the device): one with a host copy
+just drops its device pages; under ``write_back`` one without gets a copy first (host pages,
+planned write-downs), evicting the host tier's own least recently used candidates when it has
+no room; otherwise it leaves the tree with the host-only nodes below it. The host tier drops an
+unlocked node's host copy (a node on both tiers) or unlinks an unlocked host-only leaf. A match
+walks both tiers at token granularity; the lease's ``acquire`` loads the host-only nodes of its
+path into fresh device pages (they then live on both tiers: evicting them again costs no copy),
+and an insert whose path crosses host-only nodes gives them the inserting holder's device pages,
+which hold the same KV.
+
 Holders (the scheduler, the profiler, the tests) drive the tree through a ``Lease``
 (radix/lease.py), the only caller of the tree's private mutators (``_match_prefix``,
 ``_insert``, ``_lock``, ``_unlock``, ``_alloc_pages``): each of those hands out or takes back
@@ -38,7 +55,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radix.accounting import check_tree
 from radix.eviction import EvictionKey, lru
+from radix.host import HostTier  # noqa: TC001 (the constructor's annotation)
 from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
 
@@ -61,8 +80,23 @@ def _common_tokens(key: bytes, query: bytes, offset: int, limit: int) -> int:
 
 @dataclass
 class _LeafHeap:
+    """Eviction candidates by key, with lazy invalidation: an entry is checked when popped."""
+
     heap: list[tuple[int, int, Node]] = field(default_factory=list)
     counter: itertools.count = field(default_factory=itertools.count)
+
+
+def _device_leaf(node: Node) -> bool:
+    """On the device with no child there (unlocked or not): the device's eviction candidate."""
+    return (node.parent is not None and not node.evicted and bool(node.pages)
+            and not any(child.pages for child in node.children.values()))
+
+
+def _host_candidate(node: Node) -> bool:
+    """What the host tier may drop: an unlocked node's host copy, if it is on the device too or
+    has no children (a host-only node's children are host-only and need its KV)."""
+    return (bool(node.host_pages) and not node.lock_ref and not node.evicted
+            and node.parent is not None and (bool(node.pages) or not node.children))
 
 
 class RadixTree:
@@ -74,13 +108,18 @@ class RadixTree:
     salt with every request).
     """
 
-    def __init__(self, allocator: PageAllocator, eviction_key: EvictionKey = lru) -> None:
+    def __init__(self, allocator: PageAllocator, eviction_key: EvictionKey = lru,
+                 host: HostTier | None = None) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
+        if host is not None and host.allocator.page_size != self.page_size:
+            raise ValueError("the host tier's pages must hold as many tokens as the device's")
+        self.host = host
         self.stats = CacheStats()
         self._roots: dict[Hashable, Node] = {}
         self._roots_limit = 64  # sweep empty roots when there are this many
         self._leaves = _LeafHeap()
+        self._host_leaves = _LeafHeap()
         self._eviction_key = eviction_key
         self._clock = 0
         self._num_nodes = 0
@@ -125,46 +164,22 @@ class RadixTree:
         return self._walk(root, query, limit, collect=False, split=False)[1]
 
     def evict(self, num_pages: int) -> int:
-        """Evict unlocked leaves, smallest eviction key first, until ``num_pages`` pages are
-        freed or nothing evictable is left. Returns the pages freed.
+        """Evict unlocked device leaves, smallest eviction key first, until ``num_pages`` device
+        pages are freed or nothing evictable is left. Returns the pages freed. Under
+        ``write_back`` a leaf moves to the host tier when it can (see the module's docstring).
 
-        Leaves are unlinked in key order until their pages could cover what is still needed,
+        Leaves are taken in key order until their pages could cover what is still needed,
         then their references are dropped in one call (at page size 1 a leaf holds one page per
         token: one vectorised decref instead of one per leaf); pages still held elsewhere free
         nothing, and then the next leaves go."""
-        freed = unlinked = 0
-        heap = self._leaves.heap
-        pop = heapq.heappop
-        listeners = self.listeners
-        while freed < num_pages and heap:
-            pages = array("q")
-            want = num_pages - freed
-            while len(pages) < want and heap:
-                key, _, node = pop(heap)
-                if node.evicted or node.children or node.lock_ref or node.parent is None:
-                    continue
-                if key != node.eviction_key:
-                    self._push_leaf(node)  # touched since it was queued: requeue at its real key
-                    continue
-                pages += node.pages
-                # Unlink the leaf; its parent may become an evictable leaf itself.
-                parent = node.parent
-                del parent.children[node.key[:4]]
-                node.evicted = True
-                unlinked += 1
-                for listener in listeners:
-                    listener.evicted(node)
-                if parent.parent is not None and not parent.children and not parent.lock_ref:
-                    self._push_leaf(parent)
-            freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
-        self._num_nodes -= unlinked
-        self.stats.evicted_nodes += unlinked
-        self.stats.evicted_pages += freed
-        return freed
+        keep = self.host is not None and self.host.write_back
+        return self._evict(num_pages, keep)
 
     def reset(self) -> None:
-        """Drop every unlocked node (all of them when nothing runs)."""
-        self.evict(self.allocator.num_pages)
+        """Drop every unlocked node, from both tiers (all of them when nothing runs)."""
+        self._evict(self.allocator.num_pages, keep=False)
+        if self.host is not None:
+            self._make_host_room(self.host.num_pages)
         if not self._num_nodes:
             for listener in self.listeners:
                 listener.cleared()
@@ -183,11 +198,15 @@ class RadixTree:
         limit = total if max_len is None else max(0, min(total, max_len))
         node, length, pages = self._walk(self._root(namespace), query, limit, collect=True)
         self._touch(node, used=True)
+        host_length = length - self._device_end(node)
         if count:
             self.stats.queries += 1
             self.stats.queried_tokens += total
             self.stats.hit_tokens += length
-        return PrefixMatch(length, pages, node, self.page_size)
+            self.stats.host_hit_tokens += host_length
+        if self.host is not None and self.host.policy == "write_through_selective":
+            self._write_hot(node)
+        return PrefixMatch(length, pages, node, self.page_size, host_length)
 
     def _insert(self, tokens: TokenIds, pages: Sequence[int] | np.ndarray,
                 namespace: Hashable = None) -> tuple[int, Node]:
@@ -204,6 +223,8 @@ class RadixTree:
         if len(pages) < needed:
             raise ValueError(f"{total} tokens need {needed} pages, got {len(pages)}")
         node, cached, _ = self._walk(self._root(namespace), query, total, collect=False)
+        if not node.on_device:
+            self._adopt(node, pages)
         if cached < total:
             new_pages = page_array(pages[cached // self.page_size : needed])
             self.allocator.incref(new_pages, evictable=True)
@@ -221,34 +242,51 @@ class RadixTree:
             self.stats.inserted_tokens += total - cached
             for listener in self.listeners:
                 listener.inserted(leaf, query, cached, namespace)
+            if self.host is not None and self.host.policy == "write_through":
+                self._write_down(leaf)
         self._touch(node, used=False)
-        if not node.children and node.parent is not None:
+        if _device_leaf(node):
             self._push_leaf(node)
         return cached, node
 
     def _lock(self, node: Node) -> None:
         """Pin the path from ``node`` to its root against eviction."""
-        newly_locked = array("q")
+        newly_locked, newly_locked_host = array("q"), array("q")
         while node.parent is not None:
             if node.lock_ref == 0:
                 newly_locked += node.pages
+                newly_locked_host += node.host_pages
             node.lock_ref += 1
             node = node.parent
         self.allocator.set_evictable(newly_locked, False, distinct=self._distinct_paths)
+        if newly_locked_host:
+            self.host.allocator.set_evictable(newly_locked_host, False,
+                                              distinct=self._distinct_paths)
 
     def _unlock(self, node: Node) -> None:
-        newly_unlocked = array("q")
-        leaf = node
+        newly_unlocked, newly_unlocked_host = array("q"), array("q")
+        deepest_on_device = None
         while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {node!r}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 newly_unlocked += node.pages
+                if node.host_pages:
+                    newly_unlocked_host += node.host_pages
+                    if _host_candidate(node):
+                        self._push_host_leaf(node)
+                if deepest_on_device is None and node.pages:
+                    deepest_on_device = node
             node = node.parent
         self.allocator.set_evictable(newly_unlocked, True, distinct=self._distinct_paths)
-        if leaf.parent is not None and leaf.lock_ref == 0 and not leaf.children:
-            self._push_leaf(leaf)
+        if newly_unlocked_host:
+            self.host.allocator.set_evictable(newly_unlocked_host, True,
+                                              distinct=self._distinct_paths)
+        # Only the deepest device node of the path can be a device leaf (the others have it as
+        # a child on the device).
+        if deepest_on_device is not None and _device_leaf(deepest_on_device):
+            self._push_leaf(deepest_on_device)
 
     def _alloc_pages(self, n: int) -> list[int]:
         """Allocate ``n`` pages, evicting unlocked leaves when free pages run short."""
@@ -261,6 +299,186 @@ class RadixTree:
                 f"evictable ({self.allocator.num_pinned_pages} pinned by running requests)"
             )
         return self.allocator.alloc(n)
+
+    def _pages_to_load(self, node: Node) -> int:
+        """Device pages that loading the host-only end of the path to ``node`` takes."""
+        top = None
+        deepest = node
+        while not node.on_device:
+            top, node = node, node.parent
+        if top is None:
+            return 0
+        return (deepest.end - 1) // self.page_size - top.start // self.page_size + 1
+
+    def _load(self, node: Node, fresh: list[int]) -> array:
+        """Give the host-only nodes of the (locked) path to ``node`` the device pages
+        ``fresh`` (``_pages_to_load(node)`` of them, one reference each, which pass to the
+        nodes) and plan their loads; they keep their host copies. Returns the path's device
+        pages. Where two nodes cover one page index, the deeper one's host page is loaded: it
+        holds the shallower one's slots of that page too."""
+        page_size = self.page_size
+        path = []
+        while not node.on_device:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        first = path[0].start // page_size
+        sources = np.empty(len(fresh), dtype=np.int64)
+        device = np.asarray(fresh, dtype=np.int64)
+        held = array("q")
+        for n in path:  # top-down: a deeper node's page overwrites a shared index
+            lo, hi = n.start // page_size - first, (n.end - 1) // page_size - first + 1
+            sources[lo:hi] = n.host_pages
+            n.pages = page_array(device[lo:hi])
+            held += n.pages
+        self.allocator.incref(held)  # the nodes' references (locked: not evictable) ...
+        self.allocator.decref(fresh)  # ... replace the allocation's
+        self.host.plan_loads(sources.tolist(), fresh)
+        self.stats.pages_loaded += len(fresh)
+        return self._path_pages(path[-1])
+
+    def _path_pages(self, node: Node) -> array:
+        """The device pages of the path to ``node`` (all on the device), the deepest node's
+        page at each index."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        pages = array("q")
+        for n in reversed(path):
+            del pages[n.start // self.page_size :]
+            pages += n.pages
+        return pages
+
+    # ------------------------------------------------------------------ tiers
+    def _device_end(self, node: Node) -> int:
+        """Where the device part of the path to ``node`` ends (its tokens are on the device)."""
+        while not node.on_device:
+            node = node.parent
+        return node.end
+
+    def _adopt(self, node: Node, table: Sequence[int] | np.ndarray) -> None:
+        """An insert crosses the host-only nodes of the path to ``node``: they take references
+        on the inserting holder's device pages (``table``, from position 0), which hold the
+        same KV, and live on both tiers."""
+        page_size = self.page_size
+        deepest = node
+        while not node.on_device:
+            pages = page_array(table[node.start // page_size : (node.end - 1) // page_size + 1])
+            self.allocator.incref(pages, evictable=node.lock_ref == 0)
+            node.pages = pages
+            if _host_candidate(node):
+                self._push_host_leaf(node)
+            node = node.parent
+        if _device_leaf(deepest):
+            self._push_leaf(deepest)
+
+    def _write_hot(self, node: Node) -> None:
+        """write_through_selective: copy down the nodes of the path to ``node`` that have been
+        matched often enough and have no host copy yet."""
+        hits = self.host.selective_hits
+        while node.parent is not None:
+            if node.pages and not node.host_pages and node.hits >= hits:
+                self._write_down(node)
+            node = node.parent
+
+    def _evict(self, num_pages: int, keep: bool) -> int:
+        """``evict``; ``keep``: copy a leaf with no host copy down before it leaves the device
+        (when the host tier has or can make room)."""
+        freed = 0
+        heap = self._leaves.heap
+        pop = heapq.heappop
+        while freed < num_pages and heap:
+            pages = array("q")
+            want = num_pages - freed
+            while len(pages) < want and heap:
+                key, _, node = pop(heap)
+                if node.lock_ref or not _device_leaf(node):
+                    continue
+                if key != node.eviction_key:
+                    self._push_leaf(node)  # touched since it was queued: requeue at its real key
+                    continue
+                pages += node.pages
+                parent = node.parent
+                if node.host_pages or (keep and self._write_down(node)):
+                    node.pages = array("q")
+                    if _host_candidate(node):
+                        self._push_host_leaf(node)
+                else:
+                    self._unlink(node)
+                # Its parent may become a device leaf itself.
+                if not parent.lock_ref and _device_leaf(parent):
+                    self._push_leaf(parent)
+            freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
+        self.stats.evicted_pages += freed
+        return freed
+
+    def _write_down(self, node: Node) -> bool:
+        """Give ``node`` (on the device, no host copy) host pages and plan the copies into
+        them, making room in the host tier if needed. False when it has none to give."""
+        host = self.host
+        count = len(node.pages)
+        if count > host.allocator.num_free_pages and not self._make_host_room(count):
+            return False
+        pages = host.allocator.alloc(count)
+        if not node.lock_ref:
+            host.allocator.set_evictable(pages, True, distinct=True)
+        host.plan_write_down(node.pages, pages)
+        node.host_pages = page_array(pages)
+        self.stats.pages_written += count
+        if _host_candidate(node):
+            self._push_host_leaf(node)
+        return True
+
+    def _make_host_room(self, num_pages: int) -> bool:
+        """Drop host copies, least recently used first, until ``num_pages`` host pages are
+        free; False if the host tier runs out of candidates first."""
+        alloc = self.host.allocator
+        heap = self._host_leaves.heap
+        while alloc.num_free_pages < num_pages:
+            if not heap:
+                return False
+            key, _, node = heapq.heappop(heap)
+            if not _host_candidate(node):
+                continue
+            if key != node.eviction_key:
+                self._push_host_leaf(node)
+                continue
+            parent = node.parent
+            if node.pages:
+                self._drop_host_copy(node)  # it stays on the device
+            else:
+                self._unlink(node)
+                if _host_candidate(parent):
+                    self._push_host_leaf(parent)
+        return True
+
+    def _drop_host_copy(self, node: Node) -> None:
+        host = self.host
+        pages, node.host_pages = node.host_pages, array("q")
+        if host.allocator.decref(pages, evictable=not node.lock_ref) and host.has_moves:
+            index = np.frombuffer(pages, dtype=np.int64)
+            host.drop_write_downs(index[host.allocator.refcount[index] == 0].tolist())
+
+    def _unlink(self, node: Node) -> None:
+        """Take ``node`` (unlocked) out of the tree with the host-only nodes below it, dropping
+        their host copies; the caller drops ``node``'s device pages. Each is a leaf when its
+        listeners hear of it."""
+        order, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        listeners = self.listeners
+        for n in reversed(order):  # children before their parents
+            del n.parent.children[n.key[:4]]
+            n.evicted = True
+            if n.host_pages:
+                self._drop_host_copy(n)
+            for listener in listeners:
+                listener.evicted(n)
+        self._num_nodes -= len(order)
+        self.stats.evicted_nodes += len(order)
 
     # -------------------------------------------------------------- internals
     def _root(self, namespace: Hashable) -> Node:
@@ -276,6 +494,9 @@ class RadixTree:
 
     def _walk(self, node: Node, query: bytes, limit: int, collect: bool,
               split: bool = True) -> tuple[Node, int, array]:
+        """The deepest node matching ``query`` (split where the match ends inside it), the
+        match's length and, with ``collect``, the device pages of its device part (a
+        host-only node's first page index is its own, so the pages stop before it)."""
         page_size = self.page_size
         pages = array("q")
         pos = 0
@@ -287,7 +508,10 @@ class RadixTree:
             if collect:
                 first = pos // page_size
                 del pages[first:]  # the deeper node's copy of a shared boundary page wins
-                pages += child.pages[: (pos + matched - 1) // page_size - first + 1]
+                if child.pages:
+                    pages += child.pages[: (pos + matched - 1) // page_size - first + 1]
+                else:
+                    collect = False
             pos += matched
             if matched < child.num_tokens:
                 node = self._split(child, matched) if split else node
@@ -300,22 +524,31 @@ class RadixTree:
         page_size = self.page_size
         split_pos = node.start + at
         first_page = node.start // page_size
-        upper_pages = node.pages[: (split_pos - 1) // page_size - first_page + 1]
-        lower_pages = node.pages[split_pos // page_size - first_page :]
-        upper = Node(node.key[: 4 * at], node.start, upper_pages, node.parent)
+        upper_end = (split_pos - 1) // page_size - first_page + 1
+        lower_start = split_pos // page_size - first_page
+        upper = Node(node.key[: 4 * at], node.start, node.pages[:upper_end], node.parent,
+                     node.host_pages[:upper_end])
         upper.lock_ref = node.lock_ref
         upper.eviction_key = node.eviction_key
+        upper.hits = node.hits
+        lower_pages, lower_host = node.pages[lower_start:], node.host_pages[lower_start:]
         if split_pos % page_size:
-            # The page holding the split point now has two holders.
-            self.allocator.incref([lower_pages[0]], evictable=node.lock_ref == 0)
+            # The page holding the split point now has two holders, in each tier.
+            evictable = node.lock_ref == 0
+            if lower_pages:
+                self.allocator.incref(lower_pages[:1], evictable=evictable)
+            if lower_host:
+                self.host.allocator.incref(lower_host[:1], evictable=evictable)
         node.parent.children[node.key[:4]] = upper
         node.key = node.key[4 * at :]
         node.start = split_pos
         node.num_tokens -= at
-        node.pages = lower_pages
+        node.pages, node.host_pages = lower_pages, lower_host
         node.parent = upper
         upper.children[node.key[:4]] = node
         self._num_nodes += 1
+        if _host_candidate(upper):
+            self._push_host_leaf(upper)
         return upper
 
     def _touch(self, node: Node, used: bool) -> None:
@@ -324,17 +557,28 @@ class RadixTree:
         clock, key = self._clock, self._eviction_key
         while node.parent is not None:
             node.eviction_key = key(node.eviction_key, clock, used)
+            node.hits += used
             node = node.parent
 
     def _push_leaf(self, node: Node) -> None:
-        leaves = self._leaves
+        self._push(self._leaves, node, _device_leaf)
+
+    def _push_host_leaf(self, node: Node) -> None:
+        self._push(self._host_leaves, node, _host_candidate)
+
+    def _push(self, leaves: _LeafHeap, node: Node, live) -> None:
         heapq.heappush(leaves.heap, (node.eviction_key, next(leaves.counter), node))
         if len(leaves.heap) > 4 * self._num_nodes + 64:
-            # Lazy invalidation leaves stale entries behind; rebuild before they dominate.
-            live = [e for e in leaves.heap
-                    if not e[2].evicted and not e[2].children and e[0] == e[2].eviction_key]
-            heapq.heapify(live)
-            leaves.heap = live
+            # Lazy invalidation leaves stale entries behind; rebuild before they dominate, one
+            # entry per candidate at its current key.
+            seen: set[int] = set()
+            kept = []
+            for _, order, n in leaves.heap:
+                if id(n) not in seen and live(n):
+                    seen.add(id(n))
+                    kept.append((n.eviction_key, order, n))
+            heapq.heapify(kept)
+            leaves.heap = kept
 
     # --------------------------------------------------------------- checking
     def iter_nodes(self):
@@ -346,42 +590,10 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def check(self, external_refs: np.ndarray | None = None) -> None:
-        """Assert the accounting invariant from scratch.
+        """Assert the accounting invariant from scratch, in each tier (radix/accounting.py).
 
-        ``external_refs[p]``, when given, is how many references running sequences hold on page
-        ``p``; then every page's refcount must equal its tree holders plus those exactly.
-        """
-        alloc = self.allocator
-        alloc.check()
-        page_size = self.page_size
-        tree_refs = np.zeros(alloc.num_pages, dtype=np.int64)
-        unlocked_refs = np.zeros(alloc.num_pages, dtype=np.int64)
-        count = 0
-        for node in self.iter_nodes():
-            count += 1
-            assert not node.evicted, f"evicted node still linked: {node!r}"
-            parent = node.parent
-            assert parent.children.get(node.key[:4]) is node, f"child key mismatch at {node!r}"
-            assert node.start == parent.end, f"{node!r} does not start where its parent ends"
-            assert node.num_tokens > 0, f"empty node {node!r}"
-            expected = (node.end - 1) // page_size - node.start // page_size + 1
-            assert len(node.pages) == expected, f"{node!r} should hold {expected} pages"
-            assert node.lock_ref >= 0 and (parent.parent is None or parent.lock_ref >= node.lock_ref)
-            np.add.at(tree_refs, node.pages, 1)
-            if node.lock_ref == 0:
-                np.add.at(unlocked_refs, node.pages, 1)
-        assert count == self._num_nodes, f"node count drifted: {count} vs {self._num_nodes}"
-        rc = alloc.refcount.astype(np.int64)
-        assert (alloc.evictable_refs == unlocked_refs).all(), (
-            "evictable references differ from the references unlocked nodes hold"
-        )
-        outside = rc - tree_refs
-        assert (outside >= 0).all(), "the tree holds references the refcount does not count"
-        if external_refs is not None:
-            bad = np.flatnonzero(outside != external_refs)
-            assert bad.size == 0, (
-                f"pages {bad[:8].tolist()} have refcounts that differ from their holders"
-            )
-        assert alloc.num_free_pages + alloc.num_evictable_pages + alloc.num_pinned_pages == (
-            alloc.num_pages
-        )
+        ``external_refs[p]``, when given, is how many references running sequences hold on
+        device page ``p``; then every page's refcount must equal its tree holders plus those
+        exactly. Host pages have no holders but nodes."""
+        check_tree(list(self.iter_nodes()), self._num_nodes, self.allocator, self.host,
+                   external_refs)

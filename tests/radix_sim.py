@@ -1,6 +1,8 @@
 """A tiny scheduler stand-in for radix tests: drives the tree only through leases, as the
 scheduler does (admit: match, lock, allocate, copy-on-write of a partial page; commit a
-prefix mid-life; grow; fork; release), and keeps a shadow of slot contents."""
+prefix mid-life; grow; fork; release), and keeps a shadow of slot contents, on the device and,
+with a host tier, in host memory: the tier's planned moves run as the worker runs them
+(write-downs, then loads, then the step's copy), after each operation."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radix import Lease, PageAllocator, PageCopy, PrefixMatch, RadixTree
+from radix import HostTier, Lease, Node, PageAllocator, PageCopy, PrefixMatch, RadixTree
 
 
 @dataclass
@@ -23,24 +25,58 @@ class SimSeq:
 
 
 class Sim:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, host_pages: int = 0,
+                 policy: str = "write_back") -> None:
         self.alloc = PageAllocator(num_pages, page_size)
-        self.tree = RadixTree(self.alloc)
+        self.host = HostTier(host_pages, page_size, policy) if host_pages else None
+        self.tree = RadixTree(self.alloc, host=self.host)
         self.page_size = page_size
         # shadow[slot] = (token id, position) the slot's KV was computed for; -1 = never written
         self.shadow = np.full((num_pages * page_size, 2), -1, dtype=np.int64)
+        self.host_shadow = np.full((host_pages * page_size, 2), -1, dtype=np.int64)
         self.running: list[SimSeq] = []
+        self.moved = [0, 0]  # pages written down, loaded
 
     def slot(self, pages: list[int], pos: int) -> int:
         return pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def verify_match(self, tokens: list[int], match: PrefixMatch) -> None:
-        for pos in range(match.length):
+        """Each matched position's KV holds its token: on the device, or in the host tier for
+        the part a lease has not loaded yet."""
+        on_device = min(match.length, len(match.pages) * self.page_size)
+        for pos in range(on_device):
             got = tuple(self.shadow[self.slot(match.pages, pos)])
             assert got == (tokens[pos], pos), f"slot for position {pos} holds {got}"
+        for pos in range(on_device, match.length):
+            got = tuple(self.host_shadow[self._host_slot(match.node, pos)])
+            assert got == (tokens[pos], pos), f"host slot for position {pos} holds {got}"
+
+    def _host_slot(self, node: Node, pos: int) -> int:
+        """The host slot of ``pos`` on the path to ``node``: the deepest node covering it."""
+        index = pos // self.page_size
+        while node.start // self.page_size > index:
+            node = node.parent
+        page = node.host_pages[index - node.start // self.page_size]
+        return page * self.page_size + pos % self.page_size
+
+    def run_moves(self) -> None:
+        """The host tier's planned moves, as the worker runs a step's: write-downs, then loads."""
+        if self.host is None:
+            return
+        downs, loads = self.host.take_moves()
+        size = self.page_size
+        for device, host in downs:
+            self.host_shadow[host * size : (host + 1) * size] = (
+                self.shadow[device * size : (device + 1) * size])
+        for host, device in loads:
+            self.shadow[device * size : (device + 1) * size] = (
+                self.host_shadow[host * size : (host + 1) * size])
+        self.moved[0] += len(downs)
+        self.moved[1] += len(loads)
 
     def _run_copy(self, copy: PageCopy) -> None:
-        """What the worker does before a step's forward; then the source reference goes."""
+        """What the worker does before a step's forward (after the moves); then the source
+        reference goes."""
         base_src, base_dst = copy.src * self.page_size, copy.dst * self.page_size
         self.shadow[base_dst : base_dst + copy.num_slots] = (
             self.shadow[base_src : base_src + copy.num_slots]
@@ -59,7 +95,9 @@ class Sim:
             pages, copy = lease.acquire(len(tokens))
         except Exception:
             lease.unlock()
+            self.run_moves()
             raise
+        self.run_moves()
         if copy is not None:
             self._run_copy(copy)
         seq = SimSeq(list(tokens), pages, lease, namespace, lease.length)
@@ -70,6 +108,7 @@ class Sim:
     def commit(self, seq: SimSeq, upto: int) -> int:
         """Cache ``seq``'s first ``upto`` tokens mid-life (a prefilled chunk)."""
         cached = seq.lease.commit(seq.pages, seq.tokens[:upto])
+        self.run_moves()
         if seq.lease.locked:
             seq.locked_len = max(seq.locked_len, upto)
         return cached
@@ -77,8 +116,11 @@ class Sim:
     def grow(self, seq: SimSeq, tokens: list[int]) -> None:
         """Append ``tokens`` to ``seq`` (decoding), first copying a shared last page."""
         start = len(seq.tokens)
-        copy = seq.lease.grow(seq.pages, start + len(tokens),
-                              unshare_at=start if seq.shares_last_page else None)
+        try:
+            copy = seq.lease.grow(seq.pages, start + len(tokens),
+                                  unshare_at=start if seq.shares_last_page else None)
+        finally:
+            self.run_moves()
         if copy is not None:
             self._run_copy(copy)
         seq.shares_last_page = False
@@ -93,7 +135,9 @@ class Sim:
     def finish(self, seq: SimSeq, *, cache: bool = True) -> int:
         """Release ``seq``: with ``cache``, its tokens go into the tree first."""
         self.running.remove(seq)
-        return seq.lease.release(seq.pages, seq.tokens if cache else None)
+        cached = seq.lease.release(seq.pages, seq.tokens if cache else None)
+        self.run_moves()
+        return cached
 
     def fork(self, seq: SimSeq) -> SimSeq:
         """Another holder of ``seq``'s pages (a parallel sample), with its own lease; it copies
@@ -111,9 +155,25 @@ class Sim:
         return refs
 
     def check(self) -> None:
-        """The accounting invariant, and what every holder relies on (``check_holders``)."""
+        """The accounting invariant, and what every holder and node relies on."""
         self.tree.check(self.external_refs())
         self.check_holders()
+        self.check_nodes()
+
+    def check_nodes(self) -> None:
+        """Every node's KV holds its tokens in each tier it is in."""
+        size = self.page_size
+        for node in self.tree.iter_nodes():
+            positions = np.arange(node.start, node.end)
+            expected = np.stack([np.frombuffer(node.key, dtype=np.int32), positions], axis=1)
+            index = positions // size - node.start // size
+            for pages, shadow, tier in ((node.pages, self.shadow, "device"),
+                                        (node.host_pages, self.host_shadow, "host")):
+                if pages:
+                    slots = np.asarray(pages)[index] * size + positions % size
+                    bad = np.flatnonzero((shadow[slots] != expected).any(axis=1))
+                    assert bad.size == 0, (f"{node!r}: {tier} slot of position "
+                                           f"{positions[bad[0]]} holds {shadow[slots[bad[0]]]}")
 
     def check_holders(self) -> None:
         """Every running sequence's table holds its own tokens' KV, and its locked path is

@@ -1,11 +1,13 @@
 """Random operation sequences against the radix tree and allocator (hypothesis), driven through
 the lease API (radix/lease.py) at page sizes 1, 4 and 16: admit, commit a prefix mid-life, grow,
-fork, finish with or without caching, unlock early, pin without pages, evict, and pages held
-by a lease that matched nothing.
+fork, finish with or without caching, unlock early, pin without pages, evict, reset, and pages
+held by a lease that matched nothing; without a host tier and with one (each write policy), so
+nodes move down on eviction or when cached or hit, and back up when matched or inserted again.
 
-After every step: the accounting invariant (``check`` with the running sequences' references),
-every running sequence's table holding its own tokens, every locked path still in the tree,
-and, on every match, that each matched slot holds the queried token at that position.
+After every step: the accounting invariant in both tiers (``check`` with the running
+sequences' references), every running sequence's table holding its own tokens, every locked
+path still in the tree, every node's KV holding its tokens in each tier it is in, and, on every
+match, that each matched slot (device or host) holds the queried token at that position.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import radix.pages
-from radix import Lease, OutOfPages, PageAllocator, RadixTree
+from radix import WRITE_POLICIES, Lease, OutOfPages, PageAllocator, RadixTree
 from tests.radix_sim import Sim
 
 # A small alphabet makes shared prefixes, splits and divergences common.
@@ -25,9 +27,13 @@ token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 
 class RadixMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 16, 4]), num_pages=st.integers(4, 48),
-                vector_min=st.sampled_from([radix.pages.VECTOR_MIN_PAGES, 1, 10**9]))
-    def setup(self, page_size: int, num_pages: int, vector_min: int) -> None:
-        self.sim = Sim(num_pages * (16 // page_size), page_size)  # same slot budget
+                vector_min=st.sampled_from([radix.pages.VECTOR_MIN_PAGES, 1, 10**9]),
+                host_pages=st.sampled_from([0, 0, 3, 12, 64]),
+                policy=st.sampled_from(WRITE_POLICIES))
+    def setup(self, page_size: int, num_pages: int, vector_min: int, host_pages: int,
+              policy: str) -> None:
+        scale = 16 // page_size  # same slot budget at every page size
+        self.sim = Sim(num_pages * scale, page_size, host_pages * scale, policy)
         self.external: list[tuple[Lease, list[int]]] = []  # pages of leases that matched nothing
         self.pins: list[Lease] = []
         # The allocator's per-page loop and its vectorised path must keep identical books.
@@ -43,7 +49,9 @@ class RadixMachine(RuleBasedStateMachine):
         try:
             self.sim.admit(tokens, namespace)
         except OutOfPages:
-            pass  # admission failure must leave everything as it was: the invariant checks it
+            # Admission failure must leave every holder as it was (the invariant checks it);
+            # what it evicted before giving up moved down all the same.
+            self.sim.run_moves()
 
     @precondition(lambda self: self.sim.running)
     @rule(index=st.integers(0, 1000), cache=st.booleans())
@@ -89,6 +97,7 @@ class RadixMachine(RuleBasedStateMachine):
     def pin(self, tokens: list[int], namespace) -> None:
         """A session pin: a lease that holds no pages, only the lock."""
         self.pins.append(Lease(self.sim.tree, tokens, namespace, count=False))
+        self.sim.run_moves()
 
     @precondition(lambda self: self.pins)
     @rule()
@@ -98,6 +107,7 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(tokens=token_lists, max_len=st.integers(0, 40))
     def match(self, tokens: list[int], max_len: int) -> None:
         lease = Lease(self.sim.tree, tokens, max_len=max_len)
+        self.sim.run_moves()
         assert lease.length <= min(max_len, len(tokens))
         self.sim.verify_match(tokens, lease.match)
         lease.unlock()
@@ -106,16 +116,28 @@ class RadixMachine(RuleBasedStateMachine):
     def evict(self, num_pages: int) -> None:
         before = self.sim.alloc.num_free_pages
         freed = self.sim.tree.evict(num_pages)
+        self.sim.run_moves()
         assert self.sim.alloc.num_free_pages == before + freed
         if freed < num_pages:
             assert self.sim.alloc.num_evictable_pages == 0
+
+    @rule()
+    def reset(self) -> None:
+        """Everything unlocked leaves both tiers."""
+        self.sim.tree.reset()
+        self.sim.run_moves()
+        assert self.sim.alloc.num_evictable_pages == 0
+        if self.sim.host is not None:
+            assert self.sim.host.allocator.num_evictable_pages == 0
 
     @rule(n=st.integers(1, 6))
     def alloc_external(self, n: int) -> None:
         holder = Lease(self.sim.tree, [], count=False)
         try:
             self.external.append((holder, holder.alloc_pages(n)))
+            self.sim.run_moves()
         except OutOfPages:
+            self.sim.run_moves()  # what it evicted before giving up moved down all the same
             assert self.sim.alloc.num_free_pages + self.sim.alloc.num_evictable_pages < n
             holder.release([])
 
@@ -133,6 +155,7 @@ class RadixMachine(RuleBasedStateMachine):
                 refs[p] += 1
         self.sim.tree.check(refs)
         self.sim.check_holders()
+        self.sim.check_nodes()
 
 
 TestRadixMachine = RadixMachine.TestCase
