@@ -85,12 +85,14 @@ class Lease:
     def locked(self) -> bool:
         return self._locked
 
-    def pages_to_acquire(self, num_tokens: int) -> int:
+    def pages_to_acquire(self, num_tokens: int, loading: set[Node] | None = None) -> int:
         """Fresh pages ``acquire(num_tokens)`` allocates: the match's full pages are shared,
-        and its part in the host tier takes device pages to load into."""
+        and its part in the host tier takes device pages to load into. ``loading``: host-only
+        nodes that holders acquiring before this one will load (samples of one request share
+        their prompt's); this one's are added to it."""
         tree = self.tree
         return (tree.allocator.pages_for(num_tokens) - self.match.length // tree.page_size
-                + tree._pages_to_load(self.match.node))
+                + tree._pages_to_load(self.match.node, loading))
 
     def acquire(self, num_tokens: int) -> tuple[list[int], PageCopy | None]:
         """A page table for positions ``[0, num_tokens)``: the match's full pages (a new reference
@@ -108,7 +110,8 @@ class Lease:
         tree = self.tree
         loads = tree._pages_to_load(self.match.node)
         fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens))
-        if loads:
+        if self.match.host_length:
+            # What another holder loaded since this one matched is on the device already.
             self.match.pages = tree._load(self.match.node, fresh[:loads])
             del fresh[:loads]
         full = self.match.full_pages

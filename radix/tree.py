@@ -300,11 +300,15 @@ class RadixTree:
             )
         return self.allocator.alloc(n)
 
-    def _pages_to_load(self, node: Node) -> int:
-        """Device pages that loading the host-only end of the path to ``node`` takes."""
+    def _pages_to_load(self, node: Node, loading: set[Node] | None = None) -> int:
+        """Device pages that loading the host-only end of the path to ``node`` takes, not
+        counting the nodes in ``loading`` (others will load them first), to which it adds its
+        own."""
         top = None
         deepest = node
-        while not node.on_device:
+        while not node.on_device and (loading is None or node not in loading):
+            if loading is not None:
+                loading.add(node)
             top, node = node, node.parent
         if top is None:
             return 0
@@ -318,9 +322,12 @@ class RadixTree:
         holds the shallower one's slots of that page too."""
         page_size = self.page_size
         path = []
+        deepest = node
         while not node.on_device:
             path.append(node)
             node = node.parent
+        if not path:
+            return self._path_pages(deepest)
         path.reverse()
         first = path[0].start // page_size
         sources = np.empty(len(fresh), dtype=np.int64)

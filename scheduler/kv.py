@@ -2,7 +2,10 @@
 through the sequence's lease (radix/lease.py).
 
 Who holds what: a sequence holds one reference per page in its table and one per pending
-copy source (until the batch that runs the copy has come back). The tree holds its own. A
+copy source (until the batch that runs the copy has come back). The tree holds its own (on the
+device, and in its host tier when there is one: its write-downs and loads go into the next batch
+the scheduler sends, with the swaps). Swaps use host pages of their own (``host_free``), apart
+from the tier's. A
 sequence pins (locks) the tree path it matched at admission, and each prefilled chunk it
 commits, until it is released or swapped out. Copies and swaps are only *planned* here: they
 go into the next batch, and the worker runs them before that batch's forward, so a page freed

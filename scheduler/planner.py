@@ -270,6 +270,7 @@ class StepPlanner:
         if req.seqs[0].host_pages or any(s.host_pages for s in seqs):
             return self._admit_swapped(req, seqs, work, reserved)
         matches, need = [], 0
+        loading: set = set()  # host-tier nodes the samples before this one will load
         for seq in seqs:
             lease = self.mem.match(seq)
             extend = len(seq.tokens) - lease.length
@@ -279,7 +280,7 @@ class StepPlanner:
                 extend = min(extend, self.config.chunked_prefill_size, max(budget, 1))
             budget -= extend
             matches.append((seq, extend))
-            need += lease.pages_to_acquire(lease.length + extend)
+            need += lease.pages_to_acquire(lease.length + extend, loading)
         if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
             self.running or need > self.tree.num_available_pages
         ):
@@ -292,7 +293,8 @@ class StepPlanner:
             seq.status = Status.RUNNING
             admitted.append(Entry(seq, extend, self._samples_for(seq, extend)))
         if req.cached_tokens < 0:
-            req.cached_tokens = matches[0][0].lease.length
+            match = matches[0][0].lease.match
+            req.cached_tokens, req.cached_tokens_host = match.length, match.host_length
         return admitted
 
     def _admit_swapped(self, req: Request, seqs: list[Seq], work: StepWork,
@@ -301,8 +303,9 @@ class StepPlanner:
         were released into the tree at preemption: they match it again (usually a full hit)."""
         released = [s for s in seqs if not s.host_pages and not s.pages]
         need = sum(self.mem.pages_to_resume(s) for s in seqs if s.host_pages or s.pages)
+        loading: set = set()
         for seq in released:
-            need += self.mem.match(seq).pages_to_acquire(len(seq.tokens))
+            need += self.mem.match(seq).pages_to_acquire(len(seq.tokens), loading)
         if need + (reserved if self.running else 0) > self.tree.num_available_pages:
             for seq in released:
                 self.mem.unpin(seq)

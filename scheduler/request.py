@@ -75,6 +75,7 @@ class Request:
     session_id: str | None = None
     seqs: list[Seq] = field(default_factory=list)
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
+    cached_tokens_host: int = 0  # of those, found only in the host tier (and loaded)
     forked: bool = False
     finished_beams: list[tuple[float, list[int]]] = field(default_factory=list)
     sent_final: bool = False

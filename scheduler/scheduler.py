@@ -28,7 +28,7 @@ from engine.contracts.protocol import (
     pack_ids,
     unpack_ids,
 )
-from radix import PageAllocator, RadixTree
+from radix import HostTier, PageAllocator, RadixTree
 from scheduler import beam
 from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
@@ -47,7 +47,11 @@ class Scheduler:
         self.info = info
         self.eos_ids = set(info.eos_token_ids)
         self.alloc = PageAllocator(info.num_pages, info.page_size)
-        self.tree = RadixTree(self.alloc)
+        # The prefix cache's host tier: host pages after swap's in the worker's host pool.
+        self.host = (HostTier(info.num_host_cache_pages, info.page_size,
+                              config.cache_write_policy, first_page=info.num_host_pages)
+                     if info.num_host_cache_pages else None)
+        self.tree = RadixTree(self.alloc, host=self.host)
         self.mem = SeqMemory(self.tree, info.num_host_pages)
         pinnable = config.max_pinned_tokens
         if pinnable is None:
@@ -71,6 +75,7 @@ class Scheduler:
         self.constrained_requests = 0
         self.grammar_forced_tokens = 0
         self.grammar_mask_seconds = 0.0
+        self.transfer_seconds = 0.0
 
     # ------------------------------------------------------------- requests
     @property
@@ -168,6 +173,12 @@ class Scheduler:
             self._looked_ahead = lookahead
             return None
         self.batch_id += 1
+        if self.host is not None:
+            # The host tier's write-downs and loads planned since the last batch run first in
+            # this one (with the swaps: every copy down, then every copy up).
+            write_downs, loads = self.host.take_moves()
+            plan.work.swap_out += write_downs
+            plan.work.swap_in += loads
         batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size,
                             self.released_grammars)
         self.released_grammars = []
@@ -203,6 +214,7 @@ class Scheduler:
         ended = set(unpack_ids(result.grammar_ended).tolist())
         self.grammar_forced_tokens += sum(map(len, forced.values()))
         self.grammar_mask_seconds += result.mask_seconds
+        self.transfer_seconds += result.transfer_seconds
         row = 0
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
         for entry in entries:
@@ -439,6 +451,7 @@ class Scheduler:
         self.outputs.setdefault(req.reply_to, []).append(SeqOutput(
             req.rid, index, pack_ids(tokens), logprobs, top_ids, top_logprobs, finish_reason,
             error, status, req.prompt_len, max(req.cached_tokens, 0), replace,
+            cached_tokens_host=req.cached_tokens_host if self.host is not None else None,
         ))
 
     def take_outputs(self) -> dict[int, list[SeqOutput]]:
@@ -486,6 +499,18 @@ class Scheduler:
             "constrained_requests": self.constrained_requests,
             "grammar_forced_tokens": self.grammar_forced_tokens,
             "grammar_mask_seconds": self.grammar_mask_seconds,
+            **(self._host_stats() if self.host is not None else {}),
+        }
+
+    def _host_stats(self) -> dict[str, float]:
+        host, s = self.host.allocator, self.tree.stats
+        return {
+            "host_cache_pages_total": host.num_pages,
+            "host_cache_pages_used": host.num_pages - host.num_free_pages,
+            "host_hit_tokens": s.host_hit_tokens,
+            "host_pages_written": s.pages_written,
+            "host_pages_loaded": s.pages_loaded,
+            "host_transfer_seconds": self.transfer_seconds,
         }
 
 

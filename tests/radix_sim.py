@@ -89,8 +89,17 @@ class Sim:
 
     def admit(self, tokens: list[int], namespace=None) -> SimSeq:
         """Lease at most len - 1 tokens, acquire the table, run the copy, write the rest."""
+        return self.take(self.match(tokens, namespace), tokens, namespace)
+
+    def match(self, tokens: list[int], namespace=None) -> Lease:
+        """A lease on at most len - 1 tokens (``take`` turns it into a running sequence)."""
         lease = Lease(self.tree, tokens, namespace, max_len=len(tokens) - 1)
+        self.run_moves()  # write_through_selective copies down what a match made hot
         self.verify_match(tokens, lease.match)
+        return lease
+
+    def take(self, lease: Lease, tokens: list[int], namespace=None) -> SimSeq:
+        """Acquire ``lease``'s table for ``tokens``, run the moves and the copy, write the rest."""
         try:
             pages, copy = lease.acquire(len(tokens))
         except Exception:

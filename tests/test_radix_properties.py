@@ -36,6 +36,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.sim = Sim(num_pages * scale, page_size, host_pages * scale, policy)
         self.external: list[tuple[Lease, list[int]]] = []  # pages of leases that matched nothing
         self.pins: list[Lease] = []
+        self.later: list[tuple[Lease, list[int]]] = []  # matched, not acquired yet
         # The allocator's per-page loop and its vectorised path must keep identical books.
         self.saved_vector_min = radix.pages.VECTOR_MIN_PAGES
         radix.pages.VECTOR_MIN_PAGES = vector_min
@@ -52,6 +53,35 @@ class RadixMachine(RuleBasedStateMachine):
             # Admission failure must leave every holder as it was (the invariant checks it);
             # what it evicted before giving up moved down all the same.
             self.sim.run_moves()
+
+    @rule(tokens=token_lists)
+    def match_for_later(self, tokens: list[int]) -> None:
+        """A lease matched now and acquired later: others may load its host part first."""
+        self.later.append((self.sim.match(tokens), tokens))
+
+    @precondition(lambda self: self.later)
+    @rule(index=st.integers(0, 1000))
+    def admit_matched(self, index: int) -> None:
+        lease, tokens = self.later.pop(index % len(self.later))
+        try:
+            self.sim.take(lease, tokens)
+        except OutOfPages:
+            self.sim.run_moves()
+
+    @rule(prompts=st.lists(token_lists, min_size=1, max_size=3))
+    def admit_together(self, prompts: list[list[int]]) -> None:
+        """Samples of one request admitted as one, as the planner does: when what they count
+        together (host-tier loads they share counted once) fits, every acquire succeeds."""
+        leases = [self.sim.match(tokens) for tokens in prompts]
+        loading: set = set()
+        need = sum(lease.pages_to_acquire(len(tokens), loading)
+                   for lease, tokens in zip(leases, prompts, strict=True))
+        if need > self.sim.tree.num_available_pages:
+            for lease in leases:
+                lease.unlock()
+            return
+        for lease, tokens in zip(leases, prompts, strict=True):
+            self.sim.take(lease, tokens)
 
     @precondition(lambda self: self.sim.running)
     @rule(index=st.integers(0, 1000), cache=st.booleans())

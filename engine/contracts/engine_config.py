@@ -31,6 +31,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "fraction of device memory for weights + KV (CUDA)"))] = 0.85
     num_host_pages: Annotated[int, Meta(ge=0, description=(
         "host (CPU) pages for swap preemption"))] = 0
+    host_cache_gb: Annotated[float, Meta(ge=0, description=(
+        "GiB of host memory (pinned on GPU) for a second tier of the prefix cache: KV the "
+        "device pool evicts is kept there and loaded back on a hit instead of recomputed; "
+        "0 is off"))] = 0.0
+    cache_write_policy: Annotated[
+        Literal["write_back", "write_through", "write_through_selective"], Meta(description=(
+            "when the host tier (--host-cache-gb) gets a copy of cached KV: write_back (when "
+            "the device pool evicts it), write_through (as soon as it is cached) or "
+            "write_through_selective (once it has been hit twice)"))] = "write_back"
     kv_cache_dtype: Annotated[
         Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"],
         Meta(description=(
@@ -175,6 +184,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self.speculative()
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError("--preemption-mode swap needs --num-host-pages > 0")
+        if self.cache_write_policy != "write_back" and not self.host_cache_gb:
+            raise ValueError(f"--cache-write-policy {self.cache_write_policy} needs a host tier "
+                             "to write to: give --host-cache-gb")
         if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(
                 ("tcp://", "ipc://")):
             raise ValueError("--kv-events-endpoint must be a tcp:// or ipc:// ZMQ address such "

@@ -231,6 +231,8 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: bytes = b""
     prompt_top_ids: bytes = b""
     prompt_top_logprobs: bytes = b""
+    # of cached_tokens, those loaded from the host tier; None when the engine has none
+    cached_tokens_host: int | None = None
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
@@ -260,6 +262,13 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     constrained_requests: int = 0  # requests admitted with a constraint
     grammar_forced_tokens: int = 0  # tokens grammars forced (appended without their own step)
     grammar_mask_seconds: float = 0.0  # host time filling token masks (beside the forwards)
+    # the host tier of the prefix cache (radix/host.py); pages_total is 0 when it is off
+    host_cache_pages_total: int = 0
+    host_cache_pages_used: int = 0  # holding KV (pinned or evictable)
+    host_hit_tokens: int = 0  # of hit_tokens, those found only in the host tier
+    host_pages_written: int = 0  # device pages copied down
+    host_pages_loaded: int = 0  # host pages loaded back onto the device
+    host_transfer_seconds: float = 0.0  # worker time copying pages between host and device
 
 
 class TokenOutputs(msgspec.Struct, tag=True):
@@ -287,6 +296,7 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     status: int = 200  # HTTP-like status of an error: 400 bad input, 503 overload, 500 bug
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_host: int | None = None  # of those, loaded from the host tier (if any)
     replace: bool = False
     result_at: float = 0.0  # TokenOutputs.result_at of the step that produced these tokens
     # With logprobs: each token's text, then each top alternative's (tokens x N, row-major).
@@ -354,6 +364,7 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     forced_ids: bytes = b""
     grammar_ended: bytes = b""
     mask_seconds: float = 0.0  # host time the step's token masks took (filled beside the forward)
+    transfer_seconds: float = 0.0  # time the step's swaps, write-downs and loads took to issue
     # per ForwardBatch.prompt_rows row: the target's logprob (float32), the top-N ids and logprobs
     prompt_logprobs: bytes = b""
     prompt_top_ids: bytes = b""
@@ -370,12 +381,13 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int]
     page_size: int
     num_pages: int
-    num_host_pages: int
+    num_host_pages: int  # swap preemption's
     device: str
     dtype: str
     attention_backend: str
     kv_cache_dtype: str = ""  # what the pool stores (--kv-cache-dtype resolved)
     kv_cache_bytes: int = 0  # the device pool's bytes, scales included
+    num_host_cache_pages: int = 0  # the prefix cache's host tier (after the swap pages)
 
 
 class WorkerReady(msgspec.Struct, tag=True):

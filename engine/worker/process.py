@@ -52,6 +52,7 @@ class Worker:
             attention_backend=self.runner.attention_backend,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             kv_cache_bytes=self.runner.kv_cache_bytes,
+            num_host_cache_pages=self.runner.num_host_cache_pages,
         )
         from engine.worker.grammar import Grammars
 
@@ -108,6 +109,7 @@ class Worker:
             token_ids=self.last_tokens.tobytes(),
             logprobs=out.logprobs.astype(np.float32, copy=False).tobytes(),
         )
+        result.transfer_seconds = self.runner.transfer_seconds
         if masks is not None:
             advanced = self.grammars.advance(msg.sampling, masks, out.token_ids)
             if advanced.forced:

@@ -1,7 +1,8 @@
 """The model runner: weights, the KV pool and an attention backend, one ``forward`` per step.
 
-Memory contract: the runner owns the device KV pages (``pool.kv``) and the host swap pages
-(``pool.host``) but decides nothing about them. Each ``BatchInput`` says which pages to swap
+Memory contract: the runner owns the device KV pages (``pool.kv``) and the host pages
+(``pool.host``: swap preemption's ``num_host_pages``, then the prefix cache's host tier,
+``num_host_cache_pages`` from ``host_cache_gb``) but decides nothing about them. Each ``BatchInput`` says which pages to swap
 out / in and which partial pages to copy (done first, in that order), which slot each new
 token's KV goes to, and which pages every sequence reads. A page's contents stay until a later
 batch overwrites them.
@@ -19,6 +20,7 @@ asking for them gives the pool one scratch page past ``num_pages`` for the paddi
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -90,7 +92,7 @@ class ModelRunner:
 
     Reads from ``EngineConfig``: ``model``, ``load_format``, ``seed``, ``device``, ``dtype``
     (the weights); ``page_size``, ``num_pages`` / ``kv_cache_gb`` / ``mem_fraction``,
-    ``num_host_pages``, ``kv_cache_dtype`` (the pool); ``attention_backend``, ``flashinfer_decode_backend`` (the
+    ``num_host_pages``, ``host_cache_gb``, ``kv_cache_dtype`` (the pool); ``attention_backend``, ``flashinfer_decode_backend`` (the
     attention); ``enable_cuda_graph``, ``cuda_graph_max_bs`` (decode graphs). Its defaults
     are the config's: the runner declares none of its own.
     """
@@ -119,6 +121,7 @@ class ModelRunner:
         )
         self.attention_backend = self.attention.name
         self.staging = HostStaging(self.device)
+        self.transfer_seconds = 0.0  # the last forward's swaps, write-downs and loads
         self.graphs = self._capture_graphs() if self.graph_max_batch > 0 else None
 
     def _load_model(self, c: EngineConfig) -> None:
@@ -146,13 +149,20 @@ class ModelRunner:
                                            head_dim=mc.head_dim, dtype=self.kv_dtype)
         self.num_pages, how = self._size_pool(page_bytes, c.num_pages, c.kv_cache_gb,
                                               c.mem_fraction)
+        self.num_host_cache_pages = int(c.host_cache_gb * 2**30) // page_bytes
         if self.tp is not None:
             self.num_pages = self.tp.agree_min(self.num_pages)
+            self.num_host_cache_pages = self.tp.agree_min(self.num_host_cache_pages)
+        if c.host_cache_gb and not self.num_host_cache_pages:
+            raise ValueError(f"--host-cache-gb {c.host_cache_gb} holds no page of "
+                             f"{page_bytes} bytes; give at least {page_bytes / 2**30:.6f}")
         self.kv_cache_bytes = self.num_pages * page_bytes
         logger.info("KV cache: %s, %d pages of %d tokens = %d tokens (%.2f GiB, %s) on %s, "
-                    "%d host pages", str(self.kv_dtype).removeprefix("torch."), self.num_pages,
+                    "%d host pages for swaps, %d for the host cache tier (%.2f GiB)",
+                    str(self.kv_dtype).removeprefix("torch."), self.num_pages,
                     c.page_size, self.num_pages * c.page_size, self.kv_cache_bytes / 2**30, how,
-                    self.device, c.num_host_pages)
+                    self.device, c.num_host_pages, self.num_host_cache_pages,
+                    self.num_host_cache_pages * page_bytes / 2**30)
         # With CUDA graphs, a scratch page past the pages the scheduler sees: the graphs'
         # padding rows write and read it, and nothing else does.
         self.scratch_page = self.num_pages if self.graph_max_batch > 0 else None
@@ -164,7 +174,7 @@ class ModelRunner:
             head_dim=mc.head_dim,
             dtype=self.dtype,
             device=self.device,
-            num_host_pages=c.num_host_pages,
+            num_host_pages=c.num_host_pages + self.num_host_cache_pages,
             kv_dtype=self.kv_dtype,
         )
 
@@ -235,7 +245,8 @@ class ModelRunner:
 
     def check(self, batch: BatchInput) -> None:
         """Raise ValueError, before anything runs, for a batch this runner cannot run."""
-        batch.validate(self.page_size, self.num_pages, self.num_host_pages)
+        batch.validate(self.page_size, self.num_pages,
+                       self.num_host_pages + self.num_host_cache_pages)
         longest = int(batch.seq_lens.max())
         if longest > self.config.max_context_len:
             raise ValueError(
@@ -261,8 +272,12 @@ class ModelRunner:
         are a view of the graph's output, which its next replay overwrites."""
         if not checked:
             self.check(batch)
-        self.pool.swap_out(batch.swap_out)
-        self.pool.swap_in(batch.swap_in)
+        self.transfer_seconds = 0.0
+        if len(batch.swap_out) or len(batch.swap_in):
+            started = time.perf_counter()
+            self.pool.swap_out(batch.swap_out)
+            self.pool.swap_in(batch.swap_in)
+            self.transfer_seconds = time.perf_counter() - started
         self.pool.copy_pages(batch.copies)
         self._set_threads(batch)
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
