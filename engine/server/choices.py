@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from msgspec import UNSET
 
 from engine.contracts.protocol import RequestOutput, unpack_ids
 from engine.server.schemas import (
@@ -124,6 +125,7 @@ class Choices:
         self.choices = [Choice(i) for i in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
+        self.cached_tokens_host: list[int | None] = [None] * num_prompts  # None: no host tier
         self.prompt_texts = [""] * num_prompts
         self.prompt_infos: list[list[TokenInfo]] = [[] for _ in range(num_prompts)]
 
@@ -132,6 +134,9 @@ class Choices:
         """Fold one output in; returns its choice and the output's own token ids and tokens."""
         self.prompt_tokens[prompt_index] = out.prompt_tokens or self.prompt_tokens[prompt_index]
         self.cached_tokens[prompt_index] = out.cached_tokens or self.cached_tokens[prompt_index]
+        if out.cached_tokens_host is not None:
+            self.cached_tokens_host[prompt_index] = max(
+                out.cached_tokens_host, self.cached_tokens_host[prompt_index] or 0)
         self.prompt_texts[prompt_index] += out.prompt_text
         if out.prompt_logprobs:
             self.prompt_infos[prompt_index] += prompt_token_infos(out)
@@ -162,5 +167,6 @@ class Choices:
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens)
         completion = self.completion_tokens
+        host = [c for c in self.cached_tokens_host if c is not None]
         return Usage(prompt, completion, prompt + completion,
-                     PromptTokensDetails(sum(self.cached_tokens)))
+                     PromptTokensDetails(sum(self.cached_tokens), sum(host) if host else UNSET))

@@ -2,8 +2,9 @@
 
 Frontend-side counters and latency histograms are updated as requests run; scheduler-side
 gauges (running, waiting, KV pages, cache hits, preemptions, pinned sessions, speculative
-decoding's drafts by method, structured output's requests, forced tokens and mask time) are read at scrape time from the last ``SchedulerStats`` the
-scheduler sent, so a scrape costs no IPC. The KV cache's dtype, token capacity and bytes come
+decoding's drafts by method, structured output's requests, forced tokens and mask time, the
+prefix cache's host tier: hits by tier, pages and bytes moved, transfer time) are read at
+scrape time from the last ``SchedulerStats`` the scheduler sent, so a scrape costs no IPC. The KV cache's dtype, token capacity and bytes come
 from the worker's ``ModelInfo`` (``kv_cache_info``, vLLM's ``cache_config_info`` in spirit).
 """
 
@@ -82,6 +83,8 @@ class _SchedulerCollector(Collector):
                       "(beside the forwards).", s.grammar_mask_seconds)
         if s.spec_method:
             yield from _speculation(s)
+        if s.host_cache_pages_total:
+            yield from _host_tier(s, self.info)
 
 
 def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
@@ -98,6 +101,36 @@ def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
     per_page = info.kv_cache_bytes / info.num_pages if info.num_pages else 0.0
     yield GaugeMetricFamily(f"{PREFIX}_kv_cache_bytes", "Bytes of the device KV pool (8-bit "
                             "caches' scales included).", value=pages * per_page)
+
+
+def _host_tier(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:
+    """The prefix cache by tier (``--host-cache-gb``): where hits were found, and the pages
+    (and bytes) moved between the device and host memory."""
+    hits = CounterMetricFamily(f"{PREFIX}_prefix_cache_tier_hit_tokens", "Prompt tokens found "
+                               "in the prefix cache, by the tier that held them.",
+                               labels=["tier"])
+    hits.add_metric(["device"], s.hit_tokens - s.host_hit_tokens)
+    hits.add_metric(["host"], s.host_hit_tokens)
+    yield hits
+    yield GaugeMetricFamily(f"{PREFIX}_host_cache_pages_total", "Pages of the host tier.",
+                            value=s.host_cache_pages_total)
+    yield GaugeMetricFamily(f"{PREFIX}_host_cache_pages_used", "Pages of the host tier holding "
+                            "KV.", value=s.host_cache_pages_used)
+    per_page = info.kv_cache_bytes / info.num_pages if info is not None and info.num_pages else 0
+    moved = [("write", s.host_pages_written), ("load", s.host_pages_loaded)]
+    pages = CounterMetricFamily(f"{PREFIX}_host_cache_pages_moved", "KV pages copied down to "
+                                "the host tier (write) and loaded back (load).",
+                                labels=["direction"])
+    moved_bytes = CounterMetricFamily(f"{PREFIX}_host_cache_bytes_moved", "Bytes of those "
+                                      "pages.", labels=["direction"])
+    for direction, count in moved:
+        pages.add_metric([direction], count)
+        moved_bytes.add_metric([direction], count * per_page)
+    yield pages
+    yield moved_bytes
+    yield CounterMetricFamily(f"{PREFIX}_host_transfer_seconds", "Worker seconds issuing the "
+                              "steps' page copies between host and device (the host tier's "
+                              "writes and loads, and swaps).", value=s.host_transfer_seconds)
 
 
 def _speculation(s: SchedulerStats) -> Iterator[Metric]:

@@ -135,6 +135,9 @@ class SessionBody(_Body):
 # ------------------------------------------------------------------------------ responses
 class PromptTokensDetails(Struct):
     cached_tokens: int = 0
+    # radixserve's extension, only from an engine with a host tier (--host-cache-gb): of
+    # cached_tokens, those loaded from host memory (the rest were on the device)
+    cached_tokens_host: int | UnsetType = UNSET
 
 
 class Usage(Struct):
