@@ -6,8 +6,9 @@ same sequences), and their ratio: drafting pays while the tokens a verification 
 sequence (1 + mean accepted drafts) exceed it. Where the ratio passes ~2 (one accepted draft in
 two no longer pays), drafting should stop: ``disable_by_batch_size``.
 
-``--serve`` (default): two in-process engines, speculation off (A) and on (B), alternating ABBA
-over ``--repeats``, on workloads whose outputs repeat their inputs::
+``--serve`` (default): in-process engines, speculation off and one per ``--methods`` (ngram,
+suffix), their order rotating over ``--repeats``, on workloads whose outputs repeat their
+inputs::
 
     repeat      "Repeat this passage exactly" + a passage (chat, greedy)
     recall      a 2-turn chat: turn 1 asks for a passage rewritten, turn 2 asks for the
@@ -157,32 +158,41 @@ async def serve_round(engine, convs: list[list[str]], in_flight: int,
 def serve(args: argparse.Namespace) -> None:
     from engine.runtime.offline import Engine
 
-    common = dict(num_pages=args.num_pages)
-    engines = {"off": Engine(args.model, **common),
-               "on": Engine(args.model, speculative_config=json.dumps(SPEC), **common)}
+    common = dict(num_pages=args.num_pages, dtype=args.dtype)
+    engines = {"off": Engine(args.model, **common)}
+    for method in args.methods:
+        spec = {**SPEC, "method": method} if method == "ngram" else {
+            "method": method, "num_speculative_tokens": SPEC["num_speculative_tokens"]}
+        engines[method] = Engine(args.model, speculative_config=json.dumps(spec), **common)
     report = []
     try:
         for workload in args.workloads:
             for in_flight in args.in_flight:
                 count = max(in_flight, args.min_requests)
-                speeds: dict[str, list[float]] = {"off": [], "on": []}
-                identical = True
+                speeds: dict[str, list[float]] = {name: [] for name in engines}
+                identical = {method: True for method in args.methods}
                 for repeat in range(args.repeats + 1):  # round 0 warms up, untimed
                     convs = conversations(workload, count, seed=repeat)
-                    order = ("off", "on") if repeat % 2 else ("on", "off")
+                    order = list(engines)[repeat % len(engines):] + list(engines)[
+                        :repeat % len(engines)]
                     outs = {}
                     for name in order:
                         time.sleep(args.pause)
                         outs[name] = engines[name]._call(
                             serve_round(engines[name], convs, in_flight, args.max_tokens))
-                    identical &= [r["ids"] for r in outs["off"]] == [r["ids"] for r in outs["on"]]
+                    for method in args.methods:
+                        identical[method] &= ([r["ids"] for r in outs["off"]]
+                                              == [r["ids"] for r in outs[method]])
                     if repeat:
                         for name in order:
                             speeds[name] += [r["tok_s"] for r in outs[name] if r["tok_s"]]
                 med = {n: statistics.median(v) for n, v in speeds.items()}
                 row = {"workload": workload, "in_flight": in_flight, "requests": count,
-                       "off_tok_s": med["off"], "on_tok_s": med["on"],
-                       "ratio": med["on"] / med["off"], "identical": identical}
+                       "off_tok_s": med["off"]}
+                for method in args.methods:
+                    row[f"{method}_tok_s"] = med[method]
+                    row[f"{method}_ratio"] = med[method] / med["off"]
+                    row[f"{method}_identical"] = identical[method]
                 report.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -211,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-pages", type=int, default=4096)
     ap.add_argument("--pause", type=float, default=1.0, help="idle seconds before each run")
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default: the engine's)")
+    ap.add_argument("--methods", nargs="+", choices=["ngram", "suffix"],
+                    default=["ngram", "suffix"], help="speculation methods against none")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cost(args) if args.cost else serve(args)
