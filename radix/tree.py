@@ -204,8 +204,6 @@ class RadixTree:
             self.stats.queried_tokens += total
             self.stats.hit_tokens += length
             self.stats.host_hit_tokens += host_length
-        if self.host is not None and self.host.policy == "write_through_selective":
-            self._write_hot(node)
         return PrefixMatch(length, pages, node, self.page_size, host_length)
 
     def _insert(self, tokens: TokenIds, pages: Sequence[int] | np.ndarray,
@@ -250,7 +248,9 @@ class RadixTree:
         return cached, node
 
     def _lock(self, node: Node) -> None:
-        """Pin the path from ``node`` to its root against eviction."""
+        """Pin the path from ``node`` to its root against eviction (under
+        ``write_through_selective``, then copy down what matches made hot on it)."""
+        locked = node
         newly_locked, newly_locked_host = array("q"), array("q")
         while node.parent is not None:
             if node.lock_ref == 0:
@@ -262,6 +262,9 @@ class RadixTree:
         if newly_locked_host:
             self.host.allocator.set_evictable(newly_locked_host, False,
                                               distinct=self._distinct_paths)
+        if self.host is not None and self.host.policy == "write_through_selective":
+            # Once the path is locked: making room must not drop a node of it.
+            self._write_hot(locked)
 
     def _unlock(self, node: Node) -> None:
         newly_unlocked, newly_unlocked_host = array("q"), array("q")
