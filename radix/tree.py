@@ -39,8 +39,8 @@ which hold the same KV.
 
 Holders (the scheduler, the profiler, the tests) drive the tree through a ``Lease``
 (radix/lease.py), the only caller of the tree's private mutators (``_match_prefix``,
-``_insert``, ``_lock``, ``_unlock``, ``_alloc_pages``): each of those hands out or takes back
-pages and locks that a holder must account for. What stays public cannot take a page from any
+``_insert``, ``_lock``, ``_unlock``, ``_alloc_pages``, ``_load``): each of those hands out or
+takes back pages and locks that a holder must account for. What stays public cannot take a page from any
 holder: the counts, ``peek_prefix``, ``evict`` and ``reset`` (they drop only unlocked nodes'
 references), ``check``.
 """

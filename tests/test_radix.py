@@ -416,7 +416,8 @@ def test_grow_short_of_pages_changes_nothing():
 def test_only_the_lease_calls_the_trees_mutators():
     """Production code holds pages only through a lease (docs/design.md, KV memory)."""
     root = Path(__file__).resolve().parents[1]
-    private = ("._match_prefix(", "._insert(", "._lock(", "._unlock(", "._alloc_pages(")
+    private = ("._match_prefix(", "._insert(", "._lock(", "._unlock(", "._alloc_pages(",
+               "._load(", "._pages_to_load(")
     callers = []
     for folder in ("engine", "radix", "scheduler", "tokenizer_worker", "scripts"):
         for path in (root / folder).rglob("*.py"):
