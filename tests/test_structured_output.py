@@ -203,3 +203,20 @@ def test_bad_constraints_are_refused_with_what_is_wrong(model) -> None:
         SamplingParams(structured_outputs=StructuredOutputs(regex="a", choice=["b"])).validate()
     with pytest.raises(InvalidParam, match="not valid JSON"):
         SamplingParams(structured_outputs=StructuredOutputs(json="{")).validate()
+
+
+def test_a_grammar_failure_fails_its_batch_after_the_page_moves_ran(model) -> None:
+    """The scheduler's tree counts on a batch's copies (and host-tier moves) having run: a
+    grammar state that cannot be found still lets the forward's page work happen first."""
+    from engine.contracts.engine_config import EngineConfig
+    from engine.contracts.protocol import ForwardBatch, RowSampling
+    from engine.contracts.step import BatchInput
+    from engine.worker.process import Worker
+
+    worker = Worker(EngineConfig(model=model, dtype="float32", page_size=4, num_pages=16))
+    worker.runner.pool.kv[:, :, 3] = 1.0  # page 3: the copy's source
+    step = BatchInput.build([([5, 6], 2, [7])], 4, copies=[(3, 5, 2)])
+    row = RowSampling(constrained(StructuredOutputs(regex="a")), 3, 2, b"", "lost#0")
+    with pytest.raises(RuntimeError, match="no grammar state"):
+        worker.step(ForwardBatch(batch_id=1, step=step, sampling=[row]))
+    assert bool((worker.runner.pool.kv[:, :, 5, :2] == 1.0).all())

@@ -9,6 +9,7 @@ running its own share of the forward."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import numpy as np
 import zmq
@@ -78,7 +79,14 @@ class Worker:
             step.input_ids = step.input_ids.copy()
             step.input_ids[placeholders] = sampled[rows]
         self.grammars.release(msg.released_grammars)
-        masks = self.grammars.start_masks(msg.sampling)  # filled while the forward runs
+        try:
+            masks = self.grammars.start_masks(msg.sampling)  # filled while the forward runs
+        except Exception:
+            # Raised after the forward: the batch's page moves (copies down to the host tier,
+            # loads, copy-on-write) must run, since the scheduler's tree already counts on them.
+            masks, grammar_failure = None, sys.exc_info()[1]
+        else:
+            grammar_failure = None
         prompt_rows = unpack_ids(msg.prompt_rows)
         if len(prompt_rows):
             # Prompt logprobs: the logits of those rows too, after the sampled rows'.
@@ -96,6 +104,8 @@ class Worker:
                 # No penalties: the sampler needs only the step index, len(output_ids).
                 prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
             rows.append(RowState(row.params, prompt, output))
+        if grammar_failure is not None:
+            raise grammar_failure
         prompt_logits = None
         if len(prompt_rows):
             logits, prompt_logits = logits[: len(msg.sampling)], logits[len(msg.sampling):]
