@@ -21,8 +21,10 @@ scheduler never plans a look-ahead step behind a constrained row (forced tokens 
 the next step runs), so rows arrive here in step with their matcher: ``output_len`` is the
 count it consumed (a matcher that consumed more, for a step the scheduler dropped, rolls back).
 
-The grammar engine's view of the vocabulary takes about a second to build; it is built on the
-first constrained request, not at start-up.
+The grammar engine's view of the vocabulary takes about a second of CPU to build: the worker
+process starts building it on the grammar thread once it reports ready (``prepare``), so the
+first constrained request does not stall every other request's step; a worker made without
+that (the tests') builds it on first use.
 """
 
 from __future__ import annotations
@@ -74,18 +76,28 @@ class Grammars:
         self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, list(eos_ids)
         self.states: dict[str, _State] = {}
         self._tokenizer = None
+        self._building: Future | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._shifts: dict[torch.device, torch.Tensor] = {}
         self.forced_tokens = 0  # forced tokens handed out (the scheduler counts them too)
 
+    def prepare(self) -> None:
+        """Start building the grammar engine's view of the vocabulary on the grammar thread."""
+        if self._building is None:
+            self._building = self._thread.submit(self._build)
+
+    def _build(self):
+        began = time.perf_counter()
+        tokenizer = grammar_tokenizer(load_tokenizer(self.model_dir), self.vocab_size,
+                                      self.eos_ids)
+        logger.info("grammar engine ready for this vocabulary in %.1f s",
+                    time.perf_counter() - began)
+        return tokenizer
+
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            began = time.perf_counter()
-            self._tokenizer = grammar_tokenizer(load_tokenizer(self.model_dir), self.vocab_size,
-                                                self.eos_ids)
-            logger.info("grammar engine ready for this vocabulary in %.1f s",
-                        time.perf_counter() - began)
+            self._tokenizer = self._building.result() if self._building else self._build()
         return self._tokenizer
 
     def release(self, keys: list[str]) -> None:

@@ -174,6 +174,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     tp = start_tensor_parallel(spec.config, rank=0) if spec.config.tp_size > 1 else None
     worker = Worker(spec.config, tp)
     push.send(encode(WorkerReady(worker.info)))
+    worker.grammars.prepare()  # in the background, while the first requests come in
     while True:
         msg = decode(pull.recv())
         if isinstance(msg, Shutdown):
