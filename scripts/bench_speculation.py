@@ -18,8 +18,13 @@ at each ``--in-flight`` level; reports per-request output tok/s (output tokens o
 from the request's first to its last token; median over requests), drafts accepted, and
 whether greedy outputs were identical.
 
+``--url URL`` (any OpenAI-compatible server, e.g. vLLM with its own ``--speculative-config``):
+the ``repeat`` prompts one at a time over HTTP, four to warm up, then the same four passages
+again; the median per-request output tokens/s (first to last streamed token).
+
     python scripts/bench_speculation.py --cost
     python scripts/bench_speculation.py --in-flight 1 4 32 --repeats 2
+    python scripts/bench_speculation.py --url http://127.0.0.1:8100
 """
 
 from __future__ import annotations
@@ -203,6 +208,34 @@ def serve(args: argparse.Namespace) -> None:
             json.dump(report, f, indent=1)
 
 
+def remote(args: argparse.Namespace) -> None:
+    import httpx
+
+    model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+    speeds = []
+    for i, passage in enumerate(PASSAGES[:4] * 2):
+        body = {"model": model, "temperature": 0.0, "max_tokens": args.max_tokens,
+                "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user",
+                              "content": "Repeat this passage exactly:\n\n" + passage}]}
+        first = last = None
+        tokens = 0
+        with httpx.stream("POST", f"{args.url}/v1/chat/completions", json=body,
+                          timeout=600) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+        if i >= 4 and first is not None and last > first:
+            speeds.append((tokens - 1) / (last - first))
+    print(json.dumps({"url": args.url, "tok_s": statistics.median(speeds)}))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -221,12 +254,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-pages", type=int, default=4096)
     ap.add_argument("--pause", type=float, default=1.0, help="idle seconds before each run")
+    ap.add_argument("--url", default=None, help="time this server's replies instead (remote)")
     ap.add_argument("--dtype", default=None, help="the model's dtype (default: the engine's)")
     ap.add_argument("--methods", nargs="+", choices=["ngram", "suffix"],
                     default=["ngram", "suffix"], help="speculation methods against none")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cost(args) if args.cost else serve(args)
+    if args.url:
+        remote(args)
+    elif args.cost:
+        cost(args)
+    else:
+        serve(args)
 
 
 if __name__ == "__main__":
