@@ -166,8 +166,8 @@ def serve(args: argparse.Namespace) -> None:
     common = dict(num_pages=args.num_pages, dtype=args.dtype)
     engines = {"off": Engine(args.model, **common)}
     for method in args.methods:
-        spec = {**SPEC, "method": method} if method == "ngram" else {
-            "method": method, "num_speculative_tokens": SPEC["num_speculative_tokens"]}
+        spec = {**SPEC, "method": method} if method == "ngram" else {"method": method}
+        spec["num_speculative_tokens"] = args.k
         engines[method] = Engine(args.model, speculative_config=json.dumps(spec), **common)
     report = []
     try:
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--cost", action="store_true", help="verify vs decode step times")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--k", type=int, default=5, help="drafts per sequence (--cost)")
+    ap.add_argument("--k", type=int, default=5, help="drafts per sequence")
     ap.add_argument("--context", type=int, default=300, help="tokens cached per sequence")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (--cost); one is "
