@@ -8,7 +8,7 @@ chat chunks and responses (with ``echo``'s prompt and tool calls), ``/generate``
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -69,8 +69,8 @@ class Shapes:
     """The endpoints' shapes of a call's outputs (mixed into ``Service``, which provides
     ``_deltas``)."""
 
-    def _deltas(self, call: Call) -> AsyncIterator[Delta]:
-        raise NotImplementedError
+    # Service's: a call's engine outputs folded into its choices, one delta at a time
+    _deltas: Callable[[Call], AsyncIterator[Delta]]
 
     async def completion_stream(self, call: Call, include_usage: bool,
                                 top: bool) -> AsyncIterator[CompletionChunk]:
