@@ -128,3 +128,21 @@ def test_sessions_over_zmq(client):
     with pytest.raises(ZmqAPIError) as gone:
         client.close_session(session.id)
     assert gone.value.status == 404
+
+
+def test_constraints_and_echo_over_zmq(client):
+    """The ZMQ door takes the same bodies: a regex constraint on a completion, a choice on
+    /generate, and echo with prompt logprobs."""
+    import re
+
+    chunks = list(client.completion({"prompt": "Call", "max_tokens": 12, "temperature": 1.0,
+                                     "seed": 3, "structured_outputs": {"regex": "[0-9]{3}"}}))
+    assert re.fullmatch("[0-9]{3}", "".join(c.choices[0].text for c in chunks if c.choices))
+    chunks = list(client.generate({"text": "Pick:", "sampling_params": {
+        "max_tokens": 8, "structured_outputs": {"choice": ["red", "blue"]}}}))
+    assert "".join(c.text for chunk in chunks for c in chunk.choices) in ("red", "blue")
+    chunks = list(client.completion({"prompt": [11, 12, 13], "max_tokens": 0, "echo": True,
+                                     "logprobs": 1}))
+    logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert len(logprobs) == 3 and logprobs[0] is None and all(lp < 0 for lp in logprobs[1:])
