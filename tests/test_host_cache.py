@@ -10,24 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import SamplingParams
 from engine.worker.kv_pool import KVPool
 from engine.worker.model.config import ModelConfig
-from tests.test_scheduler import GREEDY, Harness, hf_greedy
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(build_demo_model())
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+from tests.test_scheduler import GREEDY, Harness, hf_greedy, hf_model, model_dir  # noqa: F401
 
 
 def host_cache_gb(model: str, num_pages: int, page_size: int) -> float:
@@ -55,7 +42,7 @@ def tail_variant(prompt: list[int], seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_kv_loaded_from_the_host_tier_gives_the_same_tokens(model_dir, hf_model, page_size):
+def test_kv_loaded_from_the_host_tier_gives_the_same_tokens(model_dir, hf_model, page_size):  # noqa: F811
     """Six prompts fill a device pool that holds about two of them; the host tier keeps what is
     evicted. The same prompts again, then variants that diverge inside a page, are served from
     host KV (loaded into fresh pages, the partial page copied): every output equals
@@ -85,7 +72,7 @@ def test_kv_loaded_from_the_host_tier_gives_the_same_tokens(model_dir, hf_model,
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_host_hits_with_forks_and_preemption(model_dir, hf_model, mode):
+def test_host_hits_with_forks_and_preemption(model_dir, hf_model, mode):  # noqa: F811
     """Greedy forks (n = 2) of prompts served from host KV, in a pool so small that decoding
     preempts (by recompute or by swap, whose host pages are a budget apart from the tier's):
     every sample equals transformers' greedy output."""
@@ -110,7 +97,7 @@ def test_host_hits_with_forks_and_preemption(model_dir, hf_model, mode):
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective"])
-def test_write_through_policies(model_dir, hf_model, policy):
+def test_write_through_policies(model_dir, hf_model, policy):  # noqa: F811
     """write_through copies each prefix down when it is cached, write_through_selective once it
     has been hit twice (here: each prompt asked three times in a row, while the device still
     holds it); either way, once the others have evicted it, it comes back from the host tier
@@ -150,7 +137,7 @@ def cache_hit_rate(model: str, num_pages: int, host_pages: int) -> float:
     return sum(f.cached_tokens for f in finals) / sum(f.prompt_tokens for f in finals)
 
 
-def test_prefixes_beyond_the_device_pool_come_back_from_the_host_tier(model_dir):
+def test_prefixes_beyond_the_device_pool_come_back_from_the_host_tier(model_dir):  # noqa: F811
     unlimited = cache_hit_rate(model_dir, num_pages=512, host_pages=0)
     device_only = cache_hit_rate(model_dir, num_pages=24, host_pages=0)
     with_host = cache_hit_rate(model_dir, num_pages=24, host_pages=256)
@@ -160,7 +147,7 @@ def test_prefixes_beyond_the_device_pool_come_back_from_the_host_tier(model_dir)
     assert with_host >= 0.95 * unlimited
 
 
-def test_options_tie_the_write_policy_to_a_host_tier(model_dir):
+def test_options_tie_the_write_policy_to_a_host_tier(model_dir):  # noqa: F811
     with pytest.raises(ValueError, match="--cache-write-policy write_through needs a host tier"):
         EngineConfig(model=model_dir, cache_write_policy="write_through").validate()
     with pytest.raises(ValueError, match="holds no page"):

@@ -72,6 +72,12 @@ class Shapes:
     # Service's: a call's engine outputs folded into its choices, one delta at a time
     _deltas: Callable[[Call], AsyncIterator[Delta]]
 
+    async def _drain(self, call: Call) -> None:
+        """Every output of ``call`` folded into its choices (a whole response's wait)."""
+        async with aclosing(self._deltas(call)) as deltas:
+            async for _ in deltas:
+                pass
+
     async def completion_stream(self, call: Call, include_usage: bool,
                                 top: bool) -> AsyncIterator[CompletionChunk]:
         usage = None if include_usage else UNSET
@@ -81,8 +87,7 @@ class Shapes:
                     continue
                 text, offset = out.text, len(choice.text) - len(out.text)
                 if call.echo:  # the choice's first chunk starts with its prompt
-                    prompt, _ = call.choices.echoed(choice, "", [])
-                    offset += len(prompt)
+                    offset += len(call.choices.prompt_texts[choice.index // call.choices.n])
                     if not choice.started:
                         text, tokens = call.choices.echoed(choice, text, tokens)
                         offset = 0
@@ -95,9 +100,7 @@ class Shapes:
             yield CompletionChunk(call.id, call.created, call.model, [], call.choices.usage())
 
     async def completion(self, call: Call, top: bool) -> CompletionResponse:
-        async with aclosing(self._deltas(call)) as deltas:
-            async for _ in deltas:
-                pass
+        await self._drain(call)
         choices = []
         for c in call.choices.choices:
             text, tokens = (call.choices.echoed(c, c.text, c.tokens) if call.echo
@@ -140,9 +143,7 @@ class Shapes:
                                       call.choices.usage())
 
     async def chat(self, call: Call) -> ChatCompletionResponse:
-        async with aclosing(self._deltas(call)) as deltas:
-            async for _ in deltas:
-                pass
+        await self._drain(call)
         choices = []
         for c in call.choices.choices:
             message, finish = (ChatMessage(c.text), c.finish_reason) if call.tool_plan is None \
@@ -164,9 +165,7 @@ class Shapes:
         yield GenerateResponse(call.id, call.created, call.model, [], call.choices.usage())
 
     async def generate(self, call: Call) -> GenerateResponse:
-        async with aclosing(self._deltas(call)) as deltas:
-            async for _ in deltas:
-                pass
+        await self._drain(call)
         choices = []
         for c in call.choices.choices:
             choice = GenerateChoice(c.index, c.token_ids, c.text, c.finish_reason,

@@ -157,8 +157,6 @@ class Grammars:
         if shifts is None:
             shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
         allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-        if vocab > self.vocab_size:
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
         empty = ~allowed.any(-1)
         if self.eos_ids:
             allowed[:, self.eos_ids[0]] |= empty
