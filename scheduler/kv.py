@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from radix import Lease, OutOfPages, PageCopy, RadixTree
+from scheduler.disk import DiskTier
 from scheduler.request import Seq
 
 
@@ -30,38 +31,74 @@ class StepWork:
 
 
 class SeqMemory:
-    def __init__(self, tree: RadixTree, num_host_pages: int = 0) -> None:
+    def __init__(self, tree: RadixTree, num_host_pages: int = 0,
+                 disk: DiskTier | None = None) -> None:
         self.tree = tree
+        self.disk = disk
         self.alloc = tree.allocator
         self.page_size = tree.page_size
         self.host_free = list(range(num_host_pages - 1, -1, -1))
         self.num_host_pages = num_host_pages
 
     # ------------------------------------------------------------- admission
-    def match(self, seq: Seq) -> Lease:
+    def match(self, seq: Seq, *, disk: bool = False) -> Lease:
         """Longest cached prefix (at most len - 1: the last token's logits are needed; for a
         request that wants prompt logprobs, no further than the positions whose logits it has),
-        pinned by the sequence's lease until it is released (or swapped out)."""
+        pinned by the sequence's lease until it is released (or swapped out). With ``disk``,
+        blocks of the disk tier that continue it are looked up too (``seq.disk_names``): the
+        lease then ends where the first of them begins, and ``take_match`` plans their load."""
         limit = len(seq.tokens) - 1
         if seq.req.wants_prompt_logprobs:
             limit = min(limit, seq.req.prompt_logits_done)
+        seq.disk_names = []
+        if disk and self.disk is not None:
+            cached = self.tree.peek_prefix(seq.tokens, seq.req.namespace, limit)
+            seq.disk_names = self.disk.lookup(seq.tokens, seq.req.namespace, cached, limit)
+            if seq.disk_names:
+                limit = cached - cached % self.disk.block
         seq.lease = Lease(self.tree, seq.tokens, seq.req.namespace, max_len=limit)
         return seq.lease
+
+    def disk_tokens(self, seq: Seq) -> int:
+        """Tokens the disk tier found for ``seq`` past its lease (0 when none)."""
+        return len(seq.disk_names) * self.disk.block if seq.disk_names else 0
 
     def take_match(self, seq: Seq, upto: int, work: StepWork) -> None:
         """Give ``seq`` its lease's full pages plus fresh ones up to ``upto`` tokens; a match
         ending inside a page copies that page's matched slots into the first fresh page."""
         seq.pages, copy = seq.lease.acquire(upto)
-        seq.computed = seq.settled = seq.lease.length
+        seq.computed = seq.settled = seq.disk_saved = seq.lease.length
         if copy is not None:
             seq.pending_refs.append(copy.src)
             work.copies.append(copy)
+        if seq.disk_names:
+            self.disk.plan_load(seq, seq.lease.length, seq.disk_names)
+            seq.disk_names = []
+
+    def disk_loaded(self, load_id: int, blocks: int) -> Seq | None:
+        """A disk load ended with ``blocks`` in the pages: they are cached like a prefilled
+        chunk, and its sequence (None if it ended meanwhile) computes on from there."""
+        seq, upto, dropped = self.disk.loaded(load_id, blocks)
+        if dropped:
+            self.alloc.decref(dropped)
+        if seq is not None:
+            seq.computed = seq.settled = upto
+            if upto > seq.lease.length:
+                self.commit(seq, upto)
+        return seq
 
     def commit(self, seq: Seq, upto: int) -> None:
         """Cache ``seq``'s first ``upto`` tokens, whose batch came back (a prefilled chunk):
         waiting requests that share them hit them from the next step on, long before ``seq``
         finishes, and its lock holds them until then."""
         seq.lease.commit(seq.pages, seq.tokens[:upto])
+        self._save(seq, upto)
+
+    def _save(self, seq: Seq, upto: int) -> None:
+        """Write ``seq``'s blocks up to ``upto`` tokens through to the disk tier."""
+        if self.disk is not None and upto > seq.disk_saved:
+            self.disk.plan_saves(seq.req.namespace, seq.tokens, seq.pages, seq.disk_saved, upto)
+            seq.disk_saved = upto
 
     def unpin(self, seq: Seq) -> None:
         """Let the matched path go; the sequence keeps its own references."""
@@ -128,6 +165,12 @@ class SeqMemory:
         # A sequence whose copy-on-write has not run yet has no valid KV in that page.
         cache = cache and seq.settled and not seq.host_pages and not seq.pending_refs
         self.copies_done(seq)
+        if seq.disk_load >= 0:
+            # Its disk load may still be writing its pages: they wait for the load to end.
+            seq.pages = self.disk.abandon(seq)
+            cache = False
+        elif cache:
+            self._save(seq, seq.settled)
         if seq.lease is not None:
             seq.lease.release([p for p in seq.pages if p >= 0],
                               seq.tokens[: seq.settled] if cache else None)
@@ -143,6 +186,8 @@ class SeqMemory:
         """Move ``seq``'s private pages to the host pool; shared ones stay on device. False when
         the host pool is too small, or when no page is private (every one is cached or another
         sequence's too): then the caller releases it into the tree and recomputes, which hits."""
+        if seq.disk_load >= 0:
+            return False  # a disk load may still be writing its pages
         private = [i for i, p in enumerate(seq.pages) if self.alloc.refcount[p] == 1]
         if not private or len(private) > len(self.host_free):
             return False
@@ -177,6 +222,8 @@ class SeqMemory:
         for seq in seqs:
             np.add.at(refs, [p for p in seq.pages if p >= 0], 1)
             np.add.at(refs, seq.pending_refs, 1)
+        for pages in (self.disk.orphans.values() if self.disk is not None else ()):
+            np.add.at(refs, pages, 1)
         self.tree.check(refs)
         held = sum(len(s.host_pages) for s in seqs)
         assert held + len(self.host_free) == self.num_host_pages, "host pages leaked"

@@ -272,23 +272,31 @@ class StepPlanner:
         matches, need = [], 0
         loading: set = set()  # host-tier nodes the samples before this one will load
         for seq in seqs:
-            lease = self.mem.match(seq)
+            lease = self.mem.match(seq, disk=not req.forked)
             extend = len(seq.tokens) - lease.length
-            if not (req.is_beam and req.forked):
+            if seq.disk_names:
+                extend = 0  # it waits for its load; pages for the loaded blocks now
+            elif not (req.is_beam and req.forked):
                 # Beams come back whole: every beam must reach its next sample in the same step
                 # (a beam step ranks them all together), and each mostly hits the shared prompt.
                 extend = min(extend, self.config.chunked_prefill_size, max(budget, 1))
             budget -= extend
             matches.append((seq, extend))
-            need += lease.pages_to_acquire(lease.length + extend, loading)
+            need += lease.pages_to_acquire(lease.length + extend + self.mem.disk_tokens(seq),
+                                           loading)
         if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
             self.running or need > self.tree.num_available_pages
         ):
             for seq, _ in matches:
                 self.mem.unpin(seq)
+                seq.disk_names = []
             return None
         admitted = []
         for seq, extend in matches:
+            if seq.disk_names:
+                self.mem.take_match(seq, seq.lease.length + self.mem.disk_tokens(seq), work)
+                seq.status = Status.LOADING  # no entry until the load has ended
+                continue
             self.mem.take_match(seq, seq.lease.length + extend, work)
             seq.status = Status.RUNNING
             admitted.append(Entry(seq, extend, self._samples_for(seq, extend)))

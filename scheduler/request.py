@@ -28,6 +28,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued, holding no pages
     RUNNING = "running"
     SWAPPED = "swapped"  # private pages on the host pool, waiting to come back
+    LOADING = "loading"  # admitted, waiting for blocks of its prompt from the disk tier
     FINISHED = "finished"
 
 
@@ -53,6 +54,11 @@ class Seq:
     draft_rate: float = 1.0
     draft_pause: int = 0
     draft_backoff: int = 4
+    # the disk tier (scheduler/disk.py): blocks found to load at admission, the load in flight
+    # (-1: none), and the tokens whose blocks were sent to be saved
+    disk_names: list[str] = field(default_factory=list)
+    disk_load: int = -1
+    disk_saved: int = 0
 
     @property
     def num_outputs(self) -> int:
@@ -76,6 +82,7 @@ class Request:
     seqs: list[Seq] = field(default_factory=list)
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
     cached_tokens_host: int = 0  # of those, found only in the host tier (and loaded)
+    cached_tokens_disk: int = 0  # of those, loaded from the disk tier
     forked: bool = False
     finished_beams: list[tuple[float, list[int]]] = field(default_factory=list)
     sent_final: bool = False

@@ -28,10 +28,12 @@ from engine.contracts.protocol import (
     pack_ids,
     unpack_ids,
 )
+from engine.contracts.disk_cache import DiskStore
 from radix import HostTier, PageAllocator, RadixTree
 from scheduler import beam
 from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
+from scheduler.disk import DiskTier
 from scheduler.kv import SeqMemory
 from scheduler.planner import Entry, StepPlanner, is_placeholder
 from scheduler.request import Request, Seq, Status
@@ -52,7 +54,13 @@ class Scheduler:
                               config.cache_write_policy, first_page=info.num_host_pages)
                      if info.num_host_cache_pages else None)
         self.tree = RadixTree(self.alloc, host=self.host)
-        self.mem = SeqMemory(self.tree, info.num_host_pages)
+        # The disk tier: the worker opened the store and named its directory.
+        self.disk = (DiskTier(DiskStore(config.disk_cache_dir, info.disk_fingerprint,
+                                        int(config.disk_cache_gb * 2**30)),
+                              info.disk_block_tokens, info.page_size)
+                     if info.disk_block_tokens else None)
+        self.disk_io = BatchResult(batch_id=0)  # the worker's latest disk totals
+        self.mem = SeqMemory(self.tree, info.num_host_pages, self.disk)
         pinnable = config.max_pinned_tokens
         if pinnable is None:
             pinnable = info.num_pages * info.page_size // 2
@@ -92,12 +100,16 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.inflight
+        return not (self.waiting or self.running or self.inflight or self._disk_busy)
+
+    @property
+    def _disk_busy(self) -> bool:
+        return self.disk is not None and self.disk.busy
 
     def can_schedule(self) -> bool:
         """Whether ``schedule`` may plan now: nothing in flight, or one batch whose outputs the
         next step need not wait for (overlap scheduling, see ``schedule``)."""
-        if not (self.waiting or self.running):
+        if not (self.waiting or self.running or self._disk_busy):
             return False
         if not self.inflight:
             return True
@@ -170,8 +182,13 @@ class Scheduler:
             self._fail(plan.unschedulable, 503,
                        "the request cannot be scheduled: the KV pool is too small for it")
         if not plan.entries:
-            self._looked_ahead = lookahead
-            return None
+            if lookahead or not self._disk_busy:
+                self._looked_ahead = lookahead
+                return None
+            # Nothing to compute, but disk work to send or loads to hear of: a step of page
+            # moves only (the work planned so far goes with it, so no load overtakes a move
+            # planned before it).
+            plan.work, self.planner.carry = self.planner.carry, plan.work
         self.batch_id += 1
         if self.host is not None:
             # The host tier's write-downs and loads planned since the last batch run first in
@@ -182,6 +199,8 @@ class Scheduler:
         batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size,
                             self.released_grammars)
         self.released_grammars = []
+        if self.disk is not None:
+            batch.disk_saves, batch.disk_loads = self.disk.take()
         row = 0
         for entry in plan.entries:
             seq = entry.seq
@@ -198,6 +217,8 @@ class Scheduler:
         batch_id, entries = self.inflight.popleft()
         assert result.batch_id == batch_id, f"result of batch {result.batch_id}, expected {batch_id}"
         self._looked_ahead = False
+        if self.disk is not None:
+            self._disk_loaded(result)
         if result.error is not None:
             for req in {id(e.seq.req): e.seq.req for e in entries}.values():
                 self._fail(req, 500, f"the model runner failed on this request's batch "
@@ -269,6 +290,18 @@ class Scheduler:
                            "log has the details")
         for req in [r for r in self.running if not r.live_seqs()]:
             self._retire(req)
+
+    def _disk_loaded(self, result: BatchResult) -> None:
+        """Sequences whose disk loads ended run from the tokens that arrived."""
+        self.disk_io = result
+        for load_id, blocks in result.disk_loaded:
+            seq = self.mem.disk_loaded(load_id, blocks)
+            if seq is None or seq.status is not Status.LOADING:
+                continue
+            req = seq.req  # admitted again after a preemption: the first load's counts hold
+            req.cached_tokens_disk = max(req.cached_tokens_disk, blocks * self.disk.block)
+            req.cached_tokens = max(req.cached_tokens, seq.computed)
+            seq.status = Status.RUNNING
 
     def _append(self, seq: Seq, new: list[int], logprobs, top_ids, top_lps, row: int,
                 index: int = -1) -> None:
@@ -452,6 +485,7 @@ class Scheduler:
             req.rid, index, pack_ids(tokens), logprobs, top_ids, top_logprobs, finish_reason,
             error, status, req.prompt_len, max(req.cached_tokens, 0), replace,
             cached_tokens_host=req.cached_tokens_host if self.host is not None else None,
+            cached_tokens_disk=req.cached_tokens_disk if self.disk is not None else None,
         ))
 
     def take_outputs(self) -> dict[int, list[SeqOutput]]:
@@ -491,7 +525,7 @@ class Scheduler:
             "kv_pages_total": self.alloc.num_pages,
             "kv_pages_used": self.alloc.num_pinned_pages,
             "kv_pages_cached": self.alloc.num_evictable_pages,
-            "hit_tokens": s.hit_tokens,
+            "hit_tokens": s.hit_tokens + (self.disk.hit_tokens if self.disk is not None else 0),
             "queried_tokens": s.queried_tokens,
             "preemptions": self.num_preemptions,
             "sessions_pinned": len(self.sessions.pins),
@@ -500,7 +534,14 @@ class Scheduler:
             "grammar_forced_tokens": self.grammar_forced_tokens,
             "grammar_mask_seconds": self.grammar_mask_seconds,
             **(self._host_stats() if self.host is not None else {}),
+            **(self._disk_stats() if self.disk is not None else {}),
         }
+
+    def _disk_stats(self) -> dict[str, float]:
+        io = self.disk_io
+        return {**self.disk.stats(), "disk_bytes_read": io.disk_bytes_read,
+                "disk_bytes_written": io.disk_bytes_written,
+                "disk_load_seconds": io.disk_load_seconds, "disk_rejected_files": io.disk_rejected}
 
     def _host_stats(self) -> dict[str, float]:
         host, s = self.host.allocator, self.tree.stats

@@ -248,7 +248,8 @@ class TokenizerWorker:
             rid=out.rid, index=out.index, token_ids=out.token_ids, logprobs=out.logprobs,
             top_ids=out.top_ids, top_logprobs=out.top_logprobs, finish_reason=out.finish_reason,
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-            cached_tokens_host=out.cached_tokens_host, replace=out.replace,
+            cached_tokens_host=out.cached_tokens_host, cached_tokens_disk=out.cached_tokens_disk,
+            replace=out.replace,
         )
         sample = self._sample(state, out.index)
         if sample.done:

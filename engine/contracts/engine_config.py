@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from engine.contracts.disk_cache import check_directory
 from engine.contracts.options import check_declared
 from engine.contracts.speculative import SpeculativeConfig
 
@@ -40,6 +41,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "when the host tier (--host-cache-gb) gets a copy of cached KV: write_back (when "
             "the device pool evicts it), write_through (as soon as it is cached) or "
             "write_through_selective (once it has been hit twice)"))] = "write_back"
+    disk_cache_dir: Annotated[str, Meta(description=(
+        "a directory (0700, existing) for a disk tier of the prefix cache: every cached block "
+        "of --page-size-aligned tokens is written there and loaded back on a hit, by this and "
+        "later servers of the same model and layout (it survives restarts; several servers "
+        "may share it)"))] | None = None
+    disk_cache_gb: Annotated[float, Meta(ge=0, description=(
+        "GiB the disk tier may hold (every server's files together; the least recently used "
+        "go first); 0 is no limit but the disk's"))] = 0.0
     kv_cache_dtype: Annotated[
         Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"],
         Meta(description=(
@@ -187,6 +196,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.cache_write_policy != "write_back" and not self.host_cache_gb:
             raise ValueError(f"--cache-write-policy {self.cache_write_policy} needs a host tier "
                              "to write to: give --host-cache-gb")
+        self._validate_disk()
         if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(
                 ("tcp://", "ipc://")):
             raise ValueError("--kv-events-endpoint must be a tcp:// or ipc:// ZMQ address such "
@@ -197,6 +207,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              "--dp-size > 1, whose dispatcher reads the events)")
         self._validate_dp()
         self._validate_tp()
+
+    def _validate_disk(self) -> None:
+        if self.disk_cache_dir is None:
+            if self.disk_cache_gb:
+                raise ValueError("--disk-cache-gb needs --disk-cache-dir")
+            return
+        check_directory(self.disk_cache_dir)
+        if self.tp_size > 1:
+            raise ValueError("--disk-cache-dir is not supported with --tp-size > 1 yet: each "
+                             "rank would need its own share of every block")
 
     def _validate_dp(self) -> None:
         if self.dp_size > 1 and self.kv_events_endpoint is not None:

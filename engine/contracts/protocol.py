@@ -231,8 +231,10 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: bytes = b""
     prompt_top_ids: bytes = b""
     prompt_top_logprobs: bytes = b""
-    # of cached_tokens, those loaded from the host tier; None when the engine has none
+    # of cached_tokens, those loaded from the host tier / the disk tier; None when the engine
+    # has no such tier
     cached_tokens_host: int | None = None
+    cached_tokens_disk: int | None = None
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
@@ -269,6 +271,16 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     host_pages_written: int = 0  # device pages copied down
     host_pages_loaded: int = 0  # host pages loaded back onto the device
     host_transfer_seconds: float = 0.0  # worker time copying pages between host and device
+    # the disk tier (engine/contracts/disk_cache.py); disk_block_tokens is 0 when it is off
+    disk_block_tokens: int = 0
+    disk_hit_tokens: int = 0  # of hit_tokens, those loaded from disk
+    disk_blocks_saved: int = 0  # blocks sent to be written (the worker skips those present)
+    disk_blocks_loaded: int = 0
+    disk_load_failures: int = 0  # loads that ended early (a block missing or failing a check)
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_load_seconds: float = 0.0  # the worker's I/O thread reading and placing blocks
+    disk_rejected_files: int = 0  # corrupt, truncated or foreign files skipped and removed
 
 
 class TokenOutputs(msgspec.Struct, tag=True):
@@ -297,6 +309,7 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_host: int | None = None  # of those, loaded from the host tier (if any)
+    cached_tokens_disk: int | None = None  # of those, loaded from the disk tier (if any)
     replace: bool = False
     result_at: float = 0.0  # TokenOutputs.result_at of the step that produced these tokens
     # With logprobs: each token's text, then each top alternative's (tokens x N, row-major).
@@ -328,6 +341,24 @@ class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar_key: str = ""
 
 
+class DiskSave(msgspec.Struct, array_like=True):
+    """Write one disk-tier block (engine/contracts/disk_cache.py): its name and its device pages
+    (int32), copied out before the step's page writes."""
+
+    name: str
+    pages: bytes
+
+
+class DiskLoad(msgspec.Struct, array_like=True):
+    """Read blocks ``names`` (consecutive, in position order) into device ``pages`` (int32,
+    block after block) on the worker's I/O thread; a later ``BatchResult.disk_loaded`` says how
+    many arrived."""
+
+    load_id: int
+    names: list[str]
+    pages: bytes
+
+
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     """Scheduler → worker: one step (``engine.contracts.step.BatchInput``, its arrays as int32 msgpack
     extensions) and how to sample it.
@@ -347,6 +378,9 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     prompt_rows: bytes = b""
     prompt_targets: bytes = b""
     prompt_top_n: int = 0
+    # the disk tier: blocks to save (copied out first) and loads to start (after the forward)
+    disk_saves: list[DiskSave] = []
+    disk_loads: list[DiskLoad] = []
 
 
 class BatchResult(msgspec.Struct, tag=True, kw_only=True):
@@ -371,6 +405,13 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     prompt_top_logprobs: bytes = b""
     top_n: int = 0
     error: str | None = None
+    # the disk tier: loads ended since the last result, (load id, blocks that arrived), and the
+    # worker's running totals
+    disk_loaded: list[tuple[int, int]] = []
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_load_seconds: float = 0.0
+    disk_rejected: int = 0
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
@@ -388,6 +429,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     kv_cache_dtype: str = ""  # what the pool stores (--kv-cache-dtype resolved)
     kv_cache_bytes: int = 0  # the device pool's bytes, scales included
     num_host_cache_pages: int = 0  # the prefix cache's host tier (after the swap pages)
+    disk_fingerprint: str = ""  # the disk tier's directory for this model and layout, if on
+    disk_block_tokens: int = 0
 
 
 class WorkerReady(msgspec.Struct, tag=True):

@@ -103,6 +103,9 @@ class BatchInput(msgspec.Struct, kw_only=True):
             raise ValueError(
                 "extend_lens, seq_lens and page_indptr disagree on the number of sequences"
             )
+        if num_seqs == 0 and num_tokens == 0:
+            self._validate_moves(page_size, num_pages, num_host_pages)
+            return  # a step that only moves pages (the disk tier's)
         if num_seqs == 0 or np.any(self.extend_lens < 1):
             raise ValueError("every sequence in a batch needs at least one new token")
         if int(self.extend_lens.sum()) != num_tokens:
@@ -134,6 +137,9 @@ class BatchInput(msgspec.Struct, kw_only=True):
         rows = self.resolved_logits_rows()
         if len(rows) and (rows.min() < 0 or rows.max() >= num_tokens):
             raise ValueError(f"logits_rows must lie in [0, {num_tokens})")
+        self._validate_moves(page_size, num_pages, num_host_pages)
+
+    def _validate_moves(self, page_size: int, num_pages: int, num_host_pages: int) -> None:
         if len(self.copies):
             _check_range("copy pages", self.copies[:, :2], num_pages)
             if np.any(self.copies[:, 2] < 1) or np.any(self.copies[:, 2] > page_size):

@@ -125,7 +125,9 @@ class Choices:
         self.choices = [Choice(i) for i in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
-        self.cached_tokens_host: list[int | None] = [None] * num_prompts  # None: no host tier
+        # by tier (None: the engine has no such tier)
+        self.cached_tokens_host: list[int | None] = [None] * num_prompts
+        self.cached_tokens_disk: list[int | None] = [None] * num_prompts
         self.prompt_texts = [""] * num_prompts
         self.prompt_infos: list[list[TokenInfo]] = [[] for _ in range(num_prompts)]
 
@@ -134,9 +136,10 @@ class Choices:
         """Fold one output in; returns its choice and the output's own token ids and tokens."""
         self.prompt_tokens[prompt_index] = out.prompt_tokens or self.prompt_tokens[prompt_index]
         self.cached_tokens[prompt_index] = out.cached_tokens or self.cached_tokens[prompt_index]
-        if out.cached_tokens_host is not None:
-            self.cached_tokens_host[prompt_index] = max(
-                out.cached_tokens_host, self.cached_tokens_host[prompt_index] or 0)
+        for tier, count in ((self.cached_tokens_host, out.cached_tokens_host),
+                            (self.cached_tokens_disk, out.cached_tokens_disk)):
+            if count is not None:
+                tier[prompt_index] = max(count, tier[prompt_index] or 0)
         self.prompt_texts[prompt_index] += out.prompt_text
         if out.prompt_logprobs:
             self.prompt_infos[prompt_index] += prompt_token_infos(out)
@@ -167,6 +170,13 @@ class Choices:
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens)
         completion = self.completion_tokens
-        host = [c for c in self.cached_tokens_host if c is not None]
         return Usage(prompt, completion, prompt + completion,
-                     PromptTokensDetails(sum(self.cached_tokens), sum(host) if host else UNSET))
+                     PromptTokensDetails(sum(self.cached_tokens), _total(self.cached_tokens_host),
+                                         _total(self.cached_tokens_disk)))
+
+
+def _total(counts: list[int | None]):
+    """The sum over prompts of one tier's cached tokens; unset when the engine has no such
+    tier."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else UNSET

@@ -83,8 +83,8 @@ class _SchedulerCollector(Collector):
                       "(beside the forwards).", s.grammar_mask_seconds)
         if s.spec_method:
             yield from _speculation(s)
-        if s.host_cache_pages_total:
-            yield from _host_tier(s, self.info)
+        if s.host_cache_pages_total or s.disk_block_tokens:
+            yield from _tiers(s, self.info)
 
 
 def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
@@ -103,15 +103,46 @@ def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
                             "caches' scales included).", value=pages * per_page)
 
 
-def _host_tier(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:
-    """The prefix cache by tier (``--host-cache-gb``): where hits were found, and the pages
-    (and bytes) moved between the device and host memory."""
+def _tiers(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:
+    """The prefix cache by tier (``--host-cache-gb``, ``--disk-cache-dir``): where hits were
+    found, and what moved between the tiers."""
     hits = CounterMetricFamily(f"{PREFIX}_prefix_cache_tier_hit_tokens", "Prompt tokens found "
                                "in the prefix cache, by the tier that held them.",
                                labels=["tier"])
     hits.add_metric(["device"], s.hit_tokens - s.host_hit_tokens)
-    hits.add_metric(["host"], s.host_hit_tokens)
+    if s.host_cache_pages_total:
+        hits.add_metric(["host"], s.host_hit_tokens)
+    if s.disk_block_tokens:
+        hits.add_metric(["disk"], s.disk_hit_tokens)
     yield hits
+    if s.host_cache_pages_total:
+        yield from _host_tier(s, info)
+    if s.disk_block_tokens:
+        yield from _disk_tier(s)
+
+
+def _disk_tier(s: SchedulerStats) -> Iterator[Metric]:
+    blocks = CounterMetricFamily(f"{PREFIX}_disk_cache_blocks", "Disk-tier blocks sent to be "
+                                 "saved (save) and loaded (load).", labels=["direction"])
+    blocks.add_metric(["save"], s.disk_blocks_saved)
+    blocks.add_metric(["load"], s.disk_blocks_loaded)
+    yield blocks
+    moved = CounterMetricFamily(f"{PREFIX}_disk_cache_bytes_moved", "Bytes read from and "
+                                "written to the disk tier's files.", labels=["direction"])
+    moved.add_metric(["read"], s.disk_bytes_read)
+    moved.add_metric(["write"], s.disk_bytes_written)
+    yield moved
+    yield CounterMetricFamily(f"{PREFIX}_disk_cache_load_seconds", "Seconds the worker's I/O "
+                              "thread spent reading blocks into pages.", value=s.disk_load_seconds)
+    yield CounterMetricFamily(f"{PREFIX}_disk_cache_load_failures", "Loads that ended early (a "
+                              "block missing or failing a check); the rest was recomputed.",
+                              value=s.disk_load_failures)
+    yield CounterMetricFamily(f"{PREFIX}_disk_cache_rejected_files", "Corrupt, truncated or "
+                              "foreign files skipped and removed.", value=s.disk_rejected_files)
+
+
+def _host_tier(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:
+    """The host tier's pages, and the pages (and bytes) moved between it and the device."""
     yield GaugeMetricFamily(f"{PREFIX}_host_cache_pages_total", "Pages of the host tier.",
                             value=s.host_cache_pages_total)
     yield GaugeMetricFamily(f"{PREFIX}_host_cache_pages_used", "Pages of the host tier holding "

@@ -135,9 +135,11 @@ class SessionBody(_Body):
 # ------------------------------------------------------------------------------ responses
 class PromptTokensDetails(Struct):
     cached_tokens: int = 0
-    # radixserve's extension, only from an engine with a host tier (--host-cache-gb): of
-    # cached_tokens, those loaded from host memory (the rest were on the device)
+    # radixserve's extension, only from an engine with a host tier (--host-cache-gb) / a disk
+    # tier (--disk-cache-dir): of cached_tokens, those loaded from host memory / from disk (the
+    # rest were on the device)
     cached_tokens_host: int | UnsetType = UNSET
+    cached_tokens_disk: int | UnsetType = UNSET
 
 
 class Usage(Struct):

@@ -9,6 +9,7 @@ running its own share of the forward."""
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import numpy as np
@@ -29,6 +30,9 @@ from engine.contracts.protocol import (
 from engine.worker.distributed import GroupBroken, TensorParallel, start_tensor_parallel
 
 logger = logging.getLogger("radixserve.worker")
+
+DISK_POLL_SECONDS = 0.01  # a step of page moves only waits this long for a disk load to end
+FLUSH_ON_EXIT_SECONDS = 4.0  # within the launcher's grace of 5 s
 
 
 def make_runner(c: EngineConfig, tp: TensorParallel | None = None):
@@ -55,6 +59,13 @@ class Worker:
             kv_cache_bytes=self.runner.kv_cache_bytes,
             num_host_cache_pages=self.runner.num_host_cache_pages,
         )
+        self.disk = None
+        if c.disk_cache_dir is not None:
+            from engine.worker.disk_io import open_disk_tier
+
+            self.disk = open_disk_tier(c, self.runner)
+            self.info.disk_fingerprint = self.disk.store.fingerprint
+            self.info.disk_block_tokens = self.disk.block_tokens
         from engine.worker.grammar import Grammars
 
         self.grammars = Grammars(c.model, mc.vocab_size, list(mc.eos_token_ids))
@@ -68,8 +79,10 @@ class Worker:
         # Until this batch samples, a failure leaves placeholder rows for the next batch to read
         # (their sequences fail with this batch; the scheduler drops what the next one computes
         # for them).
-        sampled, self.last_tokens = self.last_tokens, np.zeros(len(msg.sampling), dtype=np.int32)
         step = msg.step
+        if not step.num_seqs:
+            return self._move_pages(msg)
+        sampled, self.last_tokens = self.last_tokens, np.zeros(len(msg.sampling), dtype=np.int32)
         placeholders = step.input_ids < 0
         if placeholders.any():
             rows = -1 - step.input_ids[placeholders]
@@ -91,10 +104,7 @@ class Worker:
         if len(prompt_rows):
             # Prompt logprobs: the logits of those rows too, after the sampled rows'.
             step.logits_rows = np.concatenate([step.resolved_logits_rows(), prompt_rows])
-        if self.tp is None:
-            logits = self.runner.forward(step)
-        else:
-            logits = self._forward_all_ranks(msg.batch_id, step)
+        logits = self._forward(msg, step)
         rows = []
         for row in msg.sampling:
             history = unpack_ids(row.history)
@@ -138,6 +148,41 @@ class Worker:
             result.top_n = out.top_ids.shape[1]
             result.top_ids = out.top_ids.astype(np.int32).tobytes()
             result.top_logprobs = out.top_logprobs.astype(np.float32).tobytes()
+        return self.report_disk(result)
+
+    def _forward(self, msg: ForwardBatch, step):
+        """The step's page moves and forward, between the disk tier's saves (their pages are
+        read before anything writes) and its loads (started once the step's write-downs have
+        read the pages they may reuse)."""
+        if self.disk is not None:
+            self.disk.save(msg.disk_saves)
+        if self.tp is None:
+            logits = self.runner.forward(step)
+        else:
+            logits = self._forward_all_ranks(msg.batch_id, step)
+        if self.disk is not None:
+            self.disk.load(msg.disk_loads)
+        return logits
+
+    def _move_pages(self, msg: ForwardBatch) -> BatchResult:
+        """A step of no sequences: its page moves and the disk tier's work, then (when loads
+        are running) a short wait for one to end, so a scheduler with nothing else to run does
+        not spin. The previous batch's samples stay what the next batch's placeholders read."""
+        self.grammars.release(msg.released_grammars)
+        self._forward(msg, msg.step)
+        if self.disk is not None:
+            self.disk.wait(DISK_POLL_SECONDS)
+        return self.report_disk(BatchResult(batch_id=msg.batch_id))
+
+    def report_disk(self, result: BatchResult) -> BatchResult:
+        """The disk tier's news on ``result``: loads that ended, and the running totals."""
+        disk = self.disk
+        if disk is not None:
+            result.disk_loaded = disk.finished()
+            store = disk.store
+            result.disk_bytes_read, result.disk_bytes_written = (store.bytes_read,
+                                                                 store.bytes_written)
+            result.disk_load_seconds, result.disk_rejected = disk.load_seconds, store.rejected
         return result
 
     def _forward_all_ranks(self, batch_id: int, step):
@@ -175,6 +220,22 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     worker = Worker(spec.config, tp)
     push.send(encode(WorkerReady(worker.info)))
     worker.grammars.prepare()  # in the background, while the first requests come in
+    if worker.disk is None:
+        _serve(worker, pull, push, tp)
+        return
+    # The launcher stops children with SIGUSR1: the disk tier first writes what is queued.
+    signal.signal(signal.SIGUSR1, _exit)
+    try:
+        _serve(worker, pull, push, tp)
+    finally:
+        worker.disk.close(FLUSH_ON_EXIT_SECONDS)
+
+
+def _exit(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def _serve(worker: Worker, pull: zmq.Socket, push: zmq.Socket, tp: TensorParallel | None) -> None:
     while True:
         msg = decode(pull.recv())
         if isinstance(msg, Shutdown):
@@ -190,5 +251,6 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
             # The traceback stays in this log: the error reaches clients, so it names only the
             # kind of failure.
             logger.exception("batch %d failed", msg.batch_id)
-            result = BatchResult(batch_id=msg.batch_id, error=type(exc).__name__)
+            result = worker.report_disk(BatchResult(batch_id=msg.batch_id,
+                                                    error=type(exc).__name__))
         push.send(encode(result))

@@ -247,6 +247,8 @@ class ModelRunner:
         """Raise ValueError, before anything runs, for a batch this runner cannot run."""
         batch.validate(self.page_size, self.num_pages,
                        self.num_host_pages + self.num_host_cache_pages)
+        if not batch.num_seqs:
+            return  # page moves only
         longest = int(batch.seq_lens.max())
         if longest > self.config.max_context_len:
             raise ValueError(
@@ -263,7 +265,7 @@ class ModelRunner:
     def forward(self, batch: BatchInput, *, checked: bool = False) -> torch.Tensor | None:
         """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
         ``batch.logits_rows`` (default: each sequence's last new token); under tensor parallel
-        on rank 0 only, None on the others. ``checked``: ``check`` has passed already.
+        on rank 0 only, None on the others and for a batch of no sequences (page moves only). ``checked``: ``check`` has passed already.
 
         Nothing here waits for the device (swaps aside): the caller reads the logits back once
         per step, as the sampler does, before the next ``forward``. That wait is what lets the
@@ -279,6 +281,8 @@ class ModelRunner:
             self.pool.swap_in(batch.swap_in)
             self.transfer_seconds = time.perf_counter() - started
         self.pool.copy_pages(batch.copies)
+        if not batch.num_seqs:
+            return None  # a step that only moves pages
         self._set_threads(batch)
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         if bucket is not None:

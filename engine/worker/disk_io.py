@@ -1,0 +1,207 @@
+"""The worker's side of the disk tier (``--disk-cache-dir``): it saves the blocks the scheduler
+names (their pages copied out at the start of the step that carries them, before anything can
+overwrite them) and loads blocks into the fresh pages the scheduler gave a request, on one I/O
+thread, so neither ever holds up a step.
+
+A load runs while other requests' steps run: the scheduler keeps the loading request out of
+every batch until a later ``BatchResult`` reports how many of its blocks arrived
+(``finished``); a block that is missing or fails its checks (engine/contracts/disk_cache.py)
+ends the load there, and the request computes the rest. On CUDA the copy into the pages runs
+on a stream of its own and is reported only once that stream has finished it. Saves wait
+behind loads (a request waits for a load, nobody for a save) and are dropped, not queued
+without bound, when the disk falls more than ``MAX_PENDING_BYTES`` behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.contracts.disk_cache import DiskStore, block_tokens, fingerprint
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import DiskLoad, DiskSave, unpack_ids
+from engine.worker.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from engine.worker.runner import ModelRunner
+
+logger = logging.getLogger("radixserve.worker")
+
+MAX_PENDING_BYTES = 256 << 20  # snapshots waiting to be written, at most
+FLUSH_SECONDS = 30.0  # how long shutting down waits for the saves still queued
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json")
+
+
+def open_disk_tier(c: EngineConfig, runner: ModelRunner) -> DiskIO:
+    """The disk tier ``c`` asks for, over ``runner``'s pool, in the directory of this model and
+    layout (its fingerprint: ``identity``)."""
+    ident = identity(c, runner)
+    store = DiskStore(c.disk_cache_dir, fingerprint(ident), int(c.disk_cache_gb * 2**30), ident)
+    return DiskIO(store, runner.pool, block_tokens(c.page_size))
+
+
+def identity(c: EngineConfig, runner: ModelRunner) -> dict:
+    """What KV bytes depend on: the model (its shapes and its checkpoint files' names, sizes
+    and modification times; random weights' seed), the dtypes, the page size and the
+    tensor-parallel layout."""
+    mc = runner.config
+    path = os.path.realpath(c.model)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, name) for name in os.listdir(path) if name.endswith(_WEIGHT_SUFFIXES))
+    weights = []
+    for file in files:
+        st = os.stat(file)
+        weights.append([os.path.basename(file), st.st_size, st.st_mtime_ns])
+    return {
+        "format": 1, "architecture": mc.architecture, "num_layers": mc.num_layers,
+        "num_kv_heads": runner.model.plan.num_kv_heads, "head_dim": mc.head_dim,
+        "vocab_size": mc.vocab_size, "weights": weights, "load_format": c.load_format,
+        "seed": c.seed if c.load_format == "dummy" else None,
+        "dtype": str(runner.dtype), "kv_dtype": str(runner.kv_dtype), "page_size": c.page_size,
+        "tp_size": c.tp_size,
+    }
+
+
+class DiskIO:
+    def __init__(self, store: DiskStore, pool: KVPool, block_tokens: int) -> None:
+        self.store, self.pool = store, pool
+        self.block_tokens = block_tokens
+        self.pages_per_block = block_tokens // pool.page_size
+        kv = pool.kv
+        self.block_shape = (kv.shape[0], kv.shape[1], self.pages_per_block, *kv.shape[3:])
+        self.payload_bytes = int(np.prod(self.block_shape)) * kv.element_size()
+        self._cond = threading.Condition()
+        self._loads: deque[DiskLoad] = deque()
+        self._saves: deque[tuple[str, bytes]] = deque()
+        self._pending_bytes = 0
+        self._done: list[tuple[int, int, torch.cuda.Event | None]] = []
+        self._busy = False
+        self._closed = False
+        self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self.load_seconds = 0.0
+        self.dropped_saves = 0
+        self._thread = threading.Thread(target=self._run, name="disk-io", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------- the step's
+    def save(self, saves: list[DiskSave]) -> None:
+        """Copy the named blocks' pages out now (the step's page writes come after) and queue
+        them for writing."""
+        if not saves or not self.store.enabled:
+            return
+        pages = np.concatenate([unpack_ids(s.pages) for s in saves]).astype(np.int64)
+        index = torch.from_numpy(pages).to(self.pool.device)
+        data = self.pool.kv.index_select(2, index).cpu()  # [L, 2, pages, ...], synchronous
+        per_block = self.pages_per_block
+        with self._cond:
+            for i, s in enumerate(saves):
+                if self._pending_bytes + self.payload_bytes > MAX_PENDING_BYTES:
+                    self.dropped_saves += len(saves) - i
+                    break
+                block = data[:, :, i * per_block : (i + 1) * per_block].contiguous()
+                self._saves.append((s.name, _bytes_of(block)))
+                self._pending_bytes += self.payload_bytes
+            self._cond.notify()
+
+    def load(self, loads: list[DiskLoad]) -> None:
+        if loads:
+            with self._cond:
+                self._loads.extend(loads)
+                self._cond.notify()
+
+    def finished(self) -> list[tuple[int, int]]:
+        """Loads that have ended since the last call: (load id, blocks in the pages)."""
+        with self._cond:
+            ready = [d for d in self._done if d[2] is None or d[2].query()]
+            self._done = [d for d in self._done if not (d[2] is None or d[2].query())]
+        return [(load_id, blocks) for load_id, blocks, _ in ready]
+
+    def wait(self, timeout: float) -> None:
+        """Until a load has ended or ``timeout`` seconds pass (a step that only polls)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while not self._done and (self._loads or self._busy):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
+    def close(self, timeout: float = FLUSH_SECONDS) -> None:
+        """Write what is queued (for at most ``timeout`` seconds), then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._loads or self._saves or self._closed):
+                    self._cond.wait()
+                if self._loads:
+                    job, kind = self._loads.popleft(), "load"
+                elif self._saves:
+                    job, kind = self._saves.popleft(), "save"
+                    self._pending_bytes -= self.payload_bytes
+                else:
+                    return
+                self._busy = True
+            try:
+                if kind == "load":
+                    self._load(job)
+                else:
+                    self.store.write(job[0], self.block_tokens, job[1])
+            except Exception:  # the thread must outlive any one block
+                logger.exception("disk cache %s failed", kind)
+                if kind == "load":
+                    self._report(job.load_id, 0, None)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _load(self, job: DiskLoad) -> None:
+        started = time.perf_counter()
+        pages = unpack_ids(job.pages).astype(np.int64)
+        blocks = []
+        for name in job.names:
+            payload = self.store.read(name, self.block_tokens, self.payload_bytes)
+            if payload is None:
+                break
+            blocks.append(torch.frombuffer(bytearray(payload), dtype=self.pool.kv.dtype)
+                          .view(self.block_shape))
+        event = None
+        if blocks:
+            data = torch.cat(blocks, dim=2)
+            index = torch.from_numpy(pages[: len(blocks) * self.pages_per_block])
+            with torch.inference_mode():
+                if self.stream is None:
+                    self.pool.kv.index_copy_(2, index, data)
+                else:
+                    with torch.cuda.stream(self.stream):
+                        device_data = data.pin_memory().to(self.pool.device, non_blocking=True)
+                        self.pool.kv.index_copy_(2, index.to(self.pool.device), device_data)
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+        self.load_seconds += time.perf_counter() - started
+        self._report(job.load_id, len(blocks), event)
+
+    def _report(self, load_id: int, blocks: int, event) -> None:
+        with self._cond:
+            self._done.append((load_id, blocks, event))
+            self._cond.notify_all()
+
+
+def _bytes_of(tensor: torch.Tensor) -> bytes:
+    """A contiguous CPU tensor's bytes (any dtype: viewed as uint8 first)."""
+    return tensor.view(torch.uint8).numpy().tobytes()

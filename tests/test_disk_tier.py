@@ -1,0 +1,177 @@
+"""The prefix cache's disk tier (``--disk-cache-dir``: engine/contracts/disk_cache.py,
+scheduler/disk.py, engine/worker/disk_io.py) through the real scheduler and worker in-process
+(tests/test_scheduler.py's harness: the accounting is checked after every step, the orphaned
+pages of loads included): KV written to disk and loaded back into fresh pages is the KV
+recompute gives, token for token against transformers in fp32, also when a new scheduler and
+worker (a restart) read the directory; faulty files are skipped and recomputed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.contracts.disk_cache import DiskStore
+from engine.contracts.protocol import SamplingParams
+from tests.test_host_cache import host_cache_gb, prompts_with_prefixes, tail_variant
+from tests.test_scheduler import GREEDY, Harness, hf_greedy, hf_model, model_dir  # noqa: F401
+
+
+def disk_harness(model_dir: str, directory: Path, **options) -> Harness:  # noqa: F811
+    options = {"page_size": 16, "num_pages": 12, "chunked_prefill_size": 48,
+               "max_prefill_tokens": 96, **options}
+    return Harness(model_dir, disk_cache_dir=str(directory), **options)
+
+
+def block_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*/*/*.kv"))
+
+
+def close(h: Harness) -> None:
+    """What a stopping worker does: write what is queued."""
+    h.worker.disk.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kv_loaded_from_disk_gives_the_same_tokens(model_dir, hf_model, tmp_path, page_size):  # noqa: F811
+    """Prompts that outgrow a small device pool are written through to disk; asked again (and
+    as variants that diverge inside a page), they load from disk: outputs equal transformers',
+    usage counts the disk's tokens, and the loaded blocks reach the tree."""
+    h = disk_harness(model_dir, tmp_path, page_size=page_size, num_pages=192 // page_size)
+    prompts = prompts_with_prefixes(6, 60, seed=5)
+    waves = [prompts, prompts, [tail_variant(p, i) for i, p in enumerate(prompts)]]
+    for wave, batch in enumerate(waves):
+        for i, p in enumerate(batch):
+            h.add(f"w{wave}.{i}", p, GREEDY)
+            h.run()
+    close(h)
+    for wave, batch in enumerate(waves):
+        for i, p in enumerate(batch):
+            assert h.outputs[f"w{wave}.{i}"][0] == hf_greedy(hf_model, p, 12), (wave, i)
+    stats = h.sched.stats()
+    assert stats["disk_blocks_loaded"] > 0 and stats["disk_load_failures"] == 0
+    block = h.sched.disk.block
+    for wave in (1, 2):
+        finals = [h.finals[f"w{wave}.{i}"][0] for i in range(len(prompts))]
+        assert all(f.cached_tokens_disk > 0 for f in finals[:4])  # evicted from the device
+        assert all(f.cached_tokens_disk % block == 0 for f in finals)
+        assert all(f.cached_tokens_disk <= f.cached_tokens for f in finals)
+    assert h.finals["w0.0"][0].cached_tokens_disk == 0
+    assert len(block_files(tmp_path)) >= 6 * (60 // block)
+
+
+def test_a_restart_reads_the_directory(model_dir, hf_model, tmp_path):  # noqa: F811
+    """A second scheduler and worker on the same directory (a restart) serve a prompt the first
+    one computed from disk: every whole block below its last token, the same greedy output."""
+    prompt = np.random.default_rng(8).integers(3, 4000, 200).tolist()
+    first = disk_harness(model_dir, tmp_path, num_pages=40)
+    first.add("a", prompt, GREEDY)
+    first.run()
+    close(first)
+    second = disk_harness(model_dir, tmp_path, num_pages=40)
+    second.add("b", prompt, GREEDY)
+    second.run()
+    final = second.finals["b"][0]
+    assert final.cached_tokens == final.cached_tokens_disk == (len(prompt) - 1) // 16 * 16
+    assert second.outputs["b"][0] == first.outputs["a"][0] == hf_greedy(hf_model, prompt, 12)
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncated", "foreign", "removed"])
+def test_a_faulty_block_is_recomputed(model_dir, hf_model, tmp_path, fault):  # noqa: F811
+    """A block file that is corrupt, truncated, from another model, or removed between the
+    lookup and the load ends the load there: the rest is computed, the output is unchanged, the
+    file is gone, and a later request writes it again."""
+    prompt = np.random.default_rng(9).integers(3, 4000, 130).tolist()
+    first = disk_harness(model_dir, tmp_path, num_pages=40)
+    first.add("a", prompt, GREEDY)
+    first.run()
+    close(first)
+    files = block_files(tmp_path)
+    assert len(files) == 130 // 16
+    second = disk_harness(model_dir, tmp_path, num_pages=40)
+    # The fourth block of the prompt's chain: find it by its place in the chain.
+    names = second.sched.disk.lookup(prompt, None, 0, len(prompt) - 1)
+    victim = second.sched.disk.store.path(names[3])
+    if fault == "corrupt":
+        data = bytearray(victim.read_bytes())
+        data[-5] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif fault == "truncated":
+        victim.write_bytes(victim.read_bytes()[:-100])
+    elif fault == "foreign":
+        # A valid block of another store (another model or layout) under this name.
+        other = DiskStore(str(tmp_path), "ab" * 16)
+        other.write(names[3], 16, bytes(100))
+        victim.write_bytes(other.path(names[3]).read_bytes())
+    second.add("b", prompt, GREEDY)
+    if fault == "removed":
+        second.step()  # admitted: the lookup found every block, the load is on its way
+        victim.unlink()
+    second.run()
+    close(second)
+    assert second.outputs["b"][0] == hf_greedy(hf_model, prompt, 12)
+    final = second.finals["b"][0]
+    assert final.cached_tokens_disk == 3 * 16
+    stats = second.sched.stats()
+    assert stats["disk_load_failures"] == 1
+    assert stats["disk_rejected_files"] == (fault != "removed")
+    assert victim.exists()  # written again from the recomputed KV
+
+
+def test_an_abort_during_a_load_leaks_nothing(model_dir, tmp_path):  # noqa: F811
+    """A request aborted while its blocks load: its pages wait for the load to end (the
+    accounting after every step counts them), then go back; nothing leaks."""
+    prompt = np.random.default_rng(10).integers(3, 4000, 150).tolist()
+    first = disk_harness(model_dir, tmp_path, num_pages=40)
+    first.add("a", prompt, GREEDY)
+    first.run()
+    close(first)
+    second = disk_harness(model_dir, tmp_path, num_pages=40)
+    second.add("b", prompt, GREEDY)
+    second.step()
+    assert second.sched.disk.loading
+    second.sched.abort("b")
+    assert second.sched.disk.orphans
+    second.run()
+    assert not second.sched.disk.orphans
+    assert second.finals["b"][0].finish_reason == "abort"
+
+
+def test_forks_swaps_and_host_tier_with_disk(model_dir, hf_model, tmp_path):  # noqa: F811
+    """Greedy forks (n = 2) of prompts loaded from disk, in a pool small enough to preempt by
+    swap, with a host tier too: every sample equals transformers'."""
+    page_size = 4
+    options = {"page_size": page_size, "num_pages": 48, "preemption_mode": "swap",
+               "num_host_pages": 64, "chunked_prefill_size": 32, "max_prefill_tokens": 64,
+               "host_cache_gb": host_cache_gb(model_dir, 16, page_size)}
+    prompts = prompts_with_prefixes(4, 40, seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=2)
+    first = disk_harness(model_dir, tmp_path, **options)
+    for i, p in enumerate(prompts):
+        first.add(f"a{i}", p, params)
+    first.run()
+    close(first)
+    second = disk_harness(model_dir, tmp_path, **options)
+    for i, p in enumerate(prompts):
+        second.add(f"b{i}", p, params)
+    second.run()
+    for i, p in enumerate(prompts):
+        want = hf_greedy(hf_model, p, 24)
+        assert second.outputs[f"b{i}"] == {0: want, 1: want}, i
+    assert second.sched.stats()["disk_blocks_loaded"] > 0
+
+
+def test_store_files_are_private(tmp_path):
+    """The store's directory is 0700 and its files 0600, written whole under their names."""
+    store = DiskStore(str(tmp_path), "cd" * 16, identity={"model": "x"})
+    assert store.write("ef" * 16, 16, b"\x01" * 1000)
+    assert (os.stat(store.dir).st_mode & 0o777) == 0o700
+    path = store.path("ef" * 16)
+    assert (os.stat(path).st_mode & 0o777) == 0o600
+    assert (os.stat(path.parent).st_mode & 0o777) == 0o700
+    assert store.read("ef" * 16, 16, 1000) == b"\x01" * 1000
+    assert store.read("ef" * 16, 16, 999) is None  # a header that does not match: skipped
+    assert not path.exists()
+    assert not list(store.dir.glob("*/.*.tmp"))
