@@ -9,7 +9,10 @@ insert: prompt + output cached, which refreshes recency but reuses nothing)::
 
     key = eviction_key(previous, clock, used)
 
-``lru``: the clock alone, least recently touched first. ``lfu``: ``uses * _USE + clock``, least
+``lru``: the clock alone, least recently touched first. ``slru`` (segmented LRU): a node no
+match has reached since it was cached (the probationary segment) goes before any that one has
+(the protected segment), least recently touched first within each; a one-off prompt then
+never flushes a prefix that was reused, while recency still orders everything else. ``lfu``: ``uses * _USE + clock``, least
 frequently used first, least recently touched among equals: LFU without aging. A freshly cached
 branch that nobody has reused is the first to go (LFU's defence against one-off prompts
 flushing shared prefixes), and a prefix that was hot long ago stays (its weakness when
@@ -39,9 +42,15 @@ def lfu(previous: int, clock: int, used: bool) -> int:
     return (previous // _USE + used) * _USE + clock
 
 
+def slru(previous: int, clock: int, used: bool) -> int:
+    """Never matched since cached first (probationary), then matched (protected); least
+    recently touched first within each."""
+    return (bool(previous // _USE) or used) * _USE + clock
+
+
 def uses(node: Node) -> int:
     """How many matches reached ``node`` under ``lfu`` (for tests and reports)."""
     return node.eviction_key // _USE
 
 
-POLICIES: dict[str, EvictionKey] = {"lru": lru, "lfu": lfu}
+POLICIES: dict[str, EvictionKey] = {"lru": lru, "lfu": lfu, "slru": slru}

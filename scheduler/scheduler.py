@@ -30,6 +30,7 @@ from engine.contracts.protocol import (
 )
 from engine.contracts.disk_cache import DiskStore
 from radix import HostTier, PageAllocator, RadixTree
+from radix.eviction import POLICIES
 from scheduler import beam
 from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
@@ -53,7 +54,7 @@ class Scheduler:
         self.host = (HostTier(info.num_host_cache_pages, info.page_size,
                               config.cache_write_policy, first_page=info.num_host_pages)
                      if info.num_host_cache_pages else None)
-        self.tree = RadixTree(self.alloc, host=self.host)
+        self.tree = RadixTree(self.alloc, POLICIES[config.eviction_policy], host=self.host)
         # The disk tier: the worker opened the store and named its directory.
         self.disk = (DiskTier(DiskStore(config.disk_cache_dir, info.disk_fingerprint,
                                         int(config.disk_cache_gb * 2**30)),

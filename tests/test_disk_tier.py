@@ -34,6 +34,7 @@ def close(h: Harness) -> None:
     h.worker.disk.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_kv_loaded_from_disk_gives_the_same_tokens(model_dir, hf_model, tmp_path, page_size):  # noqa: F811
     """Prompts that outgrow a small device pool are written through to disk; asked again (and
@@ -139,6 +140,7 @@ def test_an_abort_during_a_load_leaks_nothing(model_dir, tmp_path):  # noqa: F81
     assert second.finals["b"][0].finish_reason == "abort"
 
 
+@pytest.mark.slow
 def test_forks_swaps_and_host_tier_with_disk(model_dir, hf_model, tmp_path):  # noqa: F811
     """Greedy forks (n = 2) of prompts loaded from disk, in a pool small enough to preempt by
     swap, with a host tier too: every sample equals transformers'."""

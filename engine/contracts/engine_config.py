@@ -41,6 +41,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "when the host tier (--host-cache-gb) gets a copy of cached KV: write_back (when "
             "the device pool evicts it), write_through (as soon as it is cached) or "
             "write_through_selective (once it has been hit twice)"))] = "write_back"
+    eviction_policy: Annotated[Literal["lru", "lfu", "slru"], Meta(description=(
+        "which unlocked prefix the cache drops first, in every tier the tree keeps: lru (least "
+        "recently used), lfu (least often matched, then least recent) or slru (never matched "
+        "since cached before matched, least recent within each); `radixserve profile "
+        "--policy` replays the same"))] = "lru"
     disk_cache_dir: Annotated[str, Meta(description=(
         "a directory (0700, existing) for a disk tier of the prefix cache: every cached block "
         "of --page-size-aligned tokens is written there and loaded back on a hit, by this and "

@@ -28,6 +28,7 @@ BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.profiler.kv_bytes import KV_CACHE_DTYPES
+    from radix.eviction import POLICIES
 
     parser.add_argument("trace", type=Path, help="JSONL trace (docs/profiler.md)")
     parser.add_argument("--format", choices=("radixserve", *BLOCK_TOKENS), default="radixserve",
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="KV cache size in GiB, in whole pages of the bytes a token takes "
                            "(needs --checkpoint or --kv-bytes-per-token)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    parser.add_argument("--policy", choices=("lru", "lfu"), default="lru",
+    parser.add_argument("--policy", choices=tuple(POLICIES), default="lru",
                         help="eviction policy (default lru)")
     parser.add_argument("--sweep", nargs="?", const="auto", metavar="TOKENS,...",
                         help="also replay at several cache sizes: a comma-separated list of "

@@ -158,7 +158,7 @@ class DiskIO:
                 self._busy = True
             try:
                 if kind == "load":
-                    self._load(job)
+                    self._read_into_pages(job)
                 else:
                     self.store.write(job[0], self.block_tokens, job[1])
             except Exception:  # the thread must outlive any one block
@@ -170,7 +170,7 @@ class DiskIO:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _load(self, job: DiskLoad) -> None:
+    def _read_into_pages(self, job: DiskLoad) -> None:
         started = time.perf_counter()
         pages = unpack_ids(job.pages).astype(np.int64)
         blocks = []
