@@ -111,18 +111,24 @@ class CacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+DEVICE, HOST = "device", "host"  # the tiers ``TreeListener.moved`` names
+
+
 class TreeListener(Protocol):
     """Told what the tree caches and drops (scheduler/kv_events.py publishes it to gateways;
     scheduler/suffix_index.py indexes it for speculative drafts).
 
     ``inserted``: ``leaf`` now ends a path of ``key`` (int32 token ids, packed) in ``namespace``,
-    whose tokens from ``cached`` on were not in the tree before. ``evicted``: ``node`` (a leaf)
-    was unlinked; its ``parent`` chain still leads to its root (a node that moves between the
-    device and the host tier stays in the tree, and listeners are not told). ``cleared``: a
-    reset left the tree empty."""
+    whose tokens from ``cached`` on were not in the tree before (on the device). ``evicted``:
+    ``node`` (a leaf) is being unlinked; its ``parent`` chain still leads to its root, and its
+    ``pages`` / ``host_pages`` still say which tiers it leaves. ``moved``: ``node`` stays in the
+    tree but its KV was stored in (``stored``) or dropped from the device (``DEVICE``) or the
+    host tier (``HOST``). ``cleared``: a reset left the tree empty."""
 
     def inserted(self, leaf: Node, key: bytes, cached: int, namespace: Hashable) -> None: ...
 
     def evicted(self, node: Node) -> None: ...
+
+    def moved(self, node: Node, tier: str, stored: bool) -> None: ...
 
     def cleared(self) -> None: ...

@@ -58,7 +58,7 @@ import numpy as np
 from radix.accounting import check_tree
 from radix.eviction import EvictionKey, lru
 from radix.host import HostTier  # noqa: TC001 (the constructor's annotation)
-from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
+from radix.node import DEVICE, HOST, CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
 
 TokenIds = Sequence[int] | np.ndarray
@@ -341,6 +341,7 @@ class RadixTree:
             sources[lo:hi] = n.host_pages
             n.pages = page_array(device[lo:hi])
             held += n.pages
+            self._moved(n, DEVICE, stored=True)
         self.allocator.incref(held)  # the nodes' references (locked: not evictable) ...
         self.allocator.decref(fresh)  # ... replace the allocation's
         self.host.plan_loads(sources.tolist(), fresh)
@@ -377,6 +378,7 @@ class RadixTree:
             pages = page_array(table[node.start // page_size : (node.end - 1) // page_size + 1])
             self.allocator.incref(pages, evictable=node.lock_ref == 0)
             node.pages = pages
+            self._moved(node, DEVICE, stored=True)
             if _host_candidate(node):
                 self._push_host_leaf(node)
             node = node.parent
@@ -411,6 +413,7 @@ class RadixTree:
                 pages += node.pages
                 parent = node.parent
                 if node.host_pages or (keep and self._write_down(node)):
+                    self._moved(node, DEVICE, stored=False)
                     node.pages = array("q")
                     if _host_candidate(node):
                         self._push_host_leaf(node)
@@ -436,6 +439,7 @@ class RadixTree:
         host.plan_write_down(node.pages, pages)
         node.host_pages = page_array(pages)
         self.stats.pages_written += count
+        self._moved(node, HOST, stored=True)
         if _host_candidate(node):
             self._push_host_leaf(node)
         return True
@@ -456,6 +460,7 @@ class RadixTree:
                 continue
             parent = node.parent
             if node.pages:
+                self._moved(node, HOST, stored=False)
                 self._drop_host_copy(node)  # it stays on the device
             else:
                 self._unlink(node)
@@ -470,6 +475,10 @@ class RadixTree:
             index = np.frombuffer(pages, dtype=np.int64)
             host.drop_write_downs(index[host.allocator.refcount[index] == 0].tolist())
 
+    def _moved(self, node: Node, tier: str, stored: bool) -> None:
+        for listener in self.listeners:
+            listener.moved(node, tier, stored)
+
     def _unlink(self, node: Node) -> None:
         """Take ``node`` (unlocked) out of the tree with the host-only nodes below it, dropping
         their host copies; the caller drops ``node``'s device pages. Each is a leaf when its
@@ -481,12 +490,12 @@ class RadixTree:
             stack.extend(n.children.values())
         listeners = self.listeners
         for n in reversed(order):  # children before their parents
+            for listener in listeners:
+                listener.evicted(n)
             del n.parent.children[n.key[:4]]
             n.evicted = True
             if n.host_pages:
                 self._drop_host_copy(n)
-            for listener in listeners:
-                listener.evicted(n)
         self._num_nodes -= len(order)
         self.stats.evicted_nodes += len(order)
 

@@ -10,6 +10,16 @@ one::
     blocks              [ block 0 ][ block 1 ][ 32..41: not a block yet ]
     insert to 50                              [ block 2 stored (ends at 48) ]
     evict a leaf [20, 50)        block 1 and block 2 removed; block 0 stays (ends at 16 <= 20)
+
+With a host tier (radix/host.py) the same blocks are stored in and removed from each tier as
+the tree moves a node between them, with vLLM's ``medium`` names: ``"GPU"`` for the device
+pool (on any device), ``"CPU"`` for host memory (vLLM's KV offloading publishes its CPU
+blocks so). A node written down to the host tier stores its blocks on ``"CPU"``; dropped from
+the device, it removes them from ``"GPU"``; loaded back, it stores them on ``"GPU"`` again. A
+gateway that ignores ``medium`` sees a block removed from one tier after it was stored in
+the other, and should keep a block while any tier holds it (tokenizer_worker/replica_cache.py
+does). The disk tier (engine/contracts/disk_cache.py) publishes nothing: its files are shared
+by every server on the machine, and what one trims the others cannot report.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import numpy as np
 import zmq
 
 from engine.contracts.kv_events import (
+    HOST_MEDIUM,
     MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
@@ -31,6 +42,7 @@ from engine.contracts.kv_events import (
     binds,
     chain_hashes,
 )
+from radix.node import DEVICE
 from radix.tree import Node, RadixTree
 
 
@@ -65,45 +77,73 @@ class BlockEvents:
         return range(cached // self.block_size, total // self.block_size)
 
     def inserted(self, leaf: Node, key: bytes, cached: int, namespace: Hashable) -> None:
-        root = leaf
-        while root.parent is not None:
-            root = root.parent
-        self._namespaces[root] = namespace
+        self._namespaces[self._root(leaf)] = namespace
         blocks = self._blocks(cached, len(key) // 4)
         if not blocks:
             return
+        tokens = np.frombuffer(key, dtype=np.int32, count=blocks.stop * self.block_size)
+        hashes = chain_hashes(namespace, tokens, self.block_size)
+        self._stored(hashes, tokens, blocks.start, namespace, MEDIUM)
+
+    def _stored(self, hashes: list[int], tokens: np.ndarray, first: int, namespace: Hashable,
+                medium: str) -> None:
+        """Blocks ``first`` on of a path (its ``hashes`` and ``tokens`` from position 0)."""
         size = self.block_size
-        tokens = np.frombuffer(key, dtype=np.int32, count=blocks.stop * size)
-        hashes = chain_hashes(namespace, tokens, size)
-        first = blocks.start
         extra = None
         if namespace is not None:
-            extra = [(str(namespace),) if k == 0 else None for k in blocks]
+            extra = [(str(namespace),) if k == 0 else None for k in range(first, len(hashes))]
         self.pending.append(BlockStored(
             block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
             token_ids=tokens[first * size :].tolist(), block_size=size, lora_id=None,
-            medium=MEDIUM, lora_name=None, extra_keys=extra))
+            medium=medium, lora_name=None, extra_keys=extra))
 
     def evicted(self, node: Node) -> None:
-        parts = []
-        root = node
-        while root.parent is not None:
-            parts.append(root.key)
-            root = root.parent
+        root = self._root(node)
         namespace = self._namespaces[root]
-        if not root.children:
-            del self._namespaces[root]
+        if node.parent is root and len(root.children) == 1:
+            del self._namespaces[root]  # its last node goes
+        for medium, held in ((MEDIUM, node.pages), (HOST_MEDIUM, node.host_pages)):
+            if held:
+                self._removed(node, namespace, medium)
+
+    def moved(self, node: Node, tier: str, stored: bool) -> None:
+        medium = MEDIUM if tier == DEVICE else HOST_MEDIUM
+        namespace = self._namespaces[self._root(node)]
+        if not stored:
+            self._removed(node, namespace, medium)
+            return
+        blocks = self._blocks(node.start, node.end)
+        if blocks:
+            tokens = self._path_tokens(node, blocks.stop)
+            hashes = chain_hashes(namespace, tokens, self.block_size)
+            self._stored(hashes, tokens, blocks.start, namespace, medium)
+
+    @staticmethod
+    def _root(node: Node) -> Node:
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    def _path_tokens(self, node: Node, num_blocks: int) -> np.ndarray:
+        """The first ``num_blocks`` blocks' tokens of the path to ``node``."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        parts.reverse()
+        return np.frombuffer(b"".join(parts), dtype=np.int32, count=num_blocks * self.block_size)
+
+    def _removed(self, node: Node, namespace: Hashable, medium: str) -> None:
         blocks = self._blocks(node.start, node.end)
         if not blocks:
             return
-        parts.reverse()
-        tokens = np.frombuffer(b"".join(parts), dtype=np.int32, count=blocks.stop * self.block_size)
+        tokens = self._path_tokens(node, blocks.stop)
         hashes = chain_hashes(namespace, tokens, self.block_size)[blocks.start :]
         last = self.pending[-1] if self.pending else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.extend(hashes)  # one event for a step's evictions
         else:
-            self.pending.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM))
+            self.pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
 
     def cleared(self) -> None:
         self._namespaces.clear()

@@ -154,6 +154,9 @@ class SuffixIndex:
         run.node = node.parent
         self._by_node[node.parent] = run_id
 
+    def moved(self, node: Node, tier: str, stored: bool) -> None:
+        """A node moving between tiers stays in the tree: its tokens stay draftable."""
+
     def cleared(self) -> None:
         self._runs.clear()
         self._order.clear()

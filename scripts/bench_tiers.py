@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, name: str, extra: list[str], work: Path) -> di
                 "--conversations", str(args.conversations), "--turns", str(args.turns),
                 "--head", str(args.head), "--question", str(args.question),
                 "--output-len", str(args.output_len), "--concurrency", str(args.concurrency),
-                "--repeats", str(args.repeats), "--pause", "1"]
+                "--repeats", str(args.repeats), "--pause", "1", "--seed", str(args.seed)]
         report = asyncio.run(bench_serving.bench(bench_serving.parse_args(argv)))
     finally:
         proc.terminate()
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1,
+                        help="the traffic's seed: every setup gets the same user turns")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-tiers-"))

@@ -29,8 +29,9 @@ class Engine:
     """One replica's radix tree publishing its events as the scheduler process does: one
     batch per step that changed the tree, sequence numbers from 0."""
 
-    def __init__(self, page_size: int = 4, block_size: int = 4, num_pages: int = 256) -> None:
-        self.sim = Sim(num_pages=num_pages, page_size=page_size)
+    def __init__(self, page_size: int = 4, block_size: int = 4, num_pages: int = 256,
+                 host_pages: int = 0) -> None:
+        self.sim = Sim(num_pages=num_pages, page_size=page_size, host_pages=host_pages)
         self.events = BlockEvents(block_size)
         self.events.attach(self.sim.tree)
         self.sequence = 0
@@ -63,12 +64,15 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- the replica cache copy
+@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("page_size,block_size", [(1, 1), (4, 4), (16, 16), (16, 8), (4, 6)])
-def test_the_copy_matches_what_the_tree_caches(page_size, block_size):
+def test_the_copy_matches_what_the_tree_caches(page_size, block_size, host):
     """Under random caching, eviction and resets, a prompt's match in the copy is the tree's
-    own longest cached prefix, in whole blocks."""
+    own longest cached prefix, in whole blocks; with a host tier, blocks moving between the
+    tiers ("GPU" and "CPU" events) stay matched while either holds them."""
     rng = random.Random(page_size * 31 + block_size)
-    engine = Engine(page_size, block_size, num_pages=max(8, 400 // page_size))
+    engine = Engine(page_size, block_size, num_pages=max(8, 400 // page_size),
+                    host_pages=max(8, 600 // page_size) if host else 0)
     copy = ReplicaCache(block_size)
     heads = [[rng.randrange(40) for _ in range(rng.randrange(1, 50))] for _ in range(6)]
     for step in range(300):
@@ -81,6 +85,7 @@ def test_the_copy_matches_what_the_tree_caches(page_size, block_size):
                 pass
         elif op < 0.97:
             engine.sim.tree.evict(rng.randrange(1, 10))
+            engine.sim.run_moves()
         elif sum(len(node.pages) for node in engine.sim.tree.iter_nodes()) <= engine.sim.alloc.num_pages:
             # (radix/pages.py refuses one eviction whose page lists, with the pages split
             # nodes share, add up to more than the pool: reported, not ours to change)

@@ -169,6 +169,68 @@ def test_events_track_the_tree_exactly(page_size, block_size):
         sim.check()
 
 
+def tree_blocks_by_medium(tree, block_size: int) -> dict[str, set[int]]:
+    """Every whole block by the tiers of the node that holds its last token, from scratch."""
+    media: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+    for namespace, root in tree._roots.items():
+        stack = [(root, [], None)]
+        while stack:
+            node, prefix, parent = stack.pop()
+            path = prefix + np.frombuffer(node.key, dtype=np.int32).tolist()
+            for end in range(block_size, len(path) + 1, block_size):
+                if end <= len(prefix):
+                    continue
+                parent = reference_hash(parent, namespace, path[end - block_size : end])
+                for medium, held in (("GPU", node.pages), ("CPU", node.host_pages)):
+                    if held:
+                        media[medium].add(parent)
+            last = None
+            for end in range(block_size, len(path) + 1, block_size):
+                last = reference_hash(last, namespace, path[end - block_size : end])
+            stack.extend((child, path, last) for child in node.children.values())
+    return media
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through", "write_through_selective"])
+@pytest.mark.parametrize("page_size,block_size", [(1, 4), (4, 4), (16, 5)])
+def test_events_track_both_tiers(page_size, block_size, policy):
+    """With a host tier, each medium's blocks ("GPU" for the device, "CPU" for host memory)
+    follow the tree's nodes as they move between tiers, are loaded back and leave."""
+    rng = random.Random(page_size * 7 + block_size)
+    sim = Sim(num_pages=max(8, 160 // page_size), page_size=page_size,
+              host_pages=max(8, 240 // page_size), policy=policy)
+    events = BlockEvents(block_size)
+    events.attach(sim.tree)
+    media: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+    heads = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    for step in range(400):
+        op = rng.random()
+        if op < 0.55 or not sim.running:
+            tokens = list(rng.choice(heads)) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+            tokens = tokens[: rng.randrange(2, len(tokens) + 1)]
+            try:
+                sim.admit(tokens, rng.choice([None, "tenant-a"]))
+            except OutOfPages:
+                pass
+        elif op < 0.9:
+            sim.finish(rng.choice(sim.running), cache=rng.random() < 0.9)
+        else:
+            sim.tree.evict(rng.randrange(1, 12))
+            sim.run_moves()
+        for event in events.take():
+            name = type(event).__name__
+            held = media[event.medium]
+            if name == "BlockStored":
+                assert not held & set(event.block_hashes), f"stored twice on {event.medium}"
+                held.update(event.block_hashes)
+            else:
+                assert set(event.block_hashes) <= held, f"removed from {event.medium} unstored"
+                held.difference_update(event.block_hashes)
+        assert media == tree_blocks_by_medium(sim.tree, block_size), f"step {step}"
+        sim.check()
+    assert media["CPU"], "nothing reached the host tier"
+
+
 def test_salted_paths_differ_and_name_their_salt():
     sim = Sim(num_pages=64, page_size=4)
     events = BlockEvents(4)

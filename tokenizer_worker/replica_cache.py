@@ -42,7 +42,9 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 class ReplicaCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.blocks: set[int] = set()
+        # per medium (the device's "GPU", the host tier's "CPU"): a block is cached while any
+        # tier holds it
+        self.media: dict[str | None, set[int]] = {}
         self.coming: Counter[int] = Counter()
         self.next_sequence = 0
         self.resets = 0
@@ -57,22 +59,27 @@ class ReplicaCache:
                 if event.block_size != self.block_size:
                     raise ValueError(f"KV events of {event.block_size}-token blocks, expected "
                                      f"{self.block_size}")
-                self.blocks.update(event.block_hashes)
+                self.media.setdefault(event.medium, set()).update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                self.blocks.difference_update(event.block_hashes)
+                self.media.get(event.medium, set()).difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                self.blocks.clear()
+                self.media.clear()
+
+    @property
+    def blocks(self) -> set[int]:
+        """Every block some tier holds."""
+        return set().union(*self.media.values())
 
     def drop(self) -> None:
         """Forget everything cached (a gap in the events, or the replica died)."""
-        self.blocks.clear()
+        self.media.clear()
         self.resets += 1
 
     def match(self, hashes: list[int]) -> int:
         """Leading blocks of a prompt (its chained hashes) cached here or coming."""
-        blocks, coming = self.blocks, self.coming
+        tiers, coming = list(self.media.values()), self.coming
         for k, h in enumerate(hashes):
-            if h not in blocks and h not in coming:
+            if h not in coming and not any(h in tier for tier in tiers):
                 return k
         return len(hashes)
 

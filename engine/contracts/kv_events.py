@@ -16,7 +16,8 @@ scheduler step that changed the tree, ``[topic, sequence number (8 bytes big-end
 msgpack payload]``; the payload is the array ``[ts, events, data_parallel_rank]`` and each
 event a map tagged ``"type"`` (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``). A
 non-empty namespace (cache salt) rides in ``extra_keys`` of the path's first block, as vLLM
-sends its cache salt. ``medium`` is ``"GPU"``: vLLM's name for the device tier, on any device.
+sends its cache salt. ``medium`` is ``"GPU"``, vLLM's name for the device tier, on any device,
+or ``"CPU"`` for the host tier, the name vLLM's KV offloading gives its CPU blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import msgspec
 import numpy as np
 
 MEDIUM = "GPU"
+HOST_MEDIUM = "CPU"
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

@@ -28,7 +28,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from engine.contracts.kv_events import (
+    HOST_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 
 logger = logging.getLogger("radixserve.grpc")
 
@@ -122,7 +128,7 @@ class KvEventRelay:
             elif isinstance(event, BlockRemoved):
                 data = {"removed": pb.KvBlocksRemoved(
                     block_hashes=[signed64(h) for h in event.block_hashes],
-                    medium=event.medium, tier=pb.KV_CACHE_TIER_DEVICE)}
+                    medium=event.medium, tier=self._tier(event.medium))}
             elif isinstance(event, AllBlocksCleared):
                 data = {"cleared": pb.KvCacheCleared()}
             else:
@@ -131,6 +137,11 @@ class KvEventRelay:
             self.next_event_id += 1
         return pb.KvEventBatch(sequence_number=sequence, timestamp=batch.ts, events=events,
                                dp_rank=batch.data_parallel_rank or 0)
+
+    def _tier(self, medium: str | None) -> int:
+        """smg's tier for a vLLM medium: host memory for "CPU", else the device."""
+        pb = self.pb
+        return pb.KV_CACHE_TIER_HOST if medium == HOST_MEDIUM else pb.KV_CACHE_TIER_DEVICE
 
     def _stored(self, event: BlockStored) -> Any:
         pb, size = self.pb, event.block_size
@@ -143,7 +154,7 @@ class KvEventRelay:
                 block_size=size,
                 extra_keys=[pb.KvBlockExtraKey(text=str(key)) for key in keys or ()]))
         stored = pb.KvBlocksStored(blocks=blocks, medium=event.medium,
-                                   tier=pb.KV_CACHE_TIER_DEVICE,
+                                   tier=self._tier(event.medium),
                                    locality=pb.KV_CACHE_LOCALITY_LOCAL)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = signed64(event.parent_block_hash)
