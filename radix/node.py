@@ -120,7 +120,7 @@ class TreeListener(Protocol):
 
     ``inserted``: ``leaf`` now ends a path of ``key`` (int32 token ids, packed) in ``namespace``,
     whose tokens from ``cached`` on were not in the tree before (on the device). ``evicted``:
-    ``node`` (a leaf) is being unlinked; its ``parent`` chain still leads to its root, and its
+    ``node`` (a leaf) was unlinked; its ``parent`` chain still leads to its root, and its
     ``pages`` / ``host_pages`` still say which tiers it leaves. ``moved``: ``node`` stays in the
     tree but its KV was stored in (``stored``) or dropped from the device (``DEVICE``) or the
     host tier (``HOST``). ``cleared``: a reset left the tree empty."""

@@ -490,10 +490,10 @@ class RadixTree:
             stack.extend(n.children.values())
         listeners = self.listeners
         for n in reversed(order):  # children before their parents
-            for listener in listeners:
-                listener.evicted(n)
             del n.parent.children[n.key[:4]]
             n.evicted = True
+            for listener in listeners:  # its page lists still say which tiers it leaves
+                listener.evicted(n)
             if n.host_pages:
                 self._drop_host_copy(n)
         self._num_nodes -= len(order)

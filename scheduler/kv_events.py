@@ -100,8 +100,8 @@ class BlockEvents:
     def evicted(self, node: Node) -> None:
         root = self._root(node)
         namespace = self._namespaces[root]
-        if node.parent is root and len(root.children) == 1:
-            del self._namespaces[root]  # its last node goes
+        if not root.children:
+            del self._namespaces[root]  # its last node went
         for medium, held in ((MEDIUM, node.pages), (HOST_MEDIUM, node.host_pages)):
             if held:
                 self._removed(node, namespace, medium)

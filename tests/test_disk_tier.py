@@ -177,3 +177,40 @@ def test_store_files_are_private(tmp_path):
     assert store.read("ef" * 16, 16, 999) is None  # a header that does not match: skipped
     assert not path.exists()
     assert not list(store.dir.glob("*/.*.tmp"))
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk", "both"])
+def test_the_profilers_replay_agrees_with_the_engine(model_dir, tmp_path, tiers):  # noqa: F811
+    """The same requests served by the scheduler and worker and replayed by the profiler with
+    the same tiers (engine/profiler/replay.py): hits per tier agree within 2 points of the
+    prompt tokens."""
+    from engine.profiler.replay import Tiers, replay
+    from engine.profiler.trace import ReplayRequest
+
+    page_size, num_pages, host_pages = 16, 24, 128
+    options = {"num_pages": num_pages}
+    if tiers in ("host", "both"):
+        options["host_cache_gb"] = host_cache_gb(model_dir, host_pages, page_size)
+    h = disk_harness(model_dir, tmp_path, **options) if tiers != "host" else Harness(
+        model_dir, page_size=page_size, chunked_prefill_size=48, max_prefill_tokens=96, **options)
+    prefixes = prompts_with_prefixes(10, 100, seed=12)
+    rng = np.random.default_rng(13)
+    prompts = [p[:100] + rng.integers(3, 4000, 5).tolist() for _ in range(3) for p in prefixes]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        h.add(str(i), p, params)
+        h.run()
+    finals = [h.finals[str(i)][0] for i in range(len(prompts))]
+    served = {"host": sum(f.cached_tokens_host or 0 for f in finals),
+              "disk": sum(f.cached_tokens_disk or 0 for f in finals)}
+    served["device"] = sum(f.cached_tokens for f in finals) - served["host"] - served["disk"]
+    requests = [ReplayRequest(str(i), float(i), np.asarray(p, dtype=np.int32),
+                              np.asarray(h.outputs[str(i)][0], dtype=np.int32), None)
+                for i, p in enumerate(prompts)]
+    run = replay(requests, num_pages, page_size, tiers=Tiers(
+        host_pages if tiers != "disk" else 0, disk_tokens=10**6 if tiers != "host" else 0))
+    replayed = {tier: int(cached.sum()) for tier, cached in run.by_tier().items()}
+    total = sum(len(p) for p in prompts)
+    assert served["disk"] + served["host"] > 0.4 * total
+    for tier, count in replayed.items():
+        assert abs(count - served[tier]) <= 0.02 * total, (tier, served, replayed)

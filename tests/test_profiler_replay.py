@@ -1,4 +1,5 @@
-"""The radix replay with requests overlapping in time and with a host tier (engine/profiler/replay.py)."""
+"""The radix replay with requests overlapping in time and with a host and a disk tier
+(engine/profiler/replay.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 
 from engine.cli import main
-from engine.profiler.replay import ServiceModel, replay
+from engine.profiler.replay import ServiceModel, Tiers, replay
 from engine.profiler.simulate import replay_radix, replay_unlimited
 from engine.profiler.trace import ReplayRequest
 
@@ -96,20 +97,40 @@ def test_live_measurements_replace_the_rates_and_the_arrivals():
 def test_the_host_tier_serves_what_the_device_evicted():
     a, b = [1] * 60 + [2], [3] * 60 + [4]
     requests = [req("r0", 0, a), req("r1", 1, b), req("r2", 2, a[:-1] + [5])]
-    no_host = replay(requests, 5, 16)  # room for one request: r1 evicts r0
+    no_host = replay(requests, 6, 16)  # room for one request: r1 evicts r0
     assert no_host.cached.tolist() == [0, 0, 0]
-    run = replay(requests, 5, 16, host_pages=64)
+    # r2 needs 6 pages: 4 to load r0's 60 tokens into (a partial page at 60) and 2 of its own
+    run = replay(requests, 6, 16, tiers=Tiers(64))
     assert run.cached.tolist() == [0, 0, 0]
     assert run.host_cached.tolist() == [0, 0, 60]  # found on host, loaded instead of computed
-    small_host = replay(requests, 5, 16, host_pages=5)  # the host evicted it too
+    small_host = replay(requests, 6, 16, tiers=Tiers(4))  # no room for r0's 5 pages
     assert small_host.host_cached.tolist() == [0, 0, 0]
+    # write_through copies r0 down as it is cached: the same hit, by another route
+    through = replay(requests, 6, 16, tiers=Tiers(64, "write_through"))
+    assert through.host_cached.tolist() == [0, 0, 60]
+
+
+def test_the_disk_tier_serves_whole_blocks_past_the_tree():
+    """r0 is evicted from a one-request pool; its whole 16-token blocks, written through to the
+    disk tier, serve r2 (whose match may go to 60 tokens: 3 whole blocks); a disk too small
+    for r0's first block by the time r2 comes serves nothing (the chain starts at block 0)."""
+    a, b = [1] * 60 + [2], [3] * 60 + [4]
+    requests = [req("r0", 0, a), req("r1", 1, b), req("r2", 2, a[:-1] + [5])]
+    run = replay(requests, 5, 16, tiers=Tiers(disk_tokens=4096))
+    assert run.cached.tolist() == [0, 0, 0] and run.host_cached is None
+    assert run.disk_cached.tolist() == [0, 0, 48]
+    small = replay(requests, 5, 16, tiers=Tiers(disk_tokens=64))  # b's 4 blocks push a's out
+    assert small.disk_cached.tolist() == [0, 0, 0]
+    both = replay(requests, 6, 16, tiers=Tiers(64, disk_tokens=4096))
+    assert both.host_cached.tolist() == [0, 0, 60] and both.disk_cached.tolist() == [0, 0, 0]
 
 
 def test_replay_radix_reports_the_new_fields():
     requests = group(4, 0.001)
     run = replay_radix(requests, 1024, 16, service=ServiceModel(10_000, head_wait=False),
-                       host_pages=2048)
+                       tiers=Tiers(2048, disk_tokens=4096))
     assert run.visible is not None and run.host_cached is not None and run.peak_running == 4
+    assert run.disk_cached is not None and set(run.by_tier()) == {"device", "host", "disk"}
 
 
 prompts = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=48), min_size=1, max_size=24)
@@ -120,22 +141,25 @@ prompts = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=48), min_siz
        gaps=st.lists(st.floats(0, 0.01), min_size=24, max_size=24),
        prefill_tps=st.sampled_from([None, 2_000.0, 20_000.0]),
        decode_tps=st.sampled_from([None, 500.0]), host=st.sampled_from([0, 8, 200]),
-       cap=st.sampled_from([None, 1, 3]))
+       cap=st.sampled_from([None, 1, 3]), disk=st.sampled_from([0, 32, 4096]),
+       write_policy=st.sampled_from(["write_back", "write_through", "write_through_selective"]))
 def test_hits_never_exceed_what_was_visible_or_what_an_unlimited_serial_cache_finds(
-        prompts, page_size, num_pages, gaps, prefill_tps, decode_tps, host, cap):
+        prompts, page_size, num_pages, gaps, prefill_tps, decode_tps, host, cap, disk,
+        write_policy):
     arrivals = np.cumsum(gaps[: len(prompts)])
     requests = [req(f"r{i}", float(t), p, output_len=2)
                 for i, (t, p) in enumerate(zip(arrivals, prompts, strict=True))]
     num_pages += -(-50 // page_size)  # at least one request's worth
     service = ServiceModel(prefill_tps, decode_tps, max_concurrency=cap)
-    run = replay(requests, num_pages, page_size, service=service, host_pages=host)
+    run = replay(requests, num_pages, page_size, service=service,
+                 tiers=Tiers(host, write_policy, disk))
     unlimited = replay_unlimited(requests, page_size).cached
     prompt_len = np.array([len(p) for p in prompts])
     assert (run.cached <= prompt_len - 1).all()
     visible = run.visible if run.visible is not None else unlimited
     assert (run.cached <= visible).all() and (visible <= unlimited).all()
-    if host:
-        assert (run.host_cached >= 0).all() and (run.cached + run.host_cached <= visible).all()
+    total = run.cached + (run.host_cached if host else 0) + (run.disk_cached if disk else 0)
+    assert (total <= visible).all() and (total <= prompt_len - 1).all()
 
 
 def _rows(path) -> list[dict[str, str]]:

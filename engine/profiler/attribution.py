@@ -12,8 +12,9 @@ timeline (V = U when requests do not overlap) and R the configured cache's hit::
     prompt = R + cold + in flight + evicted,
     cold = prompt - U,   in flight = U - V,   evicted = V - R
 
-With a host tier, H of the evicted tokens were found there (loaded, not recomputed): the
-``host_hit`` part of ``evicted``, H <= V - R.
+With a host tier, H of the evicted tokens were found there, and with a disk tier D more
+(loaded, not recomputed): the ``host_hit`` and ``disk_hit`` parts of ``evicted``,
+H + D <= V - R.
 
 Block hashing loses what token matching finds past its last whole 16-token block, U - Bu with
 Bu the unlimited block-hash hit (the extra hits of token matching with the capacity question
@@ -48,6 +49,7 @@ class Attribution:
     in_flight: int
     evicted: int
     host_hit: int
+    disk_hit: int
     block_hit: int
     short_head: int
     block_granularity: int
@@ -72,14 +74,15 @@ def per_request(profile: Profile) -> dict[str, np.ndarray]:
     block, block_unlimited = profile.block.cached, profile.block_unlimited.cached
     short_head = np.where(unlimited < BLOCK_SIZE, unlimited, 0)
     visible = profile.radix.visible if profile.radix.visible is not None else unlimited
-    host = profile.radix.host_cached
-    host = host if host is not None else np.zeros_like(radix)
+    host, disk = (tier if tier is not None else np.zeros_like(radix)
+                  for tier in (profile.radix.host_cached, profile.radix.disk_cached))
     parts = {
         "cold": prompt - unlimited,
         "in_flight": unlimited - visible,
         "evicted": visible - radix,
         "host_hit": host,
-        "evicted_beyond_host": visible - radix - host,
+        "disk_hit": disk,
+        "evicted_beyond_tiers": visible - radix - host - disk,
         "short_head": short_head,
         "block_granularity": unlimited - block_unlimited - short_head,
         "block_evicted": block_unlimited - block,
@@ -102,6 +105,7 @@ def attribute(profile: Profile) -> Attribution:
         in_flight=int(parts["in_flight"].sum()),
         evicted=int(parts["evicted"].sum()),
         host_hit=int(parts["host_hit"].sum()),
+        disk_hit=int(parts["disk_hit"].sum()),
         block_hit=int(profile.block.cached.sum()),
         short_head=int(parts["short_head"].sum()),
         block_granularity=int(parts["block_granularity"].sum()),

@@ -66,6 +66,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--no-head-wait", action="store_true",
                         help="admit a request at once even when another one is prefilling its "
                              "shared head (vLLM does; radixserve and SGLang hold it back)")
+    timing.add_argument("--cache-write-policy", default="write_back",
+                        choices=("write_back", "write_through", "write_through_selective"),
+                        help="when the host tier gets a copy, as serve's flag (default "
+                             "write_back: when the device evicts it)")
+    disk = timing.add_mutually_exclusive_group()
+    disk.add_argument("--disk-cache-tokens", type=int,
+                      help="a disk tier of this many tokens, as serve's --disk-cache-dir "
+                           "(written through in whole blocks, loaded past the tree's match)")
+    disk.add_argument("--disk-cache-gb", type=float, metavar="G",
+                      help="the disk tier's size in GiB instead (needs --checkpoint or "
+                           "--kv-bytes-per-token)")
     host = timing.add_mutually_exclusive_group()
     host.add_argument("--host-cache-tokens", type=int,
                       help="a host tier of this many tokens behind the cache, written through "
@@ -124,7 +135,8 @@ def _kv_bytes(args: argparse.Namespace) -> Any:
                             if args.kv_bytes_per_token else ""))
     if args.kv_bytes_per_token is not None:
         return KVBytes(args.kv_bytes_per_token)
-    for flag, value in (("--cache-gb", args.cache_gb), ("--host-cache-gb", args.host_cache_gb)):
+    for flag, value in (("--cache-gb", args.cache_gb), ("--host-cache-gb", args.host_cache_gb),
+                        ("--disk-cache-gb", args.disk_cache_gb)):
         if value is not None:
             raise ValueError(f"{flag} needs the bytes of a cached token: pass --checkpoint "
                              "DIR|FILE.gguf (a model's config is read, not its weights) or "
@@ -151,11 +163,13 @@ def _num_pages(args: argparse.Namespace, kv: Any) -> int:
     return max(1, cache_tokens // args.page_size)
 
 
-def _host_tokens(args: argparse.Namespace, kv: Any) -> int | None:
-    """The host tier's size in tokens, whole pages when given in GiB; None: no host tier."""
-    if args.host_cache_gb is not None:
-        return _pages_in(kv, args.host_cache_gb, "--host-cache-gb", args.page_size) * args.page_size
-    return args.host_cache_tokens
+def _tier_tokens(args: argparse.Namespace, kv: Any, tier: str) -> int | None:
+    """A tier's size in tokens (``tier``: host or disk), whole pages when given in GiB; None:
+    no such tier."""
+    gb = getattr(args, f"{tier}_cache_gb")
+    if gb is not None:
+        return _pages_in(kv, gb, f"--{tier}-cache-gb", args.page_size) * args.page_size
+    return getattr(args, f"{tier}_cache_tokens")
 
 
 def _parse_sweep(spec: str | None) -> list[int] | str | None:
@@ -184,21 +198,24 @@ def _service(args: argparse.Namespace) -> Any:
 def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | None,
              progress: bool, kv: Any) -> Any:
     """Replay, print the report, write the files; returns the profile."""
+    from engine.profiler.replay import Tiers
     from engine.profiler.report import format_text, summarize, write_outputs
     from engine.profiler.simulate import run_profile, run_sweep, sweep_sizes
 
     service = _service(args)
-    host_tokens = _host_tokens(args, kv)
-    host_pages = -(-(host_tokens or 0) // args.page_size)
+    host_tokens, disk_tokens = _tier_tokens(args, kv, "host"), _tier_tokens(args, kv, "disk")
+    tiers = Tiers(-(-(host_tokens or 0) // args.page_size), args.cache_write_policy,
+                  disk_tokens or 0)
     profile = run_profile(requests, _num_pages(args, kv), args.page_size, args.policy, progress,
-                          service, host_pages)
+                          service, tiers)
+    profile.tiers = tiers
     sweep = None
     if sizes == "auto":
         sizes = sweep_sizes(requests, args.page_size, profile.unlimited.peak_tokens)
     if sizes:
         sweep = run_sweep(requests, sizes, args.page_size, args.policy, progress, service, kv)
     summary = summarize(profile, args.trace.name, args.windows, sweep, args.block_tokens,
-                        service.describe(), host_tokens, kv)
+                        service.describe(), host_tokens, kv, disk_tokens)
     print(format_text(summary))
     if args.out:
         from engine.profiler.plots import write_plots
@@ -226,7 +243,8 @@ def _live(args: argparse.Namespace, trace: list, profile: Any, progress: bool) -
                                      args.max_concurrency, args.timeout, progress)
     except LiveError as exc:
         return _fail(str(exc), 1)
-    simulated = profile.radix.cached if profile is not None else None
+    # every tier's hits: what the server's cached_tokens counts
+    simulated = sum(profile.radix.by_tier().values()) if profile is not None else None
     local = profile.prompt_tokens if profile is not None else None
     label = profile.radix.label if profile is not None else None
     summary = summarize_live(results, model, args.url, simulated, label, local)
@@ -255,17 +273,24 @@ def _timed_simulation(args: argparse.Namespace, profile: Any, results: list,
     and finished when the server did it): what is left of the gap is the server's doing."""
     import numpy as np
 
-    from engine.profiler.live import measured_times
+    from engine.profiler.live import measured_times, tier_tokens
     from engine.profiler.replay import ServiceModel
     from engine.profiler.simulate import replay_radix
 
     service = ServiceModel(measured=measured_times(results), max_concurrency=args.max_concurrency)
     run = replay_radix(profile.requests, profile.num_pages, profile.page_size, profile.policy,
-                       "radix on the live timeline", service=service)
+                       "radix on the live timeline", service=service, tiers=profile.tiers)
     ok = np.array([r.error is None and r.prompt_tokens is not None for r in results])
-    hit_rate = float(run.cached[ok].sum() / max(1, profile.prompt_tokens[ok].sum()))
+    total = max(1, profile.prompt_tokens[ok].sum())
+    replayed = {tier: float(cached[ok].sum() / total) for tier, cached in run.by_tier().items()}
+    measured = {tier: float(cached[ok].sum() / total)
+                for tier, cached in tier_tokens(results).items() if tier in replayed}
+    hit_rate = sum(replayed.values())
     return {"hit_rate": hit_rate, "gap_points": 100 * (summary["hit_rate"] - hit_rate),
-            "peak_running": run.peak_running}
+            "peak_running": run.peak_running,
+            "tiers": {tier: {"live": measured[tier], "replay": replayed[tier],
+                             "gap_points": 100 * (measured[tier] - replayed[tier])}
+                      for tier in replayed}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,12 +307,12 @@ def run(args: argparse.Namespace) -> int:
     counts = (args.page_size, args.windows, args.max_concurrency, args.num_pages,
               args.cache_tokens, args.cache_gb, args.rate, args.block_tokens, args.prefill_tps,
               args.decode_tps, args.host_cache_tokens, args.host_cache_gb,
-              args.kv_bytes_per_token)
+              args.disk_cache_tokens, args.disk_cache_gb, args.kv_bytes_per_token)
     if any(value is not None and value <= 0 for value in counts):
         return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens, "
                      "--cache-gb, --rate, --block-tokens, --prefill-tps, --decode-tps, "
-                     "--host-cache-tokens, --host-cache-gb and --kv-bytes-per-token must be "
-                     "positive")
+                     "--host-cache-tokens, --host-cache-gb, --disk-cache-tokens, "
+                     "--disk-cache-gb and --kv-bytes-per-token must be positive")
     try:
         kv = _kv_bytes(args)
     except ValueError as exc:

@@ -38,6 +38,9 @@ class LiveResult:
     sent_at_s: float
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    # of those, loaded from a host / disk tier (radixserve's usage extension; None without)
+    cached_tokens_host: int | None = None
+    cached_tokens_disk: int | None = None
     completion_tokens: int | None = None
     ttft_s: float | None = None
     latency_s: float | None = None
@@ -100,6 +103,8 @@ async def _send(client: httpx.AsyncClient, request: TraceRequest, model: str,
                     result.completion_tokens = usage.get("completion_tokens")
                     details = usage.get("prompt_tokens_details") or {}
                     result.cached_tokens = details.get("cached_tokens")
+                    result.cached_tokens_host = details.get("cached_tokens_host")
+                    result.cached_tokens_disk = details.get("cached_tokens_disk")
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
@@ -247,6 +252,10 @@ def format_live(s: dict[str, Any]) -> str:
                          f"pages from send to finish, {timed['peak_running']} at most at once): "
                          f"{100 * timed['hit_rate']:.1f}%; measured - simulated = "
                          f"{timed['gap_points']:+.1f} points")
+            if len(timed["tiers"]) > 1:
+                lines.append("by tier, measured / simulated on the live timeline: " + ", ".join(
+                    f"{tier} {100 * t['live']:.1f}% / {100 * t['replay']:.1f}% "
+                    f"({t['gap_points']:+.1f} points)" for tier, t in timed["tiers"].items()))
         if sim["prompt_length_mismatches"]:
             lines.append(f"{sim['prompt_length_mismatches']:,} prompts were counted with a "
                          "different length by the server than by the local tokenizer")
@@ -303,6 +312,15 @@ def read_measured(path: str | Path) -> dict[str, tuple[float, float, float]]:
         except ValueError as exc:
             raise TraceError(f"{path}: {exc}") from None
     return server_timeline(sent)
+
+
+def tier_tokens(results: list[LiveResult]) -> dict[str, np.ndarray]:
+    """Measured cached tokens per request by the tier that served them (device, and host /
+    disk when the server reports them); failed requests count 0."""
+    host = np.array([r.cached_tokens_host or 0 for r in results], dtype=np.int64)
+    disk = np.array([r.cached_tokens_disk or 0 for r in results], dtype=np.int64)
+    total = np.array([r.cached_tokens or 0 for r in results], dtype=np.int64)
+    return {"device": total - host - disk, "host": host, "disk": disk}
 
 
 def result_rows(results: list[LiveResult], simulated: np.ndarray | None) -> list[dict[str, Any]]:

@@ -26,24 +26,31 @@ With concurrency a second, unlimited tree follows the same timeline: what the ca
 have served at each admission (``visible``). A prefix that an earlier request was still
 prefilling is then told apart from one that was evicted.
 
-**Host tier** (``host_pages``): a second, larger tree that every request writes through to
-when it is inserted (as SGLang's HiCache does by default), evicting LRU on its own. A request
-first matches the device tree, then the host tree: host tokens past the device match are
-loaded, not recomputed (``host_cached``).
+**Tiers** (``Tiers``), modelled by the engine's own code: a host tier is the tree's own
+``HostTier`` (radix/host.py) with the engine's write policy and the same eviction policy as the
+device, so a request's match reaches into it and loads from it as the scheduler's does
+(``host_cached``: the part of the match found only there). A disk tier (``_Disk``) mirrors
+scheduler/disk.py: whole blocks written through as each request's leases commit and release
+them, kept least recently used first within its capacity, looked up past the tree's match
+from the block that holds its end (``disk_cached``).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.contracts.disk_cache import block_hashes, block_tokens
 from engine.profiler.trace import ReplayRequest
-from radix import Lease, OutOfPages, PageAllocator, RadixTree
+from radix import HostTier, Lease, OutOfPages, PageAllocator, RadixTree
 from radix.eviction import POLICIES
 from scheduler.policy import long_uncached, shared_head
+
+_FINGERPRINT = "00" * 16  # the disk model's block names need one; any will do
 
 
 class CacheTooSmall(ValueError):
@@ -94,9 +101,20 @@ class ServiceModel:
 
 
 @dataclass
+class Tiers:
+    """The tiers below the device cache, as the engine's ``--host-cache-gb``,
+    ``--cache-write-policy`` and ``--disk-cache-dir`` / ``--disk-cache-gb`` make them."""
+
+    host_pages: int = 0
+    write_policy: str = "write_back"
+    disk_tokens: int = 0
+
+
+@dataclass
 class RadixResult:
     cached: np.ndarray  # prompt tokens served by the device cache, per request
     host_cached: np.ndarray | None  # more prompt tokens loaded from the host tier
+    disk_cached: np.ndarray | None  # more prompt tokens loaded from the disk tier
     visible: np.ndarray | None  # what an unlimited cache on the same timeline served
     evicted_pages: int
     peak_pages: int
@@ -104,6 +122,20 @@ class RadixResult:
     dropped: int  # requests run uncached because their match left no room
     waited_s: float  # total time requests waited for room or a concurrency slot
     peak_running: int
+
+    def by_tier(self) -> dict[str, np.ndarray]:
+        return tier_hits(self.cached, self.host_cached, self.disk_cached)
+
+
+def tier_hits(cached: np.ndarray, host_cached: np.ndarray | None,
+              disk_cached: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Cached tokens per request by the tier that served them: the device, then the host and
+    disk tiers that exist."""
+    tiers = {"device": cached}
+    for name, loaded in (("host", host_cached), ("disk", disk_cached)):
+        if loaded is not None:
+            tiers[name] = loaded
+    return tiers
 
 
 def min_pages(requests: list[ReplayRequest], page_size: int) -> int:
@@ -113,11 +145,13 @@ def min_pages(requests: list[ReplayRequest], page_size: int) -> int:
 
 
 class _Tree:
-    """A tree and its allocator; every request goes through a lease."""
+    """A tree and its allocator (and host tier); every request goes through a lease."""
 
-    def __init__(self, num_pages: int, page_size: int, policy: str = "lru") -> None:
+    def __init__(self, num_pages: int, page_size: int, policy: str = "lru", host_pages: int = 0,
+                 write_policy: str = "write_back") -> None:
         self.alloc = PageAllocator(num_pages, page_size)
-        self.tree = RadixTree(self.alloc, eviction_key=POLICIES[policy])
+        self.host = HostTier(host_pages, page_size, write_policy) if host_pages else None
+        self.tree = RadixTree(self.alloc, eviction_key=POLICIES[policy], host=self.host)
 
     def admit(self, prompt: np.ndarray, namespace: str | None, num_tokens: int,
               max_len: int) -> tuple[Lease, list[int]]:
@@ -130,23 +164,46 @@ class _Tree:
             raise
         if copy is not None:
             self.alloc.decref([copy.src])  # the copy has run
+        self.moved()
         return lease, pages
 
-    def hit(self, prompt: np.ndarray, namespace: str | None, max_len: int) -> int:
-        """Tokens of the prompt's cached prefix, matched as a request's (the match is a use of
-        its path) and let go at once: a lookup that holds nothing."""
-        lease = Lease(self.tree, prompt, namespace, max_len)
-        lease.unlock()
-        return lease.length
+    def moved(self) -> None:
+        """The host tier's planned copies have run (nothing to copy in a replay)."""
+        if self.host is not None:
+            self.host.take_moves()
+
+
+class _Disk:
+    """The disk tier as scheduler/disk.py runs it, on block names alone: ``capacity`` tokens of
+    whole blocks, written through (a block present stays as it is), the least recently loaded
+    dropped first."""
+
+    def __init__(self, capacity_tokens: int, page_size: int) -> None:
+        self.block = block_tokens(page_size)
+        self.capacity = capacity_tokens // self.block
+        self.blocks: OrderedDict[str, None] = OrderedDict()
+
+    def lookup(self, tokens: np.ndarray, namespace: str | None, cached: int, limit: int) -> int:
+        """Blocks to load past the tree's ``cached`` tokens (``DiskTier.lookup``), touched."""
+        first, last = cached // self.block, limit // self.block
+        if last * self.block <= cached:
+            return 0
+        found = 0
+        for name in block_hashes(_FINGERPRINT, namespace, tokens[: last * self.block],
+                                 self.block, first):
+            if name not in self.blocks:
+                break
+            self.blocks.move_to_end(name)
+            found += 1
+        return found if (first + found) * self.block > cached else 0
 
     def store(self, tokens: np.ndarray, namespace: str | None) -> None:
-        """Write ``tokens`` through (the host tier): cached at once, held by nobody; skipped
-        when they do not fit even with everything else evicted."""
-        try:
-            lease, pages = self.admit(tokens, namespace, len(tokens), len(tokens))
-        except OutOfPages:
-            return
-        lease.release(pages, tokens)
+        whole = len(tokens) - len(tokens) % self.block
+        for name in block_hashes(_FINGERPRINT, namespace, tokens[:whole], self.block):
+            if name not in self.blocks:
+                self.blocks[name] = None
+                if len(self.blocks) > self.capacity:
+                    self.blocks.popitem(last=False)
 
 
 @dataclass
@@ -155,6 +212,7 @@ class _Running:
     pages: list[int]
     tokens: np.ndarray  # prompt + output
     prompt_len: int
+    loaded: int  # prompt tokens loaded from the disk tier
     shadow: tuple[Lease, list[int]] | None  # its lease on the unlimited tree
     head: tuple | None  # the shared head it is prefilling, that others wait for
 
@@ -167,19 +225,20 @@ class _Replay:
     per-request results. ``serve`` takes the requests one by one, in arrival order."""
 
     def __init__(self, requests: list[ReplayRequest], num_pages: int, page_size: int,
-                 policy: str, service: ServiceModel, host_pages: int) -> None:
+                 policy: str, service: ServiceModel, tiers: Tiers) -> None:
         self.requests = requests
         self.num_pages = num_pages
         self.service = service
-        self.device = _Tree(num_pages, page_size, policy)
-        self.host = _Tree(host_pages, page_size) if host_pages else None
+        self.device = _Tree(num_pages, page_size, policy, tiers.host_pages, tiers.write_policy)
+        self.disk = _Disk(tiers.disk_tokens, page_size) if tiers.disk_tokens else None
         self.shadow: _Tree | None = None
         if service.overlaps:
             total = sum(-(-(len(r.prompt) + len(r.output)) // page_size) for r in requests)
             self.shadow = _Tree(total + 1, page_size)
         n = len(requests)
         self.cached = np.zeros(n, dtype=np.int64)
-        self.host_cached = np.zeros(n, dtype=np.int64) if self.host else None
+        self.host_cached = np.zeros(n, dtype=np.int64) if tiers.host_pages else None
+        self.disk_cached = np.zeros(n, dtype=np.int64) if self.disk else None
         self.visible = np.zeros(n, dtype=np.int64) if self.shadow else None
         self.kv_pages = np.zeros(n, dtype=np.int64)
         self.events: list[tuple[float, int, int, _Running]] = []  # (time, order, kind, run)
@@ -203,13 +262,15 @@ class _Replay:
         run, start = self._admit(r, full, start)
         self.waited += start - arrival
         self.clock = start
-        self.cached[i] = run.lease.length
+        host = run.lease.match.host_length
+        self.cached[i] = run.lease.length - host
+        if self.host_cached is not None:
+            self.host_cached[i] = host
+        if self.disk_cached is not None:
+            self.disk_cached[i] = run.loaded
         if self.shadow is not None:
             run.shadow = self.shadow.admit(r.prompt, r.namespace, len(full), len(r.prompt) - 1)
             self.visible[i] = run.shadow[0].length
-        if self.host is not None:
-            found = self.host.hit(r.prompt, r.namespace, len(r.prompt) - 1)
-            self.host_cached[i] = max(0, found - run.lease.length)
         self.running += 1
         self.peak_running = max(self.peak_running, self.running)
         self.peak_pages = max(self.peak_pages, self._pages_held())
@@ -234,9 +295,10 @@ class _Replay:
         to finish while there is no room; returns the run and when it starts."""
         max_len = len(r.prompt) - 1
         while True:
+            max_len, loaded = self._disk_lookup(r, max_len)
             try:
                 lease, pages = self.device.admit(r.prompt, r.namespace, len(full), max_len)
-                return _Running(lease, pages, full, len(r.prompt), None, None), start
+                return _Running(lease, pages, full, len(r.prompt), loaded, None, None), start
             except OutOfPages:
                 if self.running:
                     start = max(start, self._next_event())  # wait for room
@@ -248,9 +310,20 @@ class _Replay:
                 max_len = 0
                 self.dropped += 1
 
+    def _disk_lookup(self, r: ReplayRequest, limit: int) -> tuple[int, int]:
+        """As the scheduler admits: blocks of the disk tier past the tree's match make the
+        lease end where the first begins. (The lease's length limit, tokens loaded.)"""
+        if self.disk is None or limit <= 0:
+            return limit, 0
+        cached = self.device.tree.peek_prefix(r.prompt, r.namespace, limit)
+        found = self.disk.lookup(r.prompt, r.namespace, cached, limit)
+        if not found:
+            return limit, 0
+        return cached - cached % self.disk.block, found * self.disk.block
+
     def _launch(self, run: _Running, r: ReplayRequest, start: float, head: tuple | None) -> None:
         """Finish ``run`` now (no service model), or schedule its prefill's end and its end."""
-        prefill_s, total_s = self.service.times(r, len(r.prompt) - run.lease.length)
+        prefill_s, total_s = self.service.times(r, len(r.prompt) - run.lease.length - run.loaded)
         if total_s <= 0 or not self.service.overlaps:
             self._finish(run)
             return
@@ -284,8 +357,8 @@ class _Replay:
 
     def _cache(self, run: _Running, num_tokens: int, *, finished: bool) -> None:
         """Cache ``run``'s first ``num_tokens`` in each tree: the leases commit them (a
-        prefill's end) or are released with them (the request's end); the host tier is
-        written through."""
+        prefill's end) or are released with them (the request's end); the disk tier is written
+        through."""
         tokens = run.tokens[:num_tokens]
         leases = [(run.lease, run.pages)] + ([run.shadow] if run.shadow is not None else [])
         for lease, pages in leases:
@@ -293,23 +366,26 @@ class _Replay:
                 lease.release(pages, tokens)
             else:
                 lease.commit(pages, tokens)
-        if self.host is not None:
-            self.host.store(tokens, run.lease.namespace)
+        self.device.moved()
+        if self.disk is not None:
+            self.disk.store(tokens, run.lease.namespace)
 
     def result(self) -> RadixResult:
         """Run what is still in flight to its end; the results, the device tree checked."""
         self._run_until(float("inf"))
         self.device.tree.check()
-        return RadixResult(self.cached, self.host_cached, self.visible,
+        return RadixResult(self.cached, self.host_cached, self.disk_cached, self.visible,
                            self.device.tree.stats.evicted_pages, self.peak_pages, self.kv_pages,
                            self.dropped, self.waited, self.peak_running)
 
 
 def replay(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
-           service: ServiceModel | None = None, host_pages: int = 0,
+           service: ServiceModel | None = None, tiers: Tiers | None = None,
            progress: Iterator[ReplayRequest] | None = None) -> RadixResult:
-    """Replay ``requests`` (in arrival order) through a ``num_pages``-page radix cache."""
-    state = _Replay(requests, num_pages, page_size, policy, service or ServiceModel(), host_pages)
+    """Replay ``requests`` (in arrival order) through a ``num_pages``-page radix cache (and the
+    tiers below it)."""
+    state = _Replay(requests, num_pages, page_size, policy, service or ServiceModel(),
+                    tiers or Tiers())
     for i, r in enumerate(progress if progress is not None else requests):
         state.serve(i, r)
     return state.result()

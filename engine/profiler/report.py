@@ -79,11 +79,12 @@ def trace_blocks(profile: Profile, block_tokens: int) -> dict[str, Any]:
 def summarize(profile: Profile, trace_name: str, windows: int = 10,
               sweep: list[SweepPoint] | None = None,
               trace_block_tokens: int | None = None, service_label: str | None = None,
-              host_tokens: int | None = None, kv: KVBytes | None = None) -> dict[str, Any]:
+              host_tokens: int | None = None, kv: KVBytes | None = None,
+              disk_tokens: int | None = None) -> dict[str, Any]:
     """Everything the report shows, as plain JSON-ready data; ``trace_block_tokens`` is the
     block size of a trace given as block hashes (Mooncake, Bailian), None for token traces;
-    ``service_label`` says how overlapping requests were timed, ``host_tokens`` the host
-    tier's size; ``kv`` the bytes of a cached token, when known (every size in bytes too)."""
+    ``service_label`` says how overlapping requests were timed, ``host_tokens`` and
+    ``disk_tokens`` the tiers' sizes; ``kv`` the bytes of a cached token, when known (every size in bytes too)."""
 
     def in_bytes(tokens: int | None) -> int | None:
         return None if kv is None or tokens is None else tokens * kv.bytes_per_token
@@ -93,7 +94,8 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
     requests = profile.requests
     attribution = attribute(profile)
     total = max(1, int(prompt.sum()))
-    concurrency = host_tier = None
+    concurrency = host_tier = disk_tier = None
+    all_tiers = (attribution.hit + attribution.host_hit + attribution.disk_hit) / total
     if profile.radix.visible is not None:
         concurrency = {"model": service_label, "peak_running": profile.radix.peak_running,
                        "waited_s": round(profile.radix.waited_s, 3)}
@@ -101,7 +103,11 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
         host_tier = {"capacity_tokens": host_tokens, "capacity_bytes": in_bytes(host_tokens),
                      "host_hit_tokens": attribution.host_hit,
                      "host_hit_rate": attribution.host_hit / total,
-                     "total_hit_rate": (attribution.hit + attribution.host_hit) / total}
+                     "total_hit_rate": all_tiers}
+    if profile.radix.disk_cached is not None:
+        disk_tier = {"capacity_tokens": disk_tokens, "capacity_bytes": in_bytes(disk_tokens),
+                     "disk_hit_tokens": attribution.disk_hit,
+                     "disk_hit_rate": attribution.disk_hit / total, "total_hit_rate": all_tiers}
     return {
         "trace": trace_name,
         "requests": len(requests),
@@ -124,6 +130,7 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
         "attribution": attribution.to_json(),
         "concurrency": concurrency,
         "host_tier": host_tier,
+        "disk_tier": disk_tier,
         "trace_blocks": (trace_blocks(profile, trace_block_tokens)
                          if trace_block_tokens is not None else None),
         "cached_tokens_per_request": {
@@ -182,8 +189,14 @@ def format_text(s: dict[str, Any]) -> str:
            f"{s['host_tier']['host_hit_tokens']:,} of the {att['evicted']:,} evicted tokens "
            f"found there (loaded, not recomputed); hit rate device "
            f"{_pct(s['caches'][0]['hit_rate'])} + host {_pct(s['host_tier']['host_hit_rate'])}"
-           f" = {_pct(s['host_tier']['total_hit_rate'])}"]
+           + (f" + disk {_pct(s['disk_tier']['disk_hit_rate'])}" if s["disk_tier"] else "")
+           + f" = {_pct(s['host_tier']['total_hit_rate'])}"]
           if s["host_tier"] else []),
+        *([f"disk tier of {_n(s['disk_tier']['capacity_tokens'])} tokens"
+           + (f" ({format_bytes(s['disk_tier']['capacity_bytes'])})" if kv else "") + ": "
+           f"{s['disk_tier']['disk_hit_tokens']:,} of the {att['evicted']:,} evicted tokens "
+           f"loaded from it; hit rate in all tiers {_pct(s['disk_tier']['total_hit_rate'])}"]
+          if s["disk_tier"] else []),
         f"token matching over 16-token blocks: "
         f"+{att['short_head'] + att['block_granularity']:,} hit tokens = shared head shorter "
         f"than one block {att['short_head']:,} + block granularity "

@@ -11,8 +11,8 @@ tree::
 
 No model runs: outputs come from the trace. By default requests run one at a time in arrival
 order, so a request never holds pages while another is admitted and eviction pressure is a
-lower bound on a busy server's; a ``ServiceModel`` makes them overlap, and ``host_pages`` adds
-a host tier (engine/profiler/replay.py).
+lower bound on a busy server's; a ``ServiceModel`` makes them overlap, and ``Tiers`` adds a
+host and a disk tier below the device cache (engine/profiler/replay.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from engine.profiler.baselines import BLOCK_SIZE, BlockChains, BlockHashCache
 from engine.profiler.kv_bytes import KVBytes
-from engine.profiler.replay import ServiceModel, min_pages, replay
+from engine.profiler.replay import ServiceModel, Tiers, min_pages, replay, tier_hits
 from engine.profiler.trace import ReplayRequest
 
 # Below this many requests a replay finishes before a progress bar is worth drawing.
@@ -45,6 +45,7 @@ class CacheRun:
     kv_tokens: np.ndarray | None = None  # KV slots held by the cache after each request
     dropped_matches: int = 0  # requests run uncached because their match left no room
     host_cached: np.ndarray | None = None  # more prompt tokens loaded from a host tier
+    disk_cached: np.ndarray | None = None  # more prompt tokens loaded from a disk tier
     visible: np.ndarray | None = None  # an unlimited cache on the same timeline (concurrency)
     waited_s: float = 0.0  # time requests waited for room or a concurrency slot, in total
     peak_running: int = 1  # most requests holding pages at once
@@ -52,6 +53,9 @@ class CacheRun:
     def hit_rate(self, prompt_tokens: np.ndarray) -> float:
         total = int(prompt_tokens.sum())
         return int(self.cached.sum()) / total if total else 0.0
+
+    def by_tier(self) -> dict[str, np.ndarray]:
+        return tier_hits(self.cached, self.host_cached, self.disk_cached)
 
 
 def _progress(requests: list[ReplayRequest], label: str, progress: bool) -> Iterator[ReplayRequest]:
@@ -61,15 +65,15 @@ def _progress(requests: list[ReplayRequest], label: str, progress: bool) -> Iter
 
 def replay_radix(requests: list[ReplayRequest], num_pages: int, page_size: int,
                  policy: str = "lru", label: str = "radix", progress: bool = False,
-                 service: ServiceModel | None = None, host_pages: int = 0) -> CacheRun:
+                 service: ServiceModel | None = None, tiers: Tiers | None = None) -> CacheRun:
     """Replay through ``RadixTree`` (evicting by ``policy``, radix/eviction.py) with ``num_pages``
     pages."""
-    result = replay(requests, num_pages, page_size, policy, service, host_pages,
+    result = replay(requests, num_pages, page_size, policy, service, tiers,
                     _progress(requests, label, progress))
     return CacheRun(label, result.cached, num_pages * page_size,
                     result.evicted_pages * page_size, result.peak_pages * page_size,
                     result.kv_pages * page_size, result.dropped, result.host_cached,
-                    result.visible, result.waited_s, result.peak_running)
+                    result.disk_cached, result.visible, result.waited_s, result.peak_running)
 
 
 def replay_unlimited(requests: list[ReplayRequest], page_size: int,
@@ -111,6 +115,7 @@ class Profile:
     unlimited: CacheRun
     block: CacheRun
     block_unlimited: CacheRun
+    tiers: Tiers | None = None  # the tiers below the radix cache, as replayed
 
     @property
     def prompt_tokens(self) -> np.ndarray:
@@ -128,13 +133,13 @@ class Profile:
 
 def run_profile(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
                 progress: bool = False, service: ServiceModel | None = None,
-                host_pages: int = 0) -> Profile:
-    """The configured radix cache (with ``service``'s concurrency and a host tier if given),
+                tiers: Tiers | None = None) -> Profile:
+    """The configured radix cache (with ``service``'s concurrency and the tiers if given),
     the same capacity in 16-token hash blocks, and both without a capacity limit, serially
     (the upper bounds of token and of block matching)."""
     label = f"radix p{page_size} {policy}"
     radix = replay_radix(requests, num_pages, page_size, policy, label, progress, service,
-                         host_pages)
+                         tiers)
     unlimited = replay_unlimited(requests, page_size, progress)
     chains = BlockChains.of(requests)
     block = replay_block_hash(requests, max(1, num_pages * page_size // BLOCK_SIZE),
@@ -142,7 +147,7 @@ def run_profile(requests: list[ReplayRequest], num_pages: int, page_size: int, p
     block_unlimited = replay_block_hash(requests, None, label=f"block hash {BLOCK_SIZE} unlimited",
                                         progress=progress, chains=chains)
     return Profile(requests, page_size, num_pages, policy, radix, unlimited, block,
-                   block_unlimited)
+                   block_unlimited, tiers)
 
 
 @dataclass

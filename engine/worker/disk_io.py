@@ -77,11 +77,13 @@ class DiskIO:
         self.block_tokens = block_tokens
         self.pages_per_block = block_tokens // pool.page_size
         kv = pool.kv
-        self.block_shape = (kv.shape[0], kv.shape[1], self.pages_per_block, *kv.shape[3:])
+        # A block's bytes: its pages one after another, each page every layer's K and V.
+        self.page_shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
+        self.block_shape = (self.pages_per_block, *self.page_shape)
         self.payload_bytes = int(np.prod(self.block_shape)) * kv.element_size()
         self._cond = threading.Condition()
         self._loads: deque[DiskLoad] = deque()
-        self._saves: deque[tuple[str, bytes]] = deque()
+        self._saves: deque[tuple[str, memoryview]] = deque()
         self._pending_bytes = 0
         self._done: list[tuple[int, int, torch.cuda.Event | None]] = []
         self._busy = False
@@ -100,15 +102,17 @@ class DiskIO:
             return
         pages = np.concatenate([unpack_ids(s.pages) for s in saves]).astype(np.int64)
         index = torch.from_numpy(pages).to(self.pool.device)
-        data = self.pool.kv.index_select(2, index).cpu()  # [L, 2, pages, ...], synchronous
+        # [pages, L, 2, ...] in one copy (synchronous): each block is a run of its rows
+        data = self.pool.kv.index_select(2, index).movedim(2, 0).contiguous().cpu()
+        rows = data.view(torch.uint8).numpy()
         per_block = self.pages_per_block
         with self._cond:
             for i, s in enumerate(saves):
                 if self._pending_bytes + self.payload_bytes > MAX_PENDING_BYTES:
                     self.dropped_saves += len(saves) - i
                     break
-                block = data[:, :, i * per_block : (i + 1) * per_block].contiguous()
-                self._saves.append((s.name, _bytes_of(block)))
+                block = rows[i * per_block : (i + 1) * per_block].reshape(-1)  # a view
+                self._saves.append((s.name, memoryview(block)))
                 self._pending_bytes += self.payload_bytes
             self._cond.notify()
 
@@ -178,11 +182,11 @@ class DiskIO:
             payload = self.store.read(name, self.block_tokens, self.payload_bytes)
             if payload is None:
                 break
-            blocks.append(torch.frombuffer(bytearray(payload), dtype=self.pool.kv.dtype)
+            blocks.append(torch.frombuffer(payload, dtype=self.pool.kv.dtype)
                           .view(self.block_shape))
         event = None
         if blocks:
-            data = torch.cat(blocks, dim=2)
+            data = torch.cat(blocks).movedim(0, 2)  # [L, 2, pages, ...]
             index = torch.from_numpy(pages[: len(blocks) * self.pages_per_block])
             with torch.inference_mode():
                 if self.stream is None:
@@ -201,7 +205,3 @@ class DiskIO:
             self._done.append((load_id, blocks, event))
             self._cond.notify_all()
 
-
-def _bytes_of(tensor: torch.Tensor) -> bytes:
-    """A contiguous CPU tensor's bytes (any dtype: viewed as uint8 first)."""
-    return tensor.view(torch.uint8).numpy().tobytes()
