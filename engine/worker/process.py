@@ -151,18 +151,19 @@ class Worker:
         return self.report_disk(result)
 
     def _forward(self, msg: ForwardBatch, step):
-        """The step's page moves and forward, between the disk tier's saves (their pages are
-        read before anything writes) and its loads (started once the step's write-downs have
-        read the pages they may reuse)."""
+        """The step's page moves and forward, after the disk tier's saves (their pages are read
+        before anything writes) and with its loads running beside it: they start once the
+        step's write-downs have read the pages they may reuse, and write only pages that no
+        batch reads until the load is reported (the disk tier is refused under tensor
+        parallel, whose ranks run the step's moves too)."""
         if self.disk is not None:
             self.disk.save(msg.disk_saves)
+            if msg.disk_loads:
+                self.runner.write_down(step)
+                self.disk.load(msg.disk_loads)
         if self.tp is None:
-            logits = self.runner.forward(step)
-        else:
-            logits = self._forward_all_ranks(msg.batch_id, step)
-        if self.disk is not None:
-            self.disk.load(msg.disk_loads)
-        return logits
+            return self.runner.forward(step)
+        return self._forward_all_ranks(msg.batch_id, step)
 
     def _move_pages(self, msg: ForwardBatch) -> BatchResult:
         """A step of no sequences: its page moves and the disk tier's work, then (when loads

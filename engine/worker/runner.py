@@ -122,6 +122,7 @@ class ModelRunner:
         self.attention_backend = self.attention.name
         self.staging = HostStaging(self.device)
         self.transfer_seconds = 0.0  # the last forward's swaps, write-downs and loads
+        self._written_down = 0.0  # seconds of write-downs run ahead of the next forward
         self.graphs = self._capture_graphs() if self.graph_max_batch > 0 else None
 
     def _load_model(self, c: EngineConfig) -> None:
@@ -261,6 +262,17 @@ class ModelRunner:
             # Unsharded, the embedding lookup refuses these; sharded, it would read zeros.
             raise ValueError(f"input ids must be from 0 to {self.config.vocab_size - 1}")
 
+    def write_down(self, batch: BatchInput) -> None:
+        """Run ``batch``'s copies to host pages now (``forward`` then finds none): what a
+        disk load is about to overwrite must be read first."""
+        if len(batch.swap_out):
+            self.check(batch)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self.pool.swap_out(batch.swap_out)
+            self._written_down = time.perf_counter() - started
+            batch.swap_out = batch.swap_out[:0]
+
     @torch.inference_mode()
     def forward(self, batch: BatchInput, *, checked: bool = False) -> torch.Tensor | None:
         """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
@@ -274,12 +286,12 @@ class ModelRunner:
         are a view of the graph's output, which its next replay overwrites."""
         if not checked:
             self.check(batch)
-        self.transfer_seconds = 0.0
+        self.transfer_seconds, self._written_down = self._written_down, 0.0
         if len(batch.swap_out) or len(batch.swap_in):
             started = time.perf_counter()
             self.pool.swap_out(batch.swap_out)
             self.pool.swap_in(batch.swap_in)
-            self.transfer_seconds = time.perf_counter() - started
+            self.transfer_seconds += time.perf_counter() - started
         self.pool.copy_pages(batch.copies)
         if not batch.num_seqs:
             return None  # a step that only moves pages
