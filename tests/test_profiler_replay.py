@@ -125,6 +125,16 @@ def test_the_disk_tier_serves_whole_blocks_past_the_tree():
     assert both.host_cached.tolist() == [0, 0, 60] and both.disk_cached.tolist() == [0, 0, 0]
 
 
+def test_a_request_that_waits_for_room_still_loads_from_disk():
+    """r2 arrives while r1 holds the whole pool and waits for it: admitted then, it still
+    finds r0's blocks on disk (the lookup is made again at each try, from the whole prompt)."""
+    a, b = [1] * 60 + [2], [3] * 60 + [4]
+    requests = [req("r0", 0, a), req("r1", 1, b, output_len=30), req("r2", 1.01, a[:-1] + [5])]
+    service = ServiceModel(prefill_tps=1_000, decode_tps=100, head_wait=False)
+    run = replay(requests, 6, 16, service=service, tiers=Tiers(disk_tokens=4096))
+    assert run.waited_s > 0 and run.disk_cached.tolist() == [0, 0, 48]
+
+
 def test_replay_radix_reports_the_new_fields():
     requests = group(4, 0.001)
     run = replay_radix(requests, 1024, 16, service=ServiceModel(10_000, head_wait=False),

@@ -293,9 +293,9 @@ class _Replay:
     def _admit(self, r: ReplayRequest, full: np.ndarray, start: float) -> tuple[_Running, float]:
         """Lease ``r``'s prefix and a table for prompt + output, waiting for running requests
         to finish while there is no room; returns the run and when it starts."""
-        max_len = len(r.prompt) - 1
+        limit = len(r.prompt) - 1
         while True:
-            max_len, loaded = self._disk_lookup(r, max_len)
+            max_len, loaded = self._disk_lookup(r, limit)
             try:
                 lease, pages = self.device.admit(r.prompt, r.namespace, len(full), max_len)
                 return _Running(lease, pages, full, len(r.prompt), loaded, None, None), start
@@ -307,7 +307,7 @@ class _Replay:
                 # page) leaves too little room in a cache barely bigger than the request: drop
                 # the match and run the request uncached, in a cache emptied for it.
                 self.device.tree.reset()
-                max_len = 0
+                limit = 0
                 self.dropped += 1
 
     def _disk_lookup(self, r: ReplayRequest, limit: int) -> tuple[int, int]:
