@@ -323,11 +323,17 @@ class _Replay:
 
     def _launch(self, run: _Running, r: ReplayRequest, start: float, head: tuple | None) -> None:
         """Finish ``run`` now (no service model), or schedule its prefill's end and its end."""
-        prefill_s, total_s = self.service.times(r, len(r.prompt) - run.lease.length - run.loaded)
+        cached = run.lease.length + run.loaded
+        prefill_s, total_s = self.service.times(r, len(r.prompt) - cached)
         if total_s <= 0 or not self.service.overlaps:
             self._finish(run)
             return
-        if head is not None and long_uncached(len(r.prompt), run.lease.length):
+        if run.loaded:
+            # The engine commits a disk load as soon as it ends (within a step or two), long
+            # before the prefill after it: requests sharing it hit the device from then on.
+            run.lease.commit(run.pages, run.tokens[:cached])
+            self.device.moved()
+        if head is not None and long_uncached(len(r.prompt), cached):
             run.head = head
             self.prefilling[head] = max(self.prefilling.get(head, 0.0), start + prefill_s)
         heapq.heappush(self.events, (start + prefill_s, self.order, _PREFILLED, run))
