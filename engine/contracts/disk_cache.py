@@ -109,6 +109,7 @@ class DiskStore:
         self.capacity = capacity
         self.enabled = True  # False once the directory is gone
         self._lock = threading.Lock()
+        self._subdirs: set[str] = set()  # made by this process (a write that fails forgets)
         self.dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
         manifest = self.dir / "manifest.json"
@@ -152,9 +153,12 @@ class DiskStore:
         header = _HEADER.pack(bytes.fromhex(self.fingerprint), bytes.fromhex(name), tokens,
                               len(payload), zlib.crc32(payload))
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            if path.parent.name not in self._subdirs:
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+                self._subdirs.add(path.parent.name)
             self._write_atomic(path, MAGIC + header, payload)
         except OSError as exc:
+            self._subdirs.discard(path.parent.name)  # perhaps removed: made again next time
             return self._write_failed(exc)
         with self._lock:
             self.used += size
@@ -165,9 +169,13 @@ class DiskStore:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            with os.fdopen(fd, "wb") as f:
+            try:
                 for part in parts:
-                    f.write(part)
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
