@@ -55,7 +55,7 @@ import numpy as np
 from radix.accounting import check_tree
 from radix.eviction import EvictionKey, lru
 from radix.host import HostTier  # noqa: TC001 (the constructor's annotation)
-from radix.node import HOST, CacheStats, Node, PrefixMatch, TreeListener, page_array
+from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
 from radix.tiering import Tiering, _device_leaf, _host_candidate, _LeafHeap
 

@@ -18,6 +18,7 @@ from collections import deque
 
 import numpy as np
 
+from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
     BatchResult,
@@ -28,7 +29,6 @@ from engine.contracts.protocol import (
     pack_ids,
     unpack_ids,
 )
-from engine.contracts.disk_cache import DiskStore
 from radix import HostTier, PageAllocator, RadixTree
 from radix.eviction import POLICIES
 from scheduler import beam

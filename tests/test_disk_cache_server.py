@@ -10,7 +10,6 @@ import random
 import shutil
 import subprocess
 import sys
-
 from pathlib import Path
 
 import httpx
