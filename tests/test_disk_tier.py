@@ -214,3 +214,73 @@ def test_the_profilers_replay_agrees_with_the_engine(model_dir, tmp_path, tiers)
     assert served["disk"] + served["host"] > 0.4 * total
     for tier, count in replayed.items():
         assert abs(count - served[tier]) <= 0.02 * total, (tier, served, replayed)
+
+
+def test_the_store_stays_within_its_capacity_dropping_the_least_recently_used(tmp_path):
+    """Past its capacity a write first removes the least recently used files (a read refreshes
+    a file) down to 90%; another store on the same directory counts the same files."""
+    block = 1000
+    size = len(b"RSKV\x01\n") + 60 + block  # magic + header + payload
+    store = DiskStore(str(tmp_path), "cd" * 16, capacity=10 * size)
+    names = [f"{i:032x}" for i in range(10)]
+    for i, name in enumerate(names):
+        assert store.write(name, 16, bytes([i]) * block)
+        os.utime(store.path(name), ns=(i * 10**9, i * 10**9))  # written one second apart
+    assert store.read(names[0], 16, block) == bytes([0]) * block  # now the most recent
+    assert store.write("ff" * 16, 16, b"\xff" * block)  # over capacity: trims to 90%
+    kept = {p.stem for p in block_files(tmp_path)}
+    assert names[0] in kept and "ff" * 16 in kept
+    assert names[1] not in kept and names[2] not in kept
+    assert len(kept) <= 9
+    other = DiskStore(str(tmp_path), "cd" * 16, capacity=10 * size)
+    assert other.used == store.used == sum(p.stat().st_size for p in block_files(tmp_path))
+
+
+def test_a_full_disk_skips_writes_and_a_removed_directory_turns_the_store_off(
+        tmp_path, monkeypatch):
+    store = DiskStore(str(tmp_path), "cd" * 16)
+    assert store.write("01" * 16, 16, b"x" * 100)
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    assert not store.write("02" * 16, 16, b"y" * 100)  # skipped, not raised
+    assert store.enabled and not list(store.dir.glob("*/.*.tmp"))  # no half-written file
+    monkeypatch.setattr(os, "write", real_write)
+    assert store.write("03" * 16, 16, b"z" * 100)
+    import shutil
+
+    shutil.rmtree(store.dir)
+    assert not store.write("04" * 16, 16, b"w" * 100)
+    assert store.read("03" * 16, 16, 100) is None
+    assert not store.enabled and not store.contains("03" * 16)
+
+
+def test_two_stores_write_one_block_and_read_it_whole(tmp_path):
+    """Two servers writing the same block write the same bytes through private temporary
+    names: the block is whole whichever rename lands last."""
+    a, b = DiskStore(str(tmp_path), "cd" * 16), DiskStore(str(tmp_path), "cd" * 16)
+    payload = os.urandom(5000)
+    assert a.write("aa" * 16, 16, payload)
+    b.path("aa" * 16).unlink()
+    assert b.write("aa" * 16, 16, payload)
+    assert a.read("aa" * 16, 16, 5000) == payload
+
+
+@pytest.mark.parametrize("problem,says", [("missing", "does not exist"),
+                                          ("a file", "is not a directory"),
+                                          ("read-only", "is not writable")])
+def test_a_bad_directory_is_refused_with_a_sentence(tmp_path, monkeypatch, problem, says):
+    from engine.contracts import disk_cache
+
+    path = tmp_path / "kv"
+    if problem == "a file":
+        path.write_text("")
+    elif problem == "read-only":
+        path.mkdir(mode=0o500)
+        # root may write anywhere: the permission answer is the kernel's, asked through access
+        monkeypatch.setattr(disk_cache.os, "access", lambda p, mode: False)
+    with pytest.raises(ValueError, match=f"--disk-cache-dir {path} {says}"):
+        disk_cache.check_directory(str(path))
