@@ -27,8 +27,6 @@ from engine.contracts.disk_cache import DiskStore, block_hashes
 from engine.contracts.protocol import DiskLoad, DiskSave, pack_ids
 from scheduler.request import Seq
 
-_SAVED_LIMIT = 1 << 18  # block names remembered as saved; past it, the directory is asked
-
 
 class DiskTier:
     def __init__(self, store: DiskStore, block_tokens: int, page_size: int) -> None:
@@ -43,7 +41,6 @@ class DiskTier:
         self.loading: dict[int, tuple[Seq, int, int]] = {}
         self.orphans: dict[int, list[int]] = {}
         self._next_id = 0
-        self._saved: set[str] = set()
         self.hit_tokens = self.blocks_saved = self.blocks_loaded = self.load_failures = 0
 
     @property
@@ -77,7 +74,8 @@ class DiskTier:
     def plan_saves(self, namespace: Hashable, tokens: Sequence[int], table: Sequence[int],
                    start: int, end: int) -> None:
         """Save the whole blocks of ``tokens[:end]`` from the one holding ``start`` on (their
-        KV in ``table``), except those saved or present already."""
+        KV in ``table``) that the directory lacks (a ``stat`` each: files another server wrote,
+        or the capacity trimmed, are seen as they are now)."""
         first = start // self.block
         count = end // self.block - first
         if count <= 0 or not self.store.enabled:
@@ -86,11 +84,6 @@ class DiskTier:
                              self.block, first)
         per = self.pages_per_block
         for k, name in enumerate(names, first):
-            if name in self._saved:
-                continue
-            if len(self._saved) >= _SAVED_LIMIT:
-                self._saved.clear()
-            self._saved.add(name)
             if not self.store.contains(name):
                 self.saves.append(DiskSave(name, pack_ids(table[k * per : (k + 1) * per])))
                 self.blocks_saved += 1

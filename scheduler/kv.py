@@ -67,7 +67,10 @@ class SeqMemory:
         """Give ``seq`` its lease's full pages plus fresh ones up to ``upto`` tokens; a match
         ending inside a page copies that page's matched slots into the first fresh page."""
         seq.pages, copy = seq.lease.acquire(upto)
-        seq.computed = seq.settled = seq.disk_saved = seq.lease.length
+        seq.computed = seq.settled = seq.lease.length
+        # Its first commit checks every block from the start: what the tree holds may have
+        # left the disk since it was written (trimmed by some server), and is written again.
+        seq.disk_saved = 0
         if copy is not None:
             seq.pending_refs.append(copy.src)
             work.copies.append(copy)

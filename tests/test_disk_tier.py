@@ -284,3 +284,25 @@ def test_a_bad_directory_is_refused_with_a_sentence(tmp_path, monkeypatch, probl
         monkeypatch.setattr(disk_cache.os, "access", lambda p, mode: False)
     with pytest.raises(ValueError, match=f"--disk-cache-dir {path} {says}"):
         disk_cache.check_directory(str(path))
+
+
+def test_blocks_the_tree_holds_are_written_again_once_they_left_the_disk(model_dir, tmp_path):  # noqa: F811
+    """A prefix served from the device whose files were removed meanwhile (another server's
+    trim) is written again by the next request that uses it."""
+    prompt = np.random.default_rng(14).integers(3, 4000, 100).tolist()
+    h = disk_harness(model_dir, tmp_path, num_pages=40)
+    h.add("a", prompt, GREEDY)
+    h.run()
+    h.worker.disk.close()  # every save written
+    files = block_files(tmp_path)
+    assert len(files) == (100 + 11) // 16
+    for f in files:
+        f.unlink()
+    from engine.worker.disk_io import open_disk_tier
+
+    h.worker.disk = open_disk_tier(h.config, h.worker.runner)  # a fresh I/O thread
+    h.add("b", prompt[:80] + [7, 8, 9], GREEDY)
+    h.run()
+    assert h.finals["b"][0].cached_tokens == 80  # from the device
+    close(h)
+    assert len(block_files(tmp_path)) >= 80 // 16

@@ -277,7 +277,8 @@ class ModelRunner:
     def forward(self, batch: BatchInput, *, checked: bool = False) -> torch.Tensor | None:
         """Run the batch's swaps and copies, then the model; float32 logits [rows, vocab] for
         ``batch.logits_rows`` (default: each sequence's last new token); under tensor parallel
-        on rank 0 only, None on the others and for a batch of no sequences (page moves only). ``checked``: ``check`` has passed already.
+        on rank 0 only, None on the others and for a batch of no sequences (page moves only).
+        ``checked``: ``check`` has passed already.
 
         Nothing here waits for the device (swaps aside): the caller reads the logits back once
         per step, as the sampler does, before the next ``forward``. That wait is what lets the
