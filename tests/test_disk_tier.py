@@ -306,3 +306,42 @@ def test_blocks_the_tree_holds_are_written_again_once_they_left_the_disk(model_d
     assert h.finals["b"][0].cached_tokens == 80  # from the device
     close(h)
     assert len(block_files(tmp_path)) >= 80 // 16
+
+
+def test_a_batch_that_fails_before_its_loads_start_lets_them_end_empty(model_dir, hf_model,  # noqa: F811
+                                                                        tmp_path, monkeypatch):
+    """The worker fails the batch that carries a load before the load began (the run loop's
+    ``handle``): the load is reported ended with no block, and the request computes its prompt
+    instead of waiting forever."""
+    from engine.contracts.protocol import decode, encode
+
+    prompt = np.random.default_rng(15).integers(3, 4000, 120).tolist()
+    first = disk_harness(model_dir, tmp_path, num_pages=40)
+    first.add("a", prompt, GREEDY)
+    first.run()
+    close(first)
+    h = disk_harness(model_dir, tmp_path, num_pages=40)
+    calls = []
+
+    def broken(step):
+        calls.append(step)
+        raise ValueError("a write-down failed")
+
+    monkeypatch.setattr(h.worker.runner, "write_down", broken)
+    h.add("b", prompt, GREEDY)
+    outputs, steps = [], 0
+    while not h.sched.idle:
+        batch = h.sched.schedule()
+        if batch is not None:
+            h.sched.process_result(decode(encode(h.worker.handle(decode(encode(batch))))))
+            steps += 1
+            if calls:
+                monkeypatch.undo()  # one failure
+        h.sched.check()
+        outputs += h.sched.take_outputs().get(0, [])
+        assert steps < 200
+    close(h)
+    assert len(calls) == 1
+    tokens = [t for out in outputs for t in np.frombuffer(out.token_ids, np.int32).tolist()]
+    assert tokens == hf_greedy(hf_model, prompt, 12)
+    assert outputs[-1].cached_tokens_disk == 0 and h.sched.stats()["disk_load_failures"] == 1

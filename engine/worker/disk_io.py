@@ -122,6 +122,11 @@ class DiskIO:
                 self._loads.extend(loads)
                 self._cond.notify()
 
+    def never_started(self, loads: list[DiskLoad]) -> None:
+        """Loads of a batch that failed before they began: ended, with no block."""
+        for job in loads:
+            self._report(job.load_id, 0, None)
+
     def finished(self) -> list[tuple[int, int]]:
         """Loads that have ended since the last call: (load id, blocks in the pages)."""
         with self._cond:

@@ -72,6 +72,7 @@ class Worker:
         # The previous batch's sampled tokens: a step planned while that batch ran (overlap
         # scheduling) names them as input ids ``-1 - row``.
         self.last_tokens = np.zeros(0, dtype=np.int32)
+        self._loads_started = False  # the batch being handled started its disk loads
 
     def step(self, msg: ForwardBatch) -> BatchResult:
         from engine.worker.sampler import RowState, sample
@@ -150,6 +151,22 @@ class Worker:
             result.top_logprobs = out.top_logprobs.astype(np.float32).tobytes()
         return self.report_disk(result)
 
+    def handle(self, msg: ForwardBatch) -> BatchResult:
+        """``step``, a failure answered: the scheduler fails this batch's requests (logging
+        their ids) and keeps serving. The traceback stays in this log: the error reaches
+        clients, so it names only the kind of failure. Disk loads the batch carried that never
+        started are reported as ended with nothing (their requests compute instead)."""
+        self._loads_started = False
+        try:
+            return self.step(msg)
+        except GroupBroken:
+            raise  # the ranks may be out of step: the group ends (engine/runtime/child.py says)
+        except Exception as exc:
+            logger.exception("batch %d failed", msg.batch_id)
+            if self.disk is not None and not self._loads_started:
+                self.disk.never_started(msg.disk_loads)
+            return self.report_disk(BatchResult(batch_id=msg.batch_id, error=type(exc).__name__))
+
     def _forward(self, msg: ForwardBatch, step):
         """The step's page moves and forward, after the disk tier's saves (their pages are read
         before anything writes) and with its loads running beside it: they start once the
@@ -161,6 +178,7 @@ class Worker:
             if msg.disk_loads:
                 self.runner.write_down(step)
                 self.disk.load(msg.disk_loads)
+                self._loads_started = True
         if self.tp is None:
             return self.runner.forward(step)
         return self._forward_all_ranks(msg.batch_id, step)
@@ -243,15 +261,4 @@ def _serve(worker: Worker, pull: zmq.Socket, push: zmq.Socket, tp: TensorParalle
             if tp is not None:
                 tp.send_step(encode(msg))
             return
-        try:
-            result = worker.step(msg)
-        except GroupBroken:
-            raise  # the ranks may be out of step: the group ends (engine/runtime/child.py reports it)
-        except Exception as exc:
-            # The scheduler fails this batch's requests (logging their ids) and keeps serving.
-            # The traceback stays in this log: the error reaches clients, so it names only the
-            # kind of failure.
-            logger.exception("batch %d failed", msg.batch_id)
-            result = worker.report_disk(BatchResult(batch_id=msg.batch_id,
-                                                    error=type(exc).__name__))
-        push.send(encode(result))
+        push.send(encode(worker.handle(msg)))
