@@ -123,6 +123,36 @@ class Lease:
             alloc.incref([copy.src])
         return full.tolist() + fresh, copy
 
+    def acquire_unloaded(self, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """``acquire`` for a match that reaches into the host tier, leaving the tree as it is:
+        the match's device pages are shared (a new reference each) and fresh pages take every
+        position after them; the returned (host page, device page) pairs are the copies that
+        give the first fresh pages the host part's KV. The holder runs them (the worker's
+        loader thread) and reads nothing past the device part before they have run; the lock
+        keeps their host pages. Then ``commit`` of the matched tokens caches them: the host-only
+        nodes take the holder's device pages (an insert crossing them does). A match ending
+        inside a page needs no copy-on-write here: that page is one of the holder's own.
+        None when no part of the match is in the host tier only any more (another holder
+        loaded it since this one matched): ``acquire`` then. Raises ``OutOfPages`` having
+        changed nothing."""
+        if not self._locked:
+            raise RuntimeError("acquire on an unlocked lease: its matched pages may be gone")
+        if num_tokens < self.match.length:
+            raise ValueError(f"a table for {num_tokens} tokens cannot hold the "
+                             f"{self.match.length}-token match")
+        tree = self.tree
+        path, sources = tree._host_sources(self.match.node)
+        if not path:
+            return None
+        # the device part's pages now (another holder may have loaded the top of the host
+        # part since this one matched), up to the first host-only node's first page index
+        device = tree._path_pages(path[0].parent)[: path[0].start // tree.page_size]
+        fresh = tree._alloc_pages(tree.allocator.pages_for(num_tokens) - len(device))
+        tree.allocator.incref(device)
+        tree.stats.pages_loaded += len(sources)
+        return device.tolist() + fresh, list(zip(sources.tolist(), fresh[: len(sources)],
+                                                  strict=False))
+
     def alloc_pages(self, num_pages: int) -> list[int]:
         """``num_pages`` fresh pages for the holder's table (a swap-in's), one reference each,
         evicting unlocked leaves when short. Raises ``OutOfPages`` having changed nothing."""

@@ -64,22 +64,14 @@ class Tiering:
         nodes) and plan their loads; they keep their host copies. Returns the path's device
         pages. Where two nodes cover one page index, the deeper one's host page is loaded: it
         holds the shallower one's slots of that page too."""
-        page_size = self.page_size
-        path = []
-        deepest = node
-        while not node.on_device:
-            path.append(node)
-            node = node.parent
+        path, sources = self._host_sources(node)
         if not path:
-            return self._path_pages(deepest)
-        path.reverse()
-        first = path[0].start // page_size
-        sources = np.empty(len(fresh), dtype=np.int64)
+            return self._path_pages(node)
+        page_size, first = self.page_size, path[0].start // self.page_size
         device = np.asarray(fresh, dtype=np.int64)
         held = array("q")
-        for n in path:  # top-down: a deeper node's page overwrites a shared index
+        for n in path:
             lo, hi = n.start // page_size - first, (n.end - 1) // page_size - first + 1
-            sources[lo:hi] = n.host_pages
             n.pages = page_array(device[lo:hi])
             held += n.pages
             self._moved(n, DEVICE, stored=True)
@@ -88,6 +80,25 @@ class Tiering:
         self.host.plan_loads(sources.tolist(), fresh)
         self.stats.pages_loaded += len(fresh)
         return self._path_pages(path[-1])
+
+    def _host_sources(self, node: Node) -> tuple[list[Node], np.ndarray]:
+        """The host-only nodes of the path to ``node``, top-down, and the host page of each of
+        their page indices in order (where two nodes cover one index, the deeper one's: it
+        holds the shallower one's slots of that page too)."""
+        page_size = self.page_size
+        path = []
+        while not node.on_device:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        if not path:
+            return path, np.empty(0, dtype=np.int64)
+        first = path[0].start // page_size
+        sources = np.empty((path[-1].end - 1) // page_size - first + 1, dtype=np.int64)
+        for n in path:  # top-down: a deeper node's page overwrites a shared index
+            lo, hi = n.start // page_size - first, (n.end - 1) // page_size - first + 1
+            sources[lo:hi] = n.host_pages
+        return path, sources
 
     def _path_pages(self, node: Node) -> array:
         """The device pages of the path to ``node`` (all on the device), the deepest node's

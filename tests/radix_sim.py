@@ -114,6 +114,24 @@ class Sim:
         self.running.append(seq)
         return seq
 
+    def take_unloaded(self, lease: Lease, tokens: list[int], namespace=None) -> SimSeq:
+        """As ``take``, loading the match's host part into the sequence's own pages (the
+        scheduler's loader thread: ``Lease.acquire_unloaded``), then committing it."""
+        got = lease.acquire_unloaded(len(tokens))
+        if got is None:
+            return self.take(lease, tokens, namespace)
+        pages, pairs = got
+        size = self.page_size
+        for host, device in pairs:
+            self.shadow[device * size : (device + 1) * size] = (
+                self.host_shadow[host * size : (host + 1) * size])
+        self.moved[1] += len(pairs)
+        seq = SimSeq(list(tokens), pages, lease, namespace, lease.length)
+        self.commit(seq, lease.length)
+        self._write(seq, lease.length)
+        self.running.append(seq)
+        return seq
+
     def commit(self, seq: SimSeq, upto: int) -> int:
         """Cache ``seq``'s first ``upto`` tokens mid-life (a prefilled chunk)."""
         cached = seq.lease.commit(seq.pages, seq.tokens[:upto])

@@ -58,6 +58,40 @@ def test_a_lease_matched_before_another_loads_its_host_part_gets_the_loaded_page
     sim.check()
 
 
+@pytest.mark.parametrize("cut", [40, 20, 16])
+def test_a_load_into_the_holders_own_pages_then_a_commit_caches_it(cut):
+    """``acquire_unloaded``: the tree stays as it is while the holder's loader copies the host
+    part into pages of its own (a match ending inside a page included); the commit then gives
+    the host-only nodes those pages. Every table and node holds its tokens' KV."""
+    sim = Sim(num_pages=12, page_size=16, host_pages=8)
+    cached_then_evicted(sim, PROMPT)
+    lease = sim.match(PROMPT[:cut] + [99, 98])
+    assert lease.match.host_length == cut
+    (node,) = (n for n in sim.tree.iter_nodes() if n.end == cut)
+    seq = sim.take_unloaded(lease, PROMPT[:cut] + [99, 98])
+    assert sim.moved[1] == -(-cut // 16) and node.pages and node.host_pages
+    assert sim.tree.stats.pages_loaded == sim.moved[1]
+    sim.check()
+    sim.finish(seq)
+    sim.check()
+
+
+def test_an_unloaded_acquire_after_another_holder_loaded_part_of_the_path():
+    """A lease matched before another holder loaded the top of its host part: its table takes
+    the loaded pages and loads only what is still host-only."""
+    sim = Sim(num_pages=12, page_size=16, host_pages=8)
+    cached_then_evicted(sim, PROMPT)
+    late = sim.match(PROMPT + [1])
+    sim.admit(PROMPT[:20] + [2])  # loads the first 20 tokens' pages (a split at 20)
+    seq = sim.take_unloaded(late, PROMPT + [1])
+    assert seq.lease.length == 40
+    sim.check()
+    whole = sim.match(PROMPT + [3])
+    assert whole.match.host_length == 0 and whole.acquire_unloaded(41) is None
+    whole.unlock()
+    sim.check()
+
+
 def test_samples_admitted_together_count_their_shared_loads_once():
     sim = Sim(num_pages=6, page_size=16, host_pages=8)
     cached_then_evicted(sim, PROMPT)

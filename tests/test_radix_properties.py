@@ -60,12 +60,18 @@ class RadixMachine(RuleBasedStateMachine):
         self.later.append((self.sim.match(tokens), tokens))
 
     @precondition(lambda self: self.later)
-    @rule(index=st.integers(0, 1000))
-    def admit_matched(self, index: int) -> None:
+    @rule(index=st.integers(0, 1000), unloaded=st.booleans())
+    def admit_matched(self, index: int, unloaded: bool) -> None:
+        """... into the tree (``acquire``) or into its own pages, then committed
+        (``acquire_unloaded``, the scheduler's loader-thread path)."""
         lease, tokens = self.later.pop(index % len(self.later))
         try:
-            self.sim.take(lease, tokens)
+            if unloaded:
+                self.sim.take_unloaded(lease, tokens)
+            else:
+                self.sim.take(lease, tokens)
         except OutOfPages:
+            lease.unlock()
             self.sim.run_moves()
 
     @rule(prompts=st.lists(token_lists, min_size=1, max_size=3))
