@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.contracts.protocol import HostLoad, pack_ids
 from radix import Lease, OutOfPages, PageCopy, RadixTree
 from scheduler.disk import DiskTier
+from scheduler.loads import Pending, PendingLoads
 from scheduler.request import Seq
 
 
@@ -32,9 +34,14 @@ class StepWork:
 
 class SeqMemory:
     def __init__(self, tree: RadixTree, num_host_pages: int = 0,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, loads: PendingLoads | None = None,
+                 host_loads_aside: bool = False) -> None:
         self.tree = tree
         self.disk = disk
+        self.loads = loads if loads is not None else PendingLoads()
+        # the host tier loads into waiting sequences' own pages on the worker's I/O thread
+        # (one worker: under tensor parallel every rank must copy its share in the step)
+        self.host_loads_aside = host_loads_aside and tree.host is not None
         self.alloc = tree.allocator
         self.page_size = tree.page_size
         self.host_free = list(range(num_host_pages - 1, -1, -1))
@@ -63,14 +70,25 @@ class SeqMemory:
         """Tokens the disk tier found for ``seq`` past its lease (0 when none)."""
         return len(seq.disk_names) * self.disk.block if seq.disk_names else 0
 
-    def take_match(self, seq: Seq, upto: int, work: StepWork) -> None:
+    def loads_host_part(self, seq: Seq) -> bool:
+        """Whether ``seq`` (matched, one sequence of its request) loads its match's host part
+        into pages of its own on the worker's loader thread, waiting for it, rather than in
+        the next step's page work: the tree's host tier exists and no disk blocks follow."""
+        return (self.host_loads_aside and not seq.disk_names
+                and seq.lease.match.host_length > 0)
+
+    def take_match(self, seq: Seq, upto: int, work: StepWork, *, wait: bool = False) -> None:
         """Give ``seq`` its lease's full pages plus fresh ones up to ``upto`` tokens; a match
-        ending inside a page copies that page's matched slots into the first fresh page."""
-        seq.pages, copy = seq.lease.acquire(upto)
-        seq.computed = seq.settled = seq.lease.length
+        ending inside a page copies that page's matched slots into the first fresh page. With
+        ``wait``, the disk blocks found (``match``) or the match's host part
+        (``loads_host_part``) are loaded into its own pages while it waits."""
         # Its first commit checks every block from the start: what the tree holds may have
         # left the disk since it was written (trimmed by some server), and is written again.
         seq.disk_saved = 0
+        if wait and not seq.disk_names and self._take_unloaded(seq, upto):
+            return
+        seq.pages, copy = seq.lease.acquire(upto)
+        seq.computed = seq.settled = seq.lease.length
         if copy is not None:
             seq.pending_refs.append(copy.src)
             work.copies.append(copy)
@@ -78,17 +96,33 @@ class SeqMemory:
             self.disk.plan_load(seq, seq.lease.length, seq.disk_names)
             seq.disk_names = []
 
-    def disk_loaded(self, load_id: int, blocks: int) -> Seq | None:
-        """A disk load ended with ``blocks`` in the pages: they are cached like a prefilled
-        chunk, and its sequence (None if it ended meanwhile) computes on from there."""
-        seq, upto, dropped = self.disk.loaded(load_id, blocks)
+    def _take_unloaded(self, seq: Seq, upto: int) -> bool:
+        """The match's host part into ``seq``'s own pages, on the loader thread; False when
+        nothing of it is in the host tier only any more (another sequence loaded it)."""
+        got = seq.lease.acquire_unloaded(upto)
+        if got is None:
+            return False
+        seq.pages, pairs = got
+        start = seq.pages.index(pairs[0][1]) * self.page_size
+        seq.computed = seq.settled = start
+        load_id = self.loads.register(seq, start, seq.lease.length - start, 1, "host")
+        host = self.tree.host
+        self.loads.host.append(HostLoad(load_id, pack_ids([host.first_page + h for h, _ in pairs]),
+                                        pack_ids([d for _, d in pairs])))
+        return True
+
+    def load_ended(self, load_id: int, arrived: int) -> Pending | None:
+        """A load ended with ``arrived`` units in the pages: they are cached like a prefilled
+        chunk, and its sequence computes on from there. None if it ended meanwhile."""
+        pending, dropped = self.loads.ended(load_id, arrived)
         if dropped:
             self.alloc.decref(dropped)
-        if seq is not None:
-            seq.computed = seq.settled = upto
-            if upto > seq.lease.length:
+        if pending is not None:
+            seq = pending.seq
+            seq.computed = seq.settled = upto = pending.start + arrived * pending.unit
+            if arrived:
                 self.commit(seq, upto)
-        return seq
+        return pending
 
     def commit(self, seq: Seq, upto: int) -> None:
         """Cache ``seq``'s first ``upto`` tokens, whose batch came back (a prefilled chunk):
@@ -168,9 +202,10 @@ class SeqMemory:
         # A sequence whose copy-on-write has not run yet has no valid KV in that page.
         cache = cache and seq.settled and not seq.host_pages and not seq.pending_refs
         self.copies_done(seq)
-        if seq.disk_load >= 0:
-            # Its disk load may still be writing its pages: they wait for the load to end.
-            seq.pages = self.disk.abandon(seq)
+        if seq.load_id >= 0:
+            # Its load may still be writing its pages: they wait for the load to end.
+            self.loads.abandon(seq)
+            seq.pages = []
             cache = False
         elif cache:
             self._save(seq, seq.settled)
@@ -189,8 +224,8 @@ class SeqMemory:
         """Move ``seq``'s private pages to the host pool; shared ones stay on device. False when
         the host pool is too small, or when no page is private (every one is cached or another
         sequence's too): then the caller releases it into the tree and recomputes, which hits."""
-        if seq.disk_load >= 0:
-            return False  # a disk load may still be writing its pages
+        if seq.load_id >= 0:
+            return False  # a load may still be writing its pages
         private = [i for i, p in enumerate(seq.pages) if self.alloc.refcount[p] == 1]
         if not private or len(private) > len(self.host_free):
             return False
@@ -225,7 +260,7 @@ class SeqMemory:
         for seq in seqs:
             np.add.at(refs, [p for p in seq.pages if p >= 0], 1)
             np.add.at(refs, seq.pending_refs, 1)
-        for pages in (self.disk.orphans.values() if self.disk is not None else ()):
+        for pages in self.loads.orphans.values():
             np.add.at(refs, pages, 1)
         self.tree.check(refs)
         held = sum(len(s.host_pages) for s in seqs)

@@ -271,11 +271,13 @@ class StepPlanner:
             return self._admit_swapped(req, seqs, work, reserved)
         matches, need = [], 0
         loading: set = set()  # host-tier nodes the samples before this one will load
+        waits: set[int] = set()  # sequences that wait for a load into their own pages
         for seq in seqs:
             lease = self.mem.match(seq, disk=not req.forked)
             extend = len(seq.tokens) - lease.length
-            if seq.disk_names:
-                extend = 0  # it waits for its load; pages for the loaded blocks now
+            if not req.forked and (seq.disk_names or self.mem.loads_host_part(seq)):
+                waits.add(id(seq))
+                extend = 0  # pages for what it loads now, the rest once it has arrived
             elif not (req.is_beam and req.forked):
                 # Beams come back whole: every beam must reach its next sample in the same step
                 # (a beam step ranks them all together), and each mostly hits the shared prompt.
@@ -293,9 +295,12 @@ class StepPlanner:
             return None
         admitted = []
         for seq, extend in matches:
-            if seq.disk_names:
-                self.mem.take_match(seq, seq.lease.length + self.mem.disk_tokens(seq), work)
-                seq.status = Status.LOADING  # no entry until the load has ended
+            if id(seq) in waits:
+                self.mem.take_match(seq, seq.lease.length + self.mem.disk_tokens(seq), work,
+                                    wait=True)
+                # no entry until its load has ended; none this step either when another
+                # sequence loaded its host part meanwhile (it runs from the next plan on)
+                seq.status = Status.LOADING if seq.load_id >= 0 else Status.RUNNING
                 continue
             self.mem.take_match(seq, seq.lease.length + extend, work)
             seq.status = Status.RUNNING

@@ -28,7 +28,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued, holding no pages
     RUNNING = "running"
     SWAPPED = "swapped"  # private pages on the host pool, waiting to come back
-    LOADING = "loading"  # admitted, waiting for blocks of its prompt from the disk tier
+    LOADING = "loading"  # admitted, waiting for its prompt's KV from a tier (scheduler/loads.py)
     FINISHED = "finished"
 
 
@@ -54,10 +54,10 @@ class Seq:
     draft_rate: float = 1.0
     draft_pause: int = 0
     draft_backoff: int = 4
-    # the disk tier (scheduler/disk.py): blocks found to load at admission, the load in flight
-    # (-1: none), and the tokens whose blocks were sent to be saved
+    # a load into its own pages in flight (scheduler/loads.py; -1: none); the disk tier's
+    # blocks found to load at admission, and the tokens whose blocks were sent to be saved
+    load_id: int = -1
     disk_names: list[str] = field(default_factory=list)
-    disk_load: int = -1
     disk_saved: int = 0
 
     @property

@@ -36,6 +36,7 @@ from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
 from scheduler.disk import DiskTier
 from scheduler.kv import SeqMemory
+from scheduler.loads import PendingLoads
 from scheduler.planner import Entry, StepPlanner, is_placeholder
 from scheduler.request import Request, Seq, Status
 from scheduler.session_pins import SessionPins
@@ -55,13 +56,16 @@ class Scheduler:
                               config.cache_write_policy, first_page=info.num_host_pages)
                      if info.num_host_cache_pages else None)
         self.tree = RadixTree(self.alloc, POLICIES[config.eviction_policy], host=self.host)
-        # The disk tier: the worker opened the store and named its directory.
+        # Loads into sequences' own pages (scheduler/loads.py), and the disk tier: the worker
+        # opened its store and named its directory.
+        self.loads = PendingLoads()
         self.disk = (DiskTier(DiskStore(config.disk_cache_dir, info.disk_fingerprint,
                                         int(config.disk_cache_gb * 2**30)),
-                              info.disk_block_tokens, info.page_size)
+                              info.disk_block_tokens, info.page_size, self.loads)
                      if info.disk_block_tokens else None)
         self.disk_io = BatchResult(batch_id=0)  # the worker's latest disk totals
-        self.mem = SeqMemory(self.tree, info.num_host_pages, self.disk)
+        self.mem = SeqMemory(self.tree, info.num_host_pages, self.disk, self.loads,
+                             host_loads_aside=config.tp_size == 1)
         pinnable = config.max_pinned_tokens
         if pinnable is None:
             pinnable = info.num_pages * info.page_size // 2
@@ -101,16 +105,17 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.inflight or self._disk_busy)
+        return not (self.waiting or self.running or self.inflight or self._loads_busy)
 
     @property
-    def _disk_busy(self) -> bool:
-        return self.disk is not None and self.disk.busy
+    def _loads_busy(self) -> bool:
+        """Loads or disk saves to send, or loads the worker has not reported ended."""
+        return self.loads.busy or (self.disk is not None and self.disk.busy)
 
     def can_schedule(self) -> bool:
         """Whether ``schedule`` may plan now: nothing in flight, or one batch whose outputs the
         next step need not wait for (overlap scheduling, see ``schedule``)."""
-        if not (self.waiting or self.running or self._disk_busy):
+        if not (self.waiting or self.running or self._loads_busy):
             return False
         if not self.inflight:
             return True
@@ -183,12 +188,12 @@ class Scheduler:
             self._fail(plan.unschedulable, 503,
                        "the request cannot be scheduled: the KV pool is too small for it")
         if not plan.entries:
-            if lookahead or not self._disk_busy:
+            if lookahead or not self._loads_busy:
                 self._looked_ahead = lookahead
                 return None
-            # Nothing to compute, but disk work to send or loads to hear of: a step of page
-            # moves only (the work planned so far goes with it, so no load overtakes a move
-            # planned before it).
+            # Nothing to compute, but loads or saves to send or loads to hear of: a step of
+            # page moves only (the work planned so far goes with it, so no load overtakes a
+            # move planned before it).
             plan.work, self.planner.carry = self.planner.carry, plan.work
         self.batch_id += 1
         if self.host is not None:
@@ -200,6 +205,7 @@ class Scheduler:
         batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size,
                             self.released_grammars)
         self.released_grammars = []
+        batch.host_loads = self.loads.take_host()
         if self.disk is not None:
             batch.disk_saves, batch.disk_loads = self.disk.take()
         row = 0
@@ -218,8 +224,7 @@ class Scheduler:
         batch_id, entries = self.inflight.popleft()
         assert result.batch_id == batch_id, f"result of batch {result.batch_id}, expected {batch_id}"
         self._looked_ahead = False
-        if self.disk is not None:
-            self._disk_loaded(result)
+        self._loads_ended(result)
         if result.error is not None:
             for req in {id(e.seq.req): e.seq.req for e in entries}.values():
                 self._fail(req, 500, f"the model runner failed on this request's batch "
@@ -292,16 +297,23 @@ class Scheduler:
         for req in [r for r in self.running if not r.live_seqs()]:
             self._retire(req)
 
-    def _disk_loaded(self, result: BatchResult) -> None:
-        """Sequences whose disk loads ended run from the tokens that arrived."""
-        self.disk_io = result
-        for load_id, blocks in result.disk_loaded:
-            seq = self.mem.disk_loaded(load_id, blocks)
-            if seq is None or seq.status is not Status.LOADING:
+    def _loads_ended(self, result: BatchResult) -> None:
+        """Sequences whose loads ended run from the tokens that arrived."""
+        if self.disk is not None:
+            self.disk_io = result
+        for load_id, arrived in result.loads_ended:
+            pending = self.mem.load_ended(load_id, arrived)
+            if pending is None:
                 continue
-            req = seq.req  # admitted again after a preemption: the first load's counts hold
-            req.cached_tokens_disk = max(req.cached_tokens_disk, blocks * self.disk.block)
-            req.cached_tokens = max(req.cached_tokens, seq.computed)
+            seq, req = pending.seq, pending.seq.req
+            if pending.kind == "disk":
+                self.disk.loaded(arrived, pending.asked)
+                # admitted again after a preemption: the first load's counts hold
+                req.cached_tokens_disk = max(req.cached_tokens_disk, arrived * self.disk.block)
+                req.cached_tokens = max(req.cached_tokens, seq.computed)
+            elif not arrived:  # a host load that failed: those tokens are computed after all
+                req.cached_tokens = min(req.cached_tokens, seq.computed)
+                req.cached_tokens_host = 0
             seq.status = Status.RUNNING
 
     def _append(self, seq: Seq, new: list[int], logprobs, top_ids, top_lps, row: int,

@@ -57,8 +57,8 @@ def serve(device: str, **tiers) -> tuple[dict[str, list[int]], dict, float]:
                     outputs.setdefault(out.rid, []).extend(unpack_ids(out.token_ids).tolist())
             sched.check()
     seconds = time.perf_counter() - began
-    if worker.disk is not None:
-        worker.disk.close()
+    if worker.io is not None:
+        worker.io.close()
     return outputs, sched.stats(), seconds
 
 

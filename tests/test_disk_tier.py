@@ -1,5 +1,5 @@
 """The prefix cache's disk tier (``--disk-cache-dir``: engine/contracts/disk_cache.py,
-scheduler/disk.py, engine/worker/disk_io.py) through the real scheduler and worker in-process
+scheduler/disk.py, engine/worker/tier_io.py) through the real scheduler and worker in-process
 (tests/test_scheduler.py's harness: the accounting is checked after every step, the orphaned
 pages of loads included): KV written to disk and loaded back into fresh pages is the KV
 recompute gives, token for token against transformers in fp32, also when a new scheduler and
@@ -31,7 +31,7 @@ def block_files(directory: Path) -> list[Path]:
 
 def close(h: Harness) -> None:
     """What a stopping worker does: write what is queued."""
-    h.worker.disk.close()
+    h.worker.io.close()
 
 
 @pytest.mark.slow
@@ -132,11 +132,11 @@ def test_an_abort_during_a_load_leaks_nothing(model_dir, tmp_path):  # noqa: F81
     second = disk_harness(model_dir, tmp_path, num_pages=40)
     second.add("b", prompt, GREEDY)
     second.step()
-    assert second.sched.disk.loading
+    assert second.sched.loads.waiting
     second.sched.abort("b")
-    assert second.sched.disk.orphans
+    assert second.sched.loads.orphans
     second.run()
-    assert not second.sched.disk.orphans
+    assert not second.sched.loads.orphans
     assert second.finals["b"][0].finish_reason == "abort"
 
 
@@ -293,14 +293,14 @@ def test_blocks_the_tree_holds_are_written_again_once_they_left_the_disk(model_d
     h = disk_harness(model_dir, tmp_path, num_pages=40)
     h.add("a", prompt, GREEDY)
     h.run()
-    h.worker.disk.close()  # every save written
+    h.worker.io.close()  # every save written
     files = block_files(tmp_path)
     assert len(files) == (100 + 11) // 16
     for f in files:
         f.unlink()
-    from engine.worker.disk_io import open_disk_tier
+    from engine.worker.tier_io import open_tier_io
 
-    h.worker.disk = open_disk_tier(h.config, h.worker.runner)  # a fresh I/O thread
+    h.worker.io = open_tier_io(h.config, h.worker.runner)  # a fresh I/O thread
     h.add("b", prompt[:80] + [7, 8, 9], GREEDY)
     h.run()
     assert h.finals["b"][0].cached_tokens == 80  # from the device

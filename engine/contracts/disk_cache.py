@@ -1,6 +1,6 @@
 """The disk tier's store (L3, ``--disk-cache-dir``): KV blocks as files, shared by every server
 process on the machine and kept across restarts. The scheduler asks which blocks are there
-(``contains``); the worker reads and writes them (engine/worker/disk_io.py). Bytes only here:
+(``contains``); the worker reads and writes them (engine/worker/tier_io.py). Bytes only here:
 what a block's bytes mean (the pool's pages) is the worker's.
 
 Addressing. A block is ``block_tokens(page_size)`` tokens of one path from position 0, named

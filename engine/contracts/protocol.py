@@ -351,11 +351,21 @@ class DiskSave(msgspec.Struct, array_like=True):
 
 class DiskLoad(msgspec.Struct, array_like=True):
     """Read blocks ``names`` (consecutive, in position order) into device ``pages`` (int32,
-    block after block) on the worker's I/O thread; a later ``BatchResult.disk_loaded`` says how
-    many arrived."""
+    block after block) on the worker's I/O thread; a later ``BatchResult.loads_ended`` says how
+    many arrived (``loads_ended``)."""
 
     load_id: int
     names: list[str]
+    pages: bytes
+
+
+class HostLoad(msgspec.Struct, array_like=True):
+    """Copy host pages (the host tier's, in the worker's numbering) into device ``pages`` (both
+    int32, pair by pair) on the worker's I/O thread; a later ``BatchResult.loads_ended`` says
+    it ended (1 unit, or 0 when it failed)."""
+
+    load_id: int
+    host_pages: bytes
     pages: bytes
 
 
@@ -378,9 +388,11 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     prompt_rows: bytes = b""
     prompt_targets: bytes = b""
     prompt_top_n: int = 0
-    # the disk tier: blocks to save (copied out first) and loads to start (after the forward)
+    # the disk tier's blocks to save (copied out first), and loads into sequences' own pages
+    # (scheduler/loads.py) to start beside the forward
     disk_saves: list[DiskSave] = []
     disk_loads: list[DiskLoad] = []
+    host_loads: list[HostLoad] = []
 
 
 class BatchResult(msgspec.Struct, tag=True, kw_only=True):
@@ -405,9 +417,9 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     prompt_top_logprobs: bytes = b""
     top_n: int = 0
     error: str | None = None
-    # the disk tier: loads ended since the last result, (load id, blocks that arrived), and the
-    # worker's running totals
-    disk_loaded: list[tuple[int, int]] = []
+    # loads ended since the last result, (load id, units that arrived: disk blocks, or 1 for
+    # a host load), and the disk tier's running totals
+    loads_ended: list[tuple[int, int]] = []
     disk_bytes_read: int = 0
     disk_bytes_written: int = 0
     disk_load_seconds: float = 0.0

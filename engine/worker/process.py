@@ -31,7 +31,7 @@ from engine.worker.distributed import GroupBroken, TensorParallel, start_tensor_
 
 logger = logging.getLogger("radixserve.worker")
 
-DISK_POLL_SECONDS = 0.01  # a step of page moves only waits this long for a disk load to end
+LOAD_POLL_SECONDS = 0.01  # a step of page moves only waits this long for a load to end
 FLUSH_ON_EXIT_SECONDS = 4.0  # within the launcher's grace of 5 s
 
 
@@ -59,20 +59,19 @@ class Worker:
             kv_cache_bytes=self.runner.kv_cache_bytes,
             num_host_cache_pages=self.runner.num_host_cache_pages,
         )
-        self.disk = None
-        if c.disk_cache_dir is not None:
-            from engine.worker.disk_io import open_disk_tier
+        from engine.worker.tier_io import open_tier_io
 
-            self.disk = open_disk_tier(c, self.runner)
-            self.info.disk_fingerprint = self.disk.store.fingerprint
-            self.info.disk_block_tokens = self.disk.block_tokens
+        self.io = open_tier_io(c, self.runner)  # the tiers' I/O thread, if there are tiers
+        if self.io is not None and self.io.store is not None:
+            self.info.disk_fingerprint = self.io.store.fingerprint
+            self.info.disk_block_tokens = self.io.block_tokens
         from engine.worker.grammar import Grammars
 
         self.grammars = Grammars(c.model, mc.vocab_size, list(mc.eos_token_ids))
         # The previous batch's sampled tokens: a step planned while that batch ran (overlap
         # scheduling) names them as input ids ``-1 - row``.
         self.last_tokens = np.zeros(0, dtype=np.int32)
-        self._loads_started = False  # the batch being handled started its disk loads
+        self._loads_started = False  # the batch being handled started its loads
 
     def step(self, msg: ForwardBatch) -> BatchResult:
         from engine.worker.sampler import RowState, sample
@@ -149,7 +148,7 @@ class Worker:
             result.top_n = out.top_ids.shape[1]
             result.top_ids = out.top_ids.astype(np.int32).tobytes()
             result.top_logprobs = out.top_logprobs.astype(np.float32).tobytes()
-        return self.report_disk(result)
+        return self.report_loads(result)
 
     def handle(self, msg: ForwardBatch) -> BatchResult:
         """``step``, a failure answered: the scheduler fails this batch's requests (logging
@@ -163,45 +162,46 @@ class Worker:
             raise  # the ranks may be out of step: the group ends (engine/runtime/child.py says)
         except Exception as exc:
             logger.exception("batch %d failed", msg.batch_id)
-            if self.disk is not None and not self._loads_started:
-                self.disk.never_started(msg.disk_loads)
-            return self.report_disk(BatchResult(batch_id=msg.batch_id, error=type(exc).__name__))
+            if self.io is not None and not self._loads_started:
+                self.io.never_started([*msg.host_loads, *msg.disk_loads])
+            return self.report_loads(BatchResult(batch_id=msg.batch_id, error=type(exc).__name__))
 
     def _forward(self, msg: ForwardBatch, step):
         """The step's page moves and forward, after the disk tier's saves (their pages are read
         before anything writes) and with its loads running beside it: they start once the
         step's write-downs have read the pages they may reuse, and write only pages that no
-        batch reads until the load is reported (the disk tier is refused under tensor
-        parallel, whose ranks run the step's moves too)."""
-        if self.disk is not None:
-            self.disk.save(msg.disk_saves)
-            if msg.disk_loads:
+        batch reads until the load is reported (neither runs under tensor parallel, whose
+        ranks would each need their share)."""
+        if self.io is not None:
+            self.io.save(msg.disk_saves)
+            if msg.disk_loads or msg.host_loads:
                 self.runner.write_down(step)
-                self.disk.load(msg.disk_loads)
+                self.io.load([*msg.host_loads, *msg.disk_loads])
                 self._loads_started = True
         if self.tp is None:
             return self.runner.forward(step)
         return self._forward_all_ranks(msg.batch_id, step)
 
     def _move_pages(self, msg: ForwardBatch) -> BatchResult:
-        """A step of no sequences: its page moves and the disk tier's work, then (when loads
+        """A step of no sequences: its page moves and the tiers' work, then (when loads
         are running) a short wait for one to end, so a scheduler with nothing else to run does
         not spin. The previous batch's samples stay what the next batch's placeholders read."""
         self.grammars.release(msg.released_grammars)
         self._forward(msg, msg.step)
-        if self.disk is not None:
-            self.disk.wait(DISK_POLL_SECONDS)
-        return self.report_disk(BatchResult(batch_id=msg.batch_id))
+        if self.io is not None:
+            self.io.wait(LOAD_POLL_SECONDS)
+        return self.report_loads(BatchResult(batch_id=msg.batch_id))
 
-    def report_disk(self, result: BatchResult) -> BatchResult:
-        """The disk tier's news on ``result``: loads that ended, and the running totals."""
-        disk = self.disk
-        if disk is not None:
-            result.disk_loaded = disk.finished()
-            store = disk.store
-            result.disk_bytes_read, result.disk_bytes_written = (store.bytes_read,
-                                                                 store.bytes_written)
-            result.disk_load_seconds, result.disk_rejected = disk.load_seconds, store.rejected
+    def report_loads(self, result: BatchResult) -> BatchResult:
+        """The tiers' news on ``result``: loads that ended, and the disk tier's totals."""
+        io = self.io
+        if io is not None:
+            result.loads_ended = io.finished()
+            if io.store is not None:
+                store = io.store
+                result.disk_bytes_read, result.disk_bytes_written = (store.bytes_read,
+                                                                     store.bytes_written)
+                result.disk_load_seconds, result.disk_rejected = io.load_seconds, store.rejected
         return result
 
     def _forward_all_ranks(self, batch_id: int, step):
@@ -239,7 +239,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     worker = Worker(spec.config, tp)
     push.send(encode(WorkerReady(worker.info)))
     worker.grammars.prepare()  # in the background, while the first requests come in
-    if worker.disk is None:
+    if worker.io is None or worker.io.store is None:
         _serve(worker, pull, push, tp)
         return
     # The launcher stops children with SIGUSR1: the disk tier first writes what is queued.
@@ -247,7 +247,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     try:
         _serve(worker, pull, push, tp)
     finally:
-        worker.disk.close(FLUSH_ON_EXIT_SECONDS)
+        worker.io.close(FLUSH_ON_EXIT_SECONDS)
 
 
 def _exit(signum, frame) -> None:

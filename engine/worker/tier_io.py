@@ -1,15 +1,16 @@
-"""The worker's side of the disk tier (``--disk-cache-dir``): it saves the blocks the scheduler
-names (their pages copied out at the start of the step that carries them, before anything can
-overwrite them) and loads blocks into the fresh pages the scheduler gave a request, on one I/O
-thread, so neither ever holds up a step.
+"""The worker's I/O thread for the prefix cache's tiers: the disk tier's saves (``--disk-cache-dir``:
+the blocks the scheduler names, their pages copied out at the start of the step that carries
+them, before anything can overwrite them) and every load into a waiting request's own pages
+(scheduler/loads.py): disk blocks read from their files, and host-tier pages copied over
+(``--host-cache-gb``), so that none ever holds up a step.
 
 A load runs while other requests' steps run: the scheduler keeps the loading request out of
-every batch until a later ``BatchResult`` reports how many of its blocks arrived
-(``finished``); a block that is missing or fails its checks (engine/contracts/disk_cache.py)
-ends the load there, and the request computes the rest. On CUDA the copy into the pages runs
-on a stream of its own and is reported only once that stream has finished it. Saves wait
-behind loads (a request waits for a load, nobody for a save) and are dropped, not queued
-without bound, when the disk falls more than ``MAX_PENDING_BYTES`` behind.
+every batch until a later ``BatchResult.loads_ended`` reports what arrived (``finished``); a
+disk block that is missing or fails its checks (engine/contracts/disk_cache.py) ends its load
+there, and the request computes the rest. On CUDA the copy into the pages runs on a stream of
+its own and is reported only once that stream has finished it. Saves wait behind loads (a
+request waits for a load, nobody for a save) and are dropped, not queued without bound, when
+the disk falls more than ``MAX_PENDING_BYTES`` behind.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from engine.contracts.disk_cache import DiskStore, block_tokens, fingerprint
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import DiskLoad, DiskSave, unpack_ids
+from engine.contracts.protocol import DiskLoad, DiskSave, HostLoad, unpack_ids
 from engine.worker.kv_pool import KVPool
 
 if TYPE_CHECKING:
@@ -41,12 +42,18 @@ FLUSH_SECONDS = 30.0  # how long shutting down waits for the saves still queued
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json")
 
 
-def open_disk_tier(c: EngineConfig, runner: ModelRunner) -> DiskIO:
-    """The disk tier ``c`` asks for, over ``runner``'s pool, in the directory of this model and
-    layout (its fingerprint: ``identity``)."""
-    ident = identity(c, runner)
-    store = DiskStore(c.disk_cache_dir, fingerprint(ident), int(c.disk_cache_gb * 2**30), ident)
-    return DiskIO(store, runner.pool, block_tokens(c.page_size))
+def open_tier_io(c: EngineConfig, runner: ModelRunner) -> TierIO | None:
+    """The I/O thread ``c``'s tiers need over ``runner``'s pool (None without a host or a disk
+    tier), with the disk tier's store in the directory of this model and layout (its
+    fingerprint: ``identity``)."""
+    store = None
+    if c.disk_cache_dir is not None:
+        ident = identity(c, runner)
+        store = DiskStore(c.disk_cache_dir, fingerprint(ident), int(c.disk_cache_gb * 2**30),
+                          ident)
+    elif not runner.num_host_cache_pages or c.tp_size > 1:
+        return None  # under tensor parallel the host tier loads in the step, on every rank
+    return TierIO(store, runner.pool, block_tokens(c.page_size))
 
 
 def identity(c: EngineConfig, runner: ModelRunner) -> dict:
@@ -71,8 +78,10 @@ def identity(c: EngineConfig, runner: ModelRunner) -> dict:
     }
 
 
-class DiskIO:
-    def __init__(self, store: DiskStore, pool: KVPool, block_tokens: int) -> None:
+class TierIO:
+    """``store``: the disk tier's (None: the host tier's loads only)."""
+
+    def __init__(self, store: DiskStore | None, pool: KVPool, block_tokens: int) -> None:
         self.store, self.pool = store, pool
         self.block_tokens = block_tokens
         self.pages_per_block = block_tokens // pool.page_size
@@ -82,7 +91,7 @@ class DiskIO:
         self.block_shape = (self.pages_per_block, *self.page_shape)
         self.payload_bytes = int(np.prod(self.block_shape)) * kv.element_size()
         self._cond = threading.Condition()
-        self._loads: deque[DiskLoad] = deque()
+        self._loads: deque[DiskLoad | HostLoad] = deque()
         self._saves: deque[tuple[str, memoryview]] = deque()
         self._pending_bytes = 0
         self._done: list[tuple[int, int, torch.cuda.Event | None]] = []
@@ -91,14 +100,14 @@ class DiskIO:
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self.load_seconds = 0.0
         self.dropped_saves = 0
-        self._thread = threading.Thread(target=self._run, name="disk-io", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tier-io", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------- the step's
     def save(self, saves: list[DiskSave]) -> None:
         """Copy the named blocks' pages out now (the step's page writes come after) and queue
         them for writing."""
-        if not saves or not self.store.enabled:
+        if not saves or self.store is None or not self.store.enabled:
             return
         pages = np.concatenate([unpack_ids(s.pages) for s in saves]).astype(np.int64)
         index = torch.from_numpy(pages).to(self.pool.device)
@@ -116,14 +125,14 @@ class DiskIO:
                 self._pending_bytes += self.payload_bytes
             self._cond.notify()
 
-    def load(self, loads: list[DiskLoad]) -> None:
+    def load(self, loads: list[DiskLoad | HostLoad]) -> None:
         if loads:
             with self._cond:
                 self._loads.extend(loads)
                 self._cond.notify()
 
-    def never_started(self, loads: list[DiskLoad]) -> None:
-        """Loads of a batch that failed before they began: ended, with no block."""
+    def never_started(self, loads: list[DiskLoad | HostLoad]) -> None:
+        """Loads of a batch that failed before they began: ended, with nothing."""
         for job in loads:
             self._report(job.load_id, 0, None)
 
@@ -166,12 +175,14 @@ class DiskIO:
                     return
                 self._busy = True
             try:
-                if kind == "load":
-                    self._read_into_pages(job)
-                else:
+                if kind == "save":
                     self.store.write(job[0], self.block_tokens, job[1])
-            except Exception:  # the thread must outlive any one block
-                logger.exception("disk cache %s failed", kind)
+                elif isinstance(job, HostLoad):
+                    self._copy_from_host(job)
+                else:
+                    self._read_into_pages(job)
+            except Exception:  # the thread must outlive any one job
+                logger.exception("a prefix cache tier's %s failed", kind)
                 if kind == "load":
                     self._report(job.load_id, 0, None)
             finally:
@@ -192,18 +203,30 @@ class DiskIO:
         event = None
         if blocks:
             data = torch.cat(blocks).movedim(0, 2)  # [L, 2, pages, ...]
-            index = torch.from_numpy(pages[: len(blocks) * self.pages_per_block])
-            with torch.inference_mode():
-                if self.stream is None:
-                    self.pool.kv.index_copy_(2, index, data)
-                else:
-                    with torch.cuda.stream(self.stream):
-                        device_data = data.pin_memory().to(self.pool.device, non_blocking=True)
-                        self.pool.kv.index_copy_(2, index.to(self.pool.device), device_data)
-                        event = torch.cuda.Event()
-                        event.record(self.stream)
+            event = self._place(pages[: len(blocks) * self.pages_per_block], data)
         self.load_seconds += time.perf_counter() - started
         self._report(job.load_id, len(blocks), event)
+
+    def _copy_from_host(self, job: HostLoad) -> None:
+        """Host-tier pages (locked in the tree while this runs) into the request's own."""
+        host = torch.from_numpy(unpack_ids(job.host_pages).astype(np.int64))
+        data = self.pool.host.index_select(2, host)
+        self._report(job.load_id, 1, self._place(unpack_ids(job.pages).astype(np.int64), data))
+
+    def _place(self, pages: np.ndarray, data: torch.Tensor) -> torch.cuda.Event | None:
+        """``data`` ([L, 2, pages, ...], on the CPU) into device ``pages``; on CUDA through pinned
+        memory on this thread's stream, with the event that says when it has run."""
+        index = torch.from_numpy(pages)
+        with torch.inference_mode():
+            if self.stream is None:
+                self.pool.kv.index_copy_(2, index, data)
+                return None
+            with torch.cuda.stream(self.stream):
+                device_data = data.pin_memory().to(self.pool.device, non_blocking=True)
+                self.pool.kv.index_copy_(2, index.to(self.pool.device), device_data)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return event
 
     def _report(self, load_id: int, blocks: int, event) -> None:
         with self._cond:
