@@ -102,11 +102,7 @@ class Lease:
         ends inside a page, the first fresh page is to receive that page's matched slots: the
         returned copy, whose source holds one more reference for the holder. Raises
         ``OutOfPages`` having changed nothing."""
-        if not self._locked:
-            raise RuntimeError("acquire on an unlocked lease: its matched pages may be gone")
-        if num_tokens < self.match.length:
-            raise ValueError(f"a table for {num_tokens} tokens cannot hold the "
-                             f"{self.match.length}-token match")
+        self._check_acquire(num_tokens)
         tree = self.tree
         loads = tree._pages_to_load(self.match.node)
         fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens))
@@ -135,11 +131,7 @@ class Lease:
         None when no part of the match is in the host tier only any more (another holder
         loaded it since this one matched): ``acquire`` then. Raises ``OutOfPages`` having
         changed nothing."""
-        if not self._locked:
-            raise RuntimeError("acquire on an unlocked lease: its matched pages may be gone")
-        if num_tokens < self.match.length:
-            raise ValueError(f"a table for {num_tokens} tokens cannot hold the "
-                             f"{self.match.length}-token match")
+        self._check_acquire(num_tokens)
         tree = self.tree
         path, sources = tree._host_sources(self.match.node)
         if not path:
@@ -152,6 +144,13 @@ class Lease:
         tree.stats.pages_loaded += len(sources)
         return device.tolist() + fresh, list(zip(sources.tolist(), fresh[: len(sources)],
                                                   strict=False))
+
+    def _check_acquire(self, num_tokens: int) -> None:
+        if not self._locked:
+            raise RuntimeError("acquire on an unlocked lease: its matched pages may be gone")
+        if num_tokens < self.match.length:
+            raise ValueError(f"a table for {num_tokens} tokens cannot hold the "
+                             f"{self.match.length}-token match")
 
     def alloc_pages(self, num_pages: int) -> list[int]:
         """``num_pages`` fresh pages for the holder's table (a swap-in's), one reference each,

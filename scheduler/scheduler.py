@@ -26,7 +26,6 @@ from engine.contracts.protocol import (
     ModelInfo,
     SeqOutput,
     TokenizedRequest,
-    pack_ids,
     unpack_ids,
 )
 from radix import HostTier, PageAllocator, RadixTree
@@ -37,6 +36,7 @@ from scheduler.batch import build_batch
 from scheduler.disk import DiskTier
 from scheduler.kv import SeqMemory
 from scheduler.loads import PendingLoads
+from scheduler.outputs import Outputs, SampledRows
 from scheduler.planner import Entry, StepPlanner, is_placeholder
 from scheduler.request import Request, Seq, Status
 from scheduler.session_pins import SessionPins
@@ -75,7 +75,7 @@ class Scheduler:
                            else None)
         self.planner = StepPlanner(config, info, self.mem, self.sessions, self.speculator)
         self.requests: dict[str, Request] = {}
-        self.outputs: dict[int, list[SeqOutput]] = {}
+        self.outputs = Outputs(host_tier=self.host is not None, disk_tier=self.disk is not None)
         # Batches sent and not yet answered, oldest first: one, or two while overlapping.
         self.inflight: deque[tuple[int, list[Entry]]] = deque()
         self.batch_id = 0
@@ -143,10 +143,10 @@ class Scheduler:
             error = 500, "the server failed to admit this request; its log has the details"
         if error is not None:
             status, text = error
-            self._emit(req, 0, [], finish_reason="error", error=text, status=status)
+            self.outputs.emit(req, 0, [], finish_reason="error", error=text, status=status)
             return
         if req.rid in self.requests:
-            self._emit(req, 0, [], finish_reason="error", status=400,
+            self.outputs.emit(req, 0, [], finish_reason="error", status=400,
                        error=f"request id {req.rid!r} is already in use")
             return
         req.seqs.append(Seq(req, 0, prompt.tolist()))
@@ -230,16 +230,9 @@ class Scheduler:
                 self._fail(req, 500, f"the model runner failed on this request's batch "
                            f"({result.error}); the server log has the details")
             return
-        tokens = unpack_ids(result.token_ids)
-        logprobs = np.frombuffer(result.logprobs, dtype=np.float32)
-        top_ids = top_lps = None
-        if result.top_n:
-            top_ids = unpack_ids(result.top_ids).reshape(-1, result.top_n)
-            top_lps = np.frombuffer(result.top_logprobs, dtype=np.float32).reshape(-1, result.top_n)
-        self._prompt_logprobs(entries, result)
-        forced = _forced_tokens(result, len(tokens))
-        ended = set(unpack_ids(result.grammar_ended).tolist())
-        self.grammar_forced_tokens += sum(map(len, forced.values()))
+        rows = SampledRows(result)
+        self.outputs.prompt_logprobs(entries, result)
+        self.grammar_forced_tokens += sum(map(len, rows.forced.values()))
         self.grammar_mask_seconds += result.mask_seconds
         self.transfer_seconds += result.transfer_seconds
         row = 0
@@ -260,11 +253,11 @@ class Scheduler:
                 continue
             if entry.drafts:
                 # Verification: the accepted drafts' KV is kept, the rest rolls back.
-                sampled = tokens[row : row + entry.samples]
+                sampled = rows.tokens[row : row + entry.samples]
                 kept = self.speculator.accept(seq, entry.drafts, sampled)
                 seq.computed = seq.settled = entry.end + kept - 1
                 self.mem.trim(seq, seq.computed + 1)
-                self._append(seq, sampled[:kept].tolist(), logprobs, top_ids, top_lps, row)
+                self._append(seq, sampled[:kept].tolist(), rows, row)
                 if seq.status is Status.RUNNING:  # a stop inside the drafts ends the tokens
                     seq.computed = seq.settled = min(seq.computed, len(seq.tokens) - 1)
                 row += entry.samples
@@ -278,19 +271,17 @@ class Scheduler:
             if seq.req.is_beam:
                 beam_rows.setdefault(id(seq.req), []).append((seq, row))
             elif entry.samples > 1:
-                self._fork_samples(seq, tokens[row : row + entry.samples], logprobs, top_ids,
-                                   top_lps, row, forced, ended)
+                self._fork_samples(seq, entry.samples, rows, row)
             else:
-                self._append(seq, [int(tokens[row]), *forced.get(row, ())], logprobs, top_ids,
-                             top_lps, row, entry.token_index)
-                self._grammar_ended(seq, row in ended)
+                self._append(seq, rows.after(row), rows, row, entry.token_index)
+                self._grammar_ended(seq, row in rows.grammar_ended)
             row += entry.samples
-        for rows in beam_rows.values():
+        for beams in beam_rows.values():
             try:
-                self._beam_step(rows, top_ids, top_lps)
+                self._beam_step(beams, rows)
             except Exception:
                 # One request's beams failing ends that request alone.
-                req = rows[0][0].req
+                req = beams[0][0].req
                 logger.exception("beam step of request %s failed", req.rid)
                 self._fail(req, 500, "the server failed on this request's beam search; its "
                            "log has the details")
@@ -316,7 +307,7 @@ class Scheduler:
                 req.cached_tokens_host = 0
             seq.status = Status.RUNNING
 
-    def _append(self, seq: Seq, new: list[int], logprobs, top_ids, top_lps, row: int,
+    def _append(self, seq: Seq, new: list[int], rows: SampledRows, row: int,
                 index: int = -1) -> None:
         """``new`` are ``seq``'s next outputs, sampled at rows ``row``, ``row + 1``, ...: the
         first at ``tokens[index]`` (its placeholder), or all appended; it ends at the first one
@@ -333,15 +324,9 @@ class Scheduler:
                 break
             seq.tokens.append(token)
             reason = self._finish_reason(seq, token, index + 1 + i)
-        req, end = seq.req, row + len(new)
-        want = req.params.logprobs
-        lp = logprobs[row:end].tobytes() if want is not None else b""
-        tid = tlp = b""
-        if want and top_ids is not None:
-            tid = top_ids[row:end, :want].astype(np.int32).tobytes()
-            tlp = top_lps[row:end, :want].astype(np.float32).tobytes()
-        self._emit(req, seq.index, new, finish_reason=reason, logprobs=lp, top_ids=tid,
-                   top_logprobs=tlp)
+        lp, tid, tlp = rows.logprob_bytes(row, row + len(new), seq.req.params.logprobs)
+        self.outputs.emit(seq.req, seq.index, new, finish_reason=reason, logprobs=lp,
+                          top_ids=tid, top_logprobs=tlp)
         if reason is not None:
             self._finish(seq, reason)
 
@@ -376,7 +361,8 @@ class Scheduler:
         if seq.req.params.structured_outputs is not None:
             self.released_grammars.append(f"{seq.req.rid}#{seq.index}")
         if emit:
-            self._emit(seq.req, seq.index, [], finish_reason=reason, error=error, status=status)
+            self.outputs.emit(seq.req, seq.index, [], finish_reason=reason, error=error,
+                              status=status)
 
     def _release(self, seq: Seq, *, cache: bool) -> None:
         """Release ``seq``'s pages; a session's cached turn becomes the session's pinned history.
@@ -390,64 +376,35 @@ class Scheduler:
         if cache and req.session_id is not None and seq.index == 0 and not req.is_beam:
             self.sessions.pin(req.session_id, history, req.namespace, time.monotonic())
 
-    def _prompt_logprobs(self, entries: list, result: BatchResult) -> None:
-        """Each entry's prompt logprobs (the rows ``build_batch`` asked for, in entry order) go
-        out as an output of sample 0 holding only them."""
-        if not result.prompt_logprobs:
-            return
-        logprobs = np.frombuffer(result.prompt_logprobs, dtype=np.float32)
-        width = len(result.prompt_top_ids) // 4 // len(logprobs)
-        top_ids = unpack_ids(result.prompt_top_ids).reshape(len(logprobs), width)
-        top_lps = np.frombuffer(result.prompt_top_logprobs, dtype=np.float32).reshape(
-            len(logprobs), width)
-        row = 0
-        for entry in entries:
-            n = entry.prompt_rows
-            if not n:
-                continue
-            req = entry.seq.req
-            want = req.params.prompt_logprobs
-            if entry.seq.status is Status.RUNNING:
-                req.prompt_logits_done += n
-                self.outputs.setdefault(req.reply_to, []).append(SeqOutput(
-                    req.rid, 0, b"", prompt_tokens=req.prompt_len,
-                    prompt_logprobs=logprobs[row : row + n].tobytes(),
-                    prompt_top_ids=top_ids[row : row + n, :want].astype(np.int32).tobytes(),
-                    prompt_top_logprobs=top_lps[row : row + n, :want].astype(
-                        np.float32).tobytes()))
-            row += n
-
     def _grammar_ended(self, seq: Seq, ended: bool) -> None:
         """A constrained sequence whose grammar can take nothing more ends with "stop" (unless
         its last token ended it already)."""
         if ended and seq.status is Status.RUNNING and not seq.closing:
-            self._emit(seq.req, seq.index, [], finish_reason="stop")
+            self.outputs.emit(seq.req, seq.index, [], finish_reason="stop")
             self._finish(seq, "stop")
 
-    def _fork_samples(self, parent: Seq, tokens: np.ndarray, logprobs, top_ids, top_lps,
-                      row: int, forced: dict[int, list[int]], ended: set[int]) -> None:
+    def _fork_samples(self, parent: Seq, samples: int, rows: SampledRows, row: int) -> None:
         req = parent.req
         req.forked = True
         children = [parent]
-        for i in range(1, len(tokens)):
+        for i in range(1, samples):
             child = Seq(req, i, parent.tokens.copy(), status=Status.RUNNING)
             self.mem.fork(parent, child)
             req.seqs.append(child)
             children.append(child)
         for i, child in enumerate(children):
-            self._append(child, [int(tokens[i]), *forced.get(row + i, ())], logprobs, top_ids,
-                         top_lps, row + i)
-            self._grammar_ended(child, row + i in ended)
+            self._append(child, rows.after(row + i), rows, row + i)
+            self._grammar_ended(child, row + i in rows.grammar_ended)
 
-    def _beam_step(self, rows: list[tuple[Seq, int]], top_ids, top_lps) -> None:
-        beams = [seq for seq, _ in rows]
+    def _beam_step(self, beam_rows: list[tuple[Seq, int]], rows: SampledRows) -> None:
+        beams = [seq for seq, _ in beam_rows]
         req = beams[0].req
         p = req.params
         width = p.beam_width
-        idx = [r for _, r in rows]
+        idx = [r for _, r in beam_rows]
         eos = set() if p.ignore_eos else self.eos_ids | set(p.stop_token_ids)
-        chosen, ended = beam.select([s.cum_logprob for s in beams], top_ids[idx],
-                                    top_lps[idx].astype(np.float64), width, eos)
+        chosen, ended = beam.select([s.cum_logprob for s in beams], rows.top_ids[idx],
+                                    rows.top_lps[idx].astype(np.float64), width, eos)
         generated = beams[0].num_outputs + 1
         for cand in ended:
             req.finished_beams.append((
@@ -488,29 +445,18 @@ class Scheduler:
             self._finish(seq, "length")
         for i, (_, out) in enumerate(hyps[: p.n]):
             reason = "stop" if out is not None and len(out) < p.max_tokens else "length"
-            self._emit(req, i, out, finish_reason=reason, replace=True)
+            self.outputs.emit(req, i, out, finish_reason=reason, replace=True)
 
     # ------------------------------------------------------------- outputs
-    def _emit(self, req: Request, index: int, tokens: list[int], *, finish_reason=None,
-              error=None, status: int = 200, logprobs=b"", top_ids=b"", top_logprobs=b"",
-              replace: bool = False) -> None:
-        self.outputs.setdefault(req.reply_to, []).append(SeqOutput(
-            req.rid, index, pack_ids(tokens), logprobs, top_ids, top_logprobs, finish_reason,
-            error, status, req.prompt_len, max(req.cached_tokens, 0), replace,
-            cached_tokens_host=req.cached_tokens_host if self.host is not None else None,
-            cached_tokens_disk=req.cached_tokens_disk if self.disk is not None else None,
-        ))
-
     def take_outputs(self) -> dict[int, list[SeqOutput]]:
-        out, self.outputs = self.outputs, {}
-        return out
+        return self.outputs.take()
 
     def _fail(self, req: Request, status: int, message: str) -> None:
         logger.warning("request %s failed: %s", req.rid, message)
         for seq in req.live_seqs():
             self._end(seq, "error", cache=False, emit=True, error=message, status=status)
         if not req.seqs:
-            self._emit(req, 0, [], finish_reason="error", error=message, status=status)
+            self.outputs.emit(req, 0, [], finish_reason="error", error=message, status=status)
         self._retire(req)
 
     def _retire(self, req: Request) -> None:
@@ -567,15 +513,3 @@ class Scheduler:
             "host_transfer_seconds": self.transfer_seconds,
         }
 
-
-def _forced_tokens(result: BatchResult, num_rows: int) -> dict[int, list[int]]:
-    """The tokens each constrained row's grammar forced after its sample (row -> tokens)."""
-    if not result.forced_counts:
-        return {}
-    counts = unpack_ids(result.forced_counts)
-    ids = unpack_ids(result.forced_ids).tolist()
-    if len(counts) != num_rows or int(counts.sum()) != len(ids):
-        raise ValueError(f"batch {result.batch_id}'s forced tokens do not match its rows")
-    ends = np.cumsum(counts).tolist()
-    return {row: ids[end - n : end] for row, (n, end) in enumerate(zip(counts.tolist(), ends,
-                                                                          strict=True)) if n}
