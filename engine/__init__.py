@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.runtime.offline import Completion, Engine, RequestResult

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.contracts.protocol import SEED_LIMIT, ForwardBatch, RowSampling, pack_ids
+from engine.contracts.protocol import ForwardBatch, RowSampling, pack_ids
+from engine.contracts.sampling_params import SEED_LIMIT
 from engine.contracts.step import StepBuilder
 from scheduler.kv import StepWork
 from scheduler.planner import Entry

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from radix import Lease
 
 

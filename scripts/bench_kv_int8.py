@@ -109,7 +109,8 @@ def bench_serving(model: str, dtype: str, kv_names: tuple[str, str], kv_cache_gb
                   requests: int = 24, prompt_len: int = 300, max_tokens: int = 900
                   ) -> dict[str, object]:
     """Many long sequences at once through the in-process scheduler and worker."""
-    from engine.contracts.protocol import SamplingParams, TokenizedRequest, pack_ids
+    from engine.contracts.protocol import TokenizedRequest, pack_ids
+    from engine.contracts.sampling_params import SamplingParams
     from engine.worker.process import Worker
     from scheduler.scheduler import Scheduler
 

@@ -125,7 +125,7 @@ def conversations(workload: str, count: int, seed: int) -> list[list[str]]:
 
 
 async def converse(engine, turns: list[str], max_tokens: int) -> list[dict]:
-    from engine.contracts.protocol import SamplingParams
+    from engine.contracts.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     messages: list[dict] = []

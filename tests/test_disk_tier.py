@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.contracts.disk_cache import DiskStore
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from tests.test_host_cache import host_cache_gb, prompts_with_prefixes, tail_variant
 from tests.test_scheduler import GREEDY, Harness, hf_greedy, hf_model, model_dir  # noqa: F401
 

@@ -14,7 +14,8 @@ import pytest
 
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.kv_events import KVEventBatch, chain_hashes
-from engine.contracts.protocol import SamplingParams, SeqOutput, TokenizedRequest, pack_ids
+from engine.contracts.protocol import SeqOutput, TokenizedRequest, pack_ids
+from engine.contracts.sampling_params import SamplingParams
 from engine.server.dp_monitor import DispatchReports
 from radix import OutOfPages
 from scheduler.kv_events import BlockEvents

@@ -19,7 +19,7 @@ from engine.checkpoints import gguf as converter
 from engine.checkpoints import model_source
 from engine.checkpoints.gguf import SUPPORTED_TYPES, find_gguf, gguf_checkpoint
 from engine.checkpoints.model_source import DEMO_NAME, resolve_model
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from engine.worker.model.config import ModelConfig
 from tests.test_scheduler import Harness, hf_greedy
 

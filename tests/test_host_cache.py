@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from engine.worker.kv_pool import KVPool
 from engine.worker.model.config import ModelConfig
 from tests.test_scheduler import GREEDY, Harness, hf_greedy, hf_model, model_dir  # noqa: F401

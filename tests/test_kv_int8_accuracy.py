@@ -10,7 +10,7 @@ import torch
 
 from engine.checkpoints.gguf import gguf_checkpoint
 from engine.checkpoints.model_source import default_gguf
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from scripts.kv_accuracy import compare, make_prompts
 from tests.test_scheduler import Harness
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import ForwardBatch, RowSampling, SamplingParams, decode, encode
+from engine.contracts.protocol import ForwardBatch, RowSampling, decode, encode
+from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
 from engine.worker.kv_pool import KVPool
 from engine.worker.runner import ModelRunner

@@ -29,7 +29,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from tests.server_process import ServerProcess
 from tests.test_scheduler import Harness, hf_greedy, model_dir  # noqa: F401 (fixture)
 

@@ -9,13 +9,8 @@ import numpy as np
 import pytest
 
 from engine.checkpoints.demo_model import build_demo_model
-from engine.contracts.protocol import (
-    ForwardBatch,
-    RowSampling,
-    SamplingParams,
-    TokenizedRequest,
-    pack_ids,
-)
+from engine.contracts.protocol import ForwardBatch, RowSampling, TokenizedRequest, pack_ids
+from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
 from tests.test_scheduler import Harness
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.contracts.protocol import SamplingParams, unpack_ids
+from engine.contracts.protocol import unpack_ids
+from engine.contracts.sampling_params import SamplingParams
 from tests.test_scheduler import Harness, hf_model, model_dir  # noqa: F401 (fixtures)
 
 TOP = 3

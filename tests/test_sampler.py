@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from engine.worker.sampler import RowState, _mix_seed, apply_filters, apply_penalties, sample
 
 

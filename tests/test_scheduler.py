@@ -11,14 +11,8 @@ import torch
 
 from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import (
-    SamplingParams,
-    TokenizedRequest,
-    decode,
-    encode,
-    pack_ids,
-    unpack_ids,
-)
+from engine.contracts.protocol import TokenizedRequest, decode, encode, pack_ids, unpack_ids
+from engine.contracts.sampling_params import SamplingParams
 from engine.worker.process import Worker
 from scheduler.scheduler import Scheduler
 

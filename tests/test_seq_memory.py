@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from radix import OutOfPages, PageAllocator, RadixTree
 from scheduler.kv import SeqMemory, StepWork
 from scheduler.request import Request, Seq

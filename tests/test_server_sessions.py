@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import SamplingParams, TokenizedRequest, pack_ids
+from engine.contracts.protocol import TokenizedRequest, pack_ids
+from engine.contracts.sampling_params import SamplingParams
 from engine.worker.process import Worker
 from radix import Lease, PageAllocator, RadixTree
 from scheduler.scheduler import Scheduler

@@ -20,13 +20,13 @@ from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
     GenerateRequest,
-    SamplingParams,
     SchedulerStats,
     SeqOutput,
     TokenOutputs,
     pack_ids,
     unpack_ids,
 )
+from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.speculative import SpeculativeConfig
 from engine.server.metrics import FrontendState, Metrics
 from engine.worker.sampler import RowState, sample

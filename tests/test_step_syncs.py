@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import RowState, sample

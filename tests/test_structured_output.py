@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine.checkpoints.demo_model import build_demo_model
-from engine.contracts.protocol import GenerateRequest, InvalidParam, SamplingParams
+from engine.contracts.protocol import GenerateRequest
+from engine.contracts.sampling_params import InvalidParam, SamplingParams
 from engine.contracts.structured import StructuredOutputs
 from engine.contracts.tokenizer import load_tokenizer
 from engine.worker.sampler import RowState, sample

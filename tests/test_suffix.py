@@ -15,7 +15,8 @@ import pytest
 
 from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import SamplingParams, SchedulerStats
+from engine.contracts.protocol import SchedulerStats
+from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.speculative import MIN_SUFFIX_MATCH, SpeculativeConfig
 from engine.server.metrics import FrontendState, Metrics
 from radix import OutOfPages

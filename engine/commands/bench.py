@@ -47,7 +47,7 @@ def _requests(args: argparse.Namespace, vocab_size: int):
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from engine.contracts.protocol import SamplingParams
+    from engine.contracts.sampling_params import SamplingParams
     from engine.runtime.offline import Engine, EngineDead, LaunchError
 
     config = config_from_args(args)

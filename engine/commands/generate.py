@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _read_requests(path: str):
     import msgspec
 
-    from engine.contracts.protocol import SamplingParams
+    from engine.contracts.sampling_params import SamplingParams
 
     prompts, params = [], []
     with open(path) as f:

@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from engine.contracts.protocol import InvalidParam, ModelInfo, SamplingParams, show_int
+from engine.contracts.protocol import ModelInfo
+from engine.contracts.sampling_params import InvalidParam, SamplingParams, show_int
 from engine.contracts.structured import StructuredOutputs
 from engine.server.errors import APIError
 from engine.server.schemas import (

@@ -26,11 +26,11 @@ from engine.contracts.protocol import (
     GenerateRequest,
     ModelInfo,
     RequestOutput,
-    SamplingParams,
     SessionClose,
     SessionOpen,
     pack_ids,
 )
+from engine.contracts.sampling_params import SamplingParams
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.server import sampling, tools
 from engine.server.choices import (

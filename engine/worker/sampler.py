@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.contracts.protocol import SamplingParams
+from engine.contracts.sampling_params import SamplingParams
 from engine.worker.staging import to_device
 
 _MASK64 = (1 << 64) - 1
