@@ -45,7 +45,7 @@ import flashinfer
 import torch
 
 from engine.worker.attention import resolve_backend
-from scripts.gpu_check import kernel_specs
+from scripts.gpu_kernels import kernel_specs
 
 if not torch.cuda.is_available():
     raise SystemExit("the GPU check needs CUDA, and torch.cuda.is_available() is False")
@@ -62,7 +62,7 @@ for family in ("fa2", "fa3"):
 """
 
 FA2_BUILT = """
-from scripts.gpu_check import kernel_specs
+from scripts.gpu_kernels import kernel_specs
 
 missing = [s.name for s in kernel_specs("fa2") if not s.is_compiled]
 if missing:

@@ -56,15 +56,15 @@ def test_a_step_past_its_budget_is_killed_and_its_output_kept(tmp_path, monkeypa
 def test_phase_1_builds_the_fp8_modules_phase_2_loads(monkeypatch) -> None:
     """The FA2 prebuild names the mixed-precision modules (bf16 queries over fp8 KV, both
     formats) that gpu_check's fp8 part loads; FA3 has none (fp8 KV runs on FA2)."""
-    from scripts import gpu_check
+    from scripts import gpu_kernels
     from tests import fake_flashinfer
 
     module = fake_flashinfer.module()
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setitem(sys.modules, "flashinfer.jit", module.jit)
-    fa2 = [spec.name for spec in gpu_check.kernel_specs("fa2")]
+    fa2 = [spec.name for spec in gpu_kernels.kernel_specs("fa2")]
     for kv in ("float8_e4m3fn", "float8_e5m2"):
         fp8 = [name for name in fa2 if f"bfloat16_{kv}_bfloat16_int32_128_128" in name]
         # both shapes (32/8, 16/4) decode on tensor cores: one prefill module serves both
         assert fp8 == [f"prefill_fa2_bfloat16_{kv}_bfloat16_int32_128_128_0_False_False_False"]
-    assert not any("float8" in spec.name for spec in gpu_check.kernel_specs("fa3"))
+    assert not any("float8" in spec.name for spec in gpu_kernels.kernel_specs("fa3"))
