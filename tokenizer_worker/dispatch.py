@@ -180,10 +180,6 @@ class Dispatcher:
         self.changed = True
         return routed.replica
 
-    def replica_of(self, rid: str) -> int | None:
-        routed = self.requests.get(rid)
-        return None if routed is None else routed.replica
-
     # --------------------------------------------------------------- sessions
     def open_session(self, session_id: str, ttl: float) -> int:
         """Bind a new session to the least-loaded replica (it has no prompt yet)."""

@@ -93,10 +93,6 @@ def check_directory(path: str) -> None:
         raise ValueError(f"--disk-cache-dir {path} is not writable by this user")
 
 
-class DiskFull(OSError):
-    """The disk (or the store's capacity) has no room for a block."""
-
-
 class DiskStore:
     """One process's handle on ``root/<fingerprint>``. ``capacity``: bytes the store may hold
     (all processes' files together; 0 is no limit but the disk's). Thread-safe."""
@@ -138,8 +134,8 @@ class DiskStore:
     # ----------------------------------------------------------------- writing
     def write(self, name: str, tokens: int, payload: bytes | memoryview) -> bool:
         """Store one block (atomically; a block already there is left as it is). False when it
-        was not written: the store is off, or full (``DiskFull`` is not raised: a write that
-        finds no room is skipped and logged once, and writing stops until room is made)."""
+        was not written: the store is off, or full (a write that finds no room is skipped and
+        logged once, and writing stops until room is made)."""
         if not self.enabled:
             return False
         path = self.path(name)

@@ -29,6 +29,7 @@ BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.profiler.kv_bytes import KV_CACHE_DTYPES
     from radix.eviction import POLICIES
+    from radix.host import WRITE_POLICIES
 
     parser.add_argument("trace", type=Path, help="JSONL trace (docs/profiler.md)")
     parser.add_argument("--format", choices=("radixserve", *BLOCK_TOKENS), default="radixserve",
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admit a request at once even when another one is prefilling its "
                              "shared head (vLLM does; radixserve and SGLang hold it back)")
     timing.add_argument("--cache-write-policy", default="write_back",
-                        choices=("write_back", "write_through", "write_through_selective"),
+                        choices=WRITE_POLICIES,
                         help="when the host tier gets a copy, as serve's flag (default "
                              "write_back: when the device evicts it)")
     disk = timing.add_mutually_exclusive_group()

@@ -99,7 +99,6 @@ class TierIO:
         self._closed = False
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self.load_seconds = 0.0
-        self.dropped_saves = 0
         self._thread = threading.Thread(target=self._run, name="tier-io", daemon=True)
         self._thread.start()
 
@@ -118,7 +117,10 @@ class TierIO:
         with self._cond:
             for i, s in enumerate(saves):
                 if self._pending_bytes + self.payload_bytes > MAX_PENDING_BYTES:
-                    self.dropped_saves += len(saves) - i
+                    # the disk writes slower than the cache fills: these blocks stay unsaved
+                    # (a later commit of the same prefix offers them again)
+                    logger.debug("disk tier: %d block saves dropped, %d bytes queued",
+                                 len(saves) - i, self._pending_bytes)
                     break
                 block = rows[i * per_block : (i + 1) * per_block].reshape(-1)  # a view
                 self._saves.append((s.name, memoryview(block)))
