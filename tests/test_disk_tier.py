@@ -34,6 +34,18 @@ def close(h: Harness) -> None:
     h.worker.io.close()
 
 
+def served(model_dir: str, directory: Path, prompts: dict[str, list[int]],  # noqa: F811
+           params: SamplingParams = GREEDY, **options) -> Harness:
+    """A harness on ``directory`` that served ``prompts`` (by request id) together to the end
+    and then wrote what was queued, as a server does before it stops: what a later one reads."""
+    h = disk_harness(model_dir, directory, **options)
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, params)
+    h.run()
+    close(h)
+    return h
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_kv_loaded_from_disk_gives_the_same_tokens(model_dir, hf_model, tmp_path, page_size):  # noqa: F811
@@ -67,13 +79,8 @@ def test_a_restart_reads_the_directory(model_dir, hf_model, tmp_path):  # noqa: 
     """A second scheduler and worker on the same directory (a restart) serve a prompt the first
     one computed from disk: every whole block below its last token, the same greedy output."""
     prompt = np.random.default_rng(8).integers(3, 4000, 200).tolist()
-    first = disk_harness(model_dir, tmp_path, num_pages=40)
-    first.add("a", prompt, GREEDY)
-    first.run()
-    close(first)
-    second = disk_harness(model_dir, tmp_path, num_pages=40)
-    second.add("b", prompt, GREEDY)
-    second.run()
+    first = served(model_dir, tmp_path, {"a": prompt}, num_pages=40)
+    second = served(model_dir, tmp_path, {"b": prompt}, num_pages=40)
     final = second.finals["b"][0]
     assert final.cached_tokens == final.cached_tokens_disk == (len(prompt) - 1) // 16 * 16
     assert second.outputs["b"][0] == first.outputs["a"][0] == hf_greedy(hf_model, prompt, 12)
@@ -85,10 +92,7 @@ def test_a_faulty_block_is_recomputed(model_dir, hf_model, tmp_path, fault):  # 
     lookup and the load ends the load there: the rest is computed, the output is unchanged, the
     file is gone, and a later request writes it again."""
     prompt = np.random.default_rng(9).integers(3, 4000, 130).tolist()
-    first = disk_harness(model_dir, tmp_path, num_pages=40)
-    first.add("a", prompt, GREEDY)
-    first.run()
-    close(first)
+    served(model_dir, tmp_path, {"a": prompt}, num_pages=40)
     files = block_files(tmp_path)
     assert len(files) == 130 // 16
     second = disk_harness(model_dir, tmp_path, num_pages=40)
@@ -125,10 +129,7 @@ def test_an_abort_during_a_load_leaks_nothing(model_dir, tmp_path):  # noqa: F81
     """A request aborted while its blocks load: its pages wait for the load to end (the
     accounting after every step counts them), then go back; nothing leaks."""
     prompt = np.random.default_rng(10).integers(3, 4000, 150).tolist()
-    first = disk_harness(model_dir, tmp_path, num_pages=40)
-    first.add("a", prompt, GREEDY)
-    first.run()
-    close(first)
+    served(model_dir, tmp_path, {"a": prompt}, num_pages=40)
     second = disk_harness(model_dir, tmp_path, num_pages=40)
     second.add("b", prompt, GREEDY)
     second.step()
@@ -150,15 +151,9 @@ def test_forks_swaps_and_host_tier_with_disk(model_dir, hf_model, tmp_path):  # 
                "host_cache_gb": host_cache_gb(model_dir, 16, page_size)}
     prompts = prompts_with_prefixes(4, 40, seed=11)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=2)
-    first = disk_harness(model_dir, tmp_path, **options)
-    for i, p in enumerate(prompts):
-        first.add(f"a{i}", p, params)
-    first.run()
-    close(first)
-    second = disk_harness(model_dir, tmp_path, **options)
-    for i, p in enumerate(prompts):
-        second.add(f"b{i}", p, params)
-    second.run()
+    served(model_dir, tmp_path, {f"a{i}": p for i, p in enumerate(prompts)}, params, **options)
+    second = served(model_dir, tmp_path, {f"b{i}": p for i, p in enumerate(prompts)}, params,
+                    **options)
     for i, p in enumerate(prompts):
         want = hf_greedy(hf_model, p, 24)
         assert second.outputs[f"b{i}"] == {0: want, 1: want}, i
@@ -316,10 +311,7 @@ def test_a_batch_that_fails_before_its_loads_start_lets_them_end_empty(model_dir
     from engine.contracts.protocol import decode, encode
 
     prompt = np.random.default_rng(15).integers(3, 4000, 120).tolist()
-    first = disk_harness(model_dir, tmp_path, num_pages=40)
-    first.add("a", prompt, GREEDY)
-    first.run()
-    close(first)
+    served(model_dir, tmp_path, {"a": prompt}, num_pages=40)
     h = disk_harness(model_dir, tmp_path, num_pages=40)
     calls = []
 
