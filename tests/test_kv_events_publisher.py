@@ -1,6 +1,6 @@
-"""KV cache events (scheduler/kv_events.py): the blocks the events say are stored equal the
-blocks the tree holds, under random inserts, evictions and resets; and a live ``radixserve
-serve`` publishes batches that decode with vLLM's schema, written here independently of ours.
+"""KV cache events on the wire (scheduler/kv_events.py's KVEventPublisher): its batches decode
+with vLLM's schema, written here independently of ours; a live ``radixserve serve`` publishes
+what it caches and evicts; the flags that turn it on are checked.
 
 The smg test runs smg's own KV event relay (the Rust gRPC servicer inside ``pip install smg``,
 which turns an engine's ZMQ events into the ``SubscribeKvEvents`` stream its router indexes)
@@ -16,24 +16,21 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import subprocess
 import time
-from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
-import numpy as np
 import pytest
 import zmq
 
 from engine.commands.options import add_engine_arguments
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.kv_events import BlockStored
-from radix import OutOfPages
 from scheduler.kv_events import BlockEvents, KVEventPublisher
+from tests.kv_gateway import Subscriber
 from tests.radix_sim import Sim
 from tests.server_process import AUTH, ServerProcess, free_port
 
@@ -78,177 +75,6 @@ class VKVEventBatch(VEventBatch):
 
 
 vllm_decoder = msgspec.msgpack.Decoder(VKVEventBatch)
-
-
-# ------------------------------------------------------------------ the documented hash, anew
-def reference_hash(parent: int | None, namespace: str | None, tokens: list[int]) -> int:
-    if parent is None:
-        head = b"radixserve-kv\x00" if namespace is None else b"radixserve-kv\x01" + namespace.encode()
-        parent = int.from_bytes(blake2b(head, digest_size=8).digest(), "little")
-    data = parent.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little", signed=True)
-                                                   for t in tokens)
-    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
-
-
-def tree_blocks(tree, block_size: int) -> dict[int, tuple[str | None, list[int]]]:
-    """Every whole block on every cached path, from scratch: hash → (namespace, prefix)."""
-    blocks = {}
-    for namespace, root in tree._roots.items():
-        stack = [(root, [])]
-        while stack:
-            node, prefix = stack.pop()
-            path = prefix + np.frombuffer(node.key, dtype=np.int32).tolist()
-            parent = None
-            for end in range(block_size, len(path) + 1, block_size):
-                parent = reference_hash(parent, namespace, path[end - block_size : end])
-                blocks[parent] = (namespace, path[:end])
-            stack.extend((child, path) for child in node.children.values())
-    return blocks
-
-
-class Subscriber:
-    """What a gateway keeps: the set of stored block hashes, from the events alone."""
-
-    def __init__(self) -> None:
-        self.stored: set[int] = set()
-
-    def apply(self, event) -> None:
-        name = type(event).__name__
-        if name.endswith("BlockStored"):
-            assert event.parent_block_hash is None or event.parent_block_hash in self.stored, (
-                "a block stored under a parent the gateway does not hold")
-            size = event.block_size
-            parent = event.parent_block_hash
-            salt = event.extra_keys[0][0] if event.extra_keys and event.extra_keys[0] else None
-            for i, block_hash in enumerate(event.block_hashes):
-                assert block_hash not in self.stored, "a block stored twice"
-                if parent is None:  # a path's first block: its hash starts from the namespace
-                    assert block_hash == reference_hash(None, salt, event.token_ids[:size])
-                else:
-                    assert block_hash == reference_hash(
-                        parent, None, event.token_ids[i * size : (i + 1) * size])
-                self.stored.add(block_hash)
-                parent = block_hash
-        elif name.endswith("BlockRemoved"):
-            for block_hash in event.block_hashes:
-                assert block_hash in self.stored, "a block removed that was never stored"
-                self.stored.remove(block_hash)
-        else:
-            self.stored.clear()
-
-
-@pytest.mark.parametrize("page_size,block_size", [(1, 1), (1, 4), (4, 4), (4, 3), (16, 16),
-                                                  (16, 5), (16, 32)])
-def test_events_track_the_tree_exactly(page_size, block_size):
-    rng = random.Random(page_size * 100 + block_size)
-    sim = Sim(num_pages=max(8, 320 // page_size), page_size=page_size)
-    events = BlockEvents(block_size)
-    events.attach(sim.tree)
-    gateway = Subscriber()
-    heads = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
-    for step in range(400):
-        op = rng.random()
-        if op < 0.55 or not sim.running:
-            tokens = list(rng.choice(heads)) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
-            tokens = tokens[: rng.randrange(2, len(tokens) + 1)]
-            try:
-                sim.admit(tokens, rng.choice([None, None, "tenant-a", "tenant-b"]))
-            except OutOfPages:
-                pass
-        elif op < 0.9:
-            sim.finish(rng.choice(sim.running), cache=rng.random() < 0.9)
-        elif op < 0.98:
-            sim.tree.evict(rng.randrange(1, 12))
-        else:
-            for seq in list(sim.running):
-                sim.finish(seq)
-            sim.tree.reset()
-        for event in events.take():
-            gateway.apply(event)
-        assert gateway.stored == set(tree_blocks(sim.tree, block_size)), f"step {step}"
-        sim.check()
-
-
-def tree_blocks_by_medium(tree, block_size: int) -> dict[str, set[int]]:
-    """Every whole block by the tiers of the node that holds its last token, from scratch."""
-    media: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
-    for namespace, root in tree._roots.items():
-        stack = [(root, [], None)]
-        while stack:
-            node, prefix, parent = stack.pop()
-            path = prefix + np.frombuffer(node.key, dtype=np.int32).tolist()
-            for end in range(block_size, len(path) + 1, block_size):
-                if end <= len(prefix):
-                    continue
-                parent = reference_hash(parent, namespace, path[end - block_size : end])
-                for medium, held in (("GPU", node.pages), ("CPU", node.host_pages)):
-                    if held:
-                        media[medium].add(parent)
-            last = None
-            for end in range(block_size, len(path) + 1, block_size):
-                last = reference_hash(last, namespace, path[end - block_size : end])
-            stack.extend((child, path, last) for child in node.children.values())
-    return media
-
-
-@pytest.mark.parametrize("policy", ["write_back", "write_through", "write_through_selective"])
-@pytest.mark.parametrize("page_size,block_size", [(1, 4), (4, 4), (16, 5)])
-def test_events_track_both_tiers(page_size, block_size, policy):
-    """With a host tier, each medium's blocks ("GPU" for the device, "CPU" for host memory)
-    follow the tree's nodes as they move between tiers, are loaded back and leave."""
-    rng = random.Random(page_size * 7 + block_size)
-    sim = Sim(num_pages=max(8, 160 // page_size), page_size=page_size,
-              host_pages=max(8, 240 // page_size), policy=policy)
-    events = BlockEvents(block_size)
-    events.attach(sim.tree)
-    media: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
-    heads = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
-    for step in range(400):
-        op = rng.random()
-        if op < 0.55 or not sim.running:
-            tokens = list(rng.choice(heads)) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
-            tokens = tokens[: rng.randrange(2, len(tokens) + 1)]
-            try:
-                sim.admit(tokens, rng.choice([None, "tenant-a"]))
-            except OutOfPages:
-                pass
-        elif op < 0.9:
-            sim.finish(rng.choice(sim.running), cache=rng.random() < 0.9)
-        else:
-            sim.tree.evict(rng.randrange(1, 12))
-            sim.run_moves()
-        for event in events.take():
-            name = type(event).__name__
-            held = media[event.medium]
-            if name == "BlockStored":
-                assert not held & set(event.block_hashes), f"stored twice on {event.medium}"
-                held.update(event.block_hashes)
-            else:
-                assert set(event.block_hashes) <= held, f"removed from {event.medium} unstored"
-                held.difference_update(event.block_hashes)
-        assert media == tree_blocks_by_medium(sim.tree, block_size), f"step {step}"
-        sim.check()
-    assert media["CPU"], "nothing reached the host tier"
-
-
-def test_salted_paths_differ_and_name_their_salt():
-    sim = Sim(num_pages=64, page_size=4)
-    events = BlockEvents(4)
-    events.attach(sim.tree)
-    tokens = list(range(1, 14))
-    for namespace in (None, "tenant-a"):
-        sim.finish(sim.admit(tokens, namespace))
-    plain, salted = events.take()
-    assert plain.token_ids == salted.token_ids == tokens[:12]
-    assert set(plain.block_hashes).isdisjoint(salted.block_hashes)
-    assert plain.extra_keys is None and salted.extra_keys == [("tenant-a",), None, None]
-
-
-def test_attach_refuses_a_tree_that_already_holds_blocks():
-    sim = Sim(num_pages=16, page_size=4)
-    sim.finish(sim.admit([1, 2, 3, 4, 5]))
-    with pytest.raises(RuntimeError, match="empty tree"):
-        BlockEvents(4).attach(sim.tree)
 
 
 def recv_batches(sub: zmq.Socket, timeout: float, until) -> list[tuple[int, VKVEventBatch]]:
