@@ -30,16 +30,6 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(str(build_demo_model()))
 

@@ -27,16 +27,6 @@ def server(tmp_path_factory):
                             *TABLE_FLAGS)
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
 def http(server) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
 

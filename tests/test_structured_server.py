@@ -24,16 +24,6 @@ def server(tmp_path_factory):
     yield from serve_module(tmp_path_factory.mktemp("structured"), "--api-key", API_KEY)
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
 def chat(oai, model, content: str, **options):
     return oai.chat.completions.create(
         model=model, messages=[{"role": "user", "content": content}],

@@ -8,7 +8,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from starlette.testclient import TestClient
 
@@ -112,16 +111,6 @@ def test_the_app_constrains_and_reads_a_required_choice() -> None:
 def server(tmp_path_factory):
     yield from serve_module(tmp_path_factory.mktemp("tools"), "--api-key", API_KEY,
                             "--tool-call-parser", "hermes", "--num-pages", "1024")
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
 
 
 def streamed(stream) -> dict[int, dict]:
