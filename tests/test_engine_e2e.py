@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,23 +142,28 @@ def test_killing_the_worker_fails_pending_requests_and_exits_nonzero(tmp_path):
     assert [c for c in children if Path(f"/proc/{c}").exists()] == []
 
 
-def test_engine_api_raises_when_the_worker_dies():
-    engine = Engine("demo", num_pages=256)
+def check_killing_a_child_fails_generate(engine: Engine, child: str,
+                                         prompts: list[list[int]]) -> None:
+    """``engine``'s ``child`` process killed 2 s into a long generate of ``prompts``: the call
+    raises within 5 s of the death, naming the process, the engine is dead, and once closed
+    none of its processes runs."""
     try:
-        worker = engine.launcher.children["worker"].pid
+        pid = engine.launcher.children[child].pid
         start = time.monotonic()
-
-        import threading
-
-        threading.Timer(2.0, os.kill, (worker, signal.SIGKILL)).start()
-        with pytest.raises(EngineDead, match="worker process exited"):
-            engine.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=3000, ignore_eos=True))
+        threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
+        with pytest.raises(EngineDead, match=f"{child} process exited"):
+            engine.generate(prompts, SamplingParams(max_tokens=3000, ignore_eos=True))
         assert time.monotonic() - start < 2.0 + 5.0
         assert not engine.alive
     finally:
         engine.close()
     for proc in engine.launcher.children.values():
         assert proc.poll() is not None
+
+
+def test_engine_api_raises_when_the_worker_dies():
+    engine = Engine("demo", num_pages=256)
+    check_killing_a_child_fails_generate(engine, "worker", [[5, 6, 7]] * 8)
     assert not engine.launcher.socket_dir.exists()
 
 

@@ -154,19 +154,21 @@ def brute_force(requests: list[ReplayRequest]) -> tuple[list[int], list[int]]:
 
 
 @st.composite
-def traces(draw):
-    """Requests over a 3-token alphabet, most of them extending an earlier sequence, so
-    prefixes are shared at every length and boundaries fall anywhere in a page."""
+def traces(draw, alphabet: int = 3, max_requests: int = 10, max_tail: int = 40,
+           max_output: int = 20) -> list[ReplayRequest]:
+    """Requests over a tiny alphabet (3 tokens unless told), most of them extending an earlier
+    sequence, so prefixes are shared at every length and boundaries fall anywhere in a page."""
     requests: list[ReplayRequest] = []
-    for i in range(draw(st.integers(1, 10))):
+    for i in range(draw(st.integers(1, max_requests))):
         namespace = draw(st.sampled_from([None, "a"]))
         head: list[int] = []
         if requests and draw(st.booleans()):
             base = requests[draw(st.integers(0, len(requests) - 1))]
             full = np.concatenate([base.prompt, base.output]).tolist()
             head = full[: draw(st.integers(0, len(full)))]
-        tail = draw(st.lists(st.integers(0, 2), min_size=0 if head else 1, max_size=40))
-        output = draw(st.lists(st.integers(0, 2), max_size=20))
+        tail = draw(st.lists(st.integers(0, alphabet - 1), min_size=0 if head else 1,
+                             max_size=max_tail))
+        output = draw(st.lists(st.integers(0, alphabet - 1), max_size=max_output))
         requests.append(req(i, head + tail, output, namespace))
     return requests
 

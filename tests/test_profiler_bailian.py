@@ -19,9 +19,9 @@ from engine.profiler import command
 from engine.profiler.bailian import BAILIAN_BLOCK_TOKENS, read_bailian
 from engine.profiler.mooncake import MOONCAKE_BLOCK_TOKENS
 from engine.profiler.report import trace_blocks
-from engine.profiler.simulate import replay_unlimited, run_profile
+from engine.profiler.simulate import run_profile
 from engine.profiler.trace import TraceError
-from tests.test_profiler_mooncake import brute_force_hits, write
+from tests.test_profiler_mooncake import brute_force_hits, check_unlimited_replay, write
 
 
 def bailian_trace(rng: np.random.Generator, sessions: int, turns: int, block: int = 16,
@@ -151,12 +151,8 @@ def bailian_traces(draw) -> tuple[list[dict], int]:
 @given(bailian_traces())
 def test_unlimited_replay_equals_a_brute_force_leading_block_count(tmp_path_factory, trace):
     lines, block = trace
-    path = tmp_path_factory.mktemp("bailian") / "trace.jsonl"
-    write(path, lines)
-    requests = read_bailian(path, block)
-    for page_size in (1, 16):
-        assert replay_unlimited(requests, page_size).cached.tolist() == brute_force_hits(
-            lines, block)
+    check_unlimited_replay(read_bailian, tmp_path_factory.mktemp("bailian") / "trace.jsonl",
+                           lines, block)
 
 
 def test_partly_shared_blocks_bound_what_the_trace_hides(tmp_path):

@@ -5,6 +5,8 @@ sentences naming the line."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from engine.cli import main
 from engine.profiler.mooncake import read_mooncake
 from engine.profiler.simulate import replay_unlimited
-from engine.profiler.trace import TraceError
+from engine.profiler.trace import ReplayRequest, TraceError
 
 
 def write(path, lines) -> None:
@@ -39,6 +41,17 @@ def brute_force_hits(lines: list[dict], block: int) -> list[int]:
     return hits
 
 
+def check_unlimited_replay(read: Callable[[Path, int], list[ReplayRequest]], path: Path,
+                           lines: list[dict], block: int) -> None:
+    """``lines`` written to ``path`` and read back with ``read`` (a format's reader): an
+    unlimited replay, at page sizes 1 and 16, finds the brute-force count of each request."""
+    write(path, lines)
+    requests = read(path, block)
+    for page_size in (1, 16):
+        run = replay_unlimited(requests, page_size)
+        assert run.cached.tolist() == brute_force_hits(lines, block)
+
+
 @st.composite
 def mooncake_traces(draw) -> tuple[list[dict], int]:
     """Prompts drawn as paths in a small tree of block ids (so they share leading blocks)."""
@@ -57,12 +70,8 @@ def mooncake_traces(draw) -> tuple[list[dict], int]:
 @given(mooncake_traces())
 def test_unlimited_replay_equals_a_brute_force_leading_block_count(tmp_path_factory, trace):
     lines, block = trace
-    path = tmp_path_factory.mktemp("mooncake") / "trace.jsonl"
-    write(path, lines)
-    requests = read_mooncake(path, block)
-    for page_size in (1, 16):
-        run = replay_unlimited(requests, page_size)
-        assert run.cached.tolist() == brute_force_hits(lines, block)
+    check_unlimited_replay(read_mooncake, tmp_path_factory.mktemp("mooncake") / "trace.jsonl",
+                           lines, block)
 
 
 def test_prompts_are_blocks_of_their_hash_ids_and_outputs_match_nothing(tmp_path):

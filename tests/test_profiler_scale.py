@@ -19,7 +19,6 @@ from engine.profiler.baselines import BlockChains, BlockHashCache, chain_hashes
 from engine.profiler.mooncake import read_mooncake
 from engine.profiler.simulate import replay_block_hash, replay_unlimited
 from engine.profiler.trace import (
-    ReplayRequest,
     TraceError,
     load_requests,
     read_requests,
@@ -27,6 +26,7 @@ from engine.profiler.trace import (
     write_trace,
 )
 from engine.profiler.workload import KINDS, iter_trace
+from tests.test_profiler import traces
 
 MOD = 1 << 64
 
@@ -171,27 +171,10 @@ class OrderedDictBlockCache:
         return hits * size
 
 
-@st.composite
-def block_traces(draw) -> list[ReplayRequest]:
-    """Requests over a 2-token alphabet, most extending an earlier sequence, in 4-token blocks
-    so that short traces fill and evict a small cache many times."""
-    requests: list[ReplayRequest] = []
-    for i in range(draw(st.integers(1, 14))):
-        head: list[int] = []
-        if requests and draw(st.booleans()):
-            base = requests[draw(st.integers(0, len(requests) - 1))]
-            full = np.concatenate([base.prompt, base.output]).tolist()
-            head = full[: draw(st.integers(0, len(full)))]
-        tail = draw(st.lists(st.integers(0, 1), min_size=0 if head else 1, max_size=30))
-        output = draw(st.lists(st.integers(0, 1), max_size=10))
-        requests.append(ReplayRequest(f"r{i}", float(i), np.array(head + tail, dtype=np.int32),
-                                np.array(output, dtype=np.int32),
-                                draw(st.sampled_from([None, "a"]))))
-    return requests
-
-
+# Over 2 tokens, in 4-token blocks, short traces fill and evict a small cache many times.
 @settings(max_examples=200, deadline=None)
-@given(requests=block_traces(), num_blocks=st.one_of(st.none(), st.integers(1, 16)))
+@given(requests=traces(alphabet=2, max_requests=14, max_tail=30, max_output=10),
+       num_blocks=st.one_of(st.none(), st.integers(1, 16)))
 def test_array_lru_equals_the_ordered_dict_lru(requests, num_blocks):
     reference, direct = OrderedDictBlockCache(num_blocks, 4), BlockHashCache(num_blocks, 4)
     expected, kv = [], []

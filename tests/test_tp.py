@@ -6,9 +6,7 @@ and a killed rank ending the group."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,13 +17,13 @@ from engine import Engine, SamplingParams
 from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.step import BatchInput
-from engine.runtime.offline import EngineDead
 from engine.worker.distributed import TensorParallel
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.loader import load_model
 from engine.worker.model.parallel import ShardPlan
 from engine.worker.runner import ModelRunner
 from tests.conftest_models import one_torch_thread, write_checkpoint
+from tests.test_engine_e2e import check_killing_a_child_fails_generate
 from tests.test_scheduler import Harness, shared_prefix_prompts
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -246,19 +244,7 @@ in the reference: outputs are the same either way). Overlap scheduling is on,
 @pytest.mark.e2e
 def test_killing_a_rank_fails_every_pending_request_at_once(model_dir):
     engine = Engine(model_dir, tp_size=2, num_pages=256, dtype="float32")
-    try:
-        rank1 = engine.launcher.children["tp-rank-1"].pid
-        threading.Timer(2.0, os.kill, (rank1, signal.SIGKILL)).start()
-        start = time.monotonic()
-        with pytest.raises(EngineDead, match="tp-rank-1 process exited"):
-            engine.generate([[5 + i, 6, 7] for i in range(8)],
-                            SamplingParams(max_tokens=3000, ignore_eos=True))
-        assert time.monotonic() - start < 2.0 + 5.0
-        assert not engine.alive
-    finally:
-        engine.close()
-    for proc in engine.launcher.children.values():
-        assert proc.poll() is not None
+    check_killing_a_child_fails_generate(engine, "tp-rank-1", [[5 + i, 6, 7] for i in range(8)])
 
 
 @pytest.mark.e2e
