@@ -74,7 +74,7 @@ class Worker:
         self._loads_started = False  # the batch being handled started its loads
 
     def step(self, msg: ForwardBatch) -> BatchResult:
-        from engine.worker.sampler import RowState, sample
+        from engine.worker.sampler import sample
 
         # Until this batch samples, a failure leaves placeholder rows for the next batch to read
         # (their sequences fail with this batch; the scheduler drops what the next one computes
@@ -83,14 +83,7 @@ class Worker:
         if not step.num_seqs:
             return self._move_pages(msg)
         sampled, self.last_tokens = self.last_tokens, np.zeros(len(msg.sampling), dtype=np.int32)
-        placeholders = step.input_ids < 0
-        if placeholders.any():
-            rows = -1 - step.input_ids[placeholders]
-            if rows.max() >= len(sampled):
-                raise ValueError(f"input ids name row {rows.max()} of the previous batch, which "
-                                 f"sampled {len(sampled)}")
-            step.input_ids = step.input_ids.copy()
-            step.input_ids[placeholders] = sampled[rows]
+        _resolve_placeholders(step, sampled)
         self.grammars.release(msg.released_grammars)
         try:
             masks = self.grammars.start_masks(msg.sampling)  # filled while the forward runs
@@ -105,15 +98,7 @@ class Worker:
             # Prompt logprobs: the logits of those rows too, after the sampled rows'.
             step.logits_rows = np.concatenate([step.resolved_logits_rows(), prompt_rows])
         logits = self._forward(msg, step)
-        rows = []
-        for row in msg.sampling:
-            history = unpack_ids(row.history)
-            if len(history):
-                prompt, output = history[: row.prompt_len], history[row.prompt_len :]
-            else:
-                # No penalties: the sampler needs only the step index, len(output_ids).
-                prompt, output = history, np.zeros(row.output_len, dtype=np.int32)
-            rows.append(RowState(row.params, prompt, output))
+        rows = [_row_state(row) for row in msg.sampling]
         if grammar_failure is not None:
             raise grammar_failure
         prompt_logits = None
@@ -131,16 +116,7 @@ class Worker:
         )
         result.transfer_seconds = self.runner.transfer_seconds
         if masks is not None:
-            advanced = self.grammars.advance(msg.sampling, masks, out.token_ids)
-            if advanced.forced:
-                counts = np.zeros(len(msg.sampling), dtype=np.int32)
-                for row, ids in advanced.forced.items():
-                    counts[row] = len(ids)
-                result.forced_counts = counts.tobytes()
-                result.forced_ids = pack_ids([t for row in sorted(advanced.forced)
-                                              for t in advanced.forced[row]])
-            result.grammar_ended = pack_ids(advanced.ended)
-            result.mask_seconds = masks.seconds
+            self._grammar_outputs(result, msg, masks, out.token_ids)
         if prompt_logits is not None:
             _prompt_logprobs(result, prompt_logits, unpack_ids(msg.prompt_targets),
                              msg.prompt_top_n)
@@ -149,6 +125,21 @@ class Worker:
             result.top_ids = out.top_ids.astype(np.int32).tobytes()
             result.top_logprobs = out.top_logprobs.astype(np.float32).tobytes()
         return self.report_loads(result)
+
+    def _grammar_outputs(self, result: BatchResult, msg: ForwardBatch, masks,
+                         token_ids: np.ndarray) -> None:
+        """The grammars take the sampled tokens: what each forced after its sample, and which
+        can take nothing more, go into ``result``."""
+        advanced = self.grammars.advance(msg.sampling, masks, token_ids)
+        if advanced.forced:
+            counts = np.zeros(len(msg.sampling), dtype=np.int32)
+            for row, ids in advanced.forced.items():
+                counts[row] = len(ids)
+            result.forced_counts = counts.tobytes()
+            result.forced_ids = pack_ids([t for row in sorted(advanced.forced)
+                                          for t in advanced.forced[row]])
+        result.grammar_ended = pack_ids(advanced.ended)
+        result.mask_seconds = masks.seconds
 
     def handle(self, msg: ForwardBatch) -> BatchResult:
         """``step``, a failure answered: the scheduler fails this batch's requests (logging
@@ -214,6 +205,31 @@ class Worker:
         except Exception as exc:
             raise GroupBroken(f"batch {batch_id} failed inside the tensor-parallel forward "
                               f"({type(exc).__name__}: {exc})") from exc
+
+
+def _resolve_placeholders(step, sampled: np.ndarray) -> None:
+    """Input id ``-1 - row`` stands for the token the previous batch sampled at ``row``
+    (overlap scheduling sends a batch before its inputs are known)."""
+    placeholders = step.input_ids < 0
+    if not placeholders.any():
+        return
+    rows = -1 - step.input_ids[placeholders]
+    if rows.max() >= len(sampled):
+        raise ValueError(f"input ids name row {rows.max()} of the previous batch, which "
+                         f"sampled {len(sampled)}")
+    step.input_ids = step.input_ids.copy()
+    step.input_ids[placeholders] = sampled[rows]
+
+
+def _row_state(row):
+    """The sampler's view of one row: its params and, for penalties, its token history."""
+    from engine.worker.sampler import RowState
+
+    history = unpack_ids(row.history)
+    if len(history):
+        return RowState(row.params, history[: row.prompt_len], history[row.prompt_len :])
+    # No penalties: the sampler needs only the step index, len(output_ids).
+    return RowState(row.params, history, np.zeros(row.output_len, dtype=np.int32))
 
 
 def _prompt_logprobs(result: BatchResult, logits, targets: np.ndarray, top_n: int) -> None:
