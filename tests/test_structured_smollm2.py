@@ -10,7 +10,6 @@ import json
 import re
 
 import jsonschema
-import openai
 import pytest
 
 from engine.checkpoints.model_source import default_gguf
@@ -57,10 +56,9 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def oai(tmp_path_factory):
-    for server in serve_module(tmp_path_factory.mktemp("smollm2"), "--model", str(GGUF),
-                               "--api-key", API_KEY):
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+def server(tmp_path_factory):
+    yield from serve_module(tmp_path_factory.mktemp("smollm2"), "--model", str(GGUF),
+                            "--api-key", API_KEY)
 
 
 def ask(oai, content: str, **options):
