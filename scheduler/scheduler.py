@@ -147,7 +147,7 @@ class Scheduler:
             return
         if req.rid in self.requests:
             self.outputs.emit(req, 0, [], finish_reason="error", status=400,
-                       error=f"request id {req.rid!r} is already in use")
+                              error=f"request id {req.rid!r} is already in use")
             return
         req.seqs.append(Seq(req, 0, prompt.tolist()))
         self.requests[req.rid] = req
