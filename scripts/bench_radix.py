@@ -21,30 +21,20 @@ import time
 import numpy as np
 
 from engine.profiler.baselines import run_block_hash
+from engine.profiler.workload import MultiTurnParams, multi_turn
 from radix import Lease, PageAllocator, RadixTree
 
 
-def multi_turn_workload(conversations: int, turns: int, seed: int) -> list[np.ndarray]:
-    """Requests in arrival order; each re-sends its conversation's history plus a new turn.
-
-    The token after each request is its output, appended to the history before the next turn.
-    Returns prompt + output per request (the prompt is all but the last ``output_len`` tokens;
-    the benchmark only needs the full sequence and the prompt length, kept in a parallel list).
-    """
+def multi_turn_workload(conversations: int, turns: int, seed: int) -> list[tuple]:
+    """The profiler's multi-turn draw (engine/profiler/workload.py) in arrival order, the
+    conversations interleaved: each request re-sends its conversation's history plus a new
+    turn, and its reply joins the history. (prompt, prompt + reply) per request."""
     rng = np.random.default_rng(seed)
-    system_prompts = [rng.integers(0, 32000, rng.integers(100, 400)) for _ in range(16)]
-    histories = [system_prompts[rng.integers(0, 16)] for _ in range(conversations)]
-    # Conversations start staggered and interleave, as live traffic does.
-    order = np.repeat(np.arange(conversations), turns)
-    rng.shuffle(order)
-    requests = []
-    for conv in order:
-        user = rng.integers(0, 32000, rng.integers(8, 48))
-        output = rng.integers(0, 32000, rng.integers(8, 64))
-        prompt = np.concatenate([histories[conv], user])
-        histories[conv] = np.concatenate([prompt, output])
-        requests.append((prompt.astype(np.int32), histories[conv].astype(np.int32)))
-    return requests
+    params = MultiTurnParams(conversations=conversations, turns=turns, systems=16,
+                             system_len=250, turn_len=28, output_len=36, rate=4.0)
+    drafts = multi_turn(params, rng, lambda n: rng.integers(0, 32000, n, dtype=np.int32))
+    drafts.sort(key=lambda d: d.arrival)
+    return [(d.prompt, np.concatenate([d.prompt, d.output])) for d in drafts]
 
 
 STEPS = ("lease", "acquire", "acquire+evict", "commit", "release")
