@@ -61,6 +61,7 @@ from engine import Engine, SamplingParams  # noqa: E402
 from engine.checkpoints.demo_model import TOKENIZER_VOCAB_SIZE, build_demo_model  # noqa: E402
 from engine.contracts.engine_config import EngineConfig  # noqa: E402
 from engine.contracts.step import BatchInput  # noqa: E402
+from engine.profiler.workload import grouped_prompt_ids  # noqa: E402
 from engine.runtime.offline import RequestResult  # noqa: E402
 from engine.worker.runner import ModelRunner  # noqa: E402
 
@@ -224,18 +225,6 @@ def bench_prefill(runner: ModelRunner, num_seqs: int, length: int, chunk: int,
             "seconds": seconds, "tokens_per_s": num_seqs * length / seconds}
 
 
-def shared_prefix_prompts(groups: int, per_group: int, prefix: int, question: int,
-                          vocab: int, seed: int) -> list[list[int]]:
-    """``groups`` x ``per_group`` prompts: a group's prefix + a question of each prompt's own,
-    the groups interleaved as real traffic arrives."""
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(groups):
-        head = rng.integers(3, vocab, prefix).tolist()
-        prompts += [head + rng.integers(3, vocab, question).tolist() for _ in range(per_group)]
-    return [prompts[i] for i in rng.permutation(len(prompts))]
-
-
 def run_offline(engine: Engine, prompts: list[list[int]], output_len: int,
                 namespaces: list[str | None]) -> dict[str, float]:
     """All prompts at once through ``Engine.stream`` (``generate`` takes no namespace)."""
@@ -276,10 +265,11 @@ def bench_engine(model_dir: Path, preset: Preset, args: argparse.Namespace,
                    attention_backend=args.attention_backend, num_pages=num_pages,
                    page_size=PAGE_SIZE, enable_cuda_graph=args.enable_cuda_graph)
     ids_vocab = min(vocab, TOKENIZER_VOCAB_SIZE)  # ids the demo tokenizer can spell
-    prompts = shared_prefix_prompts(preset.groups, preset.per_group, preset.prefix,
-                                    preset.question, ids_vocab, seed=0)
+    prompts = grouped_prompt_ids(np.random.default_rng(0), preset.groups, preset.per_group,
+                                 preset.prefix, preset.question, 3, ids_vocab)
     with Engine(str(model_dir), **options) as engine:
-        warmup = shared_prefix_prompts(1, 2, preset.prefix, preset.question, ids_vocab, seed=1)
+        warmup = grouped_prompt_ids(np.random.default_rng(1), 1, 2, preset.prefix,
+                                    preset.question, 3, ids_vocab)
         run_offline(engine, warmup, preset.output_len, ["warm-up"] * len(warmup))
         on = run_offline(engine, prompts, preset.output_len, [None] * num_prompts)
         off = run_offline(engine, prompts, preset.output_len,

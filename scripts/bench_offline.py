@@ -30,7 +30,7 @@ from engine import Engine, SamplingParams
 from engine.checkpoints.model_source import resolve_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import TokenizedRequest, pack_ids
-from engine.profiler.workload import SharedPrefixParams, shared_prefix
+from engine.profiler.workload import grouped_prompt_ids
 from engine.worker.process import Worker
 from scheduler.scheduler import Scheduler
 
@@ -41,11 +41,7 @@ def workload(groups: int, per_group: int, prefix: int, question: int, shared: bo
     per group, or with ``shared`` False one per prompt; ids from 3 up, clear of special ones."""
     # Seeded apart per workload: one engine runs both and keeps what the first one cached.
     rng = np.random.default_rng([seed, int(shared)])
-    heads, per_head = (groups, per_group) if shared else (groups * per_group, 1)
-    params = SharedPrefixParams(groups=heads, prompts_per_group=per_head, system_len=prefix,
-                                question_len=question, output_len=0)
-    drafts = shared_prefix(params, rng, lambda n: rng.integers(3, vocab, n))
-    return [draft.prompt.tolist() for draft in drafts]
+    return grouped_prompt_ids(rng, groups, per_group, prefix, question, 3, vocab, shared)
 
 
 def run_engine(engine: Engine, prompts, output_len: int) -> tuple[float, float]:

@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from engine.profiler.workload import SharedPrefixParams, shared_prefix
+from engine.profiler.workload import grouped_prompt_ids
 
 WORKLOADS = ("shared-prefix", "multi-turn", "no-sharing")
 DEFAULT_VOCAB = 4096  # the demo model's
@@ -67,11 +67,8 @@ def grouped_prompts(rng: np.random.Generator, groups: int, per_group: int,
                     args: argparse.Namespace, vocab: int, shared: bool) -> list[list[int]]:
     """The profiler's shared-prefix draw (groups interleaved, as real traffic arrives): a head
     per group, or with ``shared`` False one per prompt."""
-    heads, per_head = (groups, per_group) if shared else (groups * per_group, 1)
-    params = SharedPrefixParams(groups=heads, prompts_per_group=per_head, system_len=args.head,
-                                question_len=args.question, output_len=0)
-    drafts = shared_prefix(params, rng, lambda n: rng.integers(LOW_IDS, vocab - HIGH_IDS, n))
-    return [draft.prompt.tolist() for draft in drafts]
+    return grouped_prompt_ids(rng, groups, per_group, args.head, args.question, LOW_IDS,
+                              vocab - HIGH_IDS, shared)
 
 
 def user_turns(rng: np.random.Generator, args: argparse.Namespace,

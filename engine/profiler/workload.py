@@ -135,6 +135,20 @@ def shared_prefix(p: SharedPrefixParams, rng: np.random.Generator, sample: Sampl
                   sample(p.output_len)) for t, g in zip(arrivals, group_of, strict=True)]
 
 
+def grouped_prompt_ids(rng: np.random.Generator, groups: int, per_group: int, head_len: int,
+                       question_len: int, low: int, high: int,
+                       shared: bool = True) -> list[list[int]]:
+    """The shared-prefix draw's prompts alone, as token ids in ``[low, high)`` (benchmarks send
+    them with lengths of their own): ``groups`` heads of ``per_group`` prompts each,
+    interleaved as real traffic arrives; with ``shared`` False every prompt has a head of its
+    own."""
+    heads, per_head = (groups, per_group) if shared else (groups * per_group, 1)
+    params = SharedPrefixParams(groups=heads, prompts_per_group=per_head, system_len=head_len,
+                                question_len=question_len, output_len=0)
+    drafts = shared_prefix(params, rng, lambda n: rng.integers(low, high, n))
+    return [draft.prompt.tolist() for draft in drafts]
+
+
 def multi_turn(p: MultiTurnParams, rng: np.random.Generator, sample: Sample) -> list[Draft]:
     systems = [sample(p.system_len) for _ in range(p.systems)]
     drafts = []
