@@ -20,6 +20,10 @@ PYTEST_ARGS ?=
 # two pytest workers (pytest-xdist), each test file on one of them (its module servers stay
 # shared), under a short fresh base directory: ipc:// socket paths have a 107-byte limit
 PYTEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=$$(mktemp -d /tmp/rs-tests.XXXXXX)
+# the two workers share two cores: OpenMP threads that spin while they wait (the default) take
+# cycles from the other worker; sleeping ones make the suite faster (serving keeps the default,
+# docs/benchmarks.md "Worker threads")
+TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
 .PHONY: setup test test-fast serve lint bench clean
 
@@ -43,11 +47,11 @@ $(SMG_VENV)/.installed:
 	touch $@
 
 test: setup $(SMG_VENV)/.installed
-	SMG_VENV=$(abspath $(SMG_VENV)) $(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	$(TEST_ENV) SMG_VENV=$(abspath $(SMG_VENV)) $(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # the tests that start no process (no server, engine, CLI, smg or ranks) and run no slow oracle
 test-fast: setup
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not e2e and not slow" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not e2e and not slow" $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
