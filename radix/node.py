@@ -100,7 +100,6 @@ class CacheStats:
     hit_tokens: int = 0
     inserted_tokens: int = 0
     evicted_pages: int = 0
-    evicted_nodes: int = 0
     # the host tier (radix/host.py)
     host_hit_tokens: int = 0  # of hit_tokens, those found only in host memory
     pages_written: int = 0  # device pages copied down to the host tier

@@ -249,7 +249,6 @@ class Tiering:
             if n.host_pages:
                 self._drop_host_copy(n)
         self._num_nodes -= len(order)
-        self.stats.evicted_nodes += len(order)
 
     def _push_leaf(self, node: Node) -> None:
         self._push(self._leaves, node, _device_leaf)

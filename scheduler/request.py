@@ -85,7 +85,6 @@ class Request:
     cached_tokens_disk: int = 0  # of those, loaded from the disk tier
     forked: bool = False
     finished_beams: list[tuple[float, list[int]]] = field(default_factory=list)
-    sent_final: bool = False
     peeked_prefix: int = 0  # the policy's last estimate of the cached prefix
     # prompt_logprobs: prompt positions whose logits have been computed (each gives the next
     # prompt token's logprob); only those may come from the cache when it is admitted again
