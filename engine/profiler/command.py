@@ -305,17 +305,15 @@ def run(args: argparse.Namespace) -> int:
         read_trace,
     )
 
-    counts = (args.page_size, args.windows, args.max_concurrency, args.num_pages,
-              args.cache_tokens, args.cache_gb, args.rate, args.block_tokens, args.prefill_tps,
-              args.decode_tps, args.host_cache_tokens, args.host_cache_gb,
-              args.disk_cache_tokens, args.disk_cache_gb, args.kv_bytes_per_token)
-    if any(value is not None and value <= 0 for value in counts):
-        return _fail("--page-size, --windows, --max-concurrency, --num-pages, --cache-tokens, "
-                     "--cache-gb, --rate, --block-tokens, --prefill-tps, --decode-tps, "
-                     "--host-cache-tokens, --host-cache-gb, --disk-cache-tokens, "
-                     "--disk-cache-gb and --kv-bytes-per-token must be positive")
+    positive = ("page_size", "windows", "max_concurrency", "num_pages", "cache_tokens", "cache_gb",
+                "rate", "block_tokens", "prefill_tps", "decode_tps", "host_cache_tokens",
+                "host_cache_gb", "disk_cache_tokens", "disk_cache_gb", "kv_bytes_per_token")
+    if any(getattr(args, name) is not None and getattr(args, name) <= 0 for name in positive):
+        flags = [f"--{name.replace('_', '-')}" for name in positive]
+        return _fail(f"{', '.join(flags[:-1])} and {flags[-1]} must be positive")
     try:
         kv = _kv_bytes(args)
+        sizes = _parse_sweep(args.sweep)
     except ValueError as exc:
         return _fail(str(exc))
     progress = sys.stderr.isatty()
@@ -330,9 +328,7 @@ def run(args: argparse.Namespace) -> int:
         if args.block_tokens is None:
             args.block_tokens = BLOCK_TOKENS[args.format]
         try:
-            sizes = _parse_sweep(args.sweep)
-            requests = read(args.trace, args.block_tokens)
-            _offline(args, requests, sizes, progress, kv)
+            _offline(args, read(args.trace, args.block_tokens), sizes, progress, kv)
         except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
             return _fail(str(exc))
         return 0
@@ -340,7 +336,6 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--block-tokens is for block-hash traces (--format mooncake or bailian): "
                      "a radixserve trace gives its tokens")
     try:
-        sizes = _parse_sweep(args.sweep)
         # The live client sends lines as written; offline, read_requests streams them.
         trace = read_trace(args.trace) if args.url else None
     except (OSError, TraceError, ValueError) as exc:

@@ -257,25 +257,23 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
+# The per-request miss categories (attribution.py) that the CSV files carry, in column order.
+_PARTS = ("cold", "in_flight", "evicted", "host_hit", "short_head", "block_granularity",
+          "block_evicted")
+
+
 def request_rows(profile: Profile) -> list[dict[str, Any]]:
     parts = per_request(profile)
-    rows = []
-    for i, r in enumerate(profile.requests):
-        rows.append({
-            "id": r.id, "arrival": r.arrival, "session_id": r.session_id or "",
-            "namespace": r.namespace or "", "prompt_tokens": len(r.prompt),
-            "output_tokens": len(r.output), "cached_tokens": int(profile.radix.cached[i]),
-            "cached_unlimited": int(profile.unlimited.cached[i]),
-            "cached_block16": int(profile.block.cached[i]),
-            "cached_block16_unlimited": int(profile.block_unlimited.cached[i]),
-            "cold": int(parts["cold"][i]), "in_flight": int(parts["in_flight"][i]),
-            "evicted": int(parts["evicted"][i]), "host_hit": int(parts["host_hit"][i]),
-            "short_head": int(parts["short_head"][i]),
-            "block_granularity": int(parts["block_granularity"][i]),
-            "block_evicted": int(parts["block_evicted"][i]),
-            "kv_tokens_after": int(profile.radix.kv_tokens[i]),
-        })
-    return rows
+    return [{
+        "id": r.id, "arrival": r.arrival, "session_id": r.session_id or "",
+        "namespace": r.namespace or "", "prompt_tokens": len(r.prompt),
+        "output_tokens": len(r.output), "cached_tokens": int(profile.radix.cached[i]),
+        "cached_unlimited": int(profile.unlimited.cached[i]),
+        "cached_block16": int(profile.block.cached[i]),
+        "cached_block16_unlimited": int(profile.block_unlimited.cached[i]),
+        **{name: int(parts[name][i]) for name in _PARTS},
+        "kv_tokens_after": int(profile.radix.kv_tokens[i]),
+    } for i, r in enumerate(profile.requests)]
 
 
 def group_rows(profile: Profile, keys: Sequence[str | None], key_name: str) -> list[dict[str, Any]]:
@@ -292,24 +290,18 @@ def group_rows(profile: Profile, keys: Sequence[str | None], key_name: str) -> l
     requests = np.bincount(group, minlength=len(names))
     prompt, hit, block_hit = (total(profile.prompt_tokens), total(profile.radix.cached),
                               total(profile.block.cached))
-    sums = {name: total(parts[name]) for name in ("cold", "in_flight", "evicted", "host_hit",
-                                                  "short_head", "block_granularity",
-                                                  "block_evicted")}
-    rows = []
-    for g in np.argsort(first, kind="stable"):
-        rows.append({
-            key_name: str(names[g]), "requests": int(requests[g]),
-            "prompt_tokens": int(prompt[g]), "hit_tokens": int(hit[g]),
-            "hit_rate": float(hit[g] / prompt[g]) if prompt[g] else 0.0,
-            "cold": int(sums["cold"][g]), "in_flight": int(sums["in_flight"][g]),
-            "evicted": int(sums["evicted"][g]), "host_hit": int(sums["host_hit"][g]),
-            "block16_hit_tokens": int(block_hit[g]),
-            "block16_hit_rate": float(block_hit[g] / prompt[g]) if prompt[g] else 0.0,
-            "short_head": int(sums["short_head"][g]),
-            "block_granularity": int(sums["block_granularity"][g]),
-            "block16_evicted": int(sums["block_evicted"][g]),
-        })
-    return rows
+    sums = {name: total(parts[name]) for name in _PARTS}
+    return [{
+        key_name: str(names[g]), "requests": int(requests[g]),
+        "prompt_tokens": int(prompt[g]), "hit_tokens": int(hit[g]),
+        "hit_rate": float(hit[g] / prompt[g]) if prompt[g] else 0.0,
+        **{name: int(sums[name][g]) for name in ("cold", "in_flight", "evicted", "host_hit")},
+        "block16_hit_tokens": int(block_hit[g]),
+        "block16_hit_rate": float(block_hit[g] / prompt[g]) if prompt[g] else 0.0,
+        "short_head": int(sums["short_head"][g]),
+        "block_granularity": int(sums["block_granularity"][g]),
+        "block16_evicted": int(sums["block_evicted"][g]),
+    } for g in np.argsort(first, kind="stable")]
 
 
 def write_outputs(out_dir: Path, profile: Profile, summary: dict[str, Any]) -> list[Path]:
