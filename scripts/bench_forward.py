@@ -29,15 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.checkpoints.demo_model import build_demo_model  # noqa: E402
 from engine.contracts.engine_config import EngineConfig  # noqa: E402
 from engine.contracts.step import BatchInput  # noqa: E402
 from engine.worker.runner import ModelRunner  # noqa: E402
-
-
-def default_model() -> Path:
-    from engine.checkpoints.demo_model import build_demo_model
-
-    return build_demo_model()
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -56,23 +51,16 @@ class Ours:
         self.pages = order[: batch_size * pages_per_seq].reshape(batch_size, pages_per_seq)
 
     def prefill(self, ids: np.ndarray) -> float:
-        batch = BatchInput.build(
-            [(p, 0, row) for p, row in zip(self.pages, ids, strict=True)], self.page_size
-        )
+        batch = BatchInput.build([(p, 0, row) for p, row in zip(self.pages, ids, strict=True)],
+                                 self.page_size)
         return timed(lambda: self.runner.forward(batch))
 
     def decode(self, context: np.ndarray, steps: np.ndarray) -> float:
         self.prefill(context)
-        batches = [
-            BatchInput.build(
-                [
-                    (p, context.shape[1] + s, [tok])
-                    for p, tok in zip(self.pages, steps[:, s], strict=True)
-                ],
-                self.page_size,
-            )
-            for s in range(steps.shape[1])
-        ]
+        batches = [BatchInput.build([(p, context.shape[1] + s, [tok])
+                                     for p, tok in zip(self.pages, steps[:, s], strict=True)],
+                                    self.page_size)
+                   for s in range(steps.shape[1])]
         return sum(timed(lambda b=b: self.runner.forward(b)) for b in batches)
 
 
@@ -96,37 +84,26 @@ class Reference:
         cache = {self.cache_arg: self.cache_cls(config=self.model.config)}
         self.model(torch.from_numpy(context.astype(np.int64)), use_cache=True, **cache)
         tokens = torch.from_numpy(steps.astype(np.int64))
-        total = 0.0
-        for s in range(steps.shape[1]):
-            total += timed(
-                lambda s=s: self.model(
-                    tokens[:, s : s + 1], use_cache=True, logits_to_keep=1, **cache
-                )
-            )
-        return total
+        return sum(timed(lambda s=s: self.model(tokens[:, s : s + 1], use_cache=True,
+                                                logits_to_keep=1, **cache))
+                   for s in range(steps.shape[1]))
 
 
-def compare(
-    tokens: int, ours: Callable[[], float], reference: Callable[[], float], repeats: int
-) -> tuple[float, float, float]:
+def compare(tokens: int, ours: Callable[[], float], reference: Callable[[], float],
+            repeats: int) -> tuple[float, float, float]:
     """Median tokens/s of each side and the median of per-repeat ratios. The two sides take
     turns so that load from other processes hits both alike."""
     ours(), reference()  # warm-up: allocator, thread pool, lazily built kernels
     pairs = [(tokens / ours(), tokens / reference()) for _ in range(repeats)]
-    return (
-        statistics.median(a for a, _ in pairs),
-        statistics.median(b for _, b in pairs),
-        statistics.median(a / b for a, b in pairs),
-    )
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(a / b for a, b in pairs))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", type=Path, help="HF checkpoint directory (default: the demo model)"
-    )
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path,
+                        help="HF checkpoint directory (default: the demo model)")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--context-len", type=int, default=128)
@@ -141,29 +118,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = args.model or default_model()
-    runner = ModelRunner(EngineConfig(
-        model=str(model_dir),
-        page_size=args.page_size,
-        kv_cache_gb=args.kv_cache_gb,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-    ))
+    model_dir = args.model or build_demo_model()
+    runner = ModelRunner(EngineConfig(model=str(model_dir), page_size=args.page_size,
+                                      kv_cache_gb=args.kv_cache_gb, device=args.device,
+                                      dtype=args.dtype, attention_backend=args.attention_backend))
     if runner.device.type != "cpu":
-        raise SystemExit(
-            "the transformers baseline here runs on CPU; on GPUs see docs/gpu.md"
-        )
+        raise SystemExit("the transformers baseline here runs on CPU; on GPUs see docs/gpu.md")
     reference = Reference(model_dir, runner.dtype)
     vocab = runner.config.vocab_size
     rng = np.random.default_rng(0)
     c = runner.config
-    print(
-        f"model {model_dir.name}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, "
-        f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}; {runner.dtype}, "
-        f"{torch.get_num_threads()} threads, attention={runner.attention_backend}, "
-        f"page_size={args.page_size}, median of {args.repeats}\n"
-    )
+    print(f"model {model_dir.name}: {c.architecture}, {c.num_layers} layers, hidden "
+          f"{c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}; "
+          f"{runner.dtype}, {torch.get_num_threads()} threads, "
+          f"attention={runner.attention_backend}, page_size={args.page_size}, median of "
+          f"{args.repeats}\n")
     print("| phase | batch | tokens/step | radixserve tok/s | transformers tok/s | ratio |")
     print("|---|---:|---:|---:|---:|---:|")
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
@@ -171,29 +140,16 @@ def main(argv: list[str] | None = None) -> None:
         prompt = rng.integers(0, vocab, (batch_size, args.prompt_len)).astype(np.int32)
         context = rng.integers(0, vocab, (batch_size, args.context_len)).astype(np.int32)
         steps = rng.integers(0, vocab, (batch_size, args.decode_steps)).astype(np.int32)
-        phases = [
-            (
-                f"prefill {args.prompt_len}",
-                batch_size * args.prompt_len,
-                prompt.size,
-                partial(ours.prefill, prompt),
-                partial(reference.prefill, prompt),
-            ),
-            (
-                f"decode @{args.context_len}",
-                batch_size,
-                steps.size,
-                partial(ours.decode, context, steps),
-                partial(reference.decode, context, steps),
-            ),
+        phases = [  # (name, tokens per step, tokens, ours, transformers)
+            (f"prefill {args.prompt_len}", batch_size * args.prompt_len, prompt.size,
+             partial(ours.prefill, prompt), partial(reference.prefill, prompt)),
+            (f"decode @{args.context_len}", batch_size, steps.size,
+             partial(ours.decode, context, steps), partial(reference.decode, context, steps)),
         ]
         for phase, per_step, tokens, run_ours, run_reference in phases:
             ours_rate, ref_rate, ratio = compare(tokens, run_ours, run_reference, args.repeats)
-            print(
-                f"| {phase} | {batch_size} | {per_step} | {ours_rate:,.0f} | {ref_rate:,.0f} | "
-                f"{ratio:.2f}x |",
-                flush=True,
-            )
+            print(f"| {phase} | {batch_size} | {per_step} | {ours_rate:,.0f} | {ref_rate:,.0f} | "
+                  f"{ratio:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
