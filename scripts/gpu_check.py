@@ -83,29 +83,14 @@ def random_batch(page_size: int, num_pages: int, shapes, seed: int = 0) -> Batch
 
 def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, dtype,
               kv_dtype=None) -> KVPool:
-    return KVPool(
-        num_layers=layers,
-        num_pages=pages,
-        page_size=page_size,
-        num_kv_heads=kv_heads,
-        head_dim=HEAD_DIM,
-        dtype=dtype,
-        device="cuda",
-        kv_dtype=kv_dtype,
-    )
+    return KVPool(num_layers=layers, num_pages=pages, page_size=page_size, num_kv_heads=kv_heads,
+                  head_dim=HEAD_DIM, dtype=dtype, device="cuda", kv_dtype=kv_dtype)
 
 
 def backend(name: str, pool: KVPool, heads: int, kv_heads: int, windows,
             decode_backend: str = "fa2"):
-    return make_backend(
-        name,
-        pool,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=HEAD_DIM,
-        sliding_windows=windows,
-        decode_backend=decode_backend,
-    )
+    return make_backend(name, pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=HEAD_DIM,
+                        sliding_windows=windows, decode_backend=decode_backend)
 
 
 def check_parity() -> bool:
@@ -138,24 +123,18 @@ def check_parity() -> bool:
                 for b in backends.values():
                     b.plan(batch)
                 for layer, window in enumerate(windows):
-                    q, k, v = (
-                        torch.randn(batch.num_tokens, h, HEAD_DIM, device="cuda").bfloat16()
-                        for h in (heads, kv_heads, kv_heads)
-                    )
-                    out = {
-                        n: b.forward(layer, *(t.float() if n == "fp32" else t for t in (q, k, v)))
-                        for n, b in backends.items()
-                    }
+                    q, k, v = (torch.randn(batch.num_tokens, h, HEAD_DIM, device="cuda").bfloat16()
+                               for h in (heads, kv_heads, kv_heads))
+                    out = {n: b.forward(layer, *(t.float() if n == "fp32" else t
+                                                 for t in (q, k, v)))
+                           for n, b in backends.items()}
                     fi_err = (out["flashinfer"].float() - out["fp32"]).abs().max().item()
                     torch_err = (out["torch"].float() - out["fp32"]).abs().max().item()
                     ok = fi_err <= max(2 * torch_err, 1e-2)
                     all_ok &= ok
-                    print(
-                        f"| {heads}/{kv_heads} | {window or '-'} | {page_size} | {name} | "
-                        f"{batch.num_tokens} | {fi_err:.2e} | {torch_err:.2e} | "
-                        f"{'ok' if ok else 'FAIL'} |",
-                        flush=True,
-                    )
+                    print(f"| {heads}/{kv_heads} | {window or '-'} | {page_size} | {name} | "
+                          f"{batch.num_tokens} | {fi_err:.2e} | {torch_err:.2e} | "
+                          f"{'ok' if ok else 'FAIL'} |", flush=True)
     return all_ok
 
 
@@ -200,10 +179,8 @@ def count_syncs(fn) -> int:
 
 def time_decode_attention(context: int, layers: int = 32) -> None:
     heads, kv_heads, page_size = 32, 8, 16
-    print(
-        f"\n## decode attention, {heads}/{kv_heads} heads of {HEAD_DIM}, context {context}, "
-        f"page {page_size}: ms per step (plan + {layers} layer calls)\n"
-    )
+    print(f"\n## decode attention, {heads}/{kv_heads} heads of {HEAD_DIM}, context {context}, "
+          f"page {page_size}: ms per step (plan + {layers} layer calls)\n")
     with_fa3 = fa3_built()
     print("| batch | torch ms | flashinfer FA2 ms | flashinfer FA3 ms | FA3 / FA2 | "
           "FA2 vs torch |")
@@ -212,10 +189,8 @@ def time_decode_attention(context: int, layers: int = 32) -> None:
         pages = batch_size * (-(-(context + 1) // page_size)) + 1
         pool = make_pool(1, pages, page_size, kv_heads, torch.bfloat16)
         batch = random_batch(page_size, pages, [(context, 1)] * batch_size)
-        q, k, v = (
-            torch.randn(batch_size, h, HEAD_DIM, device="cuda").bfloat16()
-            for h in (heads, kv_heads, kv_heads)
-        )
+        q, k, v = (torch.randn(batch_size, h, HEAD_DIM, device="cuda").bfloat16()
+                   for h in (heads, kv_heads, kv_heads))
         ms = {}
         for name, decode in (("torch", "fa2"), ("fa2", "fa2"), ("fa3", "fa3")):
             if name == "fa3" and not with_fa3:
@@ -237,61 +212,43 @@ def check_model(context: int, steps: int) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         write_config(Path(tmp), CHECK_MODEL)
         # The same seed draws the same weights for both.
-        runners = {
-            name: ModelRunner(EngineConfig(model=tmp, num_pages=12288, attention_backend=name,
-                                           load_format="dummy", dtype="bfloat16"))
-            for name in ("torch", "flashinfer")
-        }
+        runners = {name: ModelRunner(EngineConfig(model=tmp, num_pages=12288,
+                                                  attention_backend=name, load_format="dummy",
+                                                  dtype="bfloat16"))
+                   for name in ("torch", "flashinfer")}
     c = runners["torch"].config
-    print(
-        f"\n## ModelRunner, dummy-weight Llama: {c.num_layers} layers, hidden {c.hidden_size}, "
-        f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, bfloat16, page 16\n"
-    )
+    print(f"\n## ModelRunner, dummy-weight Llama: {c.num_layers} layers, hidden {c.hidden_size}, "
+          f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, bfloat16, page 16\n")
     mixed = random_batch(16, 12288, SHAPES["mixed"])
     logits = {}
     for name, runner in runners.items():
         # the cached parts of "mixed" must exist: prefill them first, on the same pages
-        prefix = [
-            (
-                mixed.page_indices[mixed.page_indptr[b] : mixed.page_indptr[b + 1]],
-                0,
-                np.arange(n) % 999,
-            )
-            for b, n in enumerate(mixed.seq_lens - mixed.extend_lens)
-            if n > 0
-        ]
+        prefix = [(mixed.page_indices[mixed.page_indptr[b] : mixed.page_indptr[b + 1]], 0,
+                   np.arange(n) % 999)
+                  for b, n in enumerate(mixed.seq_lens - mixed.extend_lens) if n > 0]
         runner.forward(BatchInput.build(prefix, 16)).cpu()
         logits[name] = runner.forward(mixed).clone()
     diff = (logits["torch"] - logits["flashinfer"]).abs().max().item()
     agree = (logits["torch"].argmax(-1) == logits["flashinfer"].argmax(-1)).float().mean().item()
     ok = agree >= 0.9  # bf16 noise may flip a near-tie; part 1 is the exact check
-    print(
-        f"mixed batch, {mixed.num_tokens} tokens: max |logit diff| {diff:.3f}, argmax agreement "
-        f"{agree:.1%} {'ok' if ok else 'FAIL'}\n"
-    )
+    print(f"mixed batch, {mixed.num_tokens} tokens: max |logit diff| {diff:.3f}, argmax "
+          f"agreement {agree:.1%} {'ok' if ok else 'FAIL'}\n")
     ok &= check_step_syncs(runners)
-    print(
-        f"| batch | torch tok/s | flashinfer tok/s | speedup |   (decode @{context}, {steps} steps)"
-    )
+    print(f"| batch | torch tok/s | flashinfer tok/s | speedup |   (decode @{context}, {steps} "
+          "steps)")
     print("|---:|---:|---:|---:|")
     for batch_size in (1, 32, 128):
         rates = {}
         for name, runner in runners.items():
             pages = np.arange(batch_size * (-(-(context + steps) // 16))).reshape(batch_size, -1)
             prompt = np.random.default_rng(0).integers(0, c.vocab_size, (batch_size, context))
-            runner.forward(
-                BatchInput.build(list(zip(pages, [0] * batch_size, prompt, strict=True)), 16)
-            ).cpu()
-            batches = [
-                BatchInput.build([(p, context + s, [s + 3]) for p in pages], 16)
-                for s in range(steps)
-            ]
+            runner.forward(BatchInput.build(list(zip(pages, [0] * batch_size, prompt,
+                                                     strict=True)), 16)).cpu()
+            batches = [BatchInput.build([(p, context + s, [s + 3]) for p in pages], 16)
+                       for s in range(steps)]
             rates[name] = batch_size * steps / cuda_time(partial(run_batches, runner, batches), 3)
-        print(
-            f"| {batch_size} | {rates['torch']:,.0f} | {rates['flashinfer']:,.0f} | "
-            f"{rates['flashinfer'] / rates['torch']:.1f}x |",
-            flush=True,
-        )
+        print(f"| {batch_size} | {rates['torch']:,.0f} | {rates['flashinfer']:,.0f} | "
+              f"{rates['flashinfer'] / rates['torch']:.1f}x |", flush=True)
     return ok
 
 
@@ -406,9 +363,8 @@ def check_fp8(context: int, model_context: int, steps: int) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=2048, help="decode context for part 2")
     parser.add_argument("--model-context", type=int, default=512, help="decode context for part 3")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed in part 3")
@@ -423,10 +379,8 @@ def main() -> None:
         raise SystemExit("gpu_check needs a CUDA device")
     import flashinfer
 
-    print(
-        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, "
-        f"flashinfer {getattr(flashinfer, '__version__', '?')}\n"
-    )
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, "
+          f"flashinfer {getattr(flashinfer, '__version__', '?')}\n")
     ok = True
     if "prebuild" in parts:
         ok &= prebuild_kernels(args.kernels)
