@@ -133,6 +133,14 @@ class SessionBody(_Body):
 
 
 # ------------------------------------------------------------------------------ responses
+class _Response(Struct):
+    """What every response body and stream chunk starts with (then ``choices``, ``usage``)."""
+
+    id: str
+    created: int
+    model: str
+
+
 class PromptTokensDetails(Struct):
     cached_tokens: int = 0
     # radixserve's extension, only from an engine with a host tier (--host-cache-gb) / a disk
@@ -165,10 +173,7 @@ class CompletionChoice(Struct):
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: this chunk's (or all) ids
 
 
-class CompletionResponse(Struct):
-    id: str
-    created: int
-    model: str
+class CompletionResponse(_Response):
     choices: list[CompletionChoice]
     usage: Usage | UnsetType = UNSET
     object: str = "text_completion"
@@ -180,10 +185,7 @@ class TopLogprob(Struct):
     bytes: list[int]
 
 
-class TokenLogprob(Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
+class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
@@ -215,10 +217,7 @@ class ChatChoice(Struct):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(Struct):
-    id: str
-    created: int
-    model: str
+class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
@@ -251,19 +250,13 @@ class ChatChunkChoice(Struct):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(Struct):
-    id: str
-    created: int
-    model: str
+class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice]
     usage: Usage | None | UnsetType = UNSET
     object: str = "chat.completion.chunk"
 
 
-class CompletionChunk(Struct):
-    id: str
-    created: int
-    model: str
+class CompletionChunk(_Response):
     choices: list[CompletionChoice]
     usage: Usage | None | UnsetType = UNSET
     object: str = "text_completion"
@@ -288,12 +281,9 @@ class GenerateChoice(Struct):
     prompt_top_logprobs: list[list[TopToken]] | UnsetType = UNSET
 
 
-class GenerateResponse(Struct):
+class GenerateResponse(_Response):
     """``/generate``'s body, and (with deltas in ``choices``) each of its stream chunks."""
 
-    id: str
-    created: int
-    model: str
     choices: list[GenerateChoice]
     usage: Usage | None | UnsetType = UNSET
     object: str = "generate"
@@ -335,5 +325,3 @@ class ErrorBody(Struct):
 class ErrorResponse(Struct):
     error: ErrorBody
 
-
-Chunk = CompletionChunk | ChatCompletionChunk | GenerateResponse
