@@ -39,38 +39,30 @@ class TokenInfo:
 
 def token_infos(out: RequestOutput) -> list[TokenInfo]:
     """The tokens of one output with logprobs; empty when none were asked for."""
-    if not out.logprobs:
-        return []
-    logprobs = np.frombuffer(out.logprobs, dtype=np.float32).tolist()
-    count = len(logprobs)
-    width = len(out.top_texts) // count if count else 0
-    top_lps = np.frombuffer(out.top_logprobs, dtype=np.float32).reshape(count, width).tolist()
-    top_ids = np.frombuffer(out.top_ids, dtype=np.int32).reshape(count, width).tolist()
-    return [
-        TokenInfo(out.token_texts[i], logprobs[i],
-                  list(zip(out.top_texts[i * width:(i + 1) * width], top_lps[i], strict=True)),
-                  top_ids[i])
-        for i in range(count)
-    ]
+    return _infos(out.token_texts, out.logprobs, out.top_texts, out.top_logprobs, out.top_ids)
 
 
 def prompt_token_infos(out: RequestOutput) -> list[TokenInfo]:
-    """The prompt tokens an output carries logprobs for (``prompt_logprobs``): the first
-    prompt token, in the first such output, has a NaN logprob, which becomes None."""
-    logprobs = np.frombuffer(out.prompt_logprobs, dtype=np.float32).tolist()
-    count = len(logprobs)
-    width = len(out.prompt_top_texts) // count if count else 0
-    top_lps = np.frombuffer(out.prompt_top_logprobs, dtype=np.float32).reshape(count, width)
-    top_ids = np.frombuffer(out.prompt_top_ids, dtype=np.int32).reshape(count, width)
-    infos = []
-    for i in range(count):
-        texts = out.prompt_top_texts[i * width:(i + 1) * width]
-        first = logprobs[i] != logprobs[i]  # NaN: the prompt's first token
-        infos.append(TokenInfo(
-            out.prompt_token_texts[i], None if first else logprobs[i],
-            [] if first else list(zip(texts, top_lps[i].tolist(), strict=True)),
-            [] if first else top_ids[i].tolist()))
-    return infos
+    """The prompt tokens an output carries logprobs for (``prompt_logprobs``)."""
+    return _infos(out.prompt_token_texts, out.prompt_logprobs, out.prompt_top_texts,
+                  out.prompt_top_logprobs, out.prompt_top_ids)
+
+
+def _infos(texts: list[str], logprobs: bytes, top_texts: list[str], top_logprobs: bytes,
+           top_ids: bytes) -> list[TokenInfo]:
+    """Tokens from an output's packed arrays (alternatives: tokens x N, row-major). The
+    prompt's first token, in the first output with prompt logprobs, has a NaN logprob, which
+    becomes None, without alternatives."""
+    values = np.frombuffer(logprobs, dtype=np.float32).tolist()
+    count = len(values)
+    width = len(top_texts) // count if count else 0
+    top_lps = np.frombuffer(top_logprobs, dtype=np.float32).reshape(count, width).tolist()
+    ids = np.frombuffer(top_ids, dtype=np.int32).reshape(count, width).tolist()
+    return [TokenInfo(texts[i], None, [], []) if value != value  # NaN
+            else TokenInfo(texts[i], value,
+                           list(zip(top_texts[i * width:(i + 1) * width], top_lps[i], strict=True)),
+                           ids[i])
+            for i, value in enumerate(values)]
 
 
 def completion_logprobs(tokens: list[TokenInfo], offset: int, top: bool) -> CompletionLogprobs:
@@ -90,7 +82,7 @@ def completion_logprobs(tokens: list[TokenInfo], offset: int, top: bool) -> Comp
 
 def top_tokens(tokens: list[TokenInfo]) -> list[list[TopToken]] | None:
     """``/generate``'s alternatives by token id; None when none were asked for."""
-    if not tokens or not tokens[0].top:
+    if not any(t.top for t in tokens):
         return None
     return [[TopToken(i, lp) for i, (_, lp) in zip(t.top_ids, t.top, strict=True)]
             for t in tokens]

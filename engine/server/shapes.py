@@ -38,7 +38,6 @@ from engine.server.schemas import (
     CompletionResponse,
     GenerateChoice,
     GenerateResponse,
-    TopToken,
 )
 
 Delta = tuple[Choice, RequestOutput, list[int], list[TokenInfo]]
@@ -156,33 +155,26 @@ class Shapes:
     async def generate_stream(self, call: Call) -> AsyncIterator[GenerateResponse]:
         async with aclosing(self._deltas(call)) as deltas:
             async for choice, out, ids, tokens in deltas:
-                chunk = GenerateChoice(choice.index, ids, out.text, out.finish_reason,
-                                       [t.logprob for t in tokens] if tokens else None,
-                                       top_tokens(tokens))
-                if out.prompt_logprobs:  # the prompt's, in order, before any generated token
-                    _with_prompt_logprobs(chunk, prompt_token_infos(out))
-                yield GenerateResponse(call.id, call.created, call.model, [chunk])
+                # An output's prompt logprobs come in order, before any generated token.
+                yield GenerateResponse(call.id, call.created, call.model, [_generate_choice(
+                    choice.index, ids, out.text, out.finish_reason, tokens,
+                    prompt_token_infos(out))])
         yield GenerateResponse(call.id, call.created, call.model, [], call.choices.usage())
 
     async def generate(self, call: Call) -> GenerateResponse:
         await self._drain(call)
-        choices = []
-        for c in call.choices.choices:
-            choice = GenerateChoice(c.index, c.token_ids, c.text, c.finish_reason,
-                                    [t.logprob for t in c.tokens] if c.tokens else None,
-                                    top_tokens(c.tokens))
-            prompt = call.choices.prompt_infos[c.index // call.choices.n]
-            if prompt:
-                _with_prompt_logprobs(choice, prompt)
-            choices.append(choice)
+        choices = [_generate_choice(c.index, c.token_ids, c.text, c.finish_reason, c.tokens,
+                                    call.choices.prompt_infos[c.index // call.choices.n])
+                   for c in call.choices.choices]
         return GenerateResponse(call.id, call.created, call.model, choices,
                                 call.choices.usage())
 
 
-def _with_prompt_logprobs(choice: GenerateChoice, tokens: list[TokenInfo]) -> None:
-    """``/generate``'s prompt logprobs (None for the prompt's first token) and, when asked,
-    each prompt token's alternatives by id."""
-    choice.prompt_logprobs = [t.logprob for t in tokens]
-    if any(t.top for t in tokens):
-        choice.prompt_top_logprobs = [[TopToken(i, lp) for i, (_, lp) in
-                                       zip(t.top_ids, t.top, strict=True)] for t in tokens]
+def _generate_choice(index: int, ids: list[int], text: str, finish_reason: str | None,
+                     tokens: list[TokenInfo], prompt: list[TokenInfo]) -> GenerateChoice:
+    """``/generate``'s choice; with prompt logprobs, the prompt's (None for its first token)
+    and, when asked, each prompt token's alternatives by id."""
+    return GenerateChoice(index, ids, text, finish_reason,
+                          [t.logprob for t in tokens] if tokens else None, top_tokens(tokens),
+                          [t.logprob for t in prompt] if prompt else UNSET,
+                          top_tokens(prompt) or UNSET)
