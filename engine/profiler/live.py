@@ -64,10 +64,8 @@ def _body(request: TraceRequest, model: str) -> tuple[str, dict[str, Any]]:
 
 
 def _has_token(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or ():
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+    return any(choice.get("text") or (choice.get("delta") or {}).get("content")
+               for choice in chunk.get("choices") or ())
 
 
 async def _send(client: httpx.AsyncClient, request: TraceRequest, model: str,
@@ -324,9 +322,5 @@ def tier_tokens(results: list[LiveResult]) -> dict[str, np.ndarray]:
 
 
 def result_rows(results: list[LiveResult], simulated: np.ndarray | None) -> list[dict[str, Any]]:
-    rows = []
-    for i, r in enumerate(results):
-        row = asdict(r)
-        row["sim_cached_tokens"] = None if simulated is None else int(simulated[i])
-        rows.append(row)
-    return rows
+    return [{**asdict(r), "sim_cached_tokens": None if simulated is None else int(simulated[i])}
+            for i, r in enumerate(results)]

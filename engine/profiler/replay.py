@@ -111,31 +111,32 @@ class Tiers:
 
 
 @dataclass
-class RadixResult:
-    cached: np.ndarray  # prompt tokens served by the device cache, per request
-    host_cached: np.ndarray | None  # more prompt tokens loaded from the host tier
-    disk_cached: np.ndarray | None  # more prompt tokens loaded from the disk tier
-    visible: np.ndarray | None  # what an unlimited cache on the same timeline served
-    evicted_pages: int
-    peak_pages: int
-    kv_pages: np.ndarray  # pages the cache holds after each admission
-    dropped: int  # requests run uncached because their match left no room
-    waited_s: float  # total time requests waited for room or a concurrency slot
-    peak_running: int
+class CacheRun:
+    """One cache's per-request results on a trace: this replay's, or a baseline's
+    (simulate.py)."""
+
+    label: str
+    cached: np.ndarray  # prompt tokens served from cache (the device cache), per request
+    capacity_tokens: int | None = None  # None: unlimited
+    evicted_tokens: int = 0
+    peak_tokens: int = 0  # most KV slots in use at once (running requests included)
+    kv_tokens: np.ndarray | None = None  # KV slots held by the cache after each admission
+    dropped_matches: int = 0  # requests run uncached because their match left no room
+    host_cached: np.ndarray | None = None  # more prompt tokens loaded from a host tier
+    disk_cached: np.ndarray | None = None  # more prompt tokens loaded from a disk tier
+    visible: np.ndarray | None = None  # an unlimited cache on the same timeline (concurrency)
+    waited_s: float = 0.0  # time requests waited for room or a concurrency slot, in total
+    peak_running: int = 1  # most requests holding pages at once
+
+    def hit_rate(self, prompt_tokens: np.ndarray) -> float:
+        total = int(prompt_tokens.sum())
+        return int(self.cached.sum()) / total if total else 0.0
 
     def by_tier(self) -> dict[str, np.ndarray]:
-        return tier_hits(self.cached, self.host_cached, self.disk_cached)
-
-
-def tier_hits(cached: np.ndarray, host_cached: np.ndarray | None,
-              disk_cached: np.ndarray | None) -> dict[str, np.ndarray]:
-    """Cached tokens per request by the tier that served them: the device, then the host and
-    disk tiers that exist."""
-    tiers = {"device": cached}
-    for name, loaded in (("host", host_cached), ("disk", disk_cached)):
-        if loaded is not None:
-            tiers[name] = loaded
-    return tiers
+        """Cached tokens per request by the tier that served them: the device, then the host
+        and disk tiers that exist."""
+        tiers = {"device": self.cached, "host": self.host_cached, "disk": self.disk_cached}
+        return {name: hits for name, hits in tiers.items() if hits is not None}
 
 
 def min_pages(requests: list[ReplayRequest], page_size: int) -> int:
@@ -376,22 +377,24 @@ class _Replay:
         if self.disk is not None:
             self.disk.store(tokens, run.lease.namespace)
 
-    def result(self) -> RadixResult:
+    def result(self, label: str) -> CacheRun:
         """Run what is still in flight to its end; the results, the device tree checked."""
         self._run_until(float("inf"))
         self.device.tree.check()
-        return RadixResult(self.cached, self.host_cached, self.disk_cached, self.visible,
-                           self.device.tree.stats.evicted_pages, self.peak_pages, self.kv_pages,
-                           self.dropped, self.waited, self.peak_running)
+        size = self.device.alloc.page_size
+        return CacheRun(label, self.cached, self.num_pages * size,
+                        self.device.tree.stats.evicted_pages * size, self.peak_pages * size,
+                        self.kv_pages * size, self.dropped, self.host_cached, self.disk_cached,
+                        self.visible, self.waited, self.peak_running)
 
 
 def replay(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
            service: ServiceModel | None = None, tiers: Tiers | None = None,
-           progress: Iterator[ReplayRequest] | None = None) -> RadixResult:
+           progress: Iterator[ReplayRequest] | None = None, label: str = "radix") -> CacheRun:
     """Replay ``requests`` (in arrival order) through a ``num_pages``-page radix cache (and the
     tiers below it)."""
     state = _Replay(requests, num_pages, page_size, policy, service or ServiceModel(),
                     tiers or Tiers())
     for i, r in enumerate(progress if progress is not None else requests):
         state.serve(i, r)
-    return state.result()
+    return state.result(label)

@@ -26,36 +26,11 @@ from tqdm import tqdm
 
 from engine.profiler.baselines import BLOCK_SIZE, BlockChains, BlockHashCache
 from engine.profiler.kv_bytes import KVBytes
-from engine.profiler.replay import ServiceModel, Tiers, min_pages, replay, tier_hits
+from engine.profiler.replay import CacheRun, ServiceModel, Tiers, min_pages, replay
 from engine.profiler.trace import ReplayRequest
 
 # Below this many requests a replay finishes before a progress bar is worth drawing.
 PROGRESS_MIN_REQUESTS = 2000
-
-
-@dataclass
-class CacheRun:
-    """One cache's per-request results on a trace."""
-
-    label: str
-    cached: np.ndarray  # prompt tokens served from cache, per request
-    capacity_tokens: int | None = None  # None: unlimited
-    evicted_tokens: int = 0
-    peak_tokens: int = 0  # most KV slots in use at once (running request included)
-    kv_tokens: np.ndarray | None = None  # KV slots held by the cache after each request
-    dropped_matches: int = 0  # requests run uncached because their match left no room
-    host_cached: np.ndarray | None = None  # more prompt tokens loaded from a host tier
-    disk_cached: np.ndarray | None = None  # more prompt tokens loaded from a disk tier
-    visible: np.ndarray | None = None  # an unlimited cache on the same timeline (concurrency)
-    waited_s: float = 0.0  # time requests waited for room or a concurrency slot, in total
-    peak_running: int = 1  # most requests holding pages at once
-
-    def hit_rate(self, prompt_tokens: np.ndarray) -> float:
-        total = int(prompt_tokens.sum())
-        return int(self.cached.sum()) / total if total else 0.0
-
-    def by_tier(self) -> dict[str, np.ndarray]:
-        return tier_hits(self.cached, self.host_cached, self.disk_cached)
 
 
 def _progress(requests: list[ReplayRequest], label: str, progress: bool) -> Iterator[ReplayRequest]:
@@ -68,12 +43,8 @@ def replay_radix(requests: list[ReplayRequest], num_pages: int, page_size: int,
                  service: ServiceModel | None = None, tiers: Tiers | None = None) -> CacheRun:
     """Replay through ``RadixTree`` (evicting by ``policy``, radix/eviction.py) with ``num_pages``
     pages."""
-    result = replay(requests, num_pages, page_size, policy, service, tiers,
-                    _progress(requests, label, progress))
-    return CacheRun(label, result.cached, num_pages * page_size,
-                    result.evicted_pages * page_size, result.peak_pages * page_size,
-                    result.kv_pages * page_size, result.dropped, result.host_cached,
-                    result.disk_cached, result.visible, result.waited_s, result.peak_running)
+    return replay(requests, num_pages, page_size, policy, service, tiers,
+                  _progress(requests, label, progress), label)
 
 
 def replay_unlimited(requests: list[ReplayRequest], page_size: int,
