@@ -55,7 +55,7 @@ PASSAGES = [
 
 
 # ------------------------------------------------------------------------------- --cost
-def cost(args: argparse.Namespace) -> None:
+def cost(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from engine.checkpoints.model_source import resolve_model
@@ -104,9 +104,7 @@ def cost(args: argparse.Namespace) -> None:
         rows.append({"batch": batch, "decode_ms": decode * 1e3, "verify_ms": verify * 1e3,
                      "ratio": verify / decode})
         print(f"{batch:>5} {decode * 1e3:>8.1f} {verify * 1e3:>8.1f} {verify / decode:>6.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    return rows
 
 
 # ------------------------------------------------------------------------------ --serve
@@ -160,7 +158,7 @@ async def serve_round(engine, convs: list[list[str]], in_flight: int,
     return [r for rs in await asyncio.gather(*(one(c) for c in convs)) for r in rs]
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace) -> list[dict]:
     from engine.runtime.offline import Engine
 
     common = dict(num_pages=args.num_pages, dtype=args.dtype)
@@ -203,9 +201,7 @@ def serve(args: argparse.Namespace) -> None:
     finally:
         for engine in engines.values():
             engine.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    return report
 
 
 def remote(args: argparse.Namespace) -> None:
@@ -261,11 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.url:
-        remote(args)
-    elif args.cost:
-        cost(args)
-    else:
-        serve(args)
+        return remote(args)
+    rows = cost(args) if args.cost else serve(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

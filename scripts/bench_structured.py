@@ -110,14 +110,11 @@ async def bench(args) -> dict[str, Any]:
     results: dict[str, dict[str, list[dict]]] = {}
     async with httpx.AsyncClient(timeout=args.timeout, headers={
             "Authorization": f"Bearer {args.api_key}"} if args.api_key else None) as client:
-        models = {}
-        for url in args.url:
-            models[url] = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        models = {url: (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+                  for url in args.url}
         for repeat in range(args.repeats):
             order = list(zip(args.url, args.name, strict=True))
-            if repeat % 2:
-                order.reverse()
-            for url, name in order:
+            for url, name in order[::-1] if repeat % 2 else order:  # ABBA
                 for schema in SCHEMAS:
                     before = forced_and_mask((await client.get(f"{url}/metrics")).text)
                     await asyncio.sleep(args.pause)
