@@ -31,67 +31,62 @@ from engine.server.schemas import (
 )
 
 
-class _Call(Struct, tag=True, kw_only=True):
+class _Message(Struct, tag=True):
+    id: str  # the call's, picked by the client and echoed on each reply
+
+
+class _Call(_Message, kw_only=True):
     api_key: str | None = None  # the server's --api-key, when it has one
 
 
 class CompletionCall(_Call):
-    id: str
     body: CompletionRequest
 
 
 class ChatCall(_Call):
-    id: str
     body: ChatCompletionRequest
 
 
 class GenerateCall(_Call):
-    id: str
     body: GenerateBody
 
 
 class OpenSessionCall(_Call):
-    id: str
+    pass
 
 
 class CloseSessionCall(_Call):
-    id: str
     session_id: str
 
 
 class AbortCall(_Call):
-    id: str
+    pass
 
 
-class CompletionChunkReply(Struct, tag=True):
-    id: str
+class CompletionChunkReply(_Message):
     chunk: CompletionChunk
 
 
-class ChatChunkReply(Struct, tag=True):
-    id: str
+class ChatChunkReply(_Message):
     chunk: ChatCompletionChunk
 
 
-class GenerateChunkReply(Struct, tag=True):
-    id: str
+class GenerateChunkReply(_Message):
     chunk: GenerateResponse
 
 
-class SessionReply(Struct, tag=True):
-    id: str
+class SessionReply(_Message):
     opened: SessionObject | None = None
     deleted: SessionDeleted | None = None
 
 
-class ErrorReply(Struct, tag=True):
-    id: str
+class ErrorReply(_Message):
     status: int
     error: ErrorBody
 
 
-class Done(Struct, tag=True):
-    id: str
+class Done(_Message):
+    pass
 
 
 ZmqCall = CompletionCall | ChatCall | GenerateCall | OpenSessionCall | CloseSessionCall | AbortCall
