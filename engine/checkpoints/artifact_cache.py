@@ -13,6 +13,7 @@ Cache location: ``$RADIXSERVE_CACHE``, else ``$XDG_CACHE_HOME/radixserve``, else
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -30,6 +31,10 @@ def default_cache_dir() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "radixserve"
     return Path.home() / ".cache" / "radixserve"
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def is_complete(directory: Path, required: Sequence[str]) -> bool:

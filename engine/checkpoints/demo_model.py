@@ -13,12 +13,8 @@ real model has, loaded through the same path (and by transformers, the parity or
 
 ``<key>`` hashes the builder version, the architecture, the init and tokenizer settings and the
 training corpus bytes, so a different corpus (another Python version) gets its own directory
-and an unchanged one is reused. The directory appears by one atomic rename of a finished
-temporary directory: concurrent builders (parallel test processes) each build privately, the
-first rename wins, and nobody ever sees a half-written model (``engine.checkpoints.artifact_cache``).
-
-Cache location: ``$RADIXSERVE_CACHE``, else ``$XDG_CACHE_HOME/radixserve``, else
-``~/.cache/radixserve``.
+and an unchanged one is reused. ``engine.checkpoints.artifact_cache`` builds it once, renamed
+into place whole, and says where ``<cache>`` is.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.checkpoints.artifact_cache import build_once, default_cache_dir
+from engine.checkpoints.artifact_cache import build_once, default_cache_dir, write_json
 
 BUILDER_VERSION = 1
 SEED = 20240601
@@ -187,10 +183,6 @@ def _random_weights(vocab_size: int) -> dict[str, np.ndarray]:
     return weights
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
 def _write_checkpoint(directory: Path, corpus: list[tuple[str, bytes]]) -> None:
     tokenizer = _train_tokenizer(corpus)
     num_tokens = tokenizer.get_vocab_size()
@@ -201,7 +193,7 @@ def _write_checkpoint(directory: Path, corpus: list[tuple[str, bytes]]) -> None:
         "eos_token_id": eos_ids,
         "pad_token_id": SPECIAL_TOKENS.index(ENDOFTEXT),
     }
-    _write_json(
+    write_json(
         directory / "config.json",
         {
             "architectures": ["LlamaForCausalLM"],
@@ -219,7 +211,7 @@ def _write_checkpoint(directory: Path, corpus: list[tuple[str, bytes]]) -> None:
             **special_ids,
         },
     )
-    _write_json(directory / "generation_config.json", special_ids)
+    write_json(directory / "generation_config.json", special_ids)
     save_file(
         _random_weights(vocab_size), str(directory / "model.safetensors"), metadata={"format": "pt"}
     )
@@ -231,8 +223,8 @@ def _write_checkpoint(directory: Path, corpus: list[tuple[str, bytes]]) -> None:
         "pad_token": ENDOFTEXT,
         "additional_special_tokens": [IM_START, IM_END],
     }
-    _write_json(directory / "special_tokens_map.json", special_tokens)
-    _write_json(
+    write_json(directory / "special_tokens_map.json", special_tokens)
+    write_json(
         directory / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.checkpoints.artifact_cache import build_once, default_cache_dir
+from engine.checkpoints.artifact_cache import build_once, default_cache_dir, write_json
 
 CONVERTER_VERSION = 1
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -256,10 +256,6 @@ def _write_weights(tensors: Iterator[tuple[str, Any]], directory: Path) -> None:
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
 def _convert(path: Path, sha256: str, directory: Path) -> None:
     from gguf import GGUFReader
 
@@ -289,10 +285,10 @@ def _convert(path: Path, sha256: str, directory: Path) -> None:
                                  vocab_size=int(embedding.shape[1]))
 
     _write_weights(_dequantized(reader, config, path), directory)
-    _write_json(directory / "config.json", config)
-    _write_json(directory / "generation_config.json", generation)
+    write_json(directory / "config.json", config)
+    write_json(directory / "generation_config.json", generation)
     _write_tokenizer(path, directory, config["max_position_embeddings"])
-    _write_json(directory / "source.json", {
+    write_json(directory / "source.json", {
         "file": path.name, "sha256": sha256, "converter_version": CONVERTER_VERSION,
         "tensor_types": dict(sorted(Counter(types.values()).items())),
     })
