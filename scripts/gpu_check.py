@@ -205,17 +205,34 @@ def time_decode_attention(context: int, layers: int = 32) -> None:
         del pool
 
 
-def check_model(context: int, steps: int) -> bool:
+def check_model_runners(options: dict) -> dict:
+    """A ModelRunner of the check model in bfloat16 per entry of ``options`` (more
+    EngineConfig fields), with dummy weights: the same seed draws the same weights for each."""
     from engine.worker.runner import ModelRunner
     from scripts.bench_gpu import CHECK_MODEL, write_config
 
     with tempfile.TemporaryDirectory() as tmp:
         write_config(Path(tmp), CHECK_MODEL)
-        # The same seed draws the same weights for both.
-        runners = {name: ModelRunner(EngineConfig(model=tmp, num_pages=12288,
-                                                  attention_backend=name, load_format="dummy",
-                                                  dtype="bfloat16"))
-                   for name in ("torch", "flashinfer")}
+        return {key: ModelRunner(EngineConfig(model=tmp, load_format="dummy", dtype="bfloat16",
+                                              **fields))
+                for key, fields in options.items()}
+
+
+def prefill_for_decode(runner, batch_size: int, context: int, steps: int,
+                       vocab: int) -> list[BatchInput]:
+    """Prefills ``batch_size`` random prompts of ``context`` tokens, each on pages of its own
+    with room for ``steps`` more; the decode steps that follow."""
+    tables = np.arange(batch_size * (-(-(context + steps) // 16))).reshape(batch_size, -1)
+    prompt = np.random.default_rng(0).integers(0, vocab, (batch_size, context))
+    runner.forward(BatchInput.build(list(zip(tables, [0] * batch_size, prompt, strict=True)),
+                                    16)).cpu()
+    return [BatchInput.build([(t, context + s, [s + 3]) for t in tables], 16)
+            for s in range(steps)]
+
+
+def check_model(context: int, steps: int) -> bool:
+    runners = check_model_runners({name: {"num_pages": 12288, "attention_backend": name}
+                                   for name in ("torch", "flashinfer")})
     c = runners["torch"].config
     print(f"\n## ModelRunner, dummy-weight Llama: {c.num_layers} layers, hidden {c.hidden_size}, "
           f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, bfloat16, page 16\n")
@@ -240,12 +257,7 @@ def check_model(context: int, steps: int) -> bool:
     for batch_size in (1, 32, 128):
         rates = {}
         for name, runner in runners.items():
-            pages = np.arange(batch_size * (-(-(context + steps) // 16))).reshape(batch_size, -1)
-            prompt = np.random.default_rng(0).integers(0, c.vocab_size, (batch_size, context))
-            runner.forward(BatchInput.build(list(zip(pages, [0] * batch_size, prompt,
-                                                     strict=True)), 16)).cpu()
-            batches = [BatchInput.build([(p, context + s, [s + 3]) for p in pages], 16)
-                       for s in range(steps)]
+            batches = prefill_for_decode(runner, batch_size, context, steps, c.vocab_size)
             rates[name] = batch_size * steps / cuda_time(partial(run_batches, runner, batches), 3)
         print(f"| {batch_size} | {rates['torch']:,.0f} | {rates['flashinfer']:,.0f} | "
               f"{rates['flashinfer'] / rates['torch']:.1f}x |", flush=True)
@@ -281,9 +293,6 @@ def check_step_syncs(runners: dict) -> bool:
 
 def check_fp8(context: int, model_context: int, steps: int) -> bool:
     """Part 4: fp8 pages through FlashInfer, against float32 over their values; time; runner."""
-    from engine.worker.runner import ModelRunner
-    from scripts.bench_gpu import CHECK_MODEL, write_config
-
     heads, kv_heads = FP8_SHAPES[0]
     print(f"\n## fp8 KV, {heads}/{kv_heads} heads of {HEAD_DIM}, bf16 queries, page 16: max abs "
           "error vs torch float32 over the pages' values\n")
@@ -331,25 +340,18 @@ def check_fp8(context: int, model_context: int, steps: int) -> bool:
             ms[label] = cuda_time(partial(attention_step, b, batch, qkv, 32)) * 1e3
         print(f"| {batch_size} | {ms['bf16']:.2f} | {ms['fp8']:.2f} | "
               f"{ms['bf16'] / ms['fp8']:.2f}x |", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_config(Path(tmp), CHECK_MODEL)
-        runners = {
-            (name, kv): ModelRunner(EngineConfig(
-                model=tmp, num_pages=4096, attention_backend=name, load_format="dummy",
-                dtype="bfloat16", kv_cache_dtype=kv, enable_cuda_graph=name == "flashinfer"))
-            for name, kv in (("torch", "fp8_e4m3"), ("flashinfer", "fp8_e4m3"),
-                             ("flashinfer", "auto"))}
+    runners = check_model_runners({
+        (name, kv): {"num_pages": 4096, "attention_backend": name, "kv_cache_dtype": kv,
+                     "enable_cuda_graph": name == "flashinfer"}
+        for name, kv in (("torch", "fp8_e4m3"), ("flashinfer", "fp8_e4m3"),
+                         ("flashinfer", "auto"))})
     graphs = runners[("flashinfer", "fp8_e4m3")].graphs
     print(f"\nModelRunner on an fp8_e4m3 cache, CUDA graphs "
           f"{'captured' if graphs is not None else 'OFF'}")
     ok &= graphs is not None
-    prompt = np.random.default_rng(0).integers(0, 999, (8, model_context))
-    tables = np.arange(8 * (-(-(model_context + steps) // 16))).reshape(8, -1)
     logits, rates = {}, {}
     for key, runner in runners.items():
-        runner.forward(BatchInput.build(list(zip(tables, [0] * 8, prompt, strict=True)), 16)).cpu()
-        batches = [BatchInput.build([(t, model_context + s, [s + 3]) for t in tables], 16)
-                   for s in range(steps)]
+        batches = prefill_for_decode(runner, 8, model_context, steps, 999)
         logits[key] = runner.forward(batches[0]).float().cpu()
         rates[key] = 8 * steps / cuda_time(partial(run_batches, runner, batches[1:]), 3)
     agree = (logits[("torch", "fp8_e4m3")].argmax(-1)
