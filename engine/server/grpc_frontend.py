@@ -303,15 +303,12 @@ def key_check(grpc: ModuleType, pipeline: Pipeline) -> Any:
     """A server interceptor that refuses every RPC without the API key (UNAUTHENTICATED), by
     swapping in a handler that aborts: the servicer's method never runs."""
 
-    async def refuse(context: Any, message: str) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
     def refusing(handler: Any, message: str) -> Any:
         async def unary(request: Any, context: Any) -> Any:
-            await refuse(context, message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         async def stream(request: Any, context: Any) -> Any:
-            await refuse(context, message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # never reached: makes this a streaming handler
 
         kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream

@@ -33,9 +33,7 @@ from engine.contracts.protocol import (
 from engine.contracts.sampling_params import SamplingParams
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.server import sampling, tools
-from engine.server.choices import (
-    Choices,
-)
+from engine.server.choices import Choices
 from engine.server.dp_monitor import DispatchMonitor
 from engine.server.errors import APIError
 from engine.server.metrics import FrontendState, Metrics
@@ -76,11 +74,7 @@ class Service(Shapes):
         self.created = int(time.time())
 
     def _frontend_state(self) -> FrontendState:
-        return FrontendState(self.client.num_pending, len(self.sessions), self.alive)
-
-    @property
-    def alive(self) -> bool:
-        return self.client.dead is None
+        return FrontendState(self.client.num_pending, len(self.sessions), self.client.dead is None)
 
     def unhealthy(self) -> str | None:
         """Why ``/health`` fails, or None while the server serves every door."""
