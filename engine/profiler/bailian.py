@@ -53,28 +53,26 @@ def _seconds(obj: dict, where: str) -> float:
     return float(value)
 
 
-def session_roots(chat_ids: list[int], parents: list[int], wheres: list[str]) -> list[int]:
-    """The root ``chat_id`` of each request's ``parent_chat_id`` chain."""
-    position = {chat: i for i, chat in enumerate(chat_ids)}
-    roots = [-1] * len(chat_ids)  # chat ids are >= 0: -1 is "not resolved yet"
-    for start in range(len(chat_ids)):
-        chain: list[int] = []
-        on_chain: set[int] = set()
+def session_roots(parents: dict[int, int], wheres: dict[int, str]) -> list[int]:
+    """The root ``chat_id`` of each request's ``parent_chat_id`` chain, in the order of
+    ``parents`` (chat_id -> parent_chat_id)."""
+    roots: dict[int, int] = {}
+    for start in parents:
+        chain: dict[int, None] = {}  # ordered, and a set for the loop check
         at = start
-        while roots[at] < 0:  # each request is walked once: resolved chains stop the walk
-            chain.append(at)
-            on_chain.add(at)
-            parent = position.get(parents[at])
-            if parent is None:
-                roots[at] = chat_ids[at]
-            elif parent in on_chain:
+        while at not in roots:  # each request is walked once: resolved chains stop the walk
+            chain[at] = None
+            parent = parents[at]
+            if parent not in parents:
+                roots[at] = at
+            elif parent in chain:
                 raise TraceError(f"{wheres[start]}: the parent_chat_id chain of chat_id "
-                                 f"{chat_ids[start]} loops back on itself")
+                                 f"{start} loops back on itself")
             else:
                 at = parent
-        for i in chain:
-            roots[i] = roots[at]
-    return roots
+        for chat in chain:
+            roots[chat] = roots[at]
+    return [roots[chat] for chat in parents]
 
 
 def read_bailian(path: str | Path, block_tokens: int = BAILIAN_BLOCK_TOKENS) -> list[ReplayRequest]:
@@ -82,22 +80,18 @@ def read_bailian(path: str | Path, block_tokens: int = BAILIAN_BLOCK_TOKENS) -> 
     if block_tokens < 1:
         raise ValueError(f"--block-tokens must be at least 1, got {block_tokens}")
     prompts: list[BlockPrompt] = []
-    chat_ids: list[int] = []
-    parents: list[int] = []
-    wheres: list[str] = []
-    seen: dict[int, str] = {}
+    parents: dict[int, int] = {}  # chat_id -> parent_chat_id
+    seen: dict[int, str] = {}  # chat_id -> its line
     for obj, _, where in json_objects(path):
         chat_id = count_field(obj, "chat_id", where)
         if chat_id in seen:
             raise TraceError(f"{where}: chat_id {chat_id} was already used at {seen[chat_id]}")
         seen[chat_id] = where
-        chat_ids.append(chat_id)
-        parents.append(_parent(obj, where))
+        parents[chat_id] = _parent(obj, where)
         length, hashes = prompt_blocks(obj, where, block_tokens)
         prompts.append(BlockPrompt(str(chat_id), _seconds(obj, where), length, hashes,
                                    count_field(obj, "output_length", where)))
-        wheres.append(where)
-    roots = session_roots(chat_ids, parents, wheres)
+    roots = session_roots(parents, seen)
     for prompt, root in zip(prompts, roots, strict=True):
         prompt.session_id = str(root)
     return to_requests(prompts, block_tokens, path)
