@@ -21,22 +21,16 @@ if TYPE_CHECKING:
 HELP = "generate synthetic request traces (JSONL) for `radixserve profile`"
 
 
-def _positive(kind: type) -> Callable[[str], int | float]:
+def _positive(kind: type, zero_ok: bool = False) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else 'positive'}, "
+                                             f"got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if isinstance(field.default, str):
                 parse = str
             elif field.name == "sigma":
-                parse = _non_negative_float  # sigma 0: every turn has the median length
+                parse = _positive(float, zero_ok=True)  # sigma 0: every turn has the median length
             else:
                 parse = _positive(type(field.default))
             sub.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=parse,
