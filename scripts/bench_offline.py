@@ -70,7 +70,8 @@ def run_transformers(model, prompts, output_len: int, batch_size: int) -> float:
     return len(prompts) * output_len / (time.perf_counter() - start)
 
 
-def in_process(model_dir: str, prompts, output_len: int, options: dict) -> tuple[float, float]:
+def in_process(model_dir: str, prompts, output_len: int, options: dict
+               ) -> tuple[float, float, float]:
     """KV utilisation sampled every step, and the runner alone replaying the same batches."""
     config = EngineConfig(model=model_dir, **options)
     worker = Worker(config)

@@ -51,13 +51,6 @@ def make_prompts(tokenizer, count: int, min_len: int, max_len: int) -> list[list
     return [ids[start:start + length] for start, length in zip(starts, lengths, strict=True)]
 
 
-def runner_for(checkpoint: str, dtype: str, kv_cache_dtype: str, num_pages: int
-               ) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=checkpoint, dtype=dtype, page_size=PAGE_SIZE,
-                                    num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
-                                    attention_backend="torch"))
-
-
 def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = "bfloat16",
             kv_dtypes: tuple[str, ...] = ("int8",), batch_size: int = 8
             ) -> dict[str, dict[str, object]]:
@@ -65,7 +58,10 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
     ``steps`` tokens each (the model in ``dtype`` every time)."""
     pages_per_seq = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
     num_pages = pages_per_seq * batch_size
-    runners = {kv: runner_for(checkpoint, dtype, kv, num_pages) for kv in ("auto", *kv_dtypes)}
+    runners = {kv: ModelRunner(EngineConfig(model=checkpoint, dtype=dtype, page_size=PAGE_SIZE,
+                                            num_pages=num_pages, kv_cache_dtype=kv,
+                                            attention_backend="torch"))
+               for kv in ("auto", *kv_dtypes)}
     agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
     kls: dict[str, list] = {kv: [] for kv in kv_dtypes}
     for first in range(0, len(prompts), batch_size):
