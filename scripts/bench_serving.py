@@ -59,10 +59,6 @@ LOW_IDS, HIGH_IDS = 3, 64
 
 
 # ---------------------------------------------------------------------------------- prompts
-def random_ids(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
-    return rng.integers(LOW_IDS, vocab - HIGH_IDS, length).tolist()
-
-
 def grouped_prompts(rng: np.random.Generator, groups: int, per_group: int,
                     args: argparse.Namespace, vocab: int, shared: bool) -> list[list[int]]:
     """The profiler's shared-prefix draw (groups interleaved, as real traffic arrives): a head
@@ -76,7 +72,8 @@ def user_turns(rng: np.random.Generator, args: argparse.Namespace,
     """Per conversation, the new tokens of each turn (the first carries the head). Not the
     profiler's multi-turn draw: here each conversation has a head of its own, every turn the
     same length, and the replies are the server's."""
-    return [[random_ids(rng, args.head + args.question if turn == 0 else args.question, vocab)
+    return [[rng.integers(LOW_IDS, vocab - HIGH_IDS,
+                          args.head + args.question if turn == 0 else args.question).tolist()
              for turn in range(args.turns)] for _ in range(args.conversations)]
 
 
