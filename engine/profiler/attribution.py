@@ -31,7 +31,7 @@ Block hashing at the configured capacity (B) also loses Bu - B to eviction. Per 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -98,16 +98,8 @@ def per_request(profile: Profile) -> dict[str, np.ndarray]:
 
 def attribute(profile: Profile) -> Attribution:
     parts = per_request(profile)
-    return Attribution(
-        prompt_tokens=int(profile.prompt_tokens.sum()),
-        hit=int(profile.radix.cached.sum()),
-        cold=int(parts["cold"].sum()),
-        in_flight=int(parts["in_flight"].sum()),
-        evicted=int(parts["evicted"].sum()),
-        host_hit=int(parts["host_hit"].sum()),
-        disk_hit=int(parts["disk_hit"].sum()),
-        block_hit=int(profile.block.cached.sum()),
-        short_head=int(parts["short_head"].sum()),
-        block_granularity=int(parts["block_granularity"].sum()),
-        block_evicted=int(parts["block_evicted"].sum()),
-    )
+    return Attribution(prompt_tokens=int(profile.prompt_tokens.sum()),
+                       hit=int(profile.radix.cached.sum()),
+                       block_hit=int(profile.block.cached.sum()),
+                       **{f.name: int(parts[f.name].sum()) for f in fields(Attribution)
+                          if f.name in parts})

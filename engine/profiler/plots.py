@@ -12,25 +12,28 @@ from typing import Any
 import numpy as np
 
 
-def _pyplot() -> Any:
+def _figure() -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.grid(alpha=0.3)
+    return fig, ax
 
 
 def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    plt.close(fig)
     return path
 
 
 def hit_rate_over_time(summary: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = _figure()
     windows = summary["timeline"]
     mid = [(w["start_s"] + w["end_s"]) / 2 for w in windows]
     for cache, style in zip(summary["caches"][:3], ("-o", "--", ":s"), strict=True):
@@ -38,21 +41,18 @@ def hit_rate_over_time(summary: dict[str, Any], path: Path) -> Path:
         ax.plot(mid, rates, style, label=cache["cache"], markersize=3)
     ax.set(xlabel="arrival time (s)", ylabel="prompt tokens from cache (%)", ylim=(0, 100),
            title=f"Hit rate over time: {summary['trace']}")
-    ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     return _save(fig, path)
 
 
 def cached_tokens_histogram(cached: np.ndarray, unlimited: np.ndarray, label: str,
                             path: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = _figure()
     top = max(int(unlimited.max()), 1)
     bins = np.linspace(0, top, min(40, top) + 1)
     ax.hist(unlimited, bins=bins, alpha=0.45, label="unlimited (upper bound)")
     ax.hist(cached, bins=bins, histtype="step", linewidth=1.5, label=label)
     ax.set(xlabel="cached prompt tokens", ylabel="requests", title="Cached tokens per request")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -61,8 +61,7 @@ def hit_rate_vs_cache_size(summary: dict[str, Any], path: Path) -> Path:
     """Hit rate against the cache's size: in tokens, or in GiB when the bytes of a token are
     known, with a curve for the model's dtype or int8 at the same bytes, whichever the
     configured cache is not."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = _figure()
     sweep, kv = summary["sweep"], summary["kv"]
     if kv:
         sizes = [p["cache_bytes"] / 2**30 for p in sweep]
@@ -91,13 +90,11 @@ def hit_rate_vs_cache_size(summary: dict[str, Any], path: Path) -> Path:
 def ttft_vs_cached(cached: np.ndarray, prompt: np.ndarray, ttft_s: np.ndarray,
                    path: Path) -> Path:
     """Live mode: each request's time to first token against its cached prompt tokens."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = _figure()
     points = ax.scatter(cached, 1e3 * ttft_s, c=prompt, s=12, cmap="viridis")
     fig.colorbar(points, ax=ax, label="prompt tokens")
     ax.set(xlabel="cached prompt tokens (server)", ylabel="TTFT (ms)",
            title="Time to first token vs cached tokens")
-    ax.grid(alpha=0.3)
     return _save(fig, path)
 
 
