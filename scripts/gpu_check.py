@@ -206,8 +206,7 @@ def time_decode_attention(context: int, layers: int = 32) -> None:
 
 
 def check_model_runners(options: dict) -> dict:
-    """A ModelRunner of the check model in bfloat16 per entry of ``options`` (more
-    EngineConfig fields), with dummy weights: the same seed draws the same weights for each."""
+    """A bf16 dummy-weight runner of the check model per ``options`` entry, all the same weights."""
     from engine.worker.runner import ModelRunner
     from scripts.bench_gpu import CHECK_MODEL, write_config
 
@@ -220,8 +219,7 @@ def check_model_runners(options: dict) -> dict:
 
 def prefill_for_decode(runner, batch_size: int, context: int, steps: int,
                        vocab: int) -> list[BatchInput]:
-    """Prefills ``batch_size`` random prompts of ``context`` tokens, each on pages of its own
-    with room for ``steps`` more; the decode steps that follow."""
+    """Prefills random prompts, each on pages of its own; the ``steps`` decode steps after them."""
     tables = np.arange(batch_size * (-(-(context + steps) // 16))).reshape(batch_size, -1)
     prompt = np.random.default_rng(0).integers(0, vocab, (batch_size, context))
     runner.forward(BatchInput.build(list(zip(tables, [0] * batch_size, prompt, strict=True)),
