@@ -18,6 +18,7 @@ import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -30,7 +31,6 @@ from engine.contracts.protocol import (
     SessionOpen,
     pack_ids,
 )
-from engine.contracts.sampling_params import SamplingParams
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.server import sampling, tools
 from engine.server.choices import Choices
@@ -122,7 +122,9 @@ class Service(Shapes):
 
     # ------------------------------------------------------------- requests
     def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
-              n: int, discard: bool = False) -> Call:
+              n: int, discard: bool = False, **fields: Any) -> Call:
+        """The call of admitted engine requests; ``fields``: the endpoint's own ``Call``
+        fields."""
         self._check_alive()
         limit = self.options.max_inflight_requests
         if len(requests) > limit:
@@ -133,7 +135,8 @@ class Service(Shapes):
                            f"in flight ({self.admitted:,} now, this one adds "
                            f"{len(requests):,}); retry later")
         call = Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                    requests, Choices(len(requests), n, discard), self.metrics.track(endpoint))
+                    requests, Choices(len(requests), n, discard), self.metrics.track(endpoint),
+                    **fields)
         self.admitted += len(requests)
         call.release = weakref.finalize(call, self._release, len(requests))
         return call
@@ -145,16 +148,13 @@ class Service(Shapes):
         self.check_model(req.model)
         params = sampling.completion_params(req, self.info)
         namespace = self._namespace(req.cache_salt, req.user)
-        requests = [self._engine_request(params, prompt=p, namespace=namespace)
-                    for p in sampling.completion_prompts(req.prompt, self.info,
-                                                         params.max_tokens)]
-        for request in requests:
-            request.echo = req.echo
-        call = self._call("cmpl", "completions", requests, params.n,
-                          discard=sampling.echo_only(req))
-        call.return_token_ids = req.return_token_ids
-        call.echo = req.echo
-        return call
+        requests = [GenerateRequest(rid=new_request_id(), params=params, namespace=namespace,
+                                    echo=req.echo, **_prompt_fields(prompt))
+                    for prompt in sampling.completion_prompts(req.prompt, self.info,
+                                                              params.max_tokens)]
+        return self._call("cmpl", "completions", requests, params.n,
+                          discard=sampling.echo_only(req),
+                          return_token_ids=req.return_token_ids, echo=req.echo)
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
         self.check_model(req.model)
@@ -165,13 +165,11 @@ class Service(Shapes):
         sampling.check_messages(template_tools or [], "tools")
         if req.session_id is not None:
             self.sessions.get(req.session_id)  # 404 now, before any stream starts
-        request = self._engine_request(params, messages=req.messages, session_id=req.session_id,
-                                       namespace=self._namespace(req.cache_salt, req.user))
-        request.tools = template_tools
-        call = self._call("chatcmpl", "chat", [request], params.n)
-        call.prompt_param = "messages"
-        call.tool_plan = plan
-        return call
+        request = GenerateRequest(rid=new_request_id(), params=params, messages=req.messages,
+                                  tools=template_tools, session_id=req.session_id,
+                                  namespace=self._namespace(req.cache_salt, req.user))
+        return self._call("chatcmpl", "chat", [request], params.n, prompt_param="messages",
+                          tool_plan=plan)
 
     def generate_call(self, body: GenerateBody) -> Call:
         self.check_model(body.model)
@@ -179,16 +177,16 @@ class Service(Shapes):
         if (body.input_ids is None) == (body.text is None):
             raise APIError(400, "give exactly one of input_ids (token ids) or text",
                            param="input_ids")
-        if body.input_ids is not None and not body.input_ids:
-            raise APIError(400, "input_ids must not be empty", param="input_ids")
         if body.input_ids is not None:
+            if not body.input_ids:
+                raise APIError(400, "input_ids must not be empty", param="input_ids")
             sampling.check_prompt_ids(body.input_ids, self.info, params.max_tokens, "input_ids")
         prompt = body.input_ids if body.input_ids is not None else body.text
-        request = self._engine_request(params, prompt=prompt,
-                                       namespace=self._namespace(body.cache_salt))
-        call = self._call("gen", "generate", [request], params.n)
-        call.prompt_param = "input_ids" if body.input_ids is not None else "text"
-        return call
+        request = GenerateRequest(rid=new_request_id(), params=params,
+                                  namespace=self._namespace(body.cache_salt),
+                                  **_prompt_fields(prompt))
+        return self._call("gen", "generate", [request], params.n,
+                          prompt_param="input_ids" if body.input_ids is not None else "text")
 
     def _namespace(self, cache_salt: str | None, user: str | None = None) -> str | None:
         """The radix tree namespace of a request; requests in different namespaces never share
@@ -202,18 +200,6 @@ class Service(Shapes):
         if cache_salt is None and owner is None:
             return None
         return hashlib.sha256(msgspec.json.encode([owner, cache_salt])).hexdigest()
-
-    @staticmethod
-    def _engine_request(params: SamplingParams, *, prompt: str | list[int] | None = None,
-                        messages: list[dict] | None = None, session_id: str | None = None,
-                        namespace: str | None = None) -> GenerateRequest:
-        req = GenerateRequest(rid=new_request_id(), params=params, messages=messages,
-                              session_id=session_id, namespace=namespace)
-        if isinstance(prompt, str):
-            req.text = prompt
-        elif prompt is not None:
-            req.prompt_ids = pack_ids(prompt)
-        return req
 
     # -------------------------------------------------------------- running
     async def _deltas(self, call: Call) -> AsyncIterator[Delta]:
@@ -285,3 +271,8 @@ class Service(Shapes):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _prompt_fields(prompt: str | list[int]) -> dict[str, str | bytes]:
+    """A ``GenerateRequest``'s prompt: ``text``, or token ids packed as ``prompt_ids``."""
+    return {"text": prompt} if isinstance(prompt, str) else {"prompt_ids": pack_ids(prompt)}
