@@ -276,13 +276,13 @@ def request_rows(profile: Profile) -> list[dict[str, Any]]:
     } for i, r in enumerate(profile.requests)]
 
 
-def group_rows(profile: Profile, keys: Sequence[str | None], key_name: str) -> list[dict[str, Any]]:
-    """Per-request figures summed per distinct key (a session or a namespace), one row per key
-    in the order of its first request; requests without a key (None) form the row keyed "".
-    Grouped with numpy: a trace's millions of requests cost no Python work each."""
+def group_rows(profile: Profile, key: str) -> list[dict[str, Any]]:
+    """Per-request figures summed per distinct ``key`` (``session_id`` or ``namespace``), one
+    row per key in the order of its first request; requests without a key (None) form the row
+    keyed "". Grouped with numpy: a trace's millions of requests cost no Python work each."""
     parts = per_request(profile)
-    names, first, group = np.unique(np.array(["" if k is None else k for k in keys]),
-                                    return_index=True, return_inverse=True)
+    keys = ["" if k is None else k for k in (getattr(r, key) for r in profile.requests)]
+    names, first, group = np.unique(np.array(keys), return_index=True, return_inverse=True)
 
     def total(values: np.ndarray) -> np.ndarray:
         return np.bincount(group, weights=values, minlength=len(names)).astype(np.int64)
@@ -292,7 +292,7 @@ def group_rows(profile: Profile, keys: Sequence[str | None], key_name: str) -> l
                               total(profile.block.cached))
     sums = {name: total(parts[name]) for name in _PARTS}
     return [{
-        key_name: str(names[g]), "requests": int(requests[g]),
+        key: str(names[g]), "requests": int(requests[g]),
         "prompt_tokens": int(prompt[g]), "hit_tokens": int(hit[g]),
         "hit_rate": float(hit[g] / prompt[g]) if prompt[g] else 0.0,
         **{name: int(sums[name][g]) for name in ("cold", "in_flight", "evicted", "host_hit")},
@@ -308,16 +308,13 @@ def write_outputs(out_dir: Path, profile: Profile, summary: dict[str, Any]) -> l
     """``summary.json``, ``requests.csv``, ``sessions.csv``, ``namespaces.csv``,
     ``timeline.csv`` and (with a sweep) ``sweep.csv``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "summary.json", out_dir / "requests.csv", out_dir / "sessions.csv",
-               out_dir / "namespaces.csv", out_dir / "timeline.csv"]
-    written[0].write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    write_csv(written[1], request_rows(profile))
-    write_csv(written[2], group_rows(profile, [r.session_id for r in profile.requests],
-                                     "session_id"))
-    write_csv(written[3], group_rows(profile, [r.namespace for r in profile.requests],
-                                     "namespace"))
-    write_csv(written[4], summary["timeline"])
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    tables = {"requests.csv": request_rows(profile),
+              "sessions.csv": group_rows(profile, "session_id"),
+              "namespaces.csv": group_rows(profile, "namespace"),
+              "timeline.csv": summary["timeline"]}
     if summary["sweep"]:
-        written.append(out_dir / "sweep.csv")
-        write_csv(written[-1], summary["sweep"])
-    return written
+        tables["sweep.csv"] = summary["sweep"]
+    for name, rows in tables.items():
+        write_csv(out_dir / name, rows)
+    return [out_dir / name for name in ("summary.json", *tables)]
