@@ -37,6 +37,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ def gguf_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Pa
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     sha256 = _file_sha256(path)
     key = hashlib.sha256(
-        f"{sha256}\0{CONVERTER_VERSION}\0{_transformers_version()}".encode()
+        f"{sha256}\0{CONVERTER_VERSION}\0{version('transformers')}".encode()
     ).hexdigest()[:16]
     final = cache_dir / f"gguf-{key}"
     return build_once(final, lambda staging: _convert(path, sha256, staging), REQUIRED_FILES)
@@ -101,12 +102,6 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _transformers_version() -> str:
-    from importlib.metadata import version
-
-    return version("transformers")
 
 
 class _Metadata:

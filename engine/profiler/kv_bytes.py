@@ -17,7 +17,7 @@ A model's shape comes from its config.json (``num_hidden_layers``, ``num_key_val
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +174,7 @@ class KVBytes:
                 f"layers x {s.num_kv_heads} KV heads x {row} bytes ({s.source})")
 
     def to_json(self) -> dict[str, Any]:
-        shape = {} if self.shape is None else {
-            "num_layers": self.shape.num_layers, "num_kv_heads": self.shape.num_kv_heads,
-            "head_dim": self.shape.head_dim, "model_dtype": self.shape.model_dtype,
-            "source": self.shape.source}
+        shape = {} if self.shape is None else asdict(self.shape)
         return {"bytes_per_token": self.bytes_per_token, "kv_dtype": self.kv_dtype, **shape,
                 "compared_bytes_per_token": self.compared(), "description": self.describe()}
 
