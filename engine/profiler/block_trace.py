@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.profiler.trace import ReplayRequest, TraceError, jsonl_objects
+from engine.profiler.trace import ReplayRequest, TraceError, arrival_order, jsonl_objects
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Hash ids stay below half of int32 so the output ids above them fit too.
@@ -87,11 +87,10 @@ def prompt_blocks(obj: dict[str, Any], where: str, block_tokens: int) -> tuple[i
 def to_requests(prompts: list[BlockPrompt], block_tokens: int,
                 path: str | Path) -> list[ReplayRequest]:
     """Requests in arrival order (stable), each block as ``block_tokens`` copies of its id."""
-    if not prompts:
-        raise TraceError(f"{path}: the trace has no requests")
+    prompts = arrival_order(prompts, path)
     first_output_id = max(int(p.hash_ids.max()) for p in prompts) + 1
     requests = []
-    for index, p in enumerate(sorted(prompts, key=lambda p: p.arrival)):
+    for index, p in enumerate(prompts):
         prompt = np.repeat(p.hash_ids.astype(np.int32), block_tokens)[:p.input_length]
         output = np.full(p.output_length, min(first_output_id + index, _INT32_MAX),
                          dtype=np.int32)

@@ -172,26 +172,25 @@ def jsonl_objects(path: str | Path) -> Iterator[tuple[Any, int, str]]:
             yield obj, number, where
 
 
-def read_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a JSONL trace as written, sorted by arrival (stable: equal times keep file order)."""
-    requests = [parse_line(obj, where) for obj, _, where in jsonl_objects(path)]
+def arrival_order(requests: list, path: str | Path) -> list:
+    """A trace's requests sorted by arrival (stable: equal times keep file order); a trace
+    without any is an error."""
     if not requests:
         raise TraceError(f"{path}: the trace has no requests")
-    requests.sort(key=lambda r: r.arrival)
-    return requests
+    return sorted(requests, key=lambda r: r.arrival)
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a JSONL trace as written, sorted by arrival."""
+    return arrival_order([parse_line(obj, where) for obj, _, where in jsonl_objects(path)], path)
 
 
 def read_requests(path: str | Path, tokenizer: Any = None) -> list[ReplayRequest]:
-    """Read a JSONL trace into ``ReplayRequest``s ready to replay, sorted by arrival (stable). Token
-    ids go into int32 arrays and text is tokenized as each line is read; a text prompt without
-    a tokenizer is an error."""
-    vocab_size = len(tokenizer) if tokenizer is not None else DEFAULT_VOCAB_SIZE
-    requests = [to_request(parse_line(obj, where, arrays=True), tokenizer, vocab_size)
-                for obj, _, where in jsonl_objects(path)]
-    if not requests:
-        raise TraceError(f"{path}: the trace has no requests")
-    requests.sort(key=lambda r: r.arrival)
-    return requests
+    """Read a JSONL trace into ``ReplayRequest``s ready to replay, sorted by arrival. Token ids
+    go into int32 arrays and text is tokenized as each line is read; a text prompt without a
+    tokenizer is an error."""
+    lines = (parse_line(obj, where, arrays=True) for obj, _, where in jsonl_objects(path))
+    return arrival_order(load_requests(lines, tokenizer), path)
 
 
 def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> int:
@@ -255,10 +254,10 @@ def to_request(request: TraceRequest, tokenizer: Any = None,
     else:
         output = pseudo_output(request.id, request.output_len, vocab_size)
     return ReplayRequest(request.id, request.arrival, prompt_ids(request, tokenizer), output,
-                   request.namespace, request.session_id)
+                         request.namespace, request.session_id)
 
 
-def load_requests(trace: list[TraceRequest], tokenizer: Any = None) -> list[ReplayRequest]:
-    """Tokenize a trace read by ``read_trace`` for replay."""
+def load_requests(trace: Iterable[TraceRequest], tokenizer: Any = None) -> list[ReplayRequest]:
+    """Tokenize a trace read by ``read_trace`` (or its lines as they are read) for replay."""
     vocab_size = len(tokenizer) if tokenizer is not None else DEFAULT_VOCAB_SIZE
     return [to_request(r, tokenizer, vocab_size) for r in trace]
