@@ -71,20 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=WRITE_POLICIES,
                         help="when the host tier gets a copy, as serve's flag (default "
                              "write_back: when the device evicts it)")
-    disk = timing.add_mutually_exclusive_group()
-    disk.add_argument("--disk-cache-tokens", type=int,
-                      help="a disk tier of this many tokens, as serve's --disk-cache-dir "
-                           "(written through in whole blocks, loaded past the tree's match)")
-    disk.add_argument("--disk-cache-gb", type=float, metavar="G",
-                      help="the disk tier's size in GiB instead (needs --checkpoint or "
-                           "--kv-bytes-per-token)")
-    host = timing.add_mutually_exclusive_group()
-    host.add_argument("--host-cache-tokens", type=int,
-                      help="a host tier of this many tokens behind the cache, written through "
-                           "(hits split into device and host)")
-    host.add_argument("--host-cache-gb", type=float, metavar="G",
-                      help="the host tier's size in GiB instead (needs --checkpoint or "
-                           "--kv-bytes-per-token)")
+    for tier, tokens_help in (
+            ("disk", "a disk tier of this many tokens, as serve's --disk-cache-dir (written "
+                     "through in whole blocks, loaded past the tree's match)"),
+            ("host", "a host tier of this many tokens behind the cache, written through (hits "
+                     "split into device and host)")):
+        tier_size = timing.add_mutually_exclusive_group()
+        tier_size.add_argument(f"--{tier}-cache-tokens", type=int, help=tokens_help)
+        tier_size.add_argument(f"--{tier}-cache-gb", type=float, metavar="G",
+                               help=f"the {tier} tier's size in GiB instead (needs --checkpoint "
+                                    "or --kv-bytes-per-token)")
     kv = parser.add_argument_group(
         "cache sizes in bytes, and what an 8-bit KV cache buys (docs/profiler.md)")
     shape = kv.add_mutually_exclusive_group()
