@@ -182,24 +182,18 @@ def _parse_sweep(spec: str | None) -> list[int] | str | None:
     return sizes
 
 
-def _service(args: argparse.Namespace) -> Any:
-    """The offline replay's timing: serial unless rates or a live replay's timings are given."""
-    from engine.profiler.live import read_measured
-    from engine.profiler.replay import ServiceModel
-
-    measured = read_measured(args.durations) if args.durations else None
-    return ServiceModel(args.prefill_tps, args.decode_tps, measured, args.max_concurrency,
-                        head_wait=not args.no_head_wait)
-
-
 def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | None,
              progress: bool, kv: Any) -> Any:
     """Replay, print the report, write the files; returns the profile."""
-    from engine.profiler.replay import Tiers
+    from engine.profiler.live import read_measured
+    from engine.profiler.replay import ServiceModel, Tiers
     from engine.profiler.report import format_text, summarize, write_outputs
     from engine.profiler.simulate import run_profile, run_sweep, sweep_sizes
 
-    service = _service(args)
+    # Serial unless rates or a live replay's timings are given.
+    measured = read_measured(args.durations) if args.durations else None
+    service = ServiceModel(args.prefill_tps, args.decode_tps, measured, args.max_concurrency,
+                           head_wait=not args.no_head_wait)
     host_tokens, disk_tokens = _tier_tokens(args, kv, "host"), _tier_tokens(args, kv, "disk")
     tiers = Tiers(-(-(host_tokens or 0) // args.page_size), args.cache_write_policy,
                   disk_tokens or 0)
