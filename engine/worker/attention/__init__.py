@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Sequence
 
 import torch
 
@@ -60,41 +59,25 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype,
     return "flashinfer" if flashinfer_installed() else "torch"
 
 
-def make_backend(
-    name: str,
-    pool: KVPool,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    sliding_windows: Sequence[int | None],
-    decode_backend: str = "fa2",
-    graph_max_batch: int = 0,
-) -> AttentionBackend:
-    """The backend ``name`` resolves to; flashinfer's kernels are built and warmed up here
-    (``decode_backend``: its decode kernel on tensor cores; ``graph_max_batch``: the largest
-    CUDA-graph batch its workspace must hold; see engine/worker/attention/flashinfer.py)."""
-    shape = dict(
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        sliding_windows=sliding_windows,
-    )
-    resolved = resolve_backend(name, pool.device, pool.dtype, head_dim, pool.kv_dtype)
+def make_backend(name: str, pool: KVPool, *, decode_backend: str = "fa2",
+                 graph_max_batch: int = 0, **shape) -> AttentionBackend:
+    """The backend ``name`` resolves to, over ``pool``, of ``shape`` (``AttentionBackend``'s
+    num_heads, num_kv_heads, head_dim and sliding_windows); flashinfer's kernels are built and
+    warmed up here (``decode_backend``: its decode kernel on tensor cores; ``graph_max_batch``:
+    the largest CUDA-graph batch its workspace must hold; see
+    engine/worker/attention/flashinfer.py)."""
+    resolved = resolve_backend(name, pool.device, pool.dtype, shape["head_dim"], pool.kv_dtype)
     if resolved == "torch":
         return TorchNativeBackend(pool, **shape)
-    if name == "flashinfer":
-        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend,
-                                    graph_max_batch=graph_max_batch)
-        backend.warm_up()
-        return backend
-    # auto: a mismatched install fails at import with more than ImportError, a kernel that does
-    # not compile fails at its first plan or run; either way the torch backend serves instead.
     try:
-        backend = FlashInferBackend(pool, **shape, decode_backend=decode_backend,
-                                    graph_max_batch=graph_max_batch)
+        backend = FlashInferBackend(pool, decode_backend=decode_backend,
+                                    graph_max_batch=graph_max_batch, **shape)
         backend.warm_up()
     except Exception as exc:
+        if name == "flashinfer":
+            raise
+        # auto: a mismatched install fails at import with more than ImportError, a kernel that
+        # does not compile fails at its first plan or run; either way torch serves instead.
         logger.warning("attention backend auto: flashinfer failed to start (%s: %s); using torch",
                        type(exc).__name__, exc)
         return TorchNativeBackend(pool, **shape)

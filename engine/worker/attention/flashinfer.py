@@ -165,26 +165,12 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
 
-    def __init__(
-        self,
-        pool: KVPool,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sliding_windows: Sequence[int | None],
-        decode_backend: str = "fa2",
-        graph_max_batch: int = 0,
-    ) -> None:
-        """``graph_max_batch``: the largest batch CUDA graphs will be captured for (0: none),
-        which sizes the workspace."""
-        super().__init__(
-            pool,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            sliding_windows=sliding_windows,
-        )
+    def __init__(self, pool: KVPool, *, decode_backend: str = "fa2", graph_max_batch: int = 0,
+                 **shape) -> None:
+        """``shape``: ``AttentionBackend``'s; ``graph_max_batch``: the largest batch CUDA graphs
+        will be captured for (0: none), which sizes the workspace."""
+        super().__init__(pool, **shape)
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         if head_dim not in FLASHINFER_HEAD_DIMS:
             raise ValueError(
                 f"the flashinfer backend's kernels are built for head_dim "
@@ -212,7 +198,7 @@ class FlashInferBackend(AttentionBackend):
         logger.info("flashinfer: %.0f MiB workspace (%d query heads of %d, CUDA graphs up to "
                     "batch %d, %d SMs)", self.workspace_bytes / 2**20, num_heads, head_dim,
                     graph_max_batch, num_sms)
-        windows = set(sliding_windows)
+        windows = set(self.sliding_windows)
         self._decode = {w: self._decode_wrapper() for w in windows}
         self._prefill = {
             w: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
