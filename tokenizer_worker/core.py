@@ -60,11 +60,6 @@ class RequestState:
     reply_ids: list[int] = field(default_factory=list)  # a session turn's reply so far
     reply_text: list[str] = field(default_factory=list)
 
-    @property
-    def width(self) -> int:
-        p = self.req.params
-        return p.n
-
 
 class TokenizerWorker:
     """Pure message handling (no sockets), so tests can drive it directly.
@@ -198,7 +193,7 @@ class TokenizerWorker:
                 result.prompt_text, state.echo_pending = self._prompt_text(state), False
             result.result_at = msg.result_at
             outputs.append(result)
-            if state.finished >= state.width:
+            if state.finished >= state.req.params.n:
                 self.states.pop(out.rid, None)
         return outputs, aborts
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -99,14 +100,14 @@ class TokenizerLoop:
             polled = dict(self.poller.poll(timeout))
             for r, sub in enumerate(self.events):
                 if sub in polled:
-                    for _, sequence, payload in _drain_multipart(sub):
+                    for _, sequence, payload in _drain(sub.recv_multipart):
                         self.dispatcher.on_events(r, int.from_bytes(sequence, "big"), payload)
             for r, pull in enumerate(self.outputs):
                 if pull in polled:
-                    for data in _drain(pull):
+                    for data in _drain(pull.recv):
                         self.on_outputs(r, decode(data))
             if self.from_frontend in polled:
-                for data in _drain(self.from_frontend):
+                for data in _drain(self.from_frontend.recv):
                     if not self.on_frontend(decode(data)):
                         return
             now = time.monotonic()
@@ -138,8 +139,8 @@ class TokenizerLoop:
         if isinstance(msg, GenerateRequest):
             reply = self.worker.on_request(msg)
             if isinstance(reply, TokenizedRequest):
-                reply = self._dispatch(reply)
-            if reply is not None:
+                self._dispatch(reply)
+            else:
                 self.to_frontend.send(encode(reply))
         elif isinstance(msg, AbortRequest):
             self.worker.on_abort(msg)
@@ -160,9 +161,7 @@ class TokenizerLoop:
         elif isinstance(msg, ReplicaDown):
             lost, again = self.dispatcher.replica_down(msg.replica)
             for req in again:
-                reply = self._dispatch(req)
-                if reply is not None:
-                    self.to_frontend.send(encode(reply))
+                self._dispatch(req)
             for rid in lost:
                 self.worker.states.pop(rid, None)
                 self.to_frontend.send(encode(RequestOutput(
@@ -173,35 +172,29 @@ class TokenizerLoop:
             return False
         return True
 
-    def _dispatch(self, req: TokenizedRequest) -> RequestOutput | None:
-        """Send a tokenized request to its replica; the error to answer with if none serves."""
+    def _dispatch(self, req: TokenizedRequest) -> None:
+        """Send a tokenized request to its replica, or its error to the frontend if none serves."""
         try:
             replica, reopen = self.dispatcher.route(req)
         except NoReplica as exc:
             self.worker.states.pop(req.rid, None)
-            return RequestOutput(rid=req.rid, finish_reason="error", status=503, error=str(exc))
+            self.to_frontend.send(encode(RequestOutput(rid=req.rid, finish_reason="error",
+                                                       status=503, error=str(exc))))
+            return
         if reopen is not None:
             self._to_replica(replica, SessionOpen(req.session_id, reopen))
         self._to_replica(replica, req)
-        return None
 
     def _to_replica(self, replica: int, msg: object) -> None:
         if self.dispatcher.is_alive(replica):  # a dead replica's socket would only queue
             self.schedulers[replica].send(encode(msg))
 
 
-def _drain(sock: zmq.Socket):
+def _drain(recv: Callable[[int], object]) -> Iterator:
+    """What ``recv`` (a socket's recv or recv_multipart) has waiting, without blocking."""
     while True:
         try:
-            yield sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-
-
-def _drain_multipart(sock: zmq.Socket):
-    while True:
-        try:
-            yield sock.recv_multipart(zmq.NOBLOCK)
+            yield recv(zmq.NOBLOCK)
         except zmq.Again:
             return
 
