@@ -44,7 +44,6 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None  # None for plain RoPE; else the normalised parameters
     sliding_windows: tuple[int | None, ...]  # per layer: attend to the last W positions only
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
 
     @property
     def num_params(self) -> int:
@@ -117,7 +116,6 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             sliding_windows=_sliding_windows(raw, architecture, num_layers),
             eos_token_ids=tuple(dict.fromkeys(eos)),
-            bos_token_id=raw.get("bos_token_id"),
         )
 
 
