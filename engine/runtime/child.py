@@ -5,6 +5,7 @@ before exiting non-zero."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import os
 import signal
@@ -33,20 +34,13 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def _role(name: str):
-    if name == "worker":
-        from engine.worker import process
-        return process.run
-    if name == "tp_worker":
-        from engine.worker import tp_rank
-        return tp_rank.run
-    if name == "scheduler":
-        from scheduler import process
-        return process.run
-    if name == "tokenizer":
-        from tokenizer_worker import process
-        return process.run
-    raise ValueError(f"unknown role {name!r}")
+# Each role's module (its ``run(spec, ctx)``), imported only in the child that plays it.
+ROLES = {
+    "worker": "engine.worker.process",
+    "tp_worker": "engine.worker.tp_rank",
+    "scheduler": "scheduler.process",
+    "tokenizer": "tokenizer_worker.process",
+}
 
 
 def main() -> int:
@@ -62,7 +56,7 @@ def main() -> int:
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
-        _role(spec.role)(spec, ctx)
+        importlib.import_module(ROLES[spec.role]).run(spec, ctx)
         return 0
     except Exception:
         text = traceback.format_exc()

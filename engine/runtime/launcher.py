@@ -174,10 +174,6 @@ class Launcher:
         self._lock = threading.Lock()
         self._ended = threading.Event()  # the group is dead
 
-    @property
-    def pids(self) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self.children.items()}
-
     def start(self, timeout: float = 600.0) -> ModelInfo:
         control = self.ctx.socket(zmq.PULL)
         control.bind(self.endpoints.control)
@@ -326,11 +322,7 @@ class Launcher:
                 proc.send_signal(signal.SIGUSR1)  # children ignore SIGTERM (see engine/runtime/child.py)
         deadline = time.monotonic() + grace
         for proc in self.children.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _reap(proc, max(0.0, deadline - time.monotonic()))
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         with self._lock:
             owner_lock, self._owner_lock = self._owner_lock, -1
@@ -352,6 +344,7 @@ def _replica_of(name: str) -> int | None:
 
 
 def _reap(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Wait ``grace`` seconds for ``proc`` to exit, then kill it."""
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
