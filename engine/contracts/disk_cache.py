@@ -33,6 +33,7 @@ unwritable directory at start, with a sentence.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -124,12 +125,7 @@ class DiskStore:
 
     def present(self, names: Iterable[str]) -> int:
         """How many of ``names``, from the first, are stored one after another."""
-        count = 0
-        for name in names:
-            if not self.contains(name):
-                break
-            count += 1
-        return count
+        return sum(1 for _ in itertools.takewhile(self.contains, names))
 
     # ----------------------------------------------------------------- writing
     def write(self, name: str, tokens: int, payload: bytes | memoryview) -> bool:
@@ -248,18 +244,11 @@ class DiskStore:
     def trim(self, target: float) -> None:
         """Remove the least recently used files until the store holds at most ``target`` bytes
         (every process's files count: the directory is read, not this process's records)."""
-        files = []
         try:
-            for sub in os.scandir(self.dir):
-                if sub.is_dir():
-                    for entry in os.scandir(sub.path):
-                        if entry.name.endswith(".kv"):
-                            st = entry.stat()
-                            files.append((st.st_mtime_ns, st.st_size, entry.path))
+            files = sorted((e.stat().st_mtime_ns, e.stat().st_size, e.path) for e in self._files())
         except FileNotFoundError:
             self._turn_off("its directory is gone")
             return
-        files.sort()
         total = sum(size for _, size, _ in files)
         for _, size, path in files:
             if total <= target:
@@ -273,10 +262,9 @@ class DiskStore:
             self.used = total
 
     def _scan_bytes(self) -> int:
-        total = 0
-        for sub in os.scandir(self.dir):
-            if sub.is_dir():
-                total += sum(e.stat().st_size for e in os.scandir(sub.path)
-                             if e.name.endswith(".kv"))
-        return total
+        return sum(e.stat().st_size for e in self._files())
 
+    def _files(self) -> list[os.DirEntry]:
+        """Every block file of the store, every process's (a DirEntry caches its stat)."""
+        return [entry for sub in os.scandir(self.dir) if sub.is_dir()
+                for entry in os.scandir(sub.path) if entry.name.endswith(".kv")]
