@@ -249,46 +249,41 @@ class TorchNativeBackend(AttentionBackend):
         return out.view(g.num_seqs, g.kv_len, self.num_kv_heads, self.head_dim)
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
-        num_kv, head_dim = self.num_kv_heads, self.head_dim
         k_pages, v_pages = self.pool.layer(layer)
         if g.paged is not None and g.cascade is None:
             out, _ = self._paged_decode(q.contiguous(), k_pages, v_pages, *g.paged,
                                         self.sliding_windows[layer] or 0, self.scale)
             return out
+        if g.pad_index is not None:
+            padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
+            q = padded.index_copy_(0, g.pad_index, q)
         if g.cascade is not None:
-            if g.pad_index is not None:
-                padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
-                q = padded.index_copy_(0, g.pad_index, q)
             out = attend_cascade(q.view(g.num_seqs, g.max_extend, *q.shape[1:]), k_pages,
                                  v_pages, g.cascade, self.scale, self._paged_decode,
-                                 self.pool.kv_dtype).view(-1, *q.shape[1:])
-            return out if g.pad_index is None else out.index_select(0, g.pad_index)
-        k = self._gather(0, k_pages, g)
-        v = self._gather(1, v_pages, g)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+                                 self.pool.kv_dtype).view(q.shape)
+        else:
+            out = self._attend_gathered(layer, q, g, k_pages, v_pages)
+        return out if g.pad_index is None else out.index_select(0, g.pad_index)
+
+    def _attend_gathered(self, layer: int, q: torch.Tensor, g: _Group, k_pages: torch.Tensor,
+                         v_pages: torch.Tensor) -> torch.Tensor:
+        """SDPA over the group's pages gathered dense; ``q`` padded to [B * max_extend, ...]."""
+        num_kv, head_dim = self.num_kv_heads, self.head_dim
+        k = self._gather(0, k_pages, g).transpose(1, 2)
+        v = self._gather(1, v_pages, g).transpose(1, 2)
         mask = g.masks.get(self.sliding_windows[layer])
         if g.max_extend == 1:
             # [B, H, D] -> [B, kv_heads, group, D]: heads h = kv * group + i share KV head kv.
             q4 = q.view(g.num_seqs, num_kv, -1, head_dim)
             out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=self.scale)
             return out.reshape(q.shape)
-        if g.pad_index is not None:
-            padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])
-            q = padded.index_copy_(0, g.pad_index, q)
         q4 = q.view(g.num_seqs, g.max_extend, self.num_heads, head_dim).transpose(1, 2)
         group = self.num_heads // num_kv
         if group > 1 and self.device.type == "cuda":
             # CUDA's memory-efficient SDPA takes a mask but not enable_gqa; the math fallback
             # would hold [B, heads, extend, kv_len] scores in memory.
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q4,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=k.shape[1] != self.num_heads,
-        )
-        out = out.transpose(1, 2).reshape(-1, self.num_heads, head_dim)
-        return out if g.pad_index is None else out.index_select(0, g.pad_index)
+        out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.scale,
+                                             enable_gqa=k.shape[1] != self.num_heads)
+        return out.transpose(1, 2).reshape(q.shape)
