@@ -81,23 +81,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise InvalidParam(name, f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise InvalidParam("seed", f"seed must be in [0, 2**64), got {show_int(self.seed)}")
-        if not 1 <= self.n <= 128:
-            raise InvalidParam("n", f"n must be between 1 and 128, got {show_int(self.n)}")
-        if not 1 <= self.beam_width <= 32:
-            raise InvalidParam("beam_width", f"beam_width must be between 1 and 32, got "
-                               f"{show_int(self.beam_width)}")
+        for name, low, high in (("n", 1, 128), ("beam_width", 1, 32), ("logprobs", 0, 20),
+                                ("prompt_logprobs", 0, 20)):
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise InvalidParam(name, f"{name} must be between {low} and {high}, got "
+                                   f"{show_int(value)}")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise InvalidParam("n", f"n ({self.n}) cannot exceed beam_width ({self.beam_width})")
         if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
             raise InvalidParam("length_penalty", f"length_penalty must be in "
                                f"[-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got "
                                f"{self.length_penalty}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise InvalidParam("logprobs", f"logprobs must be between 0 and 20, got "
-                               f"{show_int(self.logprobs)}")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
-            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be between 0 and 20, "
-                               f"got {show_int(self.prompt_logprobs)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
                                f"got {len(self.stop):,}")
