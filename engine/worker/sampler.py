@@ -70,28 +70,17 @@ def _to_host(parts: list[torch.Tensor]) -> np.ndarray:
     return torch.cat([part.reshape(-1) for part in parts]).cpu().numpy()
 
 
-def _row_index_and_ids(
-    id_arrays: list[np.ndarray], row_numbers: list[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate ragged id arrays into (row index, token id) tensors on ``device``."""
-    lengths = np.array([len(ids) for ids in id_arrays], dtype=np.int64)
-    rows = np.repeat(np.asarray(row_numbers, dtype=np.int64), lengths)
-    ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in id_arrays])
-    rows_and_ids = to_device(np.stack([rows, ids]), device)
-    return rows_and_ids[0], rows_and_ids[1]
-
-
-def _token_counts(
-    id_arrays: list[np.ndarray],
-    row_numbers: list[int],
-    shape: tuple[int, int],
-    device: torch.device,
-) -> torch.Tensor:
+def _token_counts(ids_by_row: dict[int, np.ndarray], shape: tuple[int, int],
+                  device: torch.device) -> torch.Tensor:
     """[B, V] float32 counts of each token in the given rows' ids (zero for other rows)."""
     counts = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)
-    if row_numbers:
-        rows, ids = _row_index_and_ids(id_arrays, row_numbers, device)
-        counts.scatter_add_(0, rows * shape[1] + ids, torch.ones_like(ids, dtype=torch.float32))
+    if ids_by_row:
+        lengths = [len(ids) for ids in ids_by_row.values()]
+        rows = np.repeat(np.fromiter(ids_by_row, dtype=np.int64), lengths)
+        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in ids_by_row.values()])
+        rows_t, ids_t = to_device(np.stack([rows, ids]), device)
+        counts.scatter_add_(0, rows_t * shape[1] + ids_t,
+                            torch.ones_like(ids_t, dtype=torch.float32))
     return counts.view(shape)
 
 
@@ -106,33 +95,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     logits = logits.float()
     device, shape = logits.device, tuple(logits.shape)
     repetition = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    additive = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
-    ]
+    additive = [i for i, r in enumerate(rows)
+                if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
     if not repetition and not additive:
         return logits
     output_rows = sorted(set(repetition) | set(additive))
-    output_counts = _token_counts(
-        [rows[i].output_ids for i in output_rows], output_rows, shape, device
-    )
-    penalties = to_device(
-        np.array(
-            [
-                [r.params.repetition_penalty for r in rows],
-                [r.params.frequency_penalty for r in rows],
-                [r.params.presence_penalty for r in rows],
-            ],
-            dtype=np.float32,
-        ),
-        device,
-    )
+    output_counts = _token_counts({i: rows[i].output_ids for i in output_rows}, shape, device)
+    penalties = to_device(np.array([[r.params.repetition_penalty for r in rows],
+                                    [r.params.frequency_penalty for r in rows],
+                                    [r.params.presence_penalty for r in rows]], dtype=np.float32),
+                          device)
     logits = logits.clone()
     if repetition:
-        prompt_counts = _token_counts(
-            [rows[i].prompt_ids for i in repetition], repetition, shape, device
-        )
+        prompt_counts = _token_counts({i: rows[i].prompt_ids for i in repetition}, shape, device)
         seen = (prompt_counts > 0) | (output_counts > 0)
         penalty = penalties[0].unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -144,9 +119,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     return logits
 
 
-def apply_filters(
-    logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray
-) -> torch.Tensor:
+def apply_filters(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray) -> torch.Tensor:
     """Set every token outside a row's top-k / top-p / min-p set to -inf.
 
     ``logits`` [B, V] (already temperature-scaled); per-row ``top_k`` (<= 0: off), ``top_p``
@@ -204,9 +178,8 @@ def _seeded_generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device)
 
 
-def _exponential_noise(
-    rows: list[RowState], vocab_size: int, device: torch.device
-) -> torch.Tensor:
+def _exponential_noise(rows: list[RowState], vocab_size: int,
+                       device: torch.device) -> torch.Tensor:
     """[len(rows), V] Exp(1) draws: per-(seed, step) generators for seeded rows, else global."""
     noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
@@ -232,12 +205,9 @@ def _sample_random(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     logits = logits / to_device(temperature, device).unsqueeze(1)
     # Decided on the host: the sort behind the filters is the costliest op here, skip it if unused.
     if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
-        logits = apply_filters(
-            logits,
-            np.array([r.params.top_k for r in rows]),
-            np.array([r.params.top_p for r in rows]),
-            np.array([r.params.min_p for r in rows]),
-        )
+        logits = apply_filters(logits, np.array([r.params.top_k for r in rows]),
+                               np.array([r.params.top_p for r in rows]),
+                               np.array([r.params.min_p for r in rows]))
     probs = logits.softmax(dim=-1)
     return (probs / _exponential_noise(rows, logits.shape[-1], device)).argmax(dim=-1)
 
@@ -274,9 +244,8 @@ def sample(logits: torch.Tensor, rows: list[RowState],
         values, indices = raw_logprobs.topk(top_n, dim=-1)
         parts += [indices.to(torch.int32), values.view(torch.int32)]
     num_rows = len(rows)
-    ids, chosen_bits, top_ids, top_bits = np.split(
-        _to_host(parts), np.cumsum([num_rows, num_rows, num_rows * top_n])
-    )
+    ends = np.cumsum([num_rows, num_rows, num_rows * top_n])
+    ids, chosen_bits, top_ids, top_bits = np.split(_to_host(parts), ends)
     return SampleOutput(
         token_ids=ids,
         logprobs=chosen_bits.view(np.float32),
