@@ -117,14 +117,6 @@ class RadixTree(Tiering):
         return len(self._roots)
 
     @property
-    def num_free_pages(self) -> int:
-        return self.allocator.num_free_pages
-
-    @property
-    def num_evictable_pages(self) -> int:
-        return self.allocator.num_evictable_pages
-
-    @property
     def num_available_pages(self) -> int:
         """Pages an allocation could get now: free ones plus those eviction would free."""
         return self.allocator.num_free_pages + self.allocator.num_evictable_pages

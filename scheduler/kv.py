@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.contracts.protocol import HostLoad, pack_ids
-from radix import Lease, OutOfPages, PageCopy, RadixTree
+from radix import Lease, PageCopy, RadixTree
 from scheduler.disk import DiskTier
 from scheduler.loads import Pending, PendingLoads
 from scheduler.request import Seq
@@ -265,6 +265,3 @@ class SeqMemory:
         self.tree.check(refs)
         held = sum(len(s.host_pages) for s in seqs)
         assert held + len(self.host_free) == self.num_host_pages, "host pages leaked"
-
-
-__all__ = ["OutOfPages", "SeqMemory", "StepWork"]
