@@ -197,21 +197,16 @@ class StepPlanner:
             return req.params.n
         return 1
 
-    def _reserved_pages(self) -> int:
-        """Pages running requests are expected to still need (a decaying estimate, all of it
-        for beams, which others never preempt)."""
-        return sum(self._request_reserve(req) for req in self.running)
-
     def _admit_waiting(self, entries: list[Entry], work: StepWork, budget: int) -> Request | None:
         """Admit waiting requests by policy; returns the one that stopped admission, if any."""
         num_running = sum(len(r.live_seqs()) for r in self.running)
-        reserved = self._reserved_pages()
+        reserved = sum(self._request_reserve(r) for r in self.running)
         # A request whose head (first SHARED_HEAD prompt tokens) another request is prefilling
         # right now waits: once that prefill is in the tree it hits all of it, instead of
         # computing its own copy of the rest (and holding private pages for it).
         busy_heads = {self._head(r) for r in self.running
                       if (r.seqs[0].computed < r.prompt_len or r.seqs[0].prefills_in_flight)
-                      and self._long_uncached(r, r.cached_tokens)}
+                      and long_uncached(r.prompt_len, r.cached_tokens)}
         busy_heads.discard(None)
         # A session's next turn waits while its previous turn's closing step runs: the history
         # reaches the tree when that step comes back (only a look-ahead plan can see both).
@@ -225,14 +220,14 @@ class StepPlanner:
             if req.session_id in closing:
                 continue
             head = self._head(req)
-            if head is not None and head in busy_heads and self._long_uncached(
-                    req, self.tree.peek_prefix(req.seqs[0].tokens, req.namespace)):
+            if head is not None and head in busy_heads and long_uncached(
+                    req.prompt_len, self.tree.peek_prefix(req.seqs[0].tokens, req.namespace)):
                 continue
             admitted = self._admit(req, seqs, work, budget, reserved)
             if admitted is None:
                 return req
             entries.extend(admitted)
-            if head is not None and self._long_uncached(req, req.cached_tokens):
+            if head is not None and long_uncached(req.prompt_len, req.cached_tokens):
                 busy_heads.add(head)
             budget -= sum(e.extend for e in admitted)
             num_running += width
@@ -247,10 +242,6 @@ class StepPlanner:
             return None  # it computes its whole prompt: waiting for a shared head gains nothing
         return shared_head(req.seqs[0].tokens, req.namespace, req.prompt_len)
 
-    @staticmethod
-    def _long_uncached(req: Request, cached: int) -> bool:
-        return long_uncached(req.prompt_len, cached)
-
     def _request_reserve(self, req: Request) -> int:
         """Pages ``req`` is expected to still need: every sequence it has or will fork into
         (``n`` samples, ``beam_width`` beams) grows to ``max_tokens``, and each fork first
@@ -259,8 +250,7 @@ class StepPlanner:
         params, page_size = req.params, self.info.page_size
         width = max(params.n, params.beam_width)
         if req.forked:
-            lefts = [params.max_tokens - s.num_outputs for s in req.live_seqs()]
-            forks = 0
+            lefts, forks = [params.max_tokens - s.num_outputs for s in req.live_seqs()], 0
         else:
             lefts, forks = [params.max_tokens] * width, width - 1
         return int(ratio * sum(lefts) / page_size) + forks

@@ -27,10 +27,6 @@ class Pin:
     lease: Lease  # holds the lock, no pages
     expires: float
 
-    @property
-    def num_tokens(self) -> int:
-        return self.lease.length
-
 
 class SessionPins:
     def __init__(self, tree: RadixTree, max_pinned_tokens: int) -> None:
@@ -74,7 +70,7 @@ class SessionPins:
         if pin is None:
             return False
         pin.lease.unlock()
-        self.pinned_tokens -= pin.num_tokens
+        self.pinned_tokens -= pin.lease.length
         return True
 
     def unpin_oldest(self) -> bool:
