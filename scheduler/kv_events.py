@@ -82,13 +82,12 @@ class BlockEvents:
         if not blocks:
             return
         tokens = np.frombuffer(key, dtype=np.int32, count=blocks.stop * self.block_size)
-        hashes = chain_hashes(namespace, tokens, self.block_size)
-        self._stored(hashes, tokens, blocks.start, namespace, MEDIUM)
+        self._stored(tokens, blocks.start, namespace, MEDIUM)
 
-    def _stored(self, hashes: list[int], tokens: np.ndarray, first: int, namespace: Hashable,
-                medium: str) -> None:
-        """Blocks ``first`` on of a path (its ``hashes`` and ``tokens`` from position 0)."""
+    def _stored(self, tokens: np.ndarray, first: int, namespace: Hashable, medium: str) -> None:
+        """Blocks ``first`` on of a path (its ``tokens`` from position 0)."""
         size = self.block_size
+        hashes = chain_hashes(namespace, tokens, size)
         extra = None
         if namespace is not None:
             extra = [(str(namespace),) if k == 0 else None for k in range(first, len(hashes))]
@@ -114,9 +113,7 @@ class BlockEvents:
             return
         blocks = self._blocks(node.start, node.end)
         if blocks:
-            tokens = self._path_tokens(node, blocks.stop)
-            hashes = chain_hashes(namespace, tokens, self.block_size)
-            self._stored(hashes, tokens, blocks.start, namespace, medium)
+            self._stored(self._path_tokens(node, blocks.stop), blocks.start, namespace, medium)
 
     @staticmethod
     def _root(node: Node) -> Node:

@@ -141,13 +141,11 @@ class Scheduler:
             # A request must never take the scheduler (and every other request) down.
             logger.exception("checking request %s failed", req.rid)
             error = 500, "the server failed to admit this request; its log has the details"
+        if error is None and req.rid in self.requests:
+            error = 400, f"request id {req.rid!r} is already in use"
         if error is not None:
             status, text = error
             self.outputs.emit(req, 0, [], finish_reason="error", error=text, status=status)
-            return
-        if req.rid in self.requests:
-            self.outputs.emit(req, 0, [], finish_reason="error", status=400,
-                              error=f"request id {req.rid!r} is already in use")
             return
         req.seqs.append(Seq(req, 0, prompt.tolist()))
         self.requests[req.rid] = req
@@ -235,21 +233,20 @@ class Scheduler:
         self.grammar_forced_tokens += sum(map(len, rows.forced.values()))
         self.grammar_mask_seconds += result.mask_seconds
         self.transfer_seconds += result.transfer_seconds
-        row = 0
+        next_row = 0  # an entry's logits rows follow the previous entry's
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
         for entry in entries:
-            seq = entry.seq
+            seq, row = entry.seq, next_row
+            next_row += entry.samples
             self.mem.copies_done(seq)
             seq.prefills_in_flight -= entry.extend > 1 and not entry.drafts
             if seq.status is not Status.RUNNING:
-                row += entry.samples
                 continue
             seq.settled = entry.end
             if seq.closing and entry.samples:
                 # A session turn that ended in the step before this one: this step computed its
                 # last token's KV (its sample is dropped), so the turn is cached to its end.
                 self._finish(seq, seq.finish_reason)
-                row += entry.samples
                 continue
             if entry.drafts:
                 # Verification: the accepted drafts' KV is kept, the rest rolls back.
@@ -260,7 +257,6 @@ class Scheduler:
                 self._append(seq, sampled[:kept].tolist(), rows, row)
                 if seq.status is Status.RUNNING:  # a stop inside the drafts ends the tokens
                     seq.computed = seq.settled = min(seq.computed, len(seq.tokens) - 1)
-                row += entry.samples
                 continue
             if entry.extend > 1:
                 self.mem.commit(seq, entry.end)
@@ -275,7 +271,6 @@ class Scheduler:
             else:
                 self._append(seq, rows.after(row), rows, row, entry.token_index)
                 self._grammar_ended(seq, row in rows.grammar_ended)
-            row += entry.samples
         for beams in beam_rows.values():
             try:
                 self._beam_step(beams, rows)
