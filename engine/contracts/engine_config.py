@@ -231,7 +231,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              "--dp-size > 1 the replicas publish to the dispatcher instead "
                              "(run one radixserve serve per engine behind a gateway to use it)")
 
-
     def _validate_tp(self) -> None:
         if self.tp_size % self.nnodes:
             raise ValueError(f"--nnodes must divide --tp-size ({self.tp_size}): each machine "

@@ -46,15 +46,14 @@ def declared_options(struct: type[msgspec.Struct]) -> list[Option]:
     options = []
     for field in inspect.type_info(struct).fields:
         kind, optional, described = field.type, False, {}
-        if isinstance(kind, inspect.Metadata):
-            described = {**(kind.extra_json_schema or {}), **(kind.extra or {})}
-            kind = kind.type
-        if isinstance(kind, inspect.UnionType):
-            optional = any(isinstance(t, inspect.NoneType) for t in kind.types)
-            (kind,) = [t for t in kind.types if not isinstance(t, inspect.NoneType)]
-        if isinstance(kind, inspect.Metadata):
-            described = {**described, **(kind.extra_json_schema or {}), **(kind.extra or {})}
-            kind = kind.type
+        # Annotated[T, Meta] | None nests either way round: unwrap both layers
+        while isinstance(kind, (inspect.Metadata, inspect.UnionType)):
+            if isinstance(kind, inspect.UnionType):
+                optional = any(isinstance(t, inspect.NoneType) for t in kind.types)
+                (kind,) = [t for t in kind.types if not isinstance(t, inspect.NoneType)]
+            else:
+                described = {**described, **(kind.extra_json_schema or {}), **(kind.extra or {})}
+                kind = kind.type
         choices = None
         if isinstance(kind, inspect.LiteralType):
             choices = tuple(kind.values)
