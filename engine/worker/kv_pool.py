@@ -41,19 +41,9 @@ from engine.worker.staging import to_device, to_device_many
 
 
 class KVPool:
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        num_pages: int,
-        page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        num_host_pages: int = 0,
-        kv_dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 num_host_pages: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_host_pages = num_host_pages
         self.device = torch.device(device)
@@ -67,30 +57,19 @@ class KVPool:
         page = (page_size, num_kv_heads, row)
         stored = storage_dtype(self.kv_dtype)
         self.kv = _zeros((num_layers, 2, num_pages, *page), stored, self.device)
-        self.host = _zeros(
-            (num_layers, 2, num_host_pages, *page),
-            stored,
-            torch.device("cpu"),
-            pin=self.device.type == "cuda" and num_host_pages > 0,
-        )
-        # Per-layer slot-major views [num_pages * page_size, heads, row] for token writes.
-        self._slot_views = [
-            (
-                self.kv[i, 0].view(-1, num_kv_heads, row),
-                self.kv[i, 1].view(-1, num_kv_heads, row),
-            )
-            for i in range(num_layers)
-        ]
+        self.host = _zeros((num_layers, 2, num_host_pages, *page), stored, torch.device("cpu"),
+                           pin=self.device.type == "cuda" and num_host_pages > 0)
         # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, row].
         self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, row)
+        # Per layer, (K, V) slot-major views [num_pages * page_size, heads, row] for token writes.
+        self._slot_views = [(k_slots, v_slots) for k_slots, v_slots in self._all_slots]
         # CUDA swaps: a flat pinned buffer and the event after the last copy that used it.
         self._staging = torch.empty(0, dtype=stored)
         self._staging_used = torch.cuda.Event() if self.device.type == "cuda" else None
 
     @staticmethod
-    def bytes_per_page(
-        *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
+    def bytes_per_page(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
         """Bytes of one page in every layer, K and V, for a pool storing ``dtype`` (int8: with
         its scales)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -182,9 +161,8 @@ class KVPool:
         return self._staging[:numel].view(shape)
 
 
-def _zeros(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool = False
-) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           pin: bool = False) -> torch.Tensor:
     if device.type != "cpu" or pin or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     # numpy's zeros is calloc: the OS hands out zero pages on first touch, so a large CPU pool

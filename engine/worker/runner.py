@@ -49,15 +49,9 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 # 43.9 ms on one thread, 28.7 on two).
 SMALL_MODEL_BYTES = 32 << 20
 SMALL_STEP_FLOPS = 1e9
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -110,15 +104,10 @@ class ModelRunner:
         self._load_model(config)
         self._make_pool(config)
         self.attention = make_backend(
-            config.attention_backend,
-            self.pool,
-            num_heads=self.model.plan.num_heads,
-            num_kv_heads=self.model.plan.num_kv_heads,
-            head_dim=self.config.head_dim,
+            config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
+            num_kv_heads=self.model.plan.num_kv_heads, head_dim=self.config.head_dim,
             sliding_windows=self.config.sliding_windows,
-            decode_backend=config.flashinfer_decode_backend,
-            graph_max_batch=self.graph_max_batch,
-        )
+            decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch)
         self.attention_backend = self.attention.name
         self.staging = HostStaging(self.device)
         self.transfer_seconds = 0.0  # the last forward's swaps, write-downs and loads
@@ -168,16 +157,10 @@ class ModelRunner:
         # padding rows write and read it, and nothing else does.
         self.scratch_page = self.num_pages if self.graph_max_batch > 0 else None
         self.pool = KVPool(
-            num_layers=mc.num_layers,
-            num_pages=self.num_pages + (self.scratch_page is not None),
-            page_size=c.page_size,
-            num_kv_heads=plan.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            num_host_pages=c.num_host_pages + self.num_host_cache_pages,
-            kv_dtype=self.kv_dtype,
-        )
+            num_layers=mc.num_layers, num_pages=self.num_pages + (self.scratch_page is not None),
+            page_size=c.page_size, num_kv_heads=plan.num_kv_heads, head_dim=mc.head_dim,
+            dtype=self.dtype, device=self.device,
+            num_host_pages=c.num_host_pages + self.num_host_cache_pages, kv_dtype=self.kv_dtype)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode graphs up to ``graph_max_batch``, or None (with the reason logged) where
@@ -220,9 +203,8 @@ class ModelRunner:
             return "not captured under tensor parallel"
         return None
 
-    def _size_pool(
-        self, page_bytes: int, num_pages: int | None, kv_cache_gb: float | None, mem_fraction: float
-    ) -> tuple[int, str]:
+    def _size_pool(self, page_bytes: int, num_pages: int | None, kv_cache_gb: float | None,
+                   mem_fraction: float) -> tuple[int, str]:
         if num_pages is not None:
             chosen, how = num_pages, "num_pages"
         elif kv_cache_gb is not None:
@@ -231,17 +213,13 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             # mem_fraction bounds weights + KV together; what is left stays for activations.
             budget = free - int(total * (1.0 - mem_fraction))
-            chosen, how = (
-                max(budget, 0) // page_bytes,
-                f"mem_fraction={mem_fraction} of device memory",
-            )
+            chosen = max(budget, 0) // page_bytes
+            how = f"mem_fraction={mem_fraction} of device memory"
         else:
             chosen, how = _CPU_DEFAULT_KV_BYTES // page_bytes, "CPU default of 1 GiB"
         if chosen < 1:
-            raise ValueError(
-                f"the KV cache gets no pages ({how}, {page_bytes} bytes per page); "
-                "give num_pages, a larger kv_cache_gb or a larger mem_fraction"
-            )
+            raise ValueError(f"the KV cache gets no pages ({how}, {page_bytes} bytes per page); "
+                             "give num_pages, a larger kv_cache_gb or a larger mem_fraction")
         return chosen, how
 
     def check(self, batch: BatchInput) -> None:
@@ -252,10 +230,8 @@ class ModelRunner:
             return  # page moves only
         longest = int(batch.seq_lens.max())
         if longest > self.config.max_context_len:
-            raise ValueError(
-                f"a sequence reaches {longest} tokens but the model's context is "
-                f"{self.config.max_context_len}"
-            )
+            raise ValueError(f"a sequence reaches {longest} tokens but the model's context is "
+                             f"{self.config.max_context_len}")
         if self.tp is not None and len(batch.input_ids) and not (
                 0 <= int(batch.input_ids.min()) and int(batch.input_ids.max())
                 < self.config.vocab_size):

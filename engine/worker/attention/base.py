@@ -37,15 +37,8 @@ class AttentionBackend(ABC):
     name: str
     supports_cuda_graph = False
 
-    def __init__(
-        self,
-        pool: KVPool,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sliding_windows: Sequence[int | None],
-    ) -> None:
+    def __init__(self, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_windows: Sequence[int | None]) -> None:
         self.pool = pool
         self.device = pool.device
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -81,9 +74,8 @@ class AttentionBackend(ABC):
         (FlashInfer's page-index buffer bounds the pages a step may list)."""
         return True
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> torch.Tensor:
         self.pool.write(layer, self._out_slots, k, v)
         return self._attend(layer, q)
 

@@ -152,16 +152,9 @@ class TorchNativeBackend(AttentionBackend):
         staged = dict(zip(arrays, to_device_many(list(arrays.values()), device), strict=True))
         masks = {} if cascade is not None else self._masks(
             staged["query_pos"].view(num_seqs, max_extend, 1), kv_len, max_extend, from_zero)
-        return _Group(
-            rows=staged.get("rows"),
-            pad_index=staged.get("pad_index"),
-            page_table=staged["page_table"],
-            num_seqs=num_seqs,
-            max_extend=max_extend,
-            kv_len=kv_len,
-            masks=masks,
-            cascade=cascade,
-        )
+        return _Group(rows=staged.get("rows"), pad_index=staged.get("pad_index"),
+                      page_table=staged["page_table"], num_seqs=num_seqs, max_extend=max_extend,
+                      kv_len=kv_len, masks=masks, cascade=cascade)
 
     def _plan_paged(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group:
         """A decode group for the compiled kernel: its sequences' page lists as int32 CSR."""
@@ -239,8 +232,8 @@ class TorchNativeBackend(AttentionBackend):
         need = len(g.page_table) * per_page
         buf = self._gather_buffers[which]
         if buf is None or buf.numel() < need:
-            buf = self._gather_buffers[which] = torch.empty(need + need // 4, dtype=self.pool.dtype,
-                                               device=pages.device)
+            buf = torch.empty(need + need // 4, dtype=self.pool.dtype, device=pages.device)
+            self._gather_buffers[which] = buf
         out = buf[:need].view(len(g.page_table), *pages.shape[1:-1], self.head_dim)
         if self.pool.encoded:
             out.copy_(decode(pages.index_select(0, g.page_table), self.pool.kv_dtype, out.dtype))
