@@ -51,7 +51,7 @@ def test_false_start_is_released() -> None:
     checker = StopChecker(["\nUser:"])
     assert checker.feed("a\nUs") == ("a", False)
     assert checker.feed("ually") == ("\nUsually", False)
-    assert not checker.stopped
+    assert checker.matched is None
 
 
 def test_include_stop_keeps_the_stop_string() -> None:

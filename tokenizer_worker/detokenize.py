@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -23,16 +22,10 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6
 
 
-@dataclass(frozen=True)
-class _VocabFacts:
-    """What the detokenizer must know about a vocabulary; computed once per tokenizer."""
-
-    byte_fallback_ids: frozenset[int]
-    skipped_special_ids: frozenset[int]
-
-
 @functools.lru_cache(maxsize=8)
-def _vocab_facts(tokenizer: PreTrainedTokenizerBase) -> _VocabFacts:
+def _vocab_facts(tokenizer: PreTrainedTokenizerBase) -> tuple[frozenset[int], frozenset[int]]:
+    """What the detokenizer must know about a vocabulary, computed once per tokenizer: its
+    byte-fallback ids and the special ids that skip_special_tokens drops."""
     vocab = tokenizer.get_vocab()
     # The ByteFallback decoder reads any token spelled <0xNN> (either case of hex) as a raw byte.
     byte_names = [f"<0x{b:02X}>" for b in range(256)] + [f"<0x{b:02x}>" for b in range(256)]
@@ -45,7 +38,7 @@ def _vocab_facts(tokenizer: PreTrainedTokenizerBase) -> _VocabFacts:
         for token_id, token in tokenizer.added_tokens_decoder.items()
         if token.special and tokenizer.decode([token_id], skip_special_tokens=True) == ""
     }
-    return _VocabFacts(frozenset(byte_ids), frozenset(skipped))
+    return frozenset(byte_ids), frozenset(skipped)
 
 
 class IncrementalDetokenizer:
@@ -96,13 +89,12 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
     ) -> None:
-        facts = _vocab_facts(tokenizer)
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._byte_ids = facts.byte_fallback_ids
+        self._byte_ids, skipped_ids = _vocab_facts(tokenizer)
         # Skipped specials are dropped on arrival: they produce no text and the decoder never
         # sees them, so the window only ever holds tokens that matter to it.
-        self._dropped_ids = facts.skipped_special_ids if skip_special_tokens else frozenset()
+        self._dropped_ids = skipped_ids if skip_special_tokens else frozenset()
         self._window: list[int] = self._prompt_context(prompt_ids or ())
         self._read = len(self._window)
         self._closed = self._closed_end(self._window)

@@ -38,11 +38,6 @@ class StopChecker:
         self._held = ""
         self.matched: str | None = None
 
-    @property
-    def stopped(self) -> bool:
-        """True once a stop string has matched; later input is ignored."""
-        return self.matched is not None
-
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add the next piece of text; return (text safe to emit now, whether a stop matched)."""
         if self.matched is not None:
