@@ -210,7 +210,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 self.kv_events_endpoint is None and self.dp_size == 1):
             raise ValueError("--kv-events-block-size needs --kv-events-endpoint (or "
                              "--dp-size > 1, whose dispatcher reads the events)")
-        self._validate_dp()
+        if self.dp_size > 1 and self.kv_events_endpoint is not None:
+            # Each replica publishes to the dispatcher on its own ipc:// endpoint; one
+            # user endpoint cannot be bound by several replicas.
+            raise ValueError("--kv-events-endpoint publishes one engine's events; with "
+                             "--dp-size > 1 the replicas publish to the dispatcher instead "
+                             "(run one radixserve serve per engine behind a gateway to use it)")
         self._validate_tp()
 
     def _validate_disk(self) -> None:
@@ -222,14 +227,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.tp_size > 1:
             raise ValueError("--disk-cache-dir is not supported with --tp-size > 1 yet: each "
                              "rank would need its own share of every block")
-
-    def _validate_dp(self) -> None:
-        if self.dp_size > 1 and self.kv_events_endpoint is not None:
-            # Each replica publishes to the dispatcher on its own ipc:// endpoint; one
-            # user endpoint cannot be bound by several replicas.
-            raise ValueError("--kv-events-endpoint publishes one engine's events; with "
-                             "--dp-size > 1 the replicas publish to the dispatcher instead "
-                             "(run one radixserve serve per engine behind a gateway to use it)")
 
     def _validate_tp(self) -> None:
         if self.tp_size % self.nnodes:

@@ -62,18 +62,13 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def namespace_seed(namespace: Hashable) -> int:
-    """The parent hash of a path's first block."""
-    head = b"radixserve-kv\x00" if namespace is None else (
-        b"radixserve-kv\x01" + str(namespace).encode())
-    return int.from_bytes(blake2b(head, digest_size=8).digest(), "little")
-
-
 def chain_hashes(namespace: Hashable, tokens: np.ndarray, block_size: int) -> list[int]:
     """Hashes of the whole blocks of ``tokens`` (a path from position 0)."""
     data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     step = 4 * block_size
-    parent = namespace_seed(namespace)
+    head = b"radixserve-kv\x00" if namespace is None else (
+        b"radixserve-kv\x01" + str(namespace).encode())
+    parent = int.from_bytes(blake2b(head, digest_size=8).digest(), "little")  # seed(namespace)
     hashes = []
     for at in range(0, len(data) - step + 1, step):
         digest = blake2b(parent.to_bytes(8, "little"), digest_size=8)
