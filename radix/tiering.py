@@ -131,11 +131,9 @@ class Tiering:
             self.allocator.incref(pages, evictable=node.lock_ref == 0)
             node.pages = pages
             self._moved(node, DEVICE, stored=True)
-            if _host_candidate(node):
-                self._push_host_leaf(node)
+            self._push_host_leaf(node)
             node = node.parent
-        if _device_leaf(deepest):
-            self._push_leaf(deepest)
+        self._push_leaf(deepest)
 
     def _write_hot(self, node: Node) -> None:
         """write_through_selective: copy down the nodes of the path to ``node`` that have been
@@ -167,12 +165,11 @@ class Tiering:
                 if node.host_pages or (keep and self._write_down(node)):
                     self._moved(node, DEVICE, stored=False)
                     node.pages = array("q")
-                    if _host_candidate(node):
-                        self._push_host_leaf(node)
+                    self._push_host_leaf(node)
                 else:
                     self._unlink(node)
                 # Its parent may become a device leaf itself.
-                if not parent.lock_ref and _device_leaf(parent):
+                if not parent.lock_ref:
                     self._push_leaf(parent)
             freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
         self.stats.evicted_pages += freed
@@ -192,8 +189,7 @@ class Tiering:
         node.host_pages = page_array(pages)
         self.stats.pages_written += count
         self._moved(node, HOST, stored=True)
-        if _host_candidate(node):
-            self._push_host_leaf(node)
+        self._push_host_leaf(node)
         return True
 
     def _make_host_room(self, num_pages: int) -> bool:
@@ -216,8 +212,7 @@ class Tiering:
                 self._drop_host_copy(node)  # it stays on the device
             else:
                 self._unlink(node)
-                if _host_candidate(parent):
-                    self._push_host_leaf(parent)
+                self._push_host_leaf(parent)
         return True
 
     def _drop_host_copy(self, node: Node) -> None:
@@ -251,10 +246,14 @@ class Tiering:
         self._num_nodes -= len(order)
 
     def _push_leaf(self, node: Node) -> None:
-        self._push(self._leaves, node, _device_leaf)
+        """Queue ``node`` for the device's eviction if it is a device leaf."""
+        if _device_leaf(node):
+            self._push(self._leaves, node, _device_leaf)
 
     def _push_host_leaf(self, node: Node) -> None:
-        self._push(self._host_leaves, node, _host_candidate)
+        """Queue ``node`` for the host tier's eviction if it is a candidate there."""
+        if _host_candidate(node):
+            self._push(self._host_leaves, node, _host_candidate)
 
     def _push(self, leaves: _LeafHeap, node: Node, live) -> None:
         heapq.heappush(leaves.heap, (node.eviction_key, next(leaves.counter), node))

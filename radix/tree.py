@@ -57,7 +57,7 @@ from radix.eviction import EvictionKey, lru
 from radix.host import HostTier  # noqa: TC001 (the constructor's annotation)
 from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
-from radix.tiering import Tiering, _device_leaf, _host_candidate, _LeafHeap
+from radix.tiering import Tiering, _LeafHeap
 
 TokenIds = Sequence[int] | np.ndarray
 
@@ -212,8 +212,7 @@ class RadixTree(Tiering):
             if self.host is not None and self.host.policy == "write_through":
                 self._write_down(leaf)
         self._touch(node, used=False)
-        if _device_leaf(node):
-            self._push_leaf(node)
+        self._push_leaf(node)
         return cached, node
 
     def _lock(self, node: Node) -> None:
@@ -244,10 +243,8 @@ class RadixTree(Tiering):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 newly_unlocked += node.pages
-                if node.host_pages:
-                    newly_unlocked_host += node.host_pages
-                    if _host_candidate(node):
-                        self._push_host_leaf(node)
+                newly_unlocked_host += node.host_pages
+                self._push_host_leaf(node)
                 if deepest_on_device is None and node.pages:
                     deepest_on_device = node
             node = node.parent
@@ -257,7 +254,7 @@ class RadixTree(Tiering):
                                               distinct=self._distinct_paths)
         # Only the deepest device node of the path can be a device leaf (the others have it as
         # a child on the device).
-        if deepest_on_device is not None and _device_leaf(deepest_on_device):
+        if deepest_on_device is not None:
             self._push_leaf(deepest_on_device)
 
     def _alloc_pages(self, n: int) -> list[int]:
@@ -339,8 +336,7 @@ class RadixTree(Tiering):
         node.parent = upper
         upper.children[node.key[:4]] = node
         self._num_nodes += 1
-        if _host_candidate(upper):
-            self._push_host_leaf(upper)
+        self._push_host_leaf(upper)
         return upper
 
     def _touch(self, node: Node, used: bool) -> None:
