@@ -59,37 +59,28 @@ class ModelConfig:
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(
-                f"{model_dir} has no config.json; a model directory needs config.json and "
-                "*.safetensors weights as written by transformers' save_pretrained"
-            )
+            raise FileNotFoundError(f"{model_dir} has no config.json; a model directory needs "
+                                    "config.json and *.safetensors weights as written by "
+                                    "transformers' save_pretrained")
         raw = json.loads(path.read_text())
         generation = model_dir / "generation_config.json"
         gen_raw = json.loads(generation.read_text()) if generation.is_file() else {}
         return cls.from_dict(raw, gen_raw, source=str(path))
 
     @classmethod
-    def from_dict(
-        cls,
-        raw: dict[str, Any],
-        generation: dict[str, Any] | None = None,
-        *,
-        source: str = "config",
-    ) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, *,
+                  source: str = "config") -> ModelConfig:
         architecture = _architecture(raw, source)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
-                f"num_key_value_heads ({num_kv_heads})"
-            )
+            raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple "
+                             f"of num_key_value_heads ({num_kv_heads})")
         if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')"
-            )
+            raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only "
+                             "'silu')")
         num_layers = int(raw["num_hidden_layers"])
         max_context = int(raw.get("max_position_embeddings") or 2048)
         rope_theta, rope_scaling = _rope(raw, max_context, source)
@@ -129,10 +120,8 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
         if name in SUPPORTED_ARCHITECTURES:
             return name
     found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
-    raise ValueError(
-        f"{source}: architecture {found} is not supported; supported: "
-        + ", ".join(SUPPORTED_ARCHITECTURES)
-    )
+    raise ValueError(f"{source}: architecture {found} is not supported; supported: "
+                     + ", ".join(SUPPORTED_ARCHITECTURES))
 
 
 def _ids(value: int | list[int] | None) -> list[int]:
@@ -141,35 +130,29 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _rope(
-    raw: dict[str, Any], max_context: int, source: str
-) -> tuple[float, dict[str, Any] | None]:
+def _rope(raw: dict[str, Any], max_context: int, source: str
+          ) -> tuple[float, dict[str, Any] | None]:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ValueError(f"{source}: partial_rotary_factor is not supported")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"{source}: rope type {rope_type!r} is not supported; supported: "
-            + ", ".join(SUPPORTED_ROPE_TYPES)
-        )
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: "
+                         + ", ".join(SUPPORTED_ROPE_TYPES))
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
     if rope_type in ("llama3", "yarn"):
-        params.setdefault(
-            "original_max_position_embeddings",
-            raw.get("original_max_position_embeddings", max_context),
-        )
+        params.setdefault("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings", max_context))
     params.pop("type", None)
     params.pop("rope_theta", None)
     return theta, params
 
 
-def _sliding_windows(
-    raw: dict[str, Any], architecture: str, num_layers: int
-) -> tuple[int | None, ...]:
+def _sliding_windows(raw: dict[str, Any], architecture: str, num_layers: int
+                     ) -> tuple[int | None, ...]:
     """Mirror transformers: Mistral windows every layer when ``sliding_window`` is set; Qwen2/3
     window the layers that ``layer_types`` (or ``use_sliding_window`` + ``max_window_layers``)
     mark as sliding; Llama never windows."""

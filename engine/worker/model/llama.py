@@ -52,9 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
 
 
-def add_linear_(
-    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
     """residual += x @ weight.T (+ bias), in place: one GEMM accumulating into the residual
     when both share a dtype, else the product (in the weights' dtype) added to it."""
     if bias is None and residual.dtype == x.dtype:
@@ -84,9 +83,8 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     return _yarn(inv_freq, params, dim, theta, config.max_context_len)
 
 
-def _yarn(
-    inv_freq: torch.Tensor, params: dict, dim: int, theta: float, max_context: int
-) -> tuple[torch.Tensor, float]:
+def _yarn(inv_freq: torch.Tensor, params: dict, dim: int, theta: float, max_context: int
+          ) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, keep high ones, ramp between (arXiv:2309.00071)."""
     old_context = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_context / old_context
@@ -123,9 +121,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, head_dim] for absolute positions [T], computed in float32:
         sin's first half is negated so that ``apply_rope`` (engine/worker/attention/base.py) needs no
         negation per layer."""
@@ -239,14 +236,8 @@ class DecoderLayer(_Weights):
             targets[mlp + "down_proj.bias"] = self.down_bias
         return targets
 
-    def forward(
-        self,
-        index: int,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: AttentionBackend) -> torch.Tensor:
         """Add this layer's attention and MLP outputs to ``hidden`` [T, hidden_size], the
         residual stream, in place (the model's forward owns it), and return it."""
         num_tokens = hidden.shape[0]
@@ -257,9 +248,8 @@ class DecoderLayer(_Weights):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat(
-                (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), 1
-            )
+            qk = torch.cat((rms_norm(q, self.q_norm, self.eps),
+                            rms_norm(k, self.k_norm, self.eps)), 1)
         # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
         out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
         if self.packed:
@@ -301,11 +291,8 @@ class LlamaForCausalLM(_Weights):
             DecoderLayer(config, device, dtype, self.plan, tp) for _ in range(config.num_layers)
         )
         self.norm = self._new(config.hidden_size)
-        self.lm_head = (
-            self.embed
-            if config.tie_word_embeddings
-            else self._new(self.plan.vocab_rows, config.hidden_size)
-        )
+        self.lm_head = (self.embed if config.tie_word_embeddings
+                        else self._new(self.plan.vocab_rows, config.hidden_size))
         self.rope = RotaryEmbedding(config, device)
         real_rows = self.plan.vocab_stop - self.plan.vocab_start
         with torch.no_grad():  # the last rank's rows past the vocabulary: never loaded
@@ -345,13 +332,8 @@ class LlamaForCausalLM(_Weights):
             sources.update(self.plan.layer_sources(f"model.layers.{i}.", self.config))
         return sources
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attention: AttentionBackend,
-        logits_rows: torch.Tensor,
-    ) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionBackend, logits_rows: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]; under
         tensor parallel on rank 0 only (None on the others)."""
         if self.tp is None:

@@ -51,16 +51,9 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has no *.safetensors weights{hint}")
 
 
-def load_model(
-    model_dir: str | Path,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    config: ModelConfig | None = None,
-    tp: Collectives | None = None,
-    load_format: str = "auto",
-    seed: int = 0,
-) -> LlamaForCausalLM:
+def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
+               config: ModelConfig | None = None, tp: Collectives | None = None,
+               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
     """Build the model (``tp``: this rank's share of it) for ``model_dir``'s config on
     ``device`` and fill every weight: from the checkpoint's files, or (``load_format`` "dummy")
     with random values drawn on the device from ``seed``, which needs only config.json."""
@@ -86,10 +79,9 @@ def load_model(
                             name == "lm_head.weight" and config.tie_word_embeddings
                         ):
                             continue
-                        raise ValueError(
-                            f"{file.name} has tensor {name!r}, which {config.architecture} with this "
-                            "config.json does not have; is config.json from the same checkpoint?"
-                        )
+                        raise ValueError(f"{file.name} has tensor {name!r}, which "
+                                         f"{config.architecture} with this config.json does not "
+                                         "have; is config.json from the same checkpoint?")
                     source = sources.get(name)
                     if source is None:
                         tensor = reader.get_tensor(name)
@@ -97,10 +89,8 @@ def load_model(
                     else:
                         tensor, shape, expected = _read_slice(reader, name, source, target)
                     if shape != expected:
-                        raise ValueError(
-                            f"{file.name}: tensor {name!r} has shape {shape} but "
-                            f"config.json implies {expected}"
-                        )
+                        raise ValueError(f"{file.name}: tensor {name!r} has shape {shape} but "
+                                         f"config.json implies {expected}")
                     target.copy_(tensor)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded)
