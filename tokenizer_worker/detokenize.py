@@ -33,11 +33,8 @@ def _vocab_facts(tokenizer: PreTrainedTokenizerBase) -> tuple[frozenset[int], fr
     # skip_special_tokens drops added tokens flagged special before the decoder runs, so they
     # are transparent to it; checking that each decodes to nothing alone guards against a
     # backend whose notion of "special" differs, since dropping a token that has text loses it.
-    skipped = {
-        token_id
-        for token_id, token in tokenizer.added_tokens_decoder.items()
-        if token.special and tokenizer.decode([token_id], skip_special_tokens=True) == ""
-    }
+    skipped = {token_id for token_id, token in tokenizer.added_tokens_decoder.items()
+               if token.special and tokenizer.decode([token_id], skip_special_tokens=True) == ""}
     return frozenset(byte_ids), frozenset(skipped)
 
 
@@ -83,12 +80,8 @@ class IncrementalDetokenizer:
     no decoding happens at all while a byte-fallback run is open.
     """
 
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        prompt_ids: Sequence[int] | None = None,
-        skip_special_tokens: bool = True,
-    ) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._byte_ids, skipped_ids = _vocab_facts(tokenizer)
@@ -147,11 +140,8 @@ class IncrementalDetokenizer:
         return new_text[unsent_from:]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            token_ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)
 
     def _prompt_context(self, prompt_ids: Sequence[int]) -> list[int]:
         """The last prompt tokens the output is decoded after, walking back from the end only.

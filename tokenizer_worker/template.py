@@ -25,16 +25,12 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 Span = tuple[int, int]  # [start, end) character offsets into a rendered text
+Objects = Sequence[Mapping[str, Any]]  # chat messages, or tools: JSON objects as the client sent
 
 
-def render_chat(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool = True,
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    special_in_content: bool = False,
-) -> list[int]:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Objects,
+                add_generation_prompt: bool = True, *, tools: Objects | None = None,
+                special_in_content: bool = False) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template.
 
     Content may be a string or OpenAI's list of text parts (``[{"type": "text", "text": ...}]``),
@@ -51,14 +47,9 @@ def render_chat(
     return encode_rendered(tokenizer, text, spans)
 
 
-def render_chat_spans(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool = True,
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    special_in_content: bool = False,
-) -> tuple[str, list[Span]]:
+def render_chat_spans(tokenizer: PreTrainedTokenizerBase, messages: Objects,
+                      add_generation_prompt: bool = True, *, tools: Objects | None = None,
+                      special_in_content: bool = False) -> tuple[str, list[Span]]:
     """The rendered text and the spans of it that are message strings spelling a special token
     (none when no string does, or with ``special_in_content``)."""
     text = render_chat_text(tokenizer, messages, add_generation_prompt, tools=tools)
@@ -128,25 +119,17 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str, spans: Sequen
     return ids
 
 
-def render_chat_text(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool = True,
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-) -> str:
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Objects,
+                     add_generation_prompt: bool = True, *, tools: Objects | None = None) -> str:
     """``messages`` rendered by the chat template as text (see ``render_chat``)."""
     if not tokenizer.chat_template:
-        raise ValueError(
-            "this model's tokenizer has no chat template, so chat messages cannot be turned into "
-            "a prompt; send a plain-text completion prompt instead"
-        )
+        raise ValueError("this model's tokenizer has no chat template, so chat messages cannot "
+                         "be turned into a prompt; send a plain-text completion prompt instead")
     conversation = _normalize_messages(messages)
     try:
-        return tokenizer.apply_chat_template(
-            conversation, tools=list(tools) if tools else None, tokenize=False,
-            add_generation_prompt=add_generation_prompt
-        )
+        return tokenizer.apply_chat_template(conversation, tools=list(tools) if tools else None,
+                                             tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as error:
         # Templates reject conversations themselves (e.g. "roles must alternate").
         raise ValueError(f"the model's chat template rejected the messages: {error}") from error
@@ -162,13 +145,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         raise ValueError(f"the prompt must be a string, got {type(text).__name__}")
     token_ids = tokenizer.encode(text, add_special_tokens=True)
     bos_id, bos_token = tokenizer.bos_token_id, tokenizer.bos_token
-    if (
-        bos_id is not None
-        and bos_token
-        and text.startswith(bos_token)
-        and token_ids[:2] == [bos_id, bos_id]
-    ):
-        token_ids = token_ids[1:]
+    if bos_token and text.startswith(bos_token) and token_ids[:2] == [bos_id, bos_id]:
+        token_ids = token_ids[1:]  # (a None bos_id matches no token id)
     if not token_ids:
         raise ValueError("the prompt is empty; give at least one character of text")
     return token_ids
@@ -200,7 +178,7 @@ def _marked(value: Any, pattern: re.Pattern[str], found: list[str]) -> Any:
     return value
 
 
-def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _normalize_messages(messages: Objects) -> list[dict[str, Any]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
     if not messages:
@@ -260,19 +238,16 @@ def _content_text(where: str, content: Any) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(
-            f"{where}.content must be a string or a list of text parts, "
-            f"got {type(content).__name__}"
-        )
+        raise ValueError(f"{where}.content must be a string or a list of text parts, "
+                         f"got {type(content).__name__}")
     texts = []
     for index, part in enumerate(content):
         part_where = f"{where}.content[{index}]"
         if not isinstance(part, Mapping):
             raise ValueError(f"{part_where} must be an object like {{'type': 'text', 'text': ...}}")
         if part.get("type") != "text":
-            raise ValueError(
-                f"{part_where} has type {part.get('type')!r}; only 'text' parts are supported"
-            )
+            raise ValueError(f"{part_where} has type {part.get('type')!r}; only 'text' parts "
+                             "are supported")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{part_where}.text must be a string")
         texts.append(part["text"])
