@@ -68,16 +68,11 @@ class BatchInput(msgspec.Struct, kw_only=True):
         return (self.seq_lens - (num_pages - 1) * page_size).astype(np.int32)
 
     @classmethod
-    def build(
-        cls,
-        seqs: Sequence[tuple[PageTable, int, Sequence[int] | np.ndarray]],
-        page_size: int,
-        logits: Literal["last", "all"] = "last",
-        *,
-        copies: Sequence[tuple[int, int, int]] | np.ndarray | None = None,
-        swap_out: Sequence[tuple[int, int]] | np.ndarray | None = None,
-        swap_in: Sequence[tuple[int, int]] | np.ndarray | None = None,
-    ) -> BatchInput:
+    def build(cls, seqs: Sequence[tuple[PageTable, int, Sequence[int] | np.ndarray]],
+              page_size: int, logits: Literal["last", "all"] = "last", *,
+              copies: Sequence[tuple[int, int, int]] | np.ndarray | None = None,
+              swap_out: Sequence[tuple[int, int]] | np.ndarray | None = None,
+              swap_in: Sequence[tuple[int, int]] | np.ndarray | None = None) -> BatchInput:
         """Assemble a batch from per-sequence ``(pages, cached_len, new_ids)`` (see
         ``StepBuilder.add``); ``logits="all"`` asks for every new token's logits."""
         if not seqs:
@@ -96,28 +91,24 @@ class BatchInput(msgspec.Struct, kw_only=True):
         num_seqs, num_tokens = self.num_seqs, self.num_tokens
         for name in ("positions", "out_slots"):
             if len(getattr(self, name)) != num_tokens:
-                raise ValueError(
-                    f"{name} has {len(getattr(self, name))} entries for {num_tokens} tokens"
-                )
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for "
+                                 f"{num_tokens} tokens")
         if len(self.seq_lens) != num_seqs or len(self.page_indptr) != num_seqs + 1:
-            raise ValueError(
-                "extend_lens, seq_lens and page_indptr disagree on the number of sequences"
-            )
+            raise ValueError("extend_lens, seq_lens and page_indptr disagree on the number of "
+                             "sequences")
         if num_seqs == 0 and num_tokens == 0:
             self._validate_moves(page_size, num_pages, num_host_pages)
             return  # a step that only moves pages (the disk tier's)
         if num_seqs == 0 or np.any(self.extend_lens < 1):
             raise ValueError("every sequence in a batch needs at least one new token")
         if int(self.extend_lens.sum()) != num_tokens:
-            raise ValueError(
-                f"extend_lens sum to {self.extend_lens.sum()} but there are {num_tokens} tokens"
-            )
+            raise ValueError(f"extend_lens sum to {self.extend_lens.sum()} but there are "
+                             f"{num_tokens} tokens")
         if np.any(self.seq_lens < self.extend_lens):
             raise ValueError("a sequence's seq_len is smaller than its extend_len")
         pages_per_seq = np.diff(self.page_indptr)
-        if np.any(pages_per_seq != -(-self.seq_lens // page_size)) or self.page_indptr[-1] != len(
-            self.page_indices
-        ):
+        if np.any(pages_per_seq != -(-self.seq_lens // page_size)) or (
+                self.page_indptr[-1] != len(self.page_indices)):
             raise ValueError(f"each sequence needs exactly ceil(seq_len / {page_size}) pages")
         _check_range("page_indices", self.page_indices, num_pages)
         # Recompute every new token's position and slot from the page table.
@@ -126,14 +117,12 @@ class BatchInput(msgspec.Struct, kw_only=True):
         offset = np.arange(num_tokens) - first_new[seq_of_token]
         expected_pos = (self.seq_lens - self.extend_lens)[seq_of_token] + offset
         if np.any(self.positions != expected_pos):
-            raise ValueError(
-                "positions must be cached_len + j for the j-th new token of each sequence"
-            )
+            raise ValueError("positions must be cached_len + j for the j-th new token of each "
+                             "sequence")
         page = self.page_indices[self.page_indptr[seq_of_token] + expected_pos // page_size]
         if np.any(self.out_slots != page * page_size + expected_pos % page_size):
-            raise ValueError(
-                "out_slots disagree with the page table (slot = pages[i // P] * P + i % P)"
-            )
+            raise ValueError("out_slots disagree with the page table "
+                             "(slot = pages[i // P] * P + i % P)")
         rows = self.resolved_logits_rows()
         if len(rows) and (rows.min() < 0 or rows.max() >= num_tokens):
             raise ValueError(f"logits_rows must lie in [0, {num_tokens})")
@@ -182,10 +171,9 @@ class StepBuilder:
         end = cached_len + num_new
         needed = -(-end // page_size)
         if len(pages) < needed:
-            raise ValueError(
-                f"sequence {len(self._extend_lens)} has {end} tokens, which need {needed} pages "
-                f"of {page_size}, but only {len(pages)} pages were given"
-            )
+            raise ValueError(f"sequence {len(self._extend_lens)} has {end} tokens, which need "
+                             f"{needed} pages of {page_size}, but only {len(pages)} pages were "
+                             "given")
         table = pages[:needed]
         if isinstance(new_ids, np.ndarray):
             new_ids = new_ids.tolist()
@@ -215,18 +203,11 @@ class StepBuilder:
         ``add`` listed."""
         rows = np.arange(len(self._ids)) if all_logits else self._rows
         return BatchInput(
-            input_ids=_ints(self._ids),
-            positions=_ints(self._positions),
-            extend_lens=_ints(self._extend_lens),
-            seq_lens=_ints(self._seq_lens),
-            page_indptr=_ints(self._indptr),
-            page_indices=_ints(self._pages),
-            out_slots=_ints(self._slots),
-            logits_rows=_ints(rows),
-            copies=_pairs(copies, 3),
-            swap_out=_pairs(swap_out, 2),
-            swap_in=_pairs(swap_in, 2),
-        )
+            input_ids=_ints(self._ids), positions=_ints(self._positions),
+            extend_lens=_ints(self._extend_lens), seq_lens=_ints(self._seq_lens),
+            page_indptr=_ints(self._indptr), page_indices=_ints(self._pages),
+            out_slots=_ints(self._slots), logits_rows=_ints(rows), copies=_pairs(copies, 3),
+            swap_out=_pairs(swap_out, 2), swap_in=_pairs(swap_in, 2))
 
 
 def _ints(values) -> np.ndarray:
