@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 
 import numpy as np
 import zmq
@@ -85,14 +84,13 @@ class Worker:
         sampled, self.last_tokens = self.last_tokens, np.zeros(len(msg.sampling), dtype=np.int32)
         _resolve_placeholders(step, sampled)
         self.grammars.release(msg.released_grammars)
+        masks, grammar_failure = None, None
         try:
             masks = self.grammars.start_masks(msg.sampling)  # filled while the forward runs
-        except Exception:
+        except Exception as exc:
             # Raised after the forward: the batch's page moves (copies down to the host tier,
             # loads, copy-on-write) must run, since the scheduler's tree already counts on them.
-            masks, grammar_failure = None, sys.exc_info()[1]
-        else:
-            grammar_failure = None
+            grammar_failure = exc
         prompt_rows = unpack_ids(msg.prompt_rows)
         if len(prompt_rows):
             # Prompt logprobs: the logits of those rows too, after the sampled rows'.
@@ -133,8 +131,7 @@ class Worker:
         advanced = self.grammars.advance(msg.sampling, masks, token_ids)
         if advanced.forced:
             counts = np.zeros(len(msg.sampling), dtype=np.int32)
-            for row, ids in advanced.forced.items():
-                counts[row] = len(ids)
+            counts[list(advanced.forced)] = [len(ids) for ids in advanced.forced.values()]
             result.forced_counts = counts.tobytes()
             result.forced_ids = pack_ids([t for row in sorted(advanced.forced)
                                           for t in advanced.forced[row]])
