@@ -142,7 +142,8 @@ class TierIO:
         """Loads that have ended since the last call: (load id, blocks in the pages)."""
         with self._cond:
             ready = [d for d in self._done if d[2] is None or d[2].query()]
-            self._done = [d for d in self._done if not (d[2] is None or d[2].query())]
+            # Not a second query: a copy ending in between would leave its load in neither list.
+            self._done = [d for d in self._done if d not in ready]
         return [(load_id, blocks) for load_id, blocks, _ in ready]
 
     def wait(self, timeout: float) -> None:
