@@ -172,11 +172,9 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(pool, **shape)
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         if head_dim not in FLASHINFER_HEAD_DIMS:
-            raise ValueError(
-                f"the flashinfer backend's kernels are built for head_dim "
-                f"{', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this model's is {head_dim}: use "
-                "attention_backend='torch' (auto picks it by itself)"
-            )
+            raise ValueError(f"the flashinfer backend's kernels are built for head_dim "
+                             f"{', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this model's is "
+                             f"{head_dim}: use attention_backend='torch' (auto picks it by itself)")
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)}, "
                              f"got {decode_backend!r}")
@@ -200,11 +198,8 @@ class FlashInferBackend(AttentionBackend):
                     graph_max_batch, num_sms)
         windows = set(self.sliding_windows)
         self._decode = {w: self._decode_wrapper() for w in windows}
-        self._prefill = {
-            w: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, "NHD", backend=self.prefill_kernel)
-            for w in windows
-        }
+        self._prefill = {w: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend=self.prefill_kernel) for w in windows}
         self._graph_decode: dict[int, dict[int | None, object]] = {}
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._active: dict[int | None, object] = {}
@@ -236,21 +231,20 @@ class FlashInferBackend(AttentionBackend):
                 logger.info("flashinfer: fp8 KV decodes on FA2 (FA3's fp8 wants fp8 queries)")
             return "fa2", "fa2"
         chosen = determine_attention_backend(self.device, 0, False, False, dtype, kv_dtype)
-        if chosen == "fa3":
-            fa3 = jit_specs(dtype, self.head_dim, [w is not None for w in self.sliding_windows],
-                            self.tensor_cores, "fa3", "fa3")
-            if not all(spec.is_compiled for spec in fa3):
-                logger.info("flashinfer: FA3 modules are not built; FA2 serves (build them "
-                            "beforehand: scripts/gpu_phase.py, docs/gpu.md)")
-                chosen = "fa2"
+        if chosen == "fa3" and not all(spec.is_compiled for spec in self.jit_specs("fa3", "fa3")):
+            logger.info("flashinfer: FA3 modules are not built; FA2 serves (build them "
+                        "beforehand: scripts/gpu_phase.py, docs/gpu.md)")
+            chosen = "fa2"
         decode = chosen if self.decode_backend == "auto" else self.decode_backend
         return chosen, decode
 
-    def jit_specs(self) -> list:
-        """The kernel modules this backend loads (module-level ``jit_specs``)."""
+    def jit_specs(self, prefill: str | None = None, decode: str | None = None) -> list:
+        """The kernel modules this backend loads (module-level ``jit_specs``), or would load with
+        the kernel families ``prefill`` and ``decode``."""
         return jit_specs(self.pool.dtype, self.head_dim,
                          [w is not None for w in self.sliding_windows], self.tensor_cores,
-                         self.prefill_kernel, self.decode_kernel, self.pool.kv_dtype)
+                         prefill or self.prefill_kernel, decode or self.decode_kernel,
+                         self.pool.kv_dtype)
 
     def prebuild(self) -> float:
         """Compile (or find in the cache) every module ``jit_specs`` names, in parallel; the
