@@ -21,10 +21,8 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="radixserve",
-        description="A prefix-caching LLM serving engine (paged KV, token-granular radix tree).",
-    )
+    parser = argparse.ArgumentParser(prog="radixserve", description=(
+        "A prefix-caching LLM serving engine (paged KV, token-granular radix tree)."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

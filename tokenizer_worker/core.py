@@ -232,9 +232,7 @@ class TokenizerWorker:
             params = state.req.params
             sample = state.samples[index] = SampleState(
                 IncrementalDetokenizer(self.tokenizer, state.prompt_ids.tolist(),
-                                       params.skip_special_tokens),
-                StopChecker(params.stop),
-            )
+                                       params.skip_special_tokens), StopChecker(params.stop))
         return sample
 
     def _detokenize(self, state: RequestState, out: SeqOutput) -> tuple[RequestOutput, bool]:
@@ -244,8 +242,7 @@ class TokenizerWorker:
             top_ids=out.top_ids, top_logprobs=out.top_logprobs, finish_reason=out.finish_reason,
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
             cached_tokens_host=out.cached_tokens_host, cached_tokens_disk=out.cached_tokens_disk,
-            replace=out.replace,
-        )
+            replace=out.replace)
         sample = self._sample(state, out.index)
         if sample.done:
             result.token_ids = b""
