@@ -159,12 +159,6 @@ def partial_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return out, lse.unsqueeze(-1)
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    fused = partial_flash_cpu if q.device.type == "cpu" else partial_math
-    return fused(q, k, v, mask, scale)
-
-
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                    lse_b: torch.Tensor) -> torch.Tensor:
     """Two partial softmax attentions over disjoint keys → attention over all of them.
@@ -190,6 +184,7 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     num_seqs, rows, num_heads, head_dim = q.shape
     num_kv = k_pages.shape[2]
     per_kv = num_heads // num_kv
+    attend_part = partial_flash_cpu if q.device.type == "cpu" else partial_math
     # [B, kv, E * per_kv, D]: the query heads sharing a KV head attend together.
     q4 = q.view(num_seqs, rows, num_kv, per_kv, head_dim).transpose(1, 2)
     q4 = q4.reshape(num_seqs, num_kv, rows * per_kv, head_dim)
@@ -213,16 +208,16 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     else:
         own_mask = plan.own_mask.expand(-1, -1, -1, per_kv, -1).reshape(
             num_seqs, 1, rows * per_kv, -1)
-        own_out, own_lse = _partial(q4, gather(k_pages, plan.own_table, num_seqs),
-                                    gather(v_pages, plan.own_table, num_seqs), own_mask, scale)
+        own_out, own_lse = attend_part(q4, gather(k_pages, plan.own_table, num_seqs),
+                                       gather(v_pages, plan.own_table, num_seqs), own_mask, scale)
     # Each group's shared pages, once, for all its members' queries together.
     groups, members = plan.num_groups, plan.max_members
     width = rows * per_kv
     qg = q4.index_select(0, plan.member_index).view(groups, members, num_kv, width, head_dim)
     qg = qg.transpose(1, 2).reshape(groups, num_kv, members * width, head_dim)
-    shared_out, shared_lse = _partial(qg, gather(k_pages, plan.shared_table, groups),
-                                      gather(v_pages, plan.shared_table, groups),
-                                      plan.shared_mask, scale)
+    shared_out, shared_lse = attend_part(qg, gather(k_pages, plan.shared_table, groups),
+                                         gather(v_pages, plan.shared_table, groups),
+                                         plan.shared_mask, scale)
 
     def per_member(x: torch.Tensor) -> torch.Tensor:
         x = x.view(groups, num_kv, members, width, -1).transpose(1, 2)
