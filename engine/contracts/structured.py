@@ -51,9 +51,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     @property
     def kind(self) -> str:
         """The one constraint set; a ValueError when none or several are."""
-        kinds = [name for name in ("json", "regex", "choice", "grammar")
-                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
-                                                         else [])
+        kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
             raise ValueError("structured_outputs takes exactly one of json, json_object, regex, "
                              f"choice or grammar; got {', '.join(kinds) or 'none'}")
