@@ -37,8 +37,6 @@ logger = logging.getLogger("radixserve.worker")
 
 MAX_PENDING_BYTES = 256 << 20  # snapshots waiting to be written, at most
 FLUSH_SECONDS = 30.0  # how long shutting down waits for the saves still queued
-
-
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json")
 
 
@@ -64,10 +62,8 @@ def identity(c: EngineConfig, runner: ModelRunner) -> dict:
     path = os.path.realpath(c.model)
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, name) for name in os.listdir(path) if name.endswith(_WEIGHT_SUFFIXES))
-    weights = []
-    for file in files:
-        st = os.stat(file)
-        weights.append([os.path.basename(file), st.st_size, st.st_mtime_ns])
+    stats = [(os.path.basename(file), os.stat(file)) for file in files]
+    weights = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
     return {
         "format": 1, "architecture": mc.architecture, "num_layers": mc.num_layers,
         "num_kv_heads": runner.model.plan.num_kv_heads, "head_dim": mc.head_dim,
@@ -235,4 +231,3 @@ class TierIO:
         with self._cond:
             self._done.append((load_id, blocks, event))
             self._cond.notify_all()
-
