@@ -44,9 +44,7 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         return files
-    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
-        p.name for p in model_dir.glob("*.pt")
-    )
+    others = [p.name for pattern in ("*.bin", "*.pt") for p in sorted(model_dir.glob(pattern))]
     hint = f" (found {', '.join(others)}; only safetensors weights are supported)" if others else ""
     raise FileNotFoundError(f"{model_dir} has no *.safetensors weights{hint}")
 
