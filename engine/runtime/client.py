@@ -46,7 +46,6 @@ class EngineClient:
             self.tokenizers.append(sock)
         self._next = itertools.cycle(range(len(self.tokenizers)))
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._routes: dict[str, int] = {}
         self._receiver: asyncio.Task | None = None
         self.dead: str | None = None
         # The scheduler reports only once it has worked; until then its pool is whole and free.
@@ -89,7 +88,7 @@ class EngineClient:
             raise ValueError(f"request id {req.rid!r} is already in use")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.rid] = queue
-        route = self._routes[req.rid] = self._route(req.session_id)
+        route = self._route(req.session_id)
         width = req.params.n
         finished = 0
         try:
@@ -105,14 +104,8 @@ class EngineClient:
                 yield out
         finally:
             self._queues.pop(req.rid, None)
-            self._routes.pop(req.rid, None)
             if finished < width and self.dead is None:
                 await self.tokenizers[route].send(encode(AbortRequest(req.rid)))
-
-    async def abort(self, rid: str) -> None:
-        route = self._routes.get(rid)
-        if route is not None:
-            await self.tokenizers[route].send(encode(AbortRequest(rid)))
 
     def fail_all(self, reason: str) -> None:
         """Called on the event loop when the process group died."""

@@ -88,8 +88,7 @@ class RequestResult:
             c.top_logprobs = (c.top_logprobs or []) + [
                 dict(zip(a.tolist(), b.tolist(), strict=True)) for a, b in zip(tid, tlp, strict=True)
             ]
-        if out.finish_reason is not None:
-            c.finish_reason = out.finish_reason
+        c.finish_reason = out.finish_reason or c.finish_reason
 
 
 def make_request(prompt: Prompt, params: SamplingParams, rid: str | None = None,
