@@ -261,9 +261,8 @@ class DecoderLayer(_Weights):
         x = rms_norm(hidden, self.post_norm, self.eps)
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
-        for rows, x_rows in zip(
-            hidden.split(self.mlp_chunk_tokens), x.split(self.mlp_chunk_tokens), strict=True
-        ):
+        chunk = self.mlp_chunk_tokens
+        for rows, x_rows in zip(hidden.split(chunk), x.split(chunk), strict=True):
             gate, up = self._linear("gate_up", x_rows, self.gate_up_bias).chunk(2, dim=-1)
             if self.packed:
                 rows.add_(self._linear("down", F.silu(gate).mul_(up), self.down_bias))
