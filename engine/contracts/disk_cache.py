@@ -253,10 +253,7 @@ class DiskStore:
         for _, size, path in files:
             if total <= target:
                 break
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            Path(path).unlink(missing_ok=True)
             total -= size
         with self._lock:
             self.used = total
