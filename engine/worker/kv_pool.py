@@ -72,8 +72,8 @@ class KVPool:
                        dtype: torch.dtype) -> int:
         """Bytes of one page in every layer, K and V, for a pool storing ``dtype`` (int8: with
         its scales)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * page_size * num_kv_heads * row_width(head_dim, dtype) * itemsize
+        row_bytes = row_width(head_dim, dtype) * dtype.itemsize
+        return num_layers * 2 * page_size * num_kv_heads * row_bytes
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, row], in the
@@ -167,6 +167,5 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     # numpy's zeros is calloc: the OS hands out zero pages on first touch, so a large CPU pool
     # costs neither start-up time nor resident memory until pages are written.
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8))
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)

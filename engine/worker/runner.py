@@ -123,8 +123,7 @@ class ModelRunner:
                                 seed=c.seed)
         self._flops_per_token = 2 * self.config.num_params
         # Bytes of the whole model's weight matrices, all of which a decode step reads.
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.weight_bytes = self.config.num_params * itemsize
+        self.weight_bytes = self.config.num_params * self.dtype.itemsize
         self._small_model = self.weight_bytes < SMALL_MODEL_BYTES
         self._max_threads = self._threads = torch.get_num_threads()
         self.model.prepack()

@@ -204,8 +204,7 @@ class DecoderLayer(_Weights):
         # On CPU, glibc serves allocations over 32 MiB with fresh mmaps, whose page faults cost
         # more than the GEMM that fills them; on GPU the bound just caps activation memory.
         budget = (16 << 20) if device.type == "cpu" else (1 << 30)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.mlp_chunk_tokens = max(1, budget // (2 * plan.intermediate_size * itemsize))
+        self.mlp_chunk_tokens = max(1, budget // (2 * plan.intermediate_size * dtype.itemsize))
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
