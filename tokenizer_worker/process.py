@@ -144,9 +144,7 @@ class TokenizerLoop:
                 self.to_frontend.send(encode(reply))
         elif isinstance(msg, AbortRequest):
             self.worker.on_abort(msg)
-            replica = self.dispatcher.finish(msg.rid)
-            if replica is not None:
-                self._to_replica(replica, msg)
+            self._to_replica(self.dispatcher.finish(msg.rid), msg)
         elif isinstance(msg, SessionOpen):
             self.worker.on_session(msg)
             try:
@@ -155,9 +153,7 @@ class TokenizerLoop:
                 pass  # its first turn gets the error
         elif isinstance(msg, SessionClose):
             self.worker.on_session(msg)
-            replica = self.dispatcher.close_session(msg.session_id)
-            if replica is not None:
-                self._to_replica(replica, msg)
+            self._to_replica(self.dispatcher.close_session(msg.session_id), msg)
         elif isinstance(msg, ReplicaDown):
             lost, again = self.dispatcher.replica_down(msg.replica)
             for req in again:
@@ -185,8 +181,10 @@ class TokenizerLoop:
             self._to_replica(replica, SessionOpen(req.session_id, reopen))
         self._to_replica(replica, req)
 
-    def _to_replica(self, replica: int, msg: object) -> None:
-        if self.dispatcher.is_alive(replica):  # a dead replica's socket would only queue
+    def _to_replica(self, replica: int | None, msg: object) -> None:
+        """Send ``msg`` to ``replica``; None (a request or session no replica holds) sends
+        nothing, and neither does a dead replica (its socket would only queue)."""
+        if replica is not None and self.dispatcher.is_alive(replica):
             self.schedulers[replica].send(encode(msg))
 
 
