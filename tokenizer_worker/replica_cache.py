@@ -87,10 +87,7 @@ class ReplicaCache:
         self.coming.update(hashes)
 
     def drop_coming(self, hashes: list[int]) -> None:
-        coming = self.coming
         for h in hashes:
-            left = coming[h] - 1
-            if left > 0:
-                coming[h] = left
-            else:
-                del coming[h]
+            self.coming[h] -= 1
+            if self.coming[h] <= 0:
+                del self.coming[h]
