@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,8 +22,10 @@ from radix.node import DEVICE, HOST, Node, page_array
 
 @dataclass
 class _LeafHeap:
-    """Eviction candidates by key, with lazy invalidation: an entry is checked when popped."""
+    """Eviction candidates by key, with lazy invalidation: an entry is checked when popped.
+    ``live``: whether a node is a candidate (locked or not)."""
 
+    live: Callable[[Node], bool]
     heap: list[tuple[int, int, Node]] = field(default_factory=list)
     counter: itertools.count = field(default_factory=itertools.count)
 
@@ -131,9 +133,9 @@ class Tiering:
             self.allocator.incref(pages, evictable=node.lock_ref == 0)
             node.pages = pages
             self._moved(node, DEVICE, stored=True)
-            self._push_host_leaf(node)
+            self._push(self._host_leaves, node)
             node = node.parent
-        self._push_leaf(deepest)
+        self._push(self._leaves, deepest)
 
     def _write_hot(self, node: Node) -> None:
         """write_through_selective: copy down the nodes of the path to ``node`` that have been
@@ -148,29 +150,23 @@ class Tiering:
         """``evict``; ``keep``: copy a leaf with no host copy down before it leaves the device
         (when the host tier has or can make room)."""
         freed = 0
-        heap = self._leaves.heap
-        pop = heapq.heappop
-        while freed < num_pages and heap:
+        while freed < num_pages:
             pages = array("q")
             want = num_pages - freed
-            while len(pages) < want and heap:
-                key, _, node = pop(heap)
-                if node.lock_ref or not _device_leaf(node):
-                    continue
-                if key != node.eviction_key:
-                    self._push_leaf(node)  # touched since it was queued: requeue at its real key
-                    continue
+            while len(pages) < want and (node := self._pop(self._leaves)) is not None:
                 pages += node.pages
                 parent = node.parent
                 if node.host_pages or (keep and self._write_down(node)):
                     self._moved(node, DEVICE, stored=False)
                     node.pages = array("q")
-                    self._push_host_leaf(node)
+                    self._push(self._host_leaves, node)
                 else:
                     self._unlink(node)
                 # Its parent may become a device leaf itself.
                 if not parent.lock_ref:
-                    self._push_leaf(parent)
+                    self._push(self._leaves, parent)
+            if not pages:
+                break
             freed += self.allocator.decref(pages, evictable=True, distinct=self._distinct_paths)
         self.stats.evicted_pages += freed
         return freed
@@ -189,30 +185,24 @@ class Tiering:
         node.host_pages = page_array(pages)
         self.stats.pages_written += count
         self._moved(node, HOST, stored=True)
-        self._push_host_leaf(node)
+        self._push(self._host_leaves, node)
         return True
 
     def _make_host_room(self, num_pages: int) -> bool:
         """Drop host copies, least recently used first, until ``num_pages`` host pages are
         free; False if the host tier runs out of candidates first."""
         alloc = self.host.allocator
-        heap = self._host_leaves.heap
         while alloc.num_free_pages < num_pages:
-            if not heap:
+            node = self._pop(self._host_leaves)
+            if node is None:
                 return False
-            key, _, node = heapq.heappop(heap)
-            if not _host_candidate(node):
-                continue
-            if key != node.eviction_key:
-                self._push_host_leaf(node)
-                continue
             parent = node.parent
             if node.pages:
                 self._moved(node, HOST, stored=False)
                 self._drop_host_copy(node)  # it stays on the device
             else:
                 self._unlink(node)
-                self._push_host_leaf(parent)
+                self._push(self._host_leaves, parent)
         return True
 
     def _drop_host_copy(self, node: Node) -> None:
@@ -245,17 +235,10 @@ class Tiering:
                 self._drop_host_copy(n)
         self._num_nodes -= len(order)
 
-    def _push_leaf(self, node: Node) -> None:
-        """Queue ``node`` for the device's eviction if it is a device leaf."""
-        if _device_leaf(node):
-            self._push(self._leaves, node, _device_leaf)
-
-    def _push_host_leaf(self, node: Node) -> None:
-        """Queue ``node`` for the host tier's eviction if it is a candidate there."""
-        if _host_candidate(node):
-            self._push(self._host_leaves, node, _host_candidate)
-
-    def _push(self, leaves: _LeafHeap, node: Node, live) -> None:
+    def _push(self, leaves: _LeafHeap, node: Node) -> None:
+        """Queue ``node`` in ``leaves`` if it is a candidate there."""
+        if not leaves.live(node):
+            return
         heapq.heappush(leaves.heap, (node.eviction_key, next(leaves.counter), node))
         if len(leaves.heap) > 4 * self._num_nodes + 64:
             # Lazy invalidation leaves stale entries behind; rebuild before they dominate, one
@@ -263,8 +246,21 @@ class Tiering:
             seen: set[int] = set()
             kept = []
             for _, order, n in leaves.heap:
-                if id(n) not in seen and live(n):
+                if id(n) not in seen and leaves.live(n):
                     seen.add(id(n))
                     kept.append((n.eviction_key, order, n))
             heapq.heapify(kept)
             leaves.heap = kept
+
+    def _pop(self, leaves: _LeafHeap) -> Node | None:
+        """The unlocked candidate of ``leaves`` with the smallest key; None when none is left.
+        Entries of nodes that stopped being candidates are dropped, those of nodes touched since
+        they were queued requeued at their real key."""
+        while leaves.heap:
+            key, _, node = heapq.heappop(leaves.heap)
+            if node.lock_ref or not leaves.live(node):
+                continue
+            if key == node.eviction_key:
+                return node
+            self._push(leaves, node)
+        return None

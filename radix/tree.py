@@ -57,7 +57,7 @@ from radix.eviction import EvictionKey, lru
 from radix.host import HostTier  # noqa: TC001 (the constructor's annotation)
 from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
-from radix.tiering import Tiering, _LeafHeap
+from radix.tiering import Tiering, _device_leaf, _host_candidate, _LeafHeap
 
 TokenIds = Sequence[int] | np.ndarray
 
@@ -95,8 +95,8 @@ class RadixTree(Tiering):
         self.stats = CacheStats()
         self._roots: dict[Hashable, Node] = {}
         self._roots_limit = 64  # sweep empty roots when there are this many
-        self._leaves = _LeafHeap()
-        self._host_leaves = _LeafHeap()
+        self._leaves = _LeafHeap(_device_leaf)
+        self._host_leaves = _LeafHeap(_host_candidate)
         self._eviction_key = eviction_key
         self._clock = 0
         self._num_nodes = 0
@@ -212,7 +212,7 @@ class RadixTree(Tiering):
             if self.host is not None and self.host.policy == "write_through":
                 self._write_down(leaf)
         self._touch(node, used=False)
-        self._push_leaf(node)
+        self._push(self._leaves, node)
         return cached, node
 
     def _lock(self, node: Node) -> None:
@@ -244,7 +244,7 @@ class RadixTree(Tiering):
             if node.lock_ref == 0:
                 newly_unlocked += node.pages
                 newly_unlocked_host += node.host_pages
-                self._push_host_leaf(node)
+                self._push(self._host_leaves, node)
                 if deepest_on_device is None and node.pages:
                     deepest_on_device = node
             node = node.parent
@@ -255,7 +255,7 @@ class RadixTree(Tiering):
         # Only the deepest device node of the path can be a device leaf (the others have it as
         # a child on the device).
         if deepest_on_device is not None:
-            self._push_leaf(deepest_on_device)
+            self._push(self._leaves, deepest_on_device)
 
     def _alloc_pages(self, n: int) -> list[int]:
         """Allocate ``n`` pages, evicting unlocked leaves when free pages run short."""
@@ -336,7 +336,7 @@ class RadixTree(Tiering):
         node.parent = upper
         upper.children[node.key[:4]] = node
         self._num_nodes += 1
-        self._push_host_leaf(upper)
+        self._push(self._host_leaves, upper)
         return upper
 
     def _touch(self, node: Node, used: bool) -> None:
