@@ -158,12 +158,9 @@ class SuffixIndex:
         """A node moving between tiers stays in the tree: its tokens stay draftable."""
 
     def cleared(self) -> None:
-        self._runs.clear()
-        self._order.clear()
-        self._by_node.clear()
-        self._namespaces.clear()
-        self._names.clear()
-        self._namespace_runs.clear()
+        for table in (self._runs, self._order, self._by_node, self._namespaces, self._names,
+                      self._namespace_runs):
+            table.clear()
 
     # ------------------------------------------------------------------------ lookup
     def matches(self, context: np.ndarray, namespace: Hashable, k: int) -> tuple[int, np.ndarray]:
