@@ -378,15 +378,16 @@ class Scheduler:
             self.outputs.emit(seq.req, seq.index, [], finish_reason="stop")
             self._finish(seq, "stop")
 
+    def _fork(self, parent: Seq) -> Seq:
+        """A new running sequence of ``parent``'s request, sharing its tokens and KV."""
+        child = Seq(parent.req, len(parent.req.seqs), parent.tokens.copy(), status=Status.RUNNING)
+        self.mem.fork(parent, child)
+        parent.req.seqs.append(child)
+        return child
+
     def _fork_samples(self, parent: Seq, samples: int, rows: SampledRows, row: int) -> None:
-        req = parent.req
-        req.forked = True
-        children = [parent]
-        for i in range(1, samples):
-            child = Seq(req, i, parent.tokens.copy(), status=Status.RUNNING)
-            self.mem.fork(parent, child)
-            req.seqs.append(child)
-            children.append(child)
+        parent.req.forked = True  # it has one sequence so far: the samples are numbered 1, 2, ...
+        children = [parent] + [self._fork(parent) for _ in range(1, samples)]
         for i, child in enumerate(children):
             self._append(child, rows.after(row + i), rows, row + i)
             self._grammar_ended(child, row + i in rows.grammar_ended)
@@ -412,9 +413,7 @@ class Scheduler:
         for cand in chosen:
             parent = beams[cand.parent]
             if cand.parent in used:
-                seq = Seq(req, len(req.seqs), parent.tokens.copy(), status=Status.RUNNING)
-                self.mem.fork(parent, seq)
-                req.seqs.append(seq)
+                seq = self._fork(parent)
             else:
                 seq = parent
                 used.add(cand.parent)
