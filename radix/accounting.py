@@ -26,9 +26,8 @@ def check_tree(nodes: list[Node], num_nodes: int, alloc: PageAllocator, host: Ho
     host_pages = host.num_pages if host is not None else 0
     host_refs = np.zeros(host_pages, dtype=np.int64)
     host_unlocked = np.zeros(host_pages, dtype=np.int64)
-    count = 0
+    assert len(nodes) == num_nodes, f"node count drifted: {len(nodes)} vs {num_nodes}"
     for node in nodes:
-        count += 1
         assert not node.evicted, f"evicted node still linked: {node!r}"
         parent = node.parent
         assert parent.children.get(node.key[:4]) is node, f"child key mismatch at {node!r}"
@@ -47,7 +46,6 @@ def check_tree(nodes: list[Node], num_nodes: int, alloc: PageAllocator, host: Ho
         if node.lock_ref == 0:
             np.add.at(unlocked_refs, node.pages, 1)
             np.add.at(host_unlocked, node.host_pages, 1)
-    assert count == num_nodes, f"node count drifted: {count} vs {num_nodes}"
     _check_tier(alloc, tree_refs, unlocked_refs, external_refs)
     if host is not None:
         _check_tier(host.allocator, host_refs, host_unlocked, np.zeros_like(host_refs))
