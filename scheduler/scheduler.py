@@ -455,10 +455,9 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         self.requests.pop(req.rid, None)
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.waiting):
+            if req in queue:
+                queue.remove(req)
 
     # ------------------------------------------------------------ checking
     def check(self) -> None:
