@@ -26,8 +26,10 @@ A match may reach into the host tier (radix/host.py): ``acquire`` then loads tha
 fresh device pages, and the host tier holds the planned loads until the holder's next step
 carries them (``HostTier.take_moves``), with the write-downs that evictions planned.
 
-**Matched pages are valid only while the match is locked.** ``lease.match.pages`` may be
-evicted and reused once the lease is unlocked; ``acquire`` refuses to run on an unlocked lease.
+**Matched pages are valid only while the match is locked,** and ``acquire`` reads them again:
+``lease.match.pages`` may be evicted and reused once the lease is unlocked (``acquire`` refuses
+to run on an unlocked lease), and an insert extending the matched node from inside its last
+page swaps that page for the inserter's copy of it.
 The table holds its own references (one per page), so it stays valid after ``unlock``: a holder
 that lets its lock go early (a sequence swapped out to host) keeps what it shares, and may
 still grow, commit and release. A copy's source page carries one more reference, the holder's,
@@ -110,6 +112,10 @@ class Lease:
             # What another holder loaded since this one matched is on the device already.
             self.match.pages = tree._load(self.match.node, fresh[:loads])
             del fresh[:loads]
+        elif self.match.partial_len:
+            # An insert that extended the matched node since may have given it the inserter's
+            # copy of its last page and freed the one matched: read the page it holds now.
+            self.match.pages[-1] = self.match.node.pages[-1]
         full = self.match.full_pages
         alloc = tree.allocator
         alloc.incref(full)

@@ -208,6 +208,31 @@ def test_full_hit_recomputes_last_token_and_copies_partial_page():
     sim.check()
 
 
+def test_a_waiting_lease_copies_the_page_its_node_holds_now():
+    """A lease matched a prefix ending inside a page and has not acquired yet; meanwhile another
+    holder extends that node from inside the page, which hands the node the holder's copy of
+    the page and frees the matched one (anyone may take it). The copy on acquire reads the
+    node's page as it is now, never the freed one."""
+    alloc, tree = make(num_pages=8, page_size=4)
+    cache(tree, [1, 2, 3, 4, 5, 6])  # two pages, the second holding two slots
+    waiting = Lease(tree, [1, 2, 3, 4, 5, 6, 9])
+    matched = waiting.match.partial_page
+    other = Lease(tree, [1, 2, 3, 4, 5, 6, 7, 8])
+    table, copy = other.acquire(8)
+    alloc.decref([copy.src])  # the copy ran
+    other.commit(table, [1, 2, 3, 4, 5, 6, 7, 8])
+    taken = alloc.alloc(alloc.num_free_pages)
+    assert matched in taken  # the page the waiting lease matched belongs to someone else now
+    alloc.decref(taken)
+    pages, copy = waiting.acquire(7)
+    assert copy == PageCopy(table[1], pages[1], 2)
+    alloc.decref([copy.src])
+    waiting.release(pages)
+    other.release(table)
+    tree.check()
+    alloc.check()
+
+
 # ---------------------------------------------------------------- eviction
 def test_eviction_is_lru_over_leaves():
     alloc, tree = make(num_pages=16, page_size=4)
