@@ -6,11 +6,11 @@ the pages of its table, so siblings share prefix pages through refcounts::
 
     positions   0 ............ cached ............ computed ........ len(tokens)
     sequence    [ matched in the tree | computed here | sampled, not yet run ]
+    pages       [ shared: refcount > 1 ][ private ... ][last, maybe partial ]
 
 ``computed`` advances when a batch is sent and ``settled`` when it comes back: with overlap
 scheduling one batch may be in flight, and the token it samples is a placeholder (``-1 - row``)
 at the end of ``tokens`` until then.
-    pages       [ shared: refcount > 1 ][ private ... ][last, maybe partial ]
 """
 
 from __future__ import annotations
