@@ -93,6 +93,7 @@ def test_the_copy_matches_what_the_tree_caches(page_size, block_size, host):
             engine.sim.tree.reset()
         for sequence, payload in engine.batches():
             copy.apply(sequence, payload)
+        assert copy.num_blocks == len(set().union(*copy.media.values())), f"step {step}"
         for head in heads:
             probe = head + [rng.randrange(40) for _ in range(20)]
             for namespace in (None, "tenant"):
@@ -214,7 +215,7 @@ def test_a_dead_replica_gets_nothing_and_its_requests_fail_or_move():
     lost, again = dispatcher.replica_down(1)
     assert lost == ["answered"] and [r.rid for r in again] == ["waiting"]
     rep = dispatcher.replicas[1]
-    assert rep.in_flight == 0 and not rep.cache.blocks and rep.cache.resets == 1
+    assert rep.in_flight == 0 and rep.cache.num_blocks == 0 and rep.cache.resets == 1
     feed(dispatcher, 1, engines[1])  # late events of a dead replica change nothing
     assert dispatcher.route(request("next", prompt))[0] == 0
     assert dispatcher.replica_down(1) == ([], [])

@@ -54,7 +54,7 @@ class Replica:
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.alive, self.in_flight, self.routed, self.predicted_cached_tokens,
-                           self.actual_cached_tokens, len(self.cache.blocks), self.cache.resets,
+                           self.actual_cached_tokens, self.cache.num_blocks, self.cache.resets,
                            self.stats)
 
 
@@ -162,7 +162,7 @@ class Dispatcher:
             return next(r for r in self._turn if alive[r])
         return choose([r.cache.match(hashes) for r in self.replicas],
                       [r.in_flight for r in self.replicas],
-                      [len(r.cache.blocks) for r in self.replicas], alive, self.block_size,
+                      [r.cache.num_blocks for r in self.replicas], alive, self.block_size,
                       prompt_len, threshold=self.threshold,
                       balance_abs=self.balance_abs, balance_rel=self.balance_rel)
 

@@ -43,8 +43,10 @@ class ReplicaCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         # per medium (the device's "GPU", the host tier's "CPU"): a block is cached while any
-        # tier holds it
+        # tier holds it; ``held`` counts the tiers of each block so that lookups and the count
+        # of blocks (every routed request reads it) cost no union of the tiers
         self.media: dict[str | None, set[int]] = {}
+        self.held: Counter[int] = Counter()
         self.coming: Counter[int] = Counter()
         self.next_sequence = 0
         self.resets = 0
@@ -59,27 +61,40 @@ class ReplicaCache:
                 if event.block_size != self.block_size:
                     raise ValueError(f"KV events of {event.block_size}-token blocks, expected "
                                      f"{self.block_size}")
-                self.media.setdefault(event.medium, set()).update(event.block_hashes)
+                tier = self.media.setdefault(event.medium, set())
+                new = [h for h in dict.fromkeys(event.block_hashes) if h not in tier]
+                tier.update(new)
+                self.held.update(new)
             elif isinstance(event, BlockRemoved):
-                self.media.get(event.medium, set()).difference_update(event.block_hashes)
+                tier = self.media.get(event.medium, set())
+                for h in event.block_hashes:
+                    if h in tier:
+                        tier.remove(h)
+                        self.held[h] -= 1
+                        if not self.held[h]:
+                            del self.held[h]
             elif isinstance(event, AllBlocksCleared):
-                self.media.clear()
+                self._clear()
 
     @property
-    def blocks(self) -> set[int]:
-        """Every block some tier holds."""
-        return set().union(*self.media.values())
+    def num_blocks(self) -> int:
+        """Blocks some tier holds."""
+        return len(self.held)
 
     def drop(self) -> None:
         """Forget everything cached (a gap in the events, or the replica died)."""
-        self.media.clear()
+        self._clear()
         self.resets += 1
+
+    def _clear(self) -> None:
+        self.media.clear()
+        self.held.clear()
 
     def match(self, hashes: list[int]) -> int:
         """Leading blocks of a prompt (its chained hashes) cached here or coming."""
-        tiers, coming = list(self.media.values()), self.coming
+        held, coming = self.held, self.coming
         for k, h in enumerate(hashes):
-            if h not in coming and not any(h in tier for tier in tiers):
+            if h not in coming and h not in held:
                 return k
         return len(hashes)
 
