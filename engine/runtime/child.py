@@ -5,7 +5,6 @@ before exiting non-zero."""
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 import os
 import signal
@@ -34,13 +33,20 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-# Each role's module (its ``run(spec, ctx)``), imported only in the child that plays it.
-ROLES = {
-    "worker": "engine.worker.process",
-    "tp_worker": "engine.worker.tp_rank",
-    "scheduler": "scheduler.process",
-    "tokenizer": "tokenizer_worker.process",
-}
+def _role(name: str):
+    """The ``run(spec, ctx)`` of a role, imported only in the child that plays it (imports
+    written out, so that tests/test_layout.py sees which packages the runtime reaches)."""
+    if name == "worker":
+        from engine.worker import process
+    elif name == "tp_worker":
+        from engine.worker import tp_rank as process
+    elif name == "scheduler":
+        from scheduler import process
+    elif name == "tokenizer":
+        from tokenizer_worker import process
+    else:
+        raise ValueError(f"unknown role {name!r}")
+    return process.run
 
 
 def main() -> int:
@@ -56,7 +62,7 @@ def main() -> int:
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
-        importlib.import_module(ROLES[spec.role]).run(spec, ctx)
+        _role(spec.role)(spec, ctx)
         return 0
     except Exception:
         text = traceback.format_exc()
