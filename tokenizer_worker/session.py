@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenizer_worker.template import Objects, encode_rendered, render_chat, render_chat_spans
+from tokenizer_worker.template import JsonObjects, encode_rendered, render_chat, render_chat_spans
 
 SENTINEL = "radixserve-session-reply-3f0d346b"
 
@@ -36,8 +36,8 @@ class ChatSession:
     token_ids: list[int] = field(default_factory=list)  # every turn's prompt and reply, as run
     messages: list[dict[str, Any]] = field(default_factory=list)  # replies as their text
 
-    def prompt_for(self, tokenizer: PreTrainedTokenizerBase, new_messages: Objects, *,
-                   tools: Objects | None = None, special_in_content: bool = False) -> list[int]:
+    def prompt_for(self, tokenizer: PreTrainedTokenizerBase, new_messages: JsonObjects, *,
+                   tools: JsonObjects | None = None, special_in_content: bool = False) -> list[int]:
         """Token ids of the next turn's prompt: the history, then the new messages' fragment
         (special tokens in message text are text, as in ``render_chat``)."""
         if not self.messages:
@@ -59,7 +59,7 @@ class ChatSession:
                 start += len(closing)
         return self.token_ids + encode_rendered(tokenizer, text, spans, start)
 
-    def commit(self, prompt_ids: Sequence[int], new_messages: Objects,
+    def commit(self, prompt_ids: Sequence[int], new_messages: JsonObjects,
                reply_ids: Sequence[int], reply_text: str) -> None:
         """A finished turn becomes history."""
         self.token_ids = [*prompt_ids, *reply_ids]

@@ -25,11 +25,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 Span = tuple[int, int]  # [start, end) character offsets into a rendered text
-Objects = Sequence[Mapping[str, Any]]  # chat messages, or tools: JSON objects as the client sent
+JsonObjects = Sequence[Mapping[str, Any]]  # chat messages, or tools: JSON objects as the client sent
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Objects,
-                add_generation_prompt: bool = True, *, tools: Objects | None = None,
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: JsonObjects,
+                add_generation_prompt: bool = True, *, tools: JsonObjects | None = None,
                 special_in_content: bool = False) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template.
 
@@ -47,8 +47,8 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Objects,
     return encode_rendered(tokenizer, text, spans)
 
 
-def render_chat_spans(tokenizer: PreTrainedTokenizerBase, messages: Objects,
-                      add_generation_prompt: bool = True, *, tools: Objects | None = None,
+def render_chat_spans(tokenizer: PreTrainedTokenizerBase, messages: JsonObjects,
+                      add_generation_prompt: bool = True, *, tools: JsonObjects | None = None,
                       special_in_content: bool = False) -> tuple[str, list[Span]]:
     """The rendered text and the spans of it that are message strings spelling a special token
     (none when no string does, or with ``special_in_content``)."""
@@ -119,8 +119,8 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str, spans: Sequen
     return ids
 
 
-def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Objects,
-                     add_generation_prompt: bool = True, *, tools: Objects | None = None) -> str:
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: JsonObjects,
+                     add_generation_prompt: bool = True, *, tools: JsonObjects | None = None) -> str:
     """``messages`` rendered by the chat template as text (see ``render_chat``)."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template, so chat messages cannot "
@@ -178,7 +178,7 @@ def _marked(value: Any, pattern: re.Pattern[str], found: list[str]) -> Any:
     return value
 
 
-def _normalize_messages(messages: Objects) -> list[dict[str, Any]]:
+def _normalize_messages(messages: JsonObjects) -> list[dict[str, Any]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
     if not messages:
