@@ -25,7 +25,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 Span = tuple[int, int]  # [start, end) character offsets into a rendered text
-JsonObjects = Sequence[Mapping[str, Any]]  # chat messages, or tools: JSON objects as the client sent
+# chat messages, or tools: JSON objects as the client sent them
+JsonObjects = Sequence[Mapping[str, Any]]
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: JsonObjects,
@@ -120,7 +121,8 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str, spans: Sequen
 
 
 def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: JsonObjects,
-                     add_generation_prompt: bool = True, *, tools: JsonObjects | None = None) -> str:
+                     add_generation_prompt: bool = True, *,
+                     tools: JsonObjects | None = None) -> str:
     """``messages`` rendered by the chat template as text (see ``render_chat``)."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template, so chat messages cannot "
