@@ -85,7 +85,8 @@ class RequestResult:
             tid = np.frombuffer(out.top_ids, np.int32).reshape(len(ids), -1)
             tlp = np.frombuffer(out.top_logprobs, np.float32).reshape(tid.shape)
             c.top_logprobs = (c.top_logprobs or []) + [
-                dict(zip(a.tolist(), b.tolist(), strict=True)) for a, b in zip(tid, tlp, strict=True)]
+                dict(zip(a.tolist(), b.tolist(), strict=True))
+                for a, b in zip(tid, tlp, strict=True)]
         c.finish_reason = out.finish_reason or c.finish_reason
 
 
