@@ -137,9 +137,11 @@ class TierIO:
     def finished(self) -> list[tuple[int, int]]:
         """Loads that have ended since the last call: (load id, blocks in the pages)."""
         with self._cond:
-            ready = [d for d in self._done if d[2] is None or d[2].query()]
-            # Not a second query: a copy ending in between would leave its load in neither list.
-            self._done = [d for d in self._done if d not in ready]
+            # Each copy's event is queried once: a copy ending between two queries would leave
+            # its load in neither list.
+            ended = [event is None or event.query() for _, _, event in self._done]
+            ready = [d for d, done in zip(self._done, ended, strict=True) if done]
+            self._done = [d for d, done in zip(self._done, ended, strict=True) if not done]
         return [(load_id, blocks) for load_id, blocks, _ in ready]
 
     def wait(self, timeout: float) -> None:
