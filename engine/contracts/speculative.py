@@ -77,10 +77,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                 if getattr(config, key) is None:
                     setattr(config, key, default)
             return config
-        # vLLM's rule: one bound given sets the other; neither sets both to 5 (given bounds are
-        # at least 1, so `or` only passes over a missing one).
-        low, high = config.prompt_lookup_min, config.prompt_lookup_max
-        config.prompt_lookup_min, config.prompt_lookup_max = low or high or 5, high or low or 5
+        # vLLM's rule: one bound given sets the other; neither sets both to 5.
+        if config.prompt_lookup_min is None and config.prompt_lookup_max is None:
+            config.prompt_lookup_min = config.prompt_lookup_max = 5
+        elif config.prompt_lookup_min is None:
+            config.prompt_lookup_min = config.prompt_lookup_max
+        elif config.prompt_lookup_max is None:
+            config.prompt_lookup_max = config.prompt_lookup_min
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"--speculative-config: prompt_lookup_min "
                              f"({config.prompt_lookup_min}) must not exceed prompt_lookup_max "
