@@ -287,6 +287,8 @@ class Scheduler:
         """Sequences whose loads ended run from the tokens that arrived."""
         if self.disk is not None:
             self.disk_io = result
+            if result.disk_off:  # the worker found the directory gone: no more lookups
+                self.disk.store.turn_off("the model worker found its directory gone")
         for load_id, arrived in result.loads_ended:
             pending = self.mem.load_ended(load_id, arrived)
             if pending is None:

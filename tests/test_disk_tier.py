@@ -7,7 +7,6 @@ worker (a restart) read the directory; faulty files are skipped and recomputed."
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -160,20 +159,6 @@ def test_forks_swaps_and_host_tier_with_disk(model_dir, hf_model, tmp_path):  # 
     assert second.sched.stats()["disk_blocks_loaded"] > 0
 
 
-def test_store_files_are_private(tmp_path):
-    """The store's directory is 0700 and its files 0600, written whole under their names."""
-    store = DiskStore(str(tmp_path), "cd" * 16, identity={"model": "x"})
-    assert store.write("ef" * 16, 16, b"\x01" * 1000)
-    assert (os.stat(store.dir).st_mode & 0o777) == 0o700
-    path = store.path("ef" * 16)
-    assert (os.stat(path).st_mode & 0o777) == 0o600
-    assert (os.stat(path.parent).st_mode & 0o777) == 0o700
-    assert store.read("ef" * 16, 16, 1000) == b"\x01" * 1000
-    assert store.read("ef" * 16, 16, 999) is None  # a header that does not match: skipped
-    assert not path.exists()
-    assert not list(store.dir.glob("*/.*.tmp"))
-
-
 @pytest.mark.parametrize("tiers", ["host", "disk", "both"])
 def test_the_profilers_replay_agrees_with_the_engine(model_dir, tmp_path, tiers):  # noqa: F811
     """The same requests served by the scheduler and worker and replayed by the profiler with
@@ -209,76 +194,6 @@ def test_the_profilers_replay_agrees_with_the_engine(model_dir, tmp_path, tiers)
     assert served["disk"] + served["host"] > 0.4 * total
     for tier, count in replayed.items():
         assert abs(count - served[tier]) <= 0.02 * total, (tier, served, replayed)
-
-
-def test_the_store_stays_within_its_capacity_dropping_the_least_recently_used(tmp_path):
-    """Past its capacity a write first removes the least recently used files (a read refreshes
-    a file) down to 90%; another store on the same directory counts the same files."""
-    block = 1000
-    size = len(b"RSKV\x01\n") + 60 + block  # magic + header + payload
-    store = DiskStore(str(tmp_path), "cd" * 16, capacity=10 * size)
-    names = [f"{i:032x}" for i in range(10)]
-    for i, name in enumerate(names):
-        assert store.write(name, 16, bytes([i]) * block)
-        os.utime(store.path(name), ns=(i * 10**9, i * 10**9))  # written one second apart
-    assert store.read(names[0], 16, block) == bytes([0]) * block  # now the most recent
-    assert store.write("ff" * 16, 16, b"\xff" * block)  # over capacity: trims to 90%
-    kept = {p.stem for p in block_files(tmp_path)}
-    assert names[0] in kept and "ff" * 16 in kept
-    assert names[1] not in kept and names[2] not in kept
-    assert len(kept) <= 9
-    other = DiskStore(str(tmp_path), "cd" * 16, capacity=10 * size)
-    assert other.used == store.used == sum(p.stat().st_size for p in block_files(tmp_path))
-
-
-def test_a_full_disk_skips_writes_and_a_removed_directory_turns_the_store_off(
-        tmp_path, monkeypatch):
-    store = DiskStore(str(tmp_path), "cd" * 16)
-    assert store.write("01" * 16, 16, b"x" * 100)
-    real_write = os.write
-
-    def full(fd, data):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "write", full)
-    assert not store.write("02" * 16, 16, b"y" * 100)  # skipped, not raised
-    assert store.enabled and not list(store.dir.glob("*/.*.tmp"))  # no half-written file
-    monkeypatch.setattr(os, "write", real_write)
-    assert store.write("03" * 16, 16, b"z" * 100)
-    import shutil
-
-    shutil.rmtree(store.dir)
-    assert not store.write("04" * 16, 16, b"w" * 100)
-    assert store.read("03" * 16, 16, 100) is None
-    assert not store.enabled and not store.contains("03" * 16)
-
-
-def test_two_stores_write_one_block_and_read_it_whole(tmp_path):
-    """Two servers writing the same block write the same bytes through private temporary
-    names: the block is whole whichever rename lands last."""
-    a, b = DiskStore(str(tmp_path), "cd" * 16), DiskStore(str(tmp_path), "cd" * 16)
-    payload = os.urandom(5000)
-    assert a.write("aa" * 16, 16, payload)
-    b.path("aa" * 16).unlink()
-    assert b.write("aa" * 16, 16, payload)
-    assert a.read("aa" * 16, 16, 5000) == payload
-
-
-@pytest.mark.parametrize("problem,says", [("missing", "does not exist"),
-                                          ("a file", "is not a directory"),
-                                          ("read-only", "is not writable")])
-def test_a_bad_directory_is_refused_with_a_sentence(tmp_path, monkeypatch, problem, says):
-    from engine.contracts import disk_cache
-
-    path = tmp_path / "kv"
-    if problem == "a file":
-        path.write_text("")
-    elif problem == "read-only":
-        path.mkdir(mode=0o500)
-        # root may write anywhere: the permission answer is the kernel's, asked through access
-        monkeypatch.setattr(disk_cache.os, "access", lambda p, mode: False)
-    with pytest.raises(ValueError, match=f"--disk-cache-dir {path} {says}"):
-        disk_cache.check_directory(str(path))
 
 
 def test_blocks_the_tree_holds_are_written_again_once_they_left_the_disk(model_dir, tmp_path):  # noqa: F811

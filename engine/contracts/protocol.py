@@ -291,6 +291,7 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     disk_bytes_written: int = 0
     disk_load_seconds: float = 0.0
     disk_rejected: int = 0
+    disk_off: bool = False  # the disk tier's directory is gone: the scheduler stops using it
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

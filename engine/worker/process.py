@@ -190,6 +190,7 @@ class Worker:
                 result.disk_bytes_read, result.disk_bytes_written = (store.bytes_read,
                                                                      store.bytes_written)
                 result.disk_load_seconds, result.disk_rejected = io.load_seconds, store.rejected
+                result.disk_off = not store.enabled
         return result
 
     def _forward_all_ranks(self, batch_id: int, step):

@@ -65,7 +65,7 @@ def identity(c: EngineConfig, runner: ModelRunner) -> dict:
     stats = [(os.path.basename(file), os.stat(file)) for file in files]
     weights = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
     return {
-        "format": 1, "architecture": mc.architecture, "num_layers": mc.num_layers,
+        "format": 2, "architecture": mc.architecture, "num_layers": mc.num_layers,
         "num_kv_heads": runner.model.plan.num_kv_heads, "head_dim": mc.head_dim,
         "vocab_size": mc.vocab_size, "weights": weights, "load_format": c.load_format,
         "seed": c.seed if c.load_format == "dummy" else None,
