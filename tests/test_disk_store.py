@@ -307,19 +307,28 @@ def test_a_bad_directory_is_refused_with_a_sentence(tmp_path, monkeypatch, probl
 
 
 # ------------------------------------------------------------ many processes, one directory
-def write_and_trim(directory: str, capacity: int, seed: int, count: int) -> tuple[bool, int]:
-    """One server's share of the concurrent test: ``count`` blocks written (some shared with
-    the others), some read back, some trims; (whether its store is still on, blocks read)."""
+def write_and_trim(directory: str, capacity: int, seed: int, count: int, barrier,
+                   results) -> None:
+    """One server's share of the concurrent test. First ``count`` blocks whose names the
+    others write too, some read back, a trim every tenth (files vanish under every listing);
+    then, once all are there, blocks of its own worth three quarters of the capacity: only a
+    count all of them share keeps the total under it. Puts (seed, store on, blocks read)."""
     store = DiskStore(directory, FP, capacity=capacity)
+    payload = BLOCK - BLOCK % 16
     read = 0
     for i in range(count):
-        name = f"{(i * 7 + seed * (i % 3)) % (3 * count):032x}"  # overlapping names
-        store.write(name, 16, name.encode()[:16] * (BLOCK // 16))
+        name = f"{(i * 7 + seed * (i % 3)) % (3 * count):032x}"
+        store.write(name, 16, name.encode()[:16] * (payload // 16))
         if i % 5 == 0:
-            read += store.read(f"{(i // 2):032x}", 16, BLOCK - BLOCK % 16) is not None
-        if i % 50 == 25:
+            read += store.read(f"{(i // 2):032x}", 16, payload) is not None
+        if i % 10 == 9:
             store.trim(capacity * 0.5)
-    return store.enabled, read
+    store.trim(0)
+    barrier.wait()
+    for i in range(capacity // (payload + 100) * 3 // 4):
+        name = f"{seed + 1:02x}{i:030x}"
+        store.write(name, 16, name.encode()[:16] * (payload // 16))
+    results.put((seed, store.enabled, read))
 
 
 @pytest.mark.e2e
@@ -330,10 +339,18 @@ def test_processes_sharing_a_directory_stay_on_and_within_the_bound(tmp_path, pr
     block = len(disk_cache.MAGIC) + 60 + disk_guard.TAG_BYTES + payload
     capacity = 40 * block
     DiskStore(str(tmp_path), FP)  # the key, made once (the test of many starts is above)
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        results = pool.starmap(write_and_trim, [(str(tmp_path), capacity, seed, 400)
-                                                for seed in range(processes)])
-    assert all(enabled for enabled, _ in results)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    workers = [ctx.Process(target=write_and_trim,
+                           args=(str(tmp_path), capacity, seed, 300, barrier, results))
+               for seed in range(processes)]
+    for w in workers:
+        w.start()
+    ended = sorted(results.get(timeout=60) for _ in workers)
+    for w in workers:
+        w.join(10)
+        assert w.exitcode == 0
+    assert [enabled for _, enabled, _ in ended] == [True] * processes
     on_disk = sum(p.stat().st_size for p in tmp_path.glob(f"{FP}/*/*"))
     assert 0 < on_disk <= capacity
     store = DiskStore(str(tmp_path), FP, capacity=capacity)
