@@ -252,3 +252,32 @@ def test_a_batch_that_fails_before_its_loads_start_lets_them_end_empty(model_dir
     tokens = [t for out in outputs for t in np.frombuffer(out.token_ids, np.int32).tolist()]
     assert tokens == hf_greedy(hf_model, prompt, 12)
     assert outputs[-1].cached_tokens_disk == 0 and h.sched.stats()["disk_load_failures"] == 1
+
+
+def test_the_scheduler_stops_using_a_directory_the_worker_found_gone(model_dir, hf_model,  # noqa: F811
+                                                                      tmp_path):
+    """The store's directory removed while serving: the worker's I/O thread finds it gone
+    (an lstat of the directory, not a missing file), and its next result tells the scheduler,
+    whose handle then plans no more lookups or saves; outputs are unchanged."""
+    import shutil
+
+    rng = np.random.default_rng(16)
+    prompts = [rng.integers(3, 4000, 70).tolist() for _ in range(3)]
+    h = disk_harness(model_dir, tmp_path, num_pages=40)
+    h.add("a", prompts[0], GREEDY)
+    h.run()
+    close(h)  # its saves written, so that nothing writes while the directory is removed
+    from engine.worker.tier_io import open_tier_io
+
+    h.worker.io = open_tier_io(h.config, h.worker.runner)  # a fresh I/O thread
+    shutil.rmtree(h.worker.io.store.dir)
+    h.add("b", prompts[1], GREEDY)
+    h.run()
+    close(h)  # its saves tried: the worker's store has found the directory gone
+    assert not h.worker.io.store.enabled
+    h.add("c", prompts[2], GREEDY)
+    h.run()
+    assert not h.sched.disk.store.enabled
+    assert not h.sched.disk.saves and h.sched.disk.lookup(prompts[2], None, 0, 64) == []
+    for rid, prompt in zip("abc", prompts, strict=True):
+        assert h.outputs[rid][0] == hf_greedy(hf_model, prompt, 12)
