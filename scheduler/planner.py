@@ -8,7 +8,9 @@ decode token or a prefill chunk within the prefill budget; growth that finds no 
 the lower-progress requests (never beams), or the request itself (beams too: they wait and come
 back whole); then, unless something was preempted, waiting requests by policy while the pages
 (free + evictable, minus what running requests are expected to still need) and
-``max_running_requests`` allow.
+``max_running_requests`` allow; last, speculative drafts for the decoding sequences, from the
+pages still free once every sequence of the step has its own (so a draft never takes a page a
+sequence planned after it needs: drafts never evict the cache or preempt anyone).
 """
 
 from __future__ import annotations
@@ -96,11 +98,14 @@ class StepPlanner:
                 continue
             entries.extend(planned)
             budget -= sum(e.extend for e in planned if e.extend > 1 and not e.drafts)
+        decoding = [e for e in entries if e.extend == 1]
         blocked = None
         if preempted:
-            self.new_token_ratio = NEW_TOKEN_RATIO[0]
+            self.new_token_ratio = NEW_TOKEN_RATIO[0]  # pages are short: no drafts either
         else:
             blocked = self._admit_waiting(entries, work, budget)
+            for entry in decoding:
+                self._draft(entry, work)
         if entries:
             self.new_token_ratio = max(NEW_TOKEN_RATIO[1],
                                        self.new_token_ratio - NEW_TOKEN_RATIO[2])
@@ -130,41 +135,37 @@ class StepPlanner:
                                      and (len(seq.tokens) >= limit or seq.closing)):
                 continue  # the batch in flight samples its last token, or runs its closing step
             extend = seq.remaining
-            drafts: list[int] = []
             if extend > 1:
                 extend = min(extend, self.config.chunked_prefill_size, budget)
                 if extend <= 0:
                     continue
                 budget -= extend
-            else:
-                drafts = self._drafts(seq, limit, work)
             grown = self._grow(seq, seq.computed + extend, order, position, preempted, work)
             if grown is None:
                 continue  # look-ahead, short of pages
             if not grown:
                 return None
-            if drafts:
-                planned.append(Entry(seq, 1 + len(drafts), 1 + len(drafts), drafts=drafts))
-            else:
-                planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
+            planned.append(Entry(seq, extend, self._samples_for(seq, extend)))
         return planned
 
-    def _drafts(self, seq: Seq, limit: int, work: StepWork) -> list[int]:
-        """Draft tokens for ``seq``'s decode step, with pages for them taken from the free
-        ones (drafts never evict or preempt); empty when it does not draft."""
-        req = seq.req
+    def _draft(self, entry: Entry, work: StepWork) -> None:
+        """Turn a decode ``entry`` into a verification of draft tokens when its sequence drafts
+        and the free pages (what the step's other sequences left) hold them."""
+        seq, req = entry.seq, entry.seq.req
         if (self.speculator is None or req.is_beam or req.has_penalties or seq.closing
-                or is_placeholder(seq.tokens[-1]) or self._samples_for(seq, 1) != 1):
-            return []
-        drafts = self.speculator.drafts_for(seq, limit, self._num_running)
+                or is_placeholder(seq.tokens[-1]) or entry.samples != 1):
+            return
+        drafts = self.speculator.drafts_for(seq, req.max_len(self.info.context_len),
+                                            self._num_running)
         if not drafts:
-            return []
+            return
         upto = seq.computed + 1 + len(drafts)
         need = self.mem.alloc.pages_for(upto) - len(seq.pages) + seq.copy_last_page
         if need > self.mem.alloc.num_free_pages:
-            return []
+            return
         self.mem.grow(seq, upto, work)
-        return drafts
+        entry.extend = entry.samples = 1 + len(drafts)
+        entry.drafts = drafts
 
     def _grow(self, seq: Seq, upto: int, order: list[Request], position: int,
               preempted: set[int], work: StepWork) -> bool | None:

@@ -24,8 +24,9 @@ many tokens it drafts; one whose drafts are mostly rejected pauses drafting for 
 steps that doubles each time it happens again. No sequence drafts while more than
 ``disable_by_batch_size`` run: the step is then bound by compute, and a draft costs as much as
 a token. Not drafted: beams, rows with penalties (their sampler reads the whole history), a
-session's closing step, prefill chunks, and a sequence whose drafts would need pages that are
-not free (drafts never evict the cache or preempt anyone).
+session's closing step, prefill chunks, a step that preempted, and a sequence whose drafts
+would need pages that are not free once every sequence of the step has its own (drafts are
+planned last: they never evict the cache or preempt anyone, scheduler/planner.py).
 """
 
 from __future__ import annotations

@@ -334,3 +334,39 @@ def test_metrics_show_drafts_by_method():
     assert 'radixserve_spec_decode_mean_accepted_length{method="ngram"} 2.5' in text
     assert "spec_decode" not in Metrics(SchedulerStats, lambda: FrontendState(0, 0, True)
                                         ).render().decode()
+
+
+def test_drafts_take_only_pages_no_sequence_of_the_step_needs(model_dir, monkeypatch):
+    """Two decoding requests and a finished one's prefix cached in the tree, with one free page:
+    the later (lower-progress) request's next token needs it, and the earlier one's drafts
+    would too. Drafts are planned last, so they find no page: the step evicts nothing and
+    preempts no one, and the outputs are those decoding without drafts gives."""
+    monkeypatch.setattr(speculation, "propose_ngram",
+                        lambda tokens, lo, hi, k: np.full(k, 7, dtype=np.int64))
+    rng = np.random.default_rng(17)
+    cached, first, second = (rng.integers(3, 4000, n).tolist() for n in (40, 41, 40))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    requests = {"a": (first, params), "b": (second, params)}
+    options = {"page_size": 4, "num_pages": 64, "overlap_schedule": "off"}
+    base = run(model_dir, requests, **options)
+    h = Harness(model_dir, speculative_config=spec(k=4), **options)
+    h.add("cached", cached, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    h.run()
+    for rid, (prompt, p) in requests.items():
+        h.add(rid, prompt, p)
+    while h.step() or h.queued:  # both prefilled (41 and 40 tokens), first tokens sampled
+        pass
+    # "b"'s next token starts a page; "a"'s does not, but its drafts would
+    alloc = h.sched.alloc
+    held = alloc.alloc(alloc.num_free_pages - 1)  # the pool otherwise full: one page free
+    evictable = alloc.num_evictable_pages
+    assert evictable >= 10  # the finished request's prefix, cached
+    batch = h.sched.schedule()
+    assert alloc.num_evictable_pages == evictable and h.sched.num_preemptions == 0
+    assert [len(e.drafts) for e in h.sched.inflight[0][1]] == [0, 0]
+    alloc.decref(held)
+    h.sched.process_result(h.worker.step(batch))
+    h.run()
+    assert {rid: h.outputs[rid] for rid in requests} == base.outputs
+    assert h.sched.num_preemptions == 0
+    assert h.sched.speculator.drafted_tokens > 0  # with pages free again, "a" drafts
