@@ -233,6 +233,7 @@ class Scheduler:
         self.grammar_forced_tokens += sum(map(len, rows.forced.values()))
         self.grammar_mask_seconds += result.mask_seconds
         self.transfer_seconds += result.transfer_seconds
+        refused = dict(result.grammar_failures)  # row: why its grammar did not compile
         next_row = 0  # an entry's logits rows follow the previous entry's
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
         for entry in entries:
@@ -241,6 +242,10 @@ class Scheduler:
             self.mem.copies_done(seq)
             seq.prefills_in_flight -= entry.extend > 1 and not entry.drafts
             if seq.status is not Status.RUNNING:
+                continue
+            why = next((refused[r] for r in range(row, next_row) if r in refused), None)
+            if why is not None:
+                self._fail(seq.req, 400, why)  # this request alone: its rows' samples dropped
                 continue
             seq.settled = entry.end
             if seq.closing and entry.samples:

@@ -221,3 +221,34 @@ def test_a_grammar_failure_fails_its_batch_after_the_page_moves_ran(model) -> No
     with pytest.raises(RuntimeError, match="no grammar state"):
         worker.step(ForwardBatch(batch_id=1, step=step, sampling=[row]))
     assert bool((worker.runner.pool.kv[:, :, 5, :2] == 1.0).all())
+
+
+def test_a_grammar_the_worker_cannot_compile_fails_its_request_alone(model, prompts,
+                                                                      monkeypatch) -> None:
+    """A constraint the tokenizer worker accepted but the model worker cannot compile (its
+    vocabulary or end tokens differ): that request ends with a 400 naming the problem, and the
+    requests batched beside it, constrained or not, finish as they do without it."""
+    from engine.worker import grammar
+
+    real = grammar.grammar_text
+    monkeypatch.setattr(grammar, "grammar_text", lambda spec: "root ::= (" if (
+        spec.regex == "[a-z]+") else real(spec))
+    others = {"plain": (prompts[1], SamplingParams(max_tokens=12, temperature=0.0)),
+              "phone": (prompts[2], constrained(StructuredOutputs(regex=PHONE)))}
+    alone = Harness(model, device="cpu", page_size=16, num_pages=128)
+    for rid, (prompt, params) in others.items():
+        alone.add(rid, prompt, params)
+    alone.run()
+    h = Harness(model, device="cpu", page_size=16, num_pages=128)
+    h.add("refused", prompts[0], constrained(StructuredOutputs(regex="[a-z]+")))
+    for rid, (prompt, params) in others.items():
+        h.add(rid, prompt, params)
+    h.step()
+    assert len(h.sched.inflight[0][1]) == 3  # one batch, the three of them
+    h.run()
+    (final,) = h.finals["refused"]
+    assert final.finish_reason == "error" and final.status == 400
+    assert "structured_outputs.regex does not compile for this model's vocabulary" in final.error
+    assert {rid: h.outputs[rid] for rid in others} == alone.outputs
+    assert [f.finish_reason for rid in others for f in h.finals[rid]] == [
+        f.finish_reason for rid in others for f in alone.finals[rid]]

@@ -276,6 +276,9 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     forced_counts: bytes = b""
     forced_ids: bytes = b""
     grammar_ended: bytes = b""
+    # constrained rows whose grammar did not compile in the worker, (row, why): their requests
+    # fail alone (400), the rest of the batch goes on
+    grammar_failures: list[tuple[int, str]] = []
     mask_seconds: float = 0.0  # host time the step's token masks took (filled beside the forward)
     transfer_seconds: float = 0.0  # time the step's swaps, write-downs and loads took to issue
     # per ForwardBatch.prompt_rows row: the target's logprob (float32), the top-N ids and logprobs

@@ -15,6 +15,12 @@ engine/contracts/structured.py says what each constraint means). Each step:
    mask admits only that token, one step each. A grammar that can take nothing more ends its
    sequence ("stop").
 
+A grammar that fails to compile here (the tokenizer worker checked it against the tokenizer's
+own vocabulary; the model's, or its end tokens, can differ) fails its own row alone:
+``start_masks`` leaves it out of the mask and names it in ``Masks.failed``, the result carries
+the reason (``BatchResult.grammar_failures``), and the scheduler ends that request with a 400
+while the rows beside it go on.
+
 Matchers live until the scheduler releases their sequence (``ForwardBatch.released_grammars``).
 Preemption keeps them: a resumed sequence's outputs are the tokens its matcher consumed. The
 scheduler never plans a look-ahead step behind a constrained row (forced tokens change what
@@ -32,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -51,15 +57,21 @@ class _State:
     consumed: int = 0  # output tokens it has consumed
 
 
+class GrammarRejected(ValueError):
+    """A constrained row's grammar does not compile against the model's vocabulary."""
+
+
 @dataclass
 class Masks:
     """One step's constrained rows (indices into the step's sampling rows), the future of their
-    bitmask, int32 [len(rows), ceil(vocab / 32)], and the seconds filling it took."""
+    bitmask, int32 [len(rows), ceil(vocab / 32)], and the seconds filling it took; ``failed``:
+    rows whose grammar did not compile (row: why), left out of ``rows``."""
 
     rows: list[int]
     bitmask: np.ndarray
     done: Future
     seconds: float = 0.0
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,12 +124,16 @@ class Grammars:
             if row.output_len:
                 raise RuntimeError(f"constrained sequence {row.grammar_key} has "
                                    f"{row.output_len} outputs but no grammar state here")
-            matcher = llguidance.LLMatcher(self.tokenizer,
-                                           grammar_text(row.params.structured_outputs),
-                                           log_level=0, limits=parser_limits())
-            if matcher.is_error():
-                raise RuntimeError(f"the grammar of {row.grammar_key} failed to compile: "
-                                   f"{matcher.get_error()}")
+            spec = row.params.structured_outputs
+            try:
+                matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0,
+                                               limits=parser_limits())
+                error = matcher.get_error() if matcher.is_error() else None
+            except (ValueError, RuntimeError) as exc:
+                error = str(exc)
+            if error is not None:
+                raise GrammarRejected(f"structured_outputs.{spec.kind} does not compile for "
+                                      f"this model's vocabulary: {' '.join(error.split())[:400]}")
             state = self.states[row.grammar_key] = _State(matcher)
         if state.consumed > row.output_len:
             state.matcher.rollback(state.consumed - row.output_len)
@@ -129,15 +145,24 @@ class Grammars:
 
     def start_masks(self, rows: list[RowSampling]) -> Masks | None:
         """Each constrained row's bitmask, filled on the grammar thread; None when no row is
-        constrained. A row's state is checked (and made) here, on the caller's thread."""
+        constrained. A row's state is checked (and made) here, on the caller's thread; a row
+        whose grammar does not compile goes to ``Masks.failed`` instead."""
         import llguidance.numpy as llnp
 
-        constrained = [i for i, row in enumerate(rows) if row.grammar_key]
-        if not constrained:
+        constrained, matchers, failed = [], [], {}
+        for i, row in enumerate(rows):
+            if not row.grammar_key:
+                continue
+            try:
+                matchers.append(self._state(row).matcher)
+                constrained.append(i)
+            except GrammarRejected as exc:
+                logger.info("constrained sequence %s refused: %s", row.grammar_key, exc)
+                failed[i] = str(exc)
+        if not constrained and not failed:
             return None
-        matchers = [self._state(rows[i]).matcher for i in constrained]
         bitmask = llnp.allocate_token_bitmask(len(constrained), self.vocab_size)
-        masks = Masks(constrained, bitmask, Future())
+        masks = Masks(constrained, bitmask, Future(), failed=failed)
 
         def fill() -> None:
             began = time.perf_counter()

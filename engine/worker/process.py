@@ -103,7 +103,7 @@ class Worker:
         if len(prompt_rows):
             logits, prompt_logits = logits[: len(msg.sampling)], logits[len(msg.sampling):]
         allowed = None
-        if masks is not None:
+        if masks is not None and masks.rows:
             allowed = masks.rows, self.grammars.allowed(masks, logits.device, logits.shape[-1])
         out = sample(logits, rows, allowed)
         self.last_tokens = out.token_ids.astype(np.int32, copy=False)
@@ -136,6 +136,7 @@ class Worker:
             result.forced_ids = pack_ids([t for row in sorted(advanced.forced)
                                           for t in advanced.forced[row]])
         result.grammar_ended = pack_ids(advanced.ended)
+        result.grammar_failures = list(masks.failed.items())
         result.mask_seconds = masks.seconds
 
     def handle(self, msg: ForwardBatch) -> BatchResult:
