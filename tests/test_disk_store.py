@@ -291,6 +291,19 @@ def test_a_directory_another_user_could_write_is_refused_naming_it(tmp_path, mon
             disk_cache.check_directory(str(root))
 
 
+@pytest.mark.parametrize("problem", ["a link", "readable by others"])
+def test_a_key_another_user_could_have_read_or_placed_is_refused(tmp_path, problem):
+    store = DiskStore(str(tmp_path), FP)
+    key = store.dir / "key"
+    if problem == "a link":
+        key.rename(tmp_path / "elsewhere")
+        key.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.chmod(key, 0o644)
+    with pytest.raises(ValueError, match=f"the disk cache's key {key} is"):
+        DiskStore(str(tmp_path), FP)
+
+
 @pytest.mark.parametrize("problem,says", [("missing", "does not exist"),
                                           ("a file", "is not a directory"),
                                           ("read-only", "is not writable")])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import threading
 from hashlib import blake2b
 
 KEY_BYTES = 32
@@ -68,7 +67,7 @@ def directory_key(directory: str) -> bytes:
         return _read_key(path)
     except FileNotFoundError:
         pass
-    tmp = os.path.join(directory, f".key.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = os.path.join(directory, f".key.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -85,7 +84,13 @@ def directory_key(directory: str) -> bytes:
 
 
 def _read_key(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise Untrusted(f"the disk cache's key {path} is a symbolic link: remove the directory "
+                        f"{os.path.dirname(path)}, whose blocks anyone could have forged") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != KEY_BYTES:
@@ -113,7 +118,3 @@ def tag(key: bytes, *parts: bytes | memoryview) -> bytes:
 def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
     """``os.open`` that refuses a symbolic link at ``path`` (ELOOP) instead of following it."""
     return os.open(path, flags | NOFOLLOW, mode)
-
-
-def is_link_error(exc: OSError) -> bool:
-    return exc.errno == errno.ELOOP
