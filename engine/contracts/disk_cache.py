@@ -154,6 +154,11 @@ class DiskStore:
         self.trim(math.inf)  # a killed writer's temporaries go; the shared count is set
 
     @property
+    def writing(self) -> bool:
+        """On and not waiting out a full disk (a save is worth copying out)."""
+        return self.enabled and time.monotonic() >= self._retry_at
+
+    @property
     def used(self) -> int:
         """Bytes every process's files hold, by the shared count."""
         return self.ledger.used()
@@ -179,7 +184,7 @@ class DiskStore:
         """Store one block (atomically; a block already there is left as it is). False when it
         was not written: the store is off, full (the capacity, even after a trim), or the disk
         is full (logged once; writing stops until ``_retry_at`` or this store's trim)."""
-        if not self.enabled or time.monotonic() < self._retry_at:
+        if not self.writing:
             return False
         path = self.path(name)
         if self.contains(name):

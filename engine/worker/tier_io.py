@@ -102,8 +102,8 @@ class TierIO:
     def save(self, saves: list[DiskSave]) -> None:
         """Copy the named blocks' pages out now (the step's page writes come after) and queue
         them for writing."""
-        if not saves or self.store is None or not self.store.enabled:
-            return
+        if not saves or self.store is None or not self.store.writing:
+            return  # off, or waiting out a full disk: no copy for a write that would not run
         pages = np.concatenate([unpack_ids(s.pages) for s in saves]).astype(np.int64)
         index = torch.from_numpy(pages).to(self.pool.device)
         # [pages, L, 2, ...] in one copy (synchronous): each block is a run of its rows
