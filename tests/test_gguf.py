@@ -276,7 +276,7 @@ def test_what_model_resolves_to(converted, monkeypatch):
 
 
 def test_a_big_model_is_written_in_shards_with_an_index(tmp_path, monkeypatch):
-    from engine.worker.model.loader import weight_files
+    from engine.checkpoints.model_source import weight_files
 
     monkeypatch.setattr(converter, "SHARD_BYTES", 64 << 10)  # the tiny model spans shards
     path = write_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.F32)

@@ -7,6 +7,9 @@ worker and the tokenizer worker then load like any checkpoint::
         config.json               LlamaForCausalLM, from the file's ``llama.*`` metadata
         generation_config.json    bos / eos (and end-of-turn) ids from ``tokenizer.ggml.*``
         model.safetensors         every tensor dequantized (shards + index past 1 GiB)
+        quantized.safetensors     the Q4_0, Q4_1 and Q8_0 tensors in their own blocks
+                                  (engine/checkpoints/quant_formats.py), which
+                                  ``--quantization auto`` serves without widening them
         tokenizer.json, tokenizer_config.json, chat_template.jinja
                                   transformers' GGUF tokenizer converter, saved
         source.json               the GGUF it came from (name, sha256, tensor types); written
@@ -16,6 +19,7 @@ Tensors are read with the ``gguf`` package's reader and dequantized with ``gguf.
 Q4_0, Q4_1 and Q8_0 blocks become float32 (a block's f16 scale times a small integer needs
 more mantissa than 16 bits hold, so nothing narrower is exact); F16, BF16 and F32 tensors are
 kept as stored. Any other tensor type is refused before anything is written, with its name.
+The quantized tensors are also kept as they are, split into values, scales and minimums.
 
 llama.cpp's converter stores each head's rows of the Q and K projections interleaved (row i of
 the first rotary half next to row i of the second) for its RoPE kernel; transformers and this
@@ -44,8 +48,11 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoints.artifact_cache import build_once, default_cache_dir, write_json
+from engine.checkpoints.quant_formats import FILE as QUANTIZED_FILE
+from engine.checkpoints.quant_formats import GGUF_TYPES, PackedWeight, from_gguf
+from engine.checkpoints.quant_formats import write as write_quantized
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 SHARD_BYTES = 1 << 30
 REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "source.json")
@@ -225,6 +232,23 @@ def _dequantized(reader: Any, config: dict, source: Path) -> Iterator[tuple[str,
                torch.from_numpy(values).to(stored_as.get(kind, torch.float32)))
 
 
+def _packed(reader: Any, config: dict, source: Path) -> dict[str, PackedWeight]:
+    """HF name -> the file's own blocks, for every Q8_0, Q4_0 and Q4_1 tensor (rows in the
+    order the dequantized tensors have)."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    packed = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_TYPES:
+            continue
+        blocks = np.asarray(tensor.data)
+        match = _LAYER_NAME.fullmatch(tensor.name)
+        if match and match.group(2) in heads:
+            blocks = _unpermute_rope_rows(blocks, heads[match.group(2)])
+        packed[_hf_name(tensor.name, source)] = from_gguf(kind, blocks)
+    return packed
+
+
 def _write_weights(tensors: Iterator[tuple[str, Any]], directory: Path) -> None:
     """model.safetensors, or 1 GiB shards and their index (host memory: one shard at a time)."""
     from safetensors.torch import save_file
@@ -280,6 +304,9 @@ def _convert(path: Path, sha256: str, directory: Path) -> None:
                                  vocab_size=int(embedding.shape[1]))
 
     _write_weights(_dequantized(reader, config, path), directory)
+    packed = _packed(reader, config, path)
+    if packed:
+        write_quantized(packed, directory / QUANTIZED_FILE)
     write_json(directory / "config.json", config)
     write_json(directory / "generation_config.json", generation)
     _write_tokenizer(path, directory, config["max_position_embeddings"])

@@ -14,6 +14,7 @@ Resolution runs once, in the launching process; the children get the directory.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,3 +68,25 @@ def resolve_model(model: str | None, *, notice: Callable[[str], None] = _notice)
     if gguf is not None:
         return ModelSource(str(gguf_checkpoint(gguf)), gguf.stem)
     return ModelSource(model, None)
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in load order."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} lists {file.name}, which is not in {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    others = [p.name for pattern in ("*.bin", "*.pt") for p in sorted(model_dir.glob(pattern))]
+    hint = f" (found {', '.join(others)}; only safetensors weights are supported)" if others else ""
+    raise FileNotFoundError(f"{model_dir} has no *.safetensors weights{hint}")

@@ -62,6 +62,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "GiB of bf16; the torch backend, compiled CPU kernels) or fp8_e4m3 / fp8_e5m2 (one "
             "byte a value, one scale of 1.0: 2x; FlashInfer's fp8 kernels on GPU, the torch "
             "paths on CPU)"))] = "auto"
+    quantization: Annotated[Literal["auto", "none", "int8", "int4"], Meta(description=(
+        "weights held in blocks the CPU kernels read (decode reads 4.5-8.5 bits a weight "
+        "instead of 16): auto (a GGUF's own Q4_0, Q4_1 and Q8_0 tensors, embedding included; "
+        "other checkpoints dense), none (every weight widened to --dtype), int8 (per output "
+        "row) or int4 (per group of 32): the decoder's projections quantized once at load and "
+        "cached; CPU only"))] = "auto"
     # the model runner
     device: Annotated[str, Meta(description=(
         "cpu or cuda (default: cuda when available)"))] | None = None

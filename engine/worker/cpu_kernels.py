@@ -8,11 +8,14 @@
 - ``rope_store_op()``: ``torch.ops.radixserve.rope_store``, the rotary embedding of a step's
   queries and keys and the store of its keys and values into the pool, in one op
   (csrc/rope_store.cpp).
+- ``quant_ops()``: ``torch.ops.radixserve.quant_linear`` and ``dequantize_weight``, linear
+  layers over quantized weight blocks (csrc/quant_linear.cpp).
 
 They are built together, once per machine, torch version and source (``-march=native``: the
 build is for this CPU), with the C++ compiler torch's extensions use, into the radixserve cache;
-a second start only loads them. Without a compiler, or with ``RADIXSERVE_CPU_KERNELS=0``, both
-are None and the torch code paths serve every step; the log says which and why.
+a second start only loads them. Without a compiler, or with ``RADIXSERVE_CPU_KERNELS=0``, they
+are None and the torch code paths serve every step (quantized weights are then widened to the
+model's dtype at load); the log says which and why.
 """
 
 from __future__ import annotations
@@ -134,6 +137,12 @@ def paged_decode_op(quantized: bool = False) -> Callable[..., tuple[torch.Tensor
                     "AVX-512 nor AVX2 with FMA and F16C for the compiled kernel")
         return None
     return ops.paged_decode
+
+
+def quant_ops() -> object | None:
+    """The ops that read quantized weight blocks (``quant_linear``, ``dequantize_weight``,
+    ``quant_linear_isa``: which loops this build has), or None without the compiled kernels."""
+    return _ops()
 
 
 def rms_norm_op() -> Callable[..., torch.Tensor] | None:

@@ -120,13 +120,16 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(c.model)
         self.model = load_model(c.model, device=self.device, dtype=self.dtype,
                                 config=self.config, tp=self.tp, load_format=c.load_format,
-                                seed=c.seed)
+                                seed=c.seed, quantization=c.quantization)
         self._flops_per_token = 2 * self.config.num_params
-        # Bytes of the whole model's weight matrices, all of which a decode step reads.
-        self.weight_bytes = self.config.num_params * self.dtype.itemsize
+        self.model.prepack()
+        # Bytes of this rank's weights by format (a decode step reads nearly all of them).
+        self.weight_formats = self.model.weight_bytes()
+        self.weight_bytes = sum(self.weight_formats.values())
         self._small_model = self.weight_bytes < SMALL_MODEL_BYTES
         self._max_threads = self._threads = torch.get_num_threads()
-        self.model.prepack()
+        logger.info("weights: %s", ", ".join(f"{name} {size / 2**20:.1f} MiB"
+                                             for name, size in self.weight_formats.items()))
 
     def _make_pool(self, c: EngineConfig) -> None:
         """The KV pool, sized by ``num_pages``, ``kv_cache_gb`` or ``mem_fraction`` (the

@@ -30,13 +30,8 @@ from torch import nn
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.cpu_kernels import rms_norm_op
 from engine.worker.model.config import ModelConfig
-from engine.worker.model.parallel import (
-    Collectives,
-    ShardPlan,
-    Slice,
-    embed_vocab_parallel,
-    row_parallel_add_,
-)
+from engine.worker.model.parallel import Collectives, ShardPlan, Slice, embed_vocab_parallel
+from engine.worker.model.quant import QuantizedLinear, part_sources
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,19 +144,63 @@ class _Weights(nn.Module):
         super().__init__()
         self._factory = dict(device=device, dtype=dtype)
         self.packed: dict[str, torch.Tensor] = {}
+        self.quantized: dict[str, QuantizedLinear] = {}
 
     def _new(self, *shape: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(shape, **self._factory), requires_grad=False)
 
+    def _matrix(self, name: str, rows: int, cols: int, fmt: str | None) -> None:
+        """Weight ``name`` [rows, cols]: a dense parameter, or (``fmt``) quantized blocks
+        (engine/worker/model/quant.py), with an empty parameter in its place."""
+        if fmt is None:
+            setattr(self, name, self._new(rows, cols))
+            return
+        self.quantized[name] = QuantizedLinear(fmt, rows, cols, self._factory["device"])
+        setattr(self, name, self._new(0))
+
+    def _targets(self, name: str, checkpoint_name: str, rows: slice = slice(None)
+                 ) -> dict[str, torch.Tensor]:
+        """The loader's targets for checkpoint tensor ``checkpoint_name``, rows ``rows`` of
+        weight ``name``: the dense slice, or each quantized part's rows."""
+        quantized = self.quantized.get(name)
+        if quantized is None:
+            return {checkpoint_name: getattr(self, name)[rows]}
+        return {f"{checkpoint_name}.{part}": tensor
+                for part, tensor in quantized.parts(rows).items()}
+
     def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
+        quantized = self.quantized.get(name)
+        if quantized is not None:
+            return quantized(x, bias)
         packed = self.packed.get(name)
         if packed is None:
             return F.linear(x, getattr(self, name), bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of this module's weights (its submodules' too) by format: the dtype's name
+        for dense ones, the block format's for quantized ones."""
+        found: dict[str, int] = {}
+        for module in self.modules():
+            if not isinstance(module, _Weights):
+                continue
+            for weight in module.parameters(recurse=False):
+                name = str(weight.dtype).removeprefix("torch.")
+                found[name] = found.get(name, 0) + weight.numel() * weight.element_size()
+            for name, packed in module.packed.items():
+                if getattr(module, name).numel() == 0:
+                    found[str(packed.dtype).removeprefix("torch.")] = (
+                        found.get(str(packed.dtype).removeprefix("torch."), 0)
+                        + packed.numel() * packed.element_size())
+            for quantized in set(module.quantized.values()):
+                found[quantized.format] = found.get(quantized.format, 0) + quantized.nbytes
+        return {name: size for name, size in found.items() if size}
+
     def _prepack(self, keep: tuple[torch.Tensor, ...] = ()) -> None:
         for name in self._LINEARS:
+            if name in self.quantized:
+                continue
             weight = getattr(self, name)
             self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             if not any(weight is other for other in keep):
@@ -181,8 +220,10 @@ class DecoderLayer(_Weights):
     _LINEARS = ("qkv", "o", "gate_up", "down")
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 plan: ShardPlan, tp: Collectives | None = None) -> None:
+                 plan: ShardPlan, tp: Collectives | None = None,
+                 formats: dict[str, str] | None = None) -> None:
         super().__init__(device, dtype)
+        formats = formats or {}
         c = config
         self.eps, self.tp = c.rms_norm_eps, tp
         self.q_size, self.kv_size = plan.num_heads * c.head_dim, plan.num_kv_heads * c.head_dim
@@ -190,16 +231,16 @@ class DecoderLayer(_Weights):
         self.head_dim, self.intermediate_size = c.head_dim, plan.intermediate_size
         qkv_rows = self.q_size + 2 * self.kv_size
         self.input_norm = self._new(c.hidden_size)
-        self.qkv = self._new(qkv_rows, c.hidden_size)
+        self._matrix("qkv", qkv_rows, c.hidden_size, formats.get("qkv"))
         self.qkv_bias = self._new(qkv_rows) if c.qkv_bias else None
         self.q_norm = self._new(c.head_dim) if c.qk_norm else None
         self.k_norm = self._new(c.head_dim) if c.qk_norm else None
-        self.o = self._new(c.hidden_size, self.q_size)
+        self._matrix("o", c.hidden_size, self.q_size, formats.get("o"))
         self.o_bias = self._new(c.hidden_size) if c.o_bias else None
         self.post_norm = self._new(c.hidden_size)
-        self.gate_up = self._new(2 * plan.intermediate_size, c.hidden_size)
+        self._matrix("gate_up", 2 * plan.intermediate_size, c.hidden_size, formats.get("gate_up"))
         self.gate_up_bias = self._new(2 * plan.intermediate_size) if c.mlp_bias else None
-        self.down = self._new(c.hidden_size, plan.intermediate_size)
+        self._matrix("down", c.hidden_size, plan.intermediate_size, formats.get("down"))
         self.down_bias = self._new(c.hidden_size) if c.mlp_bias else None
         # On CPU, glibc serves allocations over 32 MiB with fresh mmaps, whose page faults cost
         # more than the GEMM that fills them; on GPU the bound just caps activation memory.
@@ -212,13 +253,13 @@ class DecoderLayer(_Weights):
         targets = {
             prefix + "input_layernorm.weight": self.input_norm,
             prefix + "post_attention_layernorm.weight": self.post_norm,
-            attn + "q_proj.weight": self.qkv[:q],
-            attn + "k_proj.weight": self.qkv[q : q + kv],
-            attn + "v_proj.weight": self.qkv[q + kv :],
-            attn + "o_proj.weight": self.o,
-            mlp + "gate_proj.weight": self.gate_up[:inter],
-            mlp + "up_proj.weight": self.gate_up[inter:],
-            mlp + "down_proj.weight": self.down,
+            **self._targets("qkv", attn + "q_proj.weight", slice(None, q)),
+            **self._targets("qkv", attn + "k_proj.weight", slice(q, q + kv)),
+            **self._targets("qkv", attn + "v_proj.weight", slice(q + kv, None)),
+            **self._targets("o", attn + "o_proj.weight"),
+            **self._targets("gate_up", mlp + "gate_proj.weight", slice(None, inter)),
+            **self._targets("gate_up", mlp + "up_proj.weight", slice(inter, None)),
+            **self._targets("down", mlp + "down_proj.weight"),
         }
         if self.qkv_bias is not None:
             targets[attn + "q_proj.bias"] = self.qkv_bias[:q]
@@ -251,25 +292,27 @@ class DecoderLayer(_Weights):
                             rms_norm(k, self.k_norm, self.eps)), 1)
         # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
         out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
-        if self.packed:
-            hidden.add_(self._linear("o", out, self.o_bias))
-        elif self.tp is None:
-            add_linear_(hidden, out, self.o, self.o_bias)
-        else:
-            row_parallel_add_(hidden, out, self.o, self.o_bias, self.tp)
+        self._add_projection_("o", hidden, out, self.o_bias)
         x = rms_norm(hidden, self.post_norm, self.eps)
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
         chunk = self.mlp_chunk_tokens
         for rows, x_rows in zip(hidden.split(chunk), x.split(chunk), strict=True):
             gate, up = self._linear("gate_up", x_rows, self.gate_up_bias).chunk(2, dim=-1)
-            if self.packed:
-                rows.add_(self._linear("down", F.silu(gate).mul_(up), self.down_bias))
-            elif self.tp is None:
-                add_linear_(rows, F.silu(gate).mul_(up), self.down, self.down_bias)
-            else:
-                row_parallel_add_(rows, F.silu(gate).mul_(up), self.down, self.down_bias, self.tp)
+            self._add_projection_("down", rows, F.silu(gate).mul_(up), self.down_bias)
         return hidden
+
+    def _add_projection_(self, name: str, residual: torch.Tensor, x: torch.Tensor,
+                         bias: torch.Tensor | None) -> None:
+        """residual += x @ W.T (+ bias) for the row-parallel projections (o, down): under
+        tensor parallel the ranks' partial products are summed first."""
+        if self.tp is not None:
+            partial = self.tp.all_reduce_(self._linear(name, x))
+            residual.add_(partial if bias is None else partial.add_(bias))
+        elif name in self.packed or name in self.quantized:
+            residual.add_(self._linear(name, x, bias))
+        else:
+            add_linear_(residual, x, getattr(self, name), bias)
 
 
 class LlamaForCausalLM(_Weights):
@@ -280,17 +323,29 @@ class LlamaForCausalLM(_Weights):
     _LINEARS = ("lm_head",)
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 tp: Collectives | None = None) -> None:
+                 tp: Collectives | None = None, formats: dict[str, str] | None = None) -> None:
+        """``formats``: checkpoint weight name -> the block format it is held in (the rest are
+        dense in ``dtype``). Fused projections are quantized when all their parts share one
+        format; embeddings and the LM head only without tensor parallel."""
         super().__init__(device, dtype)
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.dtype = config, tp, dtype
+        self.formats = formats = dict(formats or {})
         self.plan = ShardPlan.for_rank(config, tp.rank if tp else 0, tp.size if tp else 1)
-        self.embed = self._new(self.plan.vocab_rows, config.hidden_size)
+        rows, hidden = self.plan.vocab_rows, config.hidden_size
+        self._matrix("embed", rows, hidden,
+                     None if tp else formats.get("model.embed_tokens.weight"))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, device, dtype, self.plan, tp) for _ in range(config.num_layers)
+            DecoderLayer(config, device, dtype, self.plan, tp,
+                         _layer_formats(formats, f"model.layers.{i}."))
+            for i in range(config.num_layers)
         )
-        self.norm = self._new(config.hidden_size)
-        self.lm_head = (self.embed if config.tie_word_embeddings
-                        else self._new(self.plan.vocab_rows, config.hidden_size))
+        self.norm = self._new(hidden)
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed
+            if "embed" in self.quantized:
+                self.quantized["lm_head"] = self.quantized["embed"]
+        else:
+            self._matrix("lm_head", rows, hidden, None if tp else formats.get("lm_head.weight"))
         self.rope = RotaryEmbedding(config, device)
         real_rows = self.plan.vocab_stop - self.plan.vocab_start
         with torch.no_grad():  # the last rank's rows past the vocabulary: never loaded
@@ -309,11 +364,11 @@ class LlamaForCausalLM(_Weights):
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the tensor (or slice of a fused one) it is copied into."""
-        real_rows = self.plan.vocab_stop - self.plan.vocab_start
-        targets = {"model.embed_tokens.weight": self.embed[:real_rows],
+        real_rows = slice(None, self.plan.vocab_stop - self.plan.vocab_start)
+        targets = {**self._targets("embed", "model.embed_tokens.weight", real_rows),
                    "model.norm.weight": self.norm}
         if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head[:real_rows]
+            targets.update(self._targets("lm_head", "lm_head.weight", real_rows))
         for i, layer in enumerate(self.layers):
             targets.update(layer.weight_targets(f"model.layers.{i}."))
         return targets
@@ -328,20 +383,42 @@ class LlamaForCausalLM(_Weights):
             sources["lm_head.weight"] = vocab
         for i in range(self.config.num_layers):
             sources.update(self.plan.layer_sources(f"model.layers.{i}.", self.config))
+        quantized = {name.removesuffix(".qweight") for name in self.weight_targets()
+                     if name.endswith(".qweight")}
+        for name in quantized & set(sources):
+            sources.update(part_sources(name, sources.pop(name), self.formats[name]))
         return sources
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: AttentionBackend, logits_rows: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]; under
         tensor parallel on rank 0 only (None on the others)."""
-        if self.tp is None:
+        if "embed" in self.quantized:
+            hidden = self.quantized["embed"].rows_dense(input_ids, torch.float32)
+        elif self.tp is None:
             hidden = F.embedding(input_ids, self.embed).float()
         else:
             hidden = embed_vocab_parallel(input_ids, self.embed, self.plan, self.tp).float()
-        cos, sin = self.rope(positions, self.embed.dtype)
+        cos, sin = self.rope(positions, self.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(index, hidden, cos, sin, attention)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         if self.tp is None:
             return self._linear("lm_head", hidden).float()
         return self.tp.gather_vocab(F.linear(hidden, self.lm_head), self.config.vocab_size)
+
+
+def _layer_formats(formats: dict[str, str], prefix: str) -> dict[str, str]:
+    """Layer ``prefix``'s weights (qkv, o, gate_up, down) -> format, for those whose
+    checkpoint parts all share one (a GGUF may mix formats inside a fused projection, which is
+    then read dense)."""
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    groups = {"qkv": (attn + "q_proj", attn + "k_proj", attn + "v_proj"),
+              "o": (attn + "o_proj",), "gate_up": (mlp + "gate_proj", mlp + "up_proj"),
+              "down": (mlp + "down_proj",)}
+    chosen = {}
+    for name, parts in groups.items():
+        found = {formats.get(part + ".weight") for part in parts}
+        if len(found) == 1 and None not in found:
+            chosen[name] = found.pop()
+    return chosen

@@ -13,58 +13,49 @@ mismatch.
 
 from __future__ import annotations
 
-import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine.checkpoints.model_source import weight_files
+from engine.checkpoints.quant_formats import read_formats
+from engine.checkpoints.quantized import quantized_file
+from engine.worker.cpu_kernels import quant_ops
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.llama import LlamaForCausalLM
 from engine.worker.model.parallel import Collectives, Slice
+
+logger = logging.getLogger("radixserve.worker")
 
 # Checkpoint entries that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, in load order."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(f"{index} lists {file.name}, which is not in {model_dir}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        return files
-    others = [p.name for pattern in ("*.bin", "*.pt") for p in sorted(model_dir.glob(pattern))]
-    hint = f" (found {', '.join(others)}; only safetensors weights are supported)" if others else ""
-    raise FileNotFoundError(f"{model_dir} has no *.safetensors weights{hint}")
-
-
 def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
                config: ModelConfig | None = None, tp: Collectives | None = None,
-               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+               load_format: str = "auto", seed: int = 0,
+               quantization: str = "none") -> LlamaForCausalLM:
     """Build the model (``tp``: this rank's share of it) for ``model_dir``'s config on
     ``device`` and fill every weight: from the checkpoint's files, or (``load_format`` "dummy")
-    with random values drawn on the device from ``seed``, which needs only config.json."""
+    with random values drawn on the device from ``seed``, which needs only config.json.
+    ``quantization`` (engine/checkpoints/quantized.py) says which weights stay in blocks."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
     if load_format == "dummy":
+        if quantization in ("int8", "int4"):
+            raise ValueError(f"--load-format dummy has no weights to quantize to {quantization}; "
+                             "use --quantization none or auto with it")
         model = LlamaForCausalLM(config, device, dtype, tp)
         _fill_random(model, seed)
         return model
     if load_format != "auto":
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
-    files = weight_files(model_dir)
-    model = LlamaForCausalLM(config, device, dtype, tp)
+    quantized = quantized_file(model_dir, quantization)
+    formats = _formats(quantized, quantization, device)
+    files = weight_files(model_dir) + ([quantized] if formats else [])
+    model = LlamaForCausalLM(config, device, dtype, tp, formats)
     targets, sources = model.weight_targets(), model.weight_sources()
     loaded: set[str] = set()
     with torch.no_grad():
@@ -73,9 +64,12 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
                 for name in reader.keys():
                     target = targets.get(name)
                     if target is None:
+                        # skipped: a dense weight held quantized, and quantized parts of one
+                        # held dense (a fused projection of mixed formats, tensor parallel's
+                        # embeddings), which the dense file holds too
                         if name.endswith(_IGNORED_SUFFIXES) or (
                             name == "lm_head.weight" and config.tie_word_embeddings
-                        ):
+                        ) or f"{name}.qweight" in targets or file == quantized:
                             continue
                         raise ValueError(f"{file.name} has tensor {name!r}, which "
                                          f"{config.architecture} with this config.json does not "
@@ -98,7 +92,32 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
         )
         names = ", ".join(f.name for f in files)
         raise ValueError(f"weights missing from {names}: {shown}")
+    for module in model.modules():
+        for quantized in set(getattr(module, "quantized", {}).values()):
+            quantized.repack()
     return model
+
+
+def _formats(quantized: Path | None, quantization: str, device: torch.device
+             ) -> dict[str, str]:
+    """Checkpoint name -> block format of the weights served quantized (none: {})."""
+    if quantized is None:
+        return {}
+    formats = read_formats(quantized)
+    kinds = ", ".join(sorted(set(formats.values())))
+    if device.type != "cpu":
+        raise ValueError(f"this checkpoint's weights are {kinds} blocks (--quantization "
+                         f"{quantization}), which radixserve computes on CPU only; serve them on "
+                         f"{device.type} with --quantization none (widened to --dtype at load)")
+    if quant_ops() is None:
+        if quantization != "auto":
+            raise RuntimeError(f"--quantization {quantization} needs the compiled CPU kernels, "
+                               "which are not available here (see the log above); use "
+                               "--quantization none")
+        logger.warning("the checkpoint's %s weights are widened to the model's dtype: the "
+                       "compiled CPU kernels that read them are not available", kinds)
+        return {}
+    return formats
 
 
 @torch.no_grad()

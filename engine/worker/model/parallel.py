@@ -131,16 +131,6 @@ class ShardPlan:
         return Slice(0, self.vocab_start, self.vocab_stop, c.vocab_size)
 
 
-def row_parallel_add_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None, tp: Collectives) -> torch.Tensor:
-    """residual += (x @ weight.T summed over the ranks) + bias: each rank holds some of the
-    input features (columns of ``weight``), so its product is a partial sum."""
-    partial = tp.all_reduce_(F.linear(x, weight))
-    if bias is not None:
-        partial += bias
-    return residual.add_(partial)
-
-
 def embed_vocab_parallel(input_ids: torch.Tensor, weight: torch.Tensor, plan: ShardPlan,
                          tp: Collectives) -> torch.Tensor:
     """Embedding rows of ``input_ids`` from the ranks' vocabulary shards: each rank looks up the

@@ -1,0 +1,461 @@
+// Linear layers over quantized weight blocks (engine/checkpoints/quant_formats.py holds the
+// formats): out[m, n] = sum_k x[m, k] * w[n, k], w held in blocks of 32 along k,
+//
+//   bits 8: w = d * q, q int8               (GGUF Q8_0; int8 per row repeats its one scale)
+//   bits 4: w = d * q + m, q in 0..15       (GGUF Q4_1, int4; GGUF Q4_0 is m = -8 d)
+//
+// with d and m float16 per block. quant_repack lays a checkpoint's blocks out once for these
+// loops: kRows output rows interleaved, so that one vector holds the same 4 consecutive k of
+// kRows rows (a "k-quad"), and a block of 32 is 8 such vectors:
+//
+//   qweight [groups, blocks, 8 k-quads x kRows x 4 values]  (4-bit: two k-quads' rows
+//            per byte: rows 0 .. kRows/2 - 1 in the low nibbles, the others in the high)
+//   scales, mins [groups, blocks, kRows] float16            (groups = ceil(N / kRows); the
+//            padding rows are zeros)
+//
+// The activations are quantized per row and block of 32 (x = dx * qx, qx in -127..127, as
+// llama.cpp's Q8 activations). A block's products for kRows outputs are then 8 integer
+// multiply-adds of the unpacked weights by one row's 4 bytes broadcast (AVX-512 VNNI: 64
+// products in one vpdpbusd, which multiplies unsigned by signed bytes: 4-bit values are
+// unsigned as stored, int8 ones are stored offset by 128, whose excess 128 * sum(qx) is taken
+// off per block), scaled by d * dx into a float accumulator per output; the 4-bit minimum adds
+// m times the block's exact float sum of x. AVX2 (8 rows; vpmaddubsw, int8 weights signed with
+// the sign trick) and the portable build (plain loops over the AVX-512 layout) compute the same.
+// Up to kTile activation rows share each unpacked block. Outputs are split across threads by
+// row group, so a row's result does not depend on the batch it rides in.
+// Registered as torch.ops.radixserve.quant_repack / quant_linear / dequantize_weight /
+// quant_linear_isa.
+
+#include <ATen/Parallel.h>
+
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(RADIXSERVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define RADIXSERVE_VNNI 1
+#endif
+
+namespace {
+
+using radixserve::to_float;
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQuads = kBlock / 4;
+#if defined(RADIXSERVE_VNNI)
+constexpr int kTile = 8;
+#else
+constexpr int kTile = 4;
+#endif
+#if defined(RADIXSERVE_AVX2) && !defined(RADIXSERVE_VNNI)
+constexpr int64_t kRows = 8;
+constexpr int kOffset8 = 0;  // the sign trick needs int8 weights signed
+#else
+constexpr int64_t kRows = 16;
+constexpr int kOffset8 = 128;
+#endif
+
+inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
+
+// The repacked weight of one call.
+struct Weights {
+  const uint8_t* q;        // [groups, blocks, group_bytes]
+  const c10::Half* scales;  // [groups, blocks, kRows]
+  const c10::Half* mins;    // [groups, blocks, kRows] (4-bit) or nullptr
+  int bits;
+  int64_t N, K, blocks, groups;
+
+  const uint8_t* block(int64_t g, int64_t b) const {
+    return q + (g * blocks + b) * group_bytes(bits);
+  }
+  int64_t at(int64_t g, int64_t b) const { return (g * blocks + b) * kRows; }
+};
+
+// The integer q (offset removed) of element e of block b of row lane r in group g.
+inline int32_t value_at(const Weights& w, int64_t g, int64_t b, int64_t r, int64_t e) {
+  const uint8_t* data = w.block(g, b);
+  const int64_t quad = e / 4, byte = e % 4;
+  if (w.bits == 8) {
+    const int32_t stored = data[(quad * kRows + r) * 4 + byte];
+    return kOffset8 ? stored - kOffset8 : static_cast<int8_t>(stored);
+  }
+  const int64_t half = kRows / 2;
+  const uint8_t packed = data[(quad * half + r % half) * 4 + byte];
+  return r < half ? packed & 15 : packed >> 4;
+}
+
+// The activations, quantized once per call: per row K int8 values, and per block the scale, the
+// exact float sum of x (4-bit minimums) and 128 times the sum of qx (offset int8 weights).
+struct Activations {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+  std::vector<int32_t> excess;
+  int64_t K, blocks;
+};
+
+template <typename T>
+Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K) {
+  Activations a;
+  a.K = K;
+  a.blocks = K / kBlock;
+  a.q.resize(M * K);
+  a.scale.resize(M * a.blocks);
+  a.sum.resize(M * a.blocks);
+  a.excess.resize(M * a.blocks);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    float values[kBlock];
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const T* xb = x + m * x_row + b * kBlock;
+        float amax = 0.f, sum = 0.f;
+#pragma omp simd reduction(max : amax) reduction(+ : sum)
+        for (int64_t e = 0; e < kBlock; ++e) {
+          values[e] = to_float(xb[e]);
+          amax = std::max(amax, std::fabs(values[e]));
+          sum += values[e];
+        }
+        const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* qb = a.q.data() + m * K + b * kBlock;
+        int32_t qsum = 0;
+#pragma omp simd reduction(+ : qsum)
+        for (int64_t e = 0; e < kBlock; ++e) {
+          qb[e] = static_cast<int8_t>(std::nearbyint(values[e] * inverse));
+          qsum += qb[e];
+        }
+        a.scale[m * a.blocks + b] = amax / 127.f;
+        a.sum[m * a.blocks + b] = sum;
+        a.excess[m * a.blocks + b] = kOffset8 * qsum;
+      }
+    }
+  });
+  return a;
+}
+
+#if defined(RADIXSERVE_VNNI)
+// Output rows [16 g, 16 g + 16) for activation rows m0 .. m0 + R.
+template <int R>
+void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m512* acc) {
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* data = w.block(g, b);
+    __m512i wv[kQuads];
+    for (int q = 0; q < kQuads; ++q) {
+      if (w.bits == 4) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + q * 32));
+        wv[q] = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low);
+      } else {
+        wv[q] = _mm512_loadu_si512(data + q * 64);
+      }
+    }
+    const __m512 ws = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + w.at(g, b))));
+    const __m512 wm = w.bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                        reinterpret_cast<const __m256i*>(w.mins + w.at(g, b))))
+                                  : _mm512_setzero_ps();
+    // Independent sums: a few rows' (or one row's several partial) vpdpbusd chains in flight
+    // at once, since each waits for the previous one's result.
+    constexpr int kChains = R >= 4 ? 1 : 4 / R;
+    __m512i dot[R][kChains];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
+    }
+    for (int q = 0; q < kQuads; ++q) {
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xq =
+            reinterpret_cast<const int32_t*>(a.q.data() + (m0 + r) * a.K + b * kBlock);
+        dot[r][q % kChains] =
+            _mm512_dpbusd_epi32(dot[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = dot[r][0];
+      for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[r][c]);
+      const int64_t at = (m0 + r) * a.blocks + b;
+      if (w.bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a.excess[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                               _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[at])), acc[r]);
+      if (w.bits == 4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.sum[at]), acc[r]);
+    }
+  }
+}
+using Accumulator = __m512;
+inline void store_lanes(const __m512& v, float* out) { _mm512_storeu_ps(out, v); }
+#elif defined(RADIXSERVE_AVX2)
+template <int R>
+void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m256* acc) {
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* data = w.block(g, b);
+    __m256i wv[kQuads];
+    for (int q = 0; q < kQuads; ++q) {
+      if (w.bits == 4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + q * 16));
+        wv[q] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+      } else {
+        wv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + q * 32));
+      }
+    }
+    const __m256 ws = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + w.at(g, b))));
+    const __m256 wm = w.bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                        reinterpret_cast<const __m128i*>(w.mins + w.at(g, b))))
+                                  : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + m * a.K + b * kBlock);
+      __m256i dot = _mm256_setzero_si256();
+      for (int q = 0; q < kQuads; ++q) {
+        const __m256i xv = _mm256_set1_epi32(xq[q]);
+        // int8 weights: |w| (vpmaddubsw's unsigned side) times x with w's sign, so that no
+        // pair sum overflows 16 bits.
+        const __m256i pairs = w.bits == 4
+                                  ? _mm256_maddubs_epi16(wv[q], xv)
+                                  : _mm256_maddubs_epi16(_mm256_sign_epi8(wv[q], wv[q]),
+                                                         _mm256_sign_epi8(xv, wv[q]));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones16));
+      }
+      const int64_t at = m * a.blocks + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[at])), acc[r]);
+      if (w.bits == 4) acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.sum[at]), acc[r]);
+    }
+  }
+}
+using Accumulator = __m256;
+inline void store_lanes(const __m256& v, float* out) { _mm256_storeu_ps(out, v); }
+#else
+struct Accumulator {
+  float lanes[kRows];
+};
+template <int R>
+void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, Accumulator* acc) {
+  for (int r = 0; r < R; ++r) std::fill(acc[r].lanes, acc[r].lanes + kRows, 0.f);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    for (int64_t lane = 0; lane < kRows; ++lane) {
+      const float d = static_cast<float>(w.scales[w.at(g, b) + lane]);
+      const float mn = w.bits == 4 ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r, at = m * a.blocks + b;
+        const int8_t* xq = a.q.data() + m * a.K + b * kBlock;
+        int32_t dot = 0;
+        for (int64_t e = 0; e < kBlock; ++e) dot += value_at(w, g, b, lane, e) * xq[e];
+        acc[r].lanes[lane] += static_cast<float>(dot) * d * a.scale[at] + mn * a.sum[at];
+      }
+    }
+  }
+}
+inline void store_lanes(const Accumulator& v, float* out) { std::copy(v.lanes, v.lanes + kRows, out); }
+#endif
+
+template <typename T, int R>
+void write_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, T* out) {
+  Accumulator acc[R];
+  group_rows<R>(w, a, g, m0, acc);
+  float lanes[kRows];
+  const int64_t n0 = g * kRows, count = std::min(kRows, w.N - n0);
+  for (int r = 0; r < R; ++r) {
+    store_lanes(acc[r], lanes);
+    T* row = out + (m0 + r) * w.N + n0;
+    for (int64_t i = 0; i < count; ++i) row[i] = static_cast<T>(lanes[i]);
+  }
+}
+
+Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+                 int64_t bits, int64_t N) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous() &&
+                  qweight.scalar_type() == at::kByte && qweight.size(2) == group_bytes(bits),
+              "quant_linear: qweight from quant_repack expected");
+  const int64_t groups = qweight.size(0), blocks = qweight.size(1);
+  TORCH_CHECK(N > (groups - 1) * kRows && N <= groups * kRows, "quant_linear: N = ", N,
+              " does not match ", groups, " row groups");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == groups * blocks * kRows,
+              "quant_linear: scales from quant_repack expected");
+  Weights w{qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), nullptr,
+            static_cast<int>(bits), N, blocks * kBlock, blocks, groups};
+  if (bits == 4) {
+    TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == at::kHalf &&
+                    mins.numel() == scales.numel(),
+                "quant_linear: 4-bit weights need mins from quant_repack");
+    w.mins = mins.data_ptr<c10::Half>();
+  }
+  return w;
+}
+
+template <typename T>
+void run(const at::Tensor& x, const Weights& w, at::Tensor& out) {
+  const int64_t M = x.size(0);
+  const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), M, w.K);
+  T* o = out.data_ptr<T>();
+  // Enough row groups per task that a thread streams a few hundred KB of weights in one run.
+  const int64_t grain = std::max<int64_t>(1, 2048 / w.blocks);
+  at::parallel_for(0, w.groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t m = 0;
+      for (; m + kTile <= M; m += kTile) write_rows<T, kTile>(w, a, g, m, o);
+      for (; m + 2 <= M; m += 2) write_rows<T, 2>(w, a, g, m, o);
+      if (m < M) write_rows<T, 1>(w, a, g, m, o);
+    }
+  });
+}
+
+// x [M, K] (float32, bf16 or fp16) @ the repacked weight's [N, K].T -> [M, N] in x's dtype.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& mins, int64_t bits, int64_t N) {
+  const Weights w = describe(qweight, scales, mins, bits, N);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == w.K,
+              "quant_linear: x [M, ", w.K, "] with contiguous rows expected, got ", x.sizes());
+  auto out = at::empty({x.size(0), w.N}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run<float>(x, w, out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(x, w, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(x, w, out);
+      break;
+    default:
+      TORCH_CHECK(false, "quant_linear: unsupported activation dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+// A checkpoint's blocks (quant_formats.py: qweight uint8 [N, K / 2] or int8 [N, K], scales
+// [N, K / 32] float16, or any stride along the blocks, mins the same or undefined) in the
+// interleaved layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qweight,
+                                                            const at::Tensor& scales,
+                                                            const c10::optional<at::Tensor>& mins,
+                                                            int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_repack: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1,
+              "quant_repack: qweight [N, bytes] contiguous");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits;
+  TORCH_CHECK(K % kBlock == 0, "quant_repack: K = ", K, " is not a multiple of 32");
+  const int64_t blocks = K / kBlock, groups = (N + kRows - 1) / kRows;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == N &&
+                  scales.size(1) == blocks, "quant_repack: scales [N, K / 32] float16");
+  const bool has_mins = mins.has_value() && mins->defined();
+  auto opts = qweight.options();
+  at::Tensor packed = at::zeros({groups, blocks, group_bytes(bits)}, opts.dtype(at::kByte));
+  at::Tensor out_scales = at::zeros({groups, blocks, kRows}, opts.dtype(at::kHalf));
+  at::Tensor out_mins = at::zeros({bits == 4 ? groups : 0, blocks, kRows}, opts.dtype(at::kHalf));
+  if (bits == 8 && kOffset8) packed.fill_(kOffset8);  // padding rows hold q = 0
+  const uint8_t* src = static_cast<const uint8_t*>(qweight.data_ptr());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  c10::Half* ds = out_scales.data_ptr<c10::Half>();
+  c10::Half* dm = bits == 4 ? out_mins.data_ptr<c10::Half>() : nullptr;
+  const auto sa = scales.accessor<c10::Half, 2>();
+  const int64_t half = kRows / 2;
+  const at::Tensor mins_rows = has_mins ? mins->contiguous() : at::Tensor();
+  TORCH_CHECK(!has_mins || (bits == 4 && mins_rows.scalar_type() == at::kHalf &&
+                            mins_rows.sizes() == scales.sizes()),
+              "quant_repack: mins [N, K / 32] float16, for 4-bit weights only");
+  const c10::Half* src_mins = has_mins ? mins_rows.data_ptr<c10::Half>() : nullptr;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / kRows, lane = n % kRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* block = dst + (g * blocks + b) * group_bytes(bits);
+      const int64_t at = (g * blocks + b) * kRows + lane;
+      ds[at] = sa[n][b];
+      if (dm) {
+        dm[at] = src_mins ? src_mins[n * blocks + b]
+                          : c10::Half(-8.f * static_cast<float>(sa[n][b]));
+      }
+      for (int64_t e = 0; e < kBlock; ++e) {
+        const int64_t quad = e / 4, byte = e % 4;
+        if (bits == 8) {
+          const int8_t q = reinterpret_cast<const int8_t*>(src)[n * K + b * kBlock + e];
+          block[(quad * kRows + lane) * 4 + byte] = static_cast<uint8_t>(q + kOffset8);
+        } else {
+          const uint8_t stored = src[n * (K / 2) + b * 16 + e % 16];
+          const uint8_t q = e < 16 ? stored & 15 : stored >> 4;
+          uint8_t& slot = block[(quad * half + lane % half) * 4 + byte];
+          slot |= lane < half ? q : static_cast<uint8_t>(q << 4);
+        }
+      }
+    }
+  }
+  return {packed, out_scales, out_mins};
+}
+
+template <typename T>
+void dequantize_rows(const Weights& w, const int64_t* rows, int64_t count, T* out) {
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = rows[i], g = n / kRows, lane = n % kRows;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const float d = static_cast<float>(w.scales[w.at(g, b) + lane]);
+        const float mn = w.bits == 4 ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
+        for (int64_t e = 0; e < kBlock; ++e) {
+          out[i * w.K + b * kBlock + e] =
+              static_cast<T>(d * static_cast<float>(value_at(w, g, b, lane, e)) + mn);
+        }
+      }
+    }
+  });
+}
+
+// Rows ``rows`` (int64) of the dense matrix the repacked blocks stand for, in ``dtype``.
+at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t bits, int64_t N,
+                             const at::Tensor& rows, at::ScalarType dtype) {
+  const Weights w = describe(qweight, scales, mins, bits, N);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "dequantize_weight: rows int64 [count]");
+  const int64_t count = rows.size(0);
+  const int64_t* ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < N, "dequantize_weight: row ", ids[i], " out of ", N);
+  }
+  auto out = at::empty({count, w.K}, qweight.options().dtype(dtype));
+  switch (dtype) {
+    case at::kFloat:
+      dequantize_rows(w, ids, count, out.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      dequantize_rows(w, ids, count, out.data_ptr<c10::BFloat16>());
+      break;
+    case at::kHalf:
+      dequantize_rows(w, ids, count, out.data_ptr<c10::Half>());
+      break;
+    default:
+      TORCH_CHECK(false, "dequantize_weight: unsupported dtype ", dtype);
+  }
+  return out;
+}
+
+std::string quant_linear_isa() {
+#if defined(RADIXSERVE_VNNI)
+  return "avx512_vnni";
+#elif defined(RADIXSERVE_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+RADIXSERVE_OPS_FRAGMENT(m) {
+  m.def("quant_repack(Tensor qweight, Tensor scales, Tensor? mins, int bits) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int bits, int N) "
+        "-> Tensor");
+  m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor mins, int bits, int N, "
+        "Tensor rows, ScalarType dtype) -> Tensor");
+  m.def("quant_linear_isa() -> str", &quant_linear_isa);
+}
+
+RADIXSERVE_OPS_IMPL(m) {
+  m.impl("quant_repack", &quant_repack);
+  m.impl("quant_linear", &quant_linear);
+  m.impl("dequantize_weight", &dequantize_weight);
+}

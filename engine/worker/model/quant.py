@@ -1,0 +1,93 @@
+"""Linear layers whose weights stay in a block format (engine/checkpoints/quant_formats.py) and
+are read by the compiled kernels (engine/worker/csrc/quant_linear.cpp).
+
+A decode step reads every weight once for a handful of rows, so its cost is the bytes read:
+4.5 to 8.5 bits a weight here against bf16's 16. The kernel quantizes the activations per block
+of 32 and multiplies integers; it keeps up with the dense bf16 GEMM at prefill sizes too
+(docs/benchmarks.md, "Quantized weights"), so every product runs there, whatever the batch, and
+a row's result never depends on the rows beside it. Nothing dense is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.checkpoints.quant_formats import BITS, BLOCK, WITH_MINS, PackedWeight
+from engine.worker.cpu_kernels import quant_ops
+from engine.worker.model.parallel import Slice
+
+class QuantizedLinear:
+    """``[N, K]`` weight in format ``fmt``. Its parts in the checkpoint's layout are allocated
+    for the loader to fill; ``repack`` then lays them out for the kernel once and frees them."""
+
+    def __init__(self, fmt: str, rows: int, cols: int, device: torch.device) -> None:
+        if cols % BLOCK:
+            raise ValueError(f"a {rows} x {cols} weight cannot be held in {fmt}: its rows are "
+                             f"not whole blocks of {BLOCK}")
+        self.ops = quant_ops()
+        if self.ops is None:
+            raise RuntimeError(f"{fmt} weights need the compiled CPU kernels, which are not "
+                               "available here (see the log); use --quantization none")
+        bits = BITS[fmt]
+        self.format, self.rows, self.bits = fmt, rows, bits
+        self.packed: PackedWeight | None = PackedWeight(
+            fmt,
+            torch.empty(rows, cols * bits // 8,
+                        dtype=torch.int8 if bits == 8 else torch.uint8, device=device),
+            torch.empty(rows, 1 if fmt == "int8" else cols // BLOCK, dtype=torch.float16,
+                        device=device),
+            torch.empty(rows, cols // BLOCK, dtype=torch.float16, device=device)
+            if fmt in WITH_MINS else None)
+        self.kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._all_rows = torch.arange(rows, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        held = self.kernel if self.kernel is not None else self.packed.parts().values()
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def parts(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """Each part's rows ``rows``: the loader's targets for one checkpoint tensor."""
+        return {part: tensor[rows] for part, tensor in self.packed.parts().items()}
+
+    def repack(self) -> None:
+        """The loaded blocks in the kernel's layout (csrc/quant_linear.cpp), once."""
+        p = self.packed
+        rows, cols = p.shape
+        self.kernel = tuple(self.ops.quant_repack(
+            p.qweight, p.scales.expand(rows, cols // BLOCK), p.mins, p.bits))
+        self.packed = None
+
+    def rows_dense(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dense matrix (an embedding lookup), widened to ``dtype``."""
+        return self.ops.dequantize_weight(*self.kernel, self.bits, self.rows,
+                                          ids.to(torch.int64).contiguous(), dtype)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.rows_dense(self._all_rows, dtype)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias), in x's dtype."""
+        out = self.ops.quant_linear(x.contiguous(), *self.kernel, self.bits, self.rows)
+        return out if bias is None else out.add_(bias)
+
+
+def part_sources(name: str, source: Slice, fmt: str) -> dict[str, Slice]:
+    """Tensor parallel's slice of weight ``name`` (elements of [N, K]) as slices of its parts;
+    a column slice must keep whole blocks."""
+    if source.dim == 0:
+        return {f"{name}.{part}": source for part in ("qweight", "scales", "mins")}
+    if source.start % BLOCK or source.stop % BLOCK:
+        raise ValueError(
+            f"tensor parallel would cut {name}'s {fmt} blocks: this rank's columns "
+            f"[{source.start}, {source.stop}) do not start and end on multiples of {BLOCK}; "
+            "choose another --tp-size or use --quantization none")
+    per_byte = 8 // BITS[fmt]
+    blocks = Slice(1, source.start // BLOCK, source.stop // BLOCK, source.full // BLOCK)
+    slices = {f"{name}.qweight": Slice(1, source.start // per_byte, source.stop // per_byte,
+                                       source.full // per_byte)}
+    if fmt != "int8":  # int8's one scale per row is every rank's
+        slices[f"{name}.scales"] = blocks
+    if fmt in WITH_MINS:
+        slices[f"{name}.mins"] = blocks
+    return slices
