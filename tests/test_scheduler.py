@@ -45,9 +45,10 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 class Harness:
     def __init__(self, model_dir: str, **options) -> None:
-        # fp32 unless asked: outputs are compared with transformers' fp32 token for token.
-        # Overlap on (the default on GPU; off on CPU) so every scheduler test runs it.
-        self.config = EngineConfig(model=model_dir, **{"dtype": "float32",
+        # fp32 and dense weights unless asked: outputs are compared with transformers' fp32
+        # token for token. Overlap on (the default on GPU; off on CPU) so every scheduler test
+        # runs it.
+        self.config = EngineConfig(model=model_dir, **{"dtype": "float32", "quantization": "none",
                                                        "overlap_schedule": "on", **options})
         self.worker = Worker(self.config)
         self.sched = Scheduler(self.config, self.worker.info)

@@ -64,20 +64,22 @@ def test_greedy_tokens_match_transformers_with_prefix_hits(checkpoint, oracle, p
     assert [h.outputs[rid][0] for rid, _ in runs] == [*expected, expected[0]]
 
 
+@pytest.mark.parametrize("quantization", ["none", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_it_knows_the_capital_of_france(checkpoint, dtype):
+def test_it_knows_the_capital_of_france(checkpoint, dtype, quantization):
     """Also in bf16 (the default on CPUs with native bf16). The bare question's first answer
     token is a near-tie (fp32 logits 25.33 "The" vs 25.24 "L"), which bf16 rounding flips on
     some CPUs (their matmul kernels round differently; transformers' own bf16 lands on either
     side too) to a French non-answer; asked for one sentence, every answer token leads by at
-    least 0.86 in fp32, well past bf16's noise."""
+    least 0.86 in fp32, well past bf16's noise. Also with the file's own Q4_1 and Q8_0 blocks
+    (--quantization auto, the default), whose kernels quantize activations per block."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         tokenize=False, add_generation_prompt=True)
-    h = Harness(checkpoint, device="cpu", dtype=dtype, num_pages=64)
+    h = Harness(checkpoint, device="cpu", dtype=dtype, num_pages=64, quantization=quantization)
     h.add("q", tokenizer(text)["input_ids"], SamplingParams(max_tokens=12, temperature=0.0))
     h.run()
     answer = tokenizer.decode(h.outputs["q"][0], skip_special_tokens=True)
