@@ -25,7 +25,7 @@ PYTEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=$$(mktemp -d /tmp/rs-tests.XX
 # docs/benchmarks.md "Worker threads")
 TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup test test-fast serve lint bench clean
+.PHONY: setup test test-fast serve lint clean
 
 setup: $(VENV)/.installed
 

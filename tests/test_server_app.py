@@ -143,3 +143,21 @@ def test_metrics_show_the_kv_caches_dtype_capacity_and_bytes() -> None:
             'page_size="16"} 1.0') in text
     assert "radixserve_kv_cache_capacity_tokens 1024.0" in text
     assert "radixserve_kv_cache_bytes 192000.0" in text
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10.0}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "logit_bias": {"5": -100.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, "suffix"),
+])
+def test_fields_openai_has_and_this_server_refuses_are_a_400_naming_them(engine, path, body,
+                                                                         param):
+    """docs/api.md lists them as refused: the schema accepts them so the error names the field
+    (an unknown field would be refused too, but as unknown), and no engine request is made."""
+    response = make_app(engine).post(path, json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["message"] == f"{param} is not supported"
+    assert engine.pending == 0 and not engine.sessions

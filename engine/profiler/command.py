@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for tier, tokens_help in (
             ("disk", "a disk tier of this many tokens, as serve's --disk-cache-dir (written "
                      "through in whole blocks, loaded past the tree's match)"),
-            ("host", "a host tier of this many tokens behind the cache, written through (hits "
-                     "split into device and host)")):
+            ("host", "a host tier of this many tokens behind the cache, filled as "
+                     "--cache-write-policy says (hits split into device and host)")):
         tier_size = timing.add_mutually_exclusive_group()
         tier_size.add_argument(f"--{tier}-cache-tokens", type=int, help=tokens_help)
         tier_size.add_argument(f"--{tier}-cache-gb", type=float, metavar="G",
