@@ -8,7 +8,8 @@ decode token or a prefill chunk within the prefill budget; growth that finds no 
 the lower-progress requests (never beams), or the request itself (beams too: they wait and come
 back whole); then, unless something was preempted, waiting requests by policy while the pages
 (free + evictable, minus what running requests are expected to still need) and
-``max_running_requests`` allow; last, speculative drafts for the decoding sequences, from the
+``max_running_requests`` allow (and at most ``max_loras`` LoRA adapters per step: a request
+whose adapter would be one more waits for a later step); last, speculative drafts for the decoding sequences, from the
 pages still free once every sequence of the step has its own (so a draft never takes a page a
 sequence planned after it needs: drafts never evict the cache or preempt anyone).
 """
@@ -78,12 +79,14 @@ class StepPlanner:
         self.num_preemptions = 0
         self._lookahead = self._starved = False
         self._num_running = 0  # sequences running when this plan began (speculation reads it)
+        self._adapters: set[int] = set()  # the LoRA adapters this plan's entries use
 
     def plan(self, lookahead: bool = False) -> Plan:
         """Plan the next step (its entries are empty when nothing can run). ``lookahead``: a
         batch is still in flight; sequences it ends for certain (at their length limit) are left
         out, and growth short of pages skips the sequence instead of preempting (``starved``)."""
         self._lookahead, self._starved = lookahead, False
+        self._adapters = set()
         work, self.carry = self.carry, StepWork()
         entries: list[Entry] = []
         budget = self.config.max_prefill_tokens
@@ -91,7 +94,7 @@ class StepPlanner:
         order = sorted(self.running, key=lambda r: r.progress, reverse=True)
         self._num_running = sum(len(r.live_seqs()) for r in self.running)
         for position, req in enumerate(order):
-            if id(req) in preempted:
+            if id(req) in preempted or not self._adapter_fits(req):
                 continue
             planned = self._plan_running(req, order, position, preempted, work, budget)
             if planned is None:
@@ -121,6 +124,16 @@ class StepPlanner:
         # else holds: it never will be (e.g. samples of a preempted n > 1 request whose diverged
         # KV outgrew the pool). It fails; the others go on.
         return Plan(unschedulable=blocked or self.waiting[0])
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether ``req``'s LoRA adapter may be in this step (taking a place if it is new):
+        the worker holds ``max_loras`` adapters at once, and a step never swaps one out."""
+        if not req.lora_id or req.lora_id in self._adapters:
+            return True
+        if len(self._adapters) >= self.info.max_loras:
+            return False
+        self._adapters.add(req.lora_id)
+        return True
 
     def _plan_running(self, req: Request, order: list[Request], position: int,
                       preempted: set[int], work: StepWork, budget: int) -> list[Entry] | None:
@@ -223,6 +236,8 @@ class StepPlanner:
             head = self._head(req)
             if head is not None and head in busy_heads and long_uncached(
                     req.prompt_len, self.tree.peek_prefix(req.seqs[0].tokens, req.namespace)):
+                continue
+            if not self._adapter_fits(req):
                 continue
             admitted = self._admit(req, seqs, work, budget, reserved)
             if admitted is None:

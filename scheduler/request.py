@@ -89,6 +89,8 @@ class Request:
     # prompt_logprobs: prompt positions whose logits have been computed (each gives the next
     # prompt token's logprob); only those may come from the cache when it is admitted again
     prompt_logits_done: int = 0
+    # its LoRA adapter's id (0: the base model); ``namespace`` then includes the adapter
+    lora_id: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
+from engine.contracts.lora import lora_namespace
 from engine.contracts.protocol import (
     BatchResult,
     ForwardBatch,
@@ -74,6 +75,7 @@ class Scheduler:
         self.speculator = (Speculator(speculative, self.tree) if speculative is not None
                            else None)
         self.planner = StepPlanner(config, info, self.mem, self.sessions, self.speculator)
+        self.adapters = {adapter.name: adapter for adapter in info.lora_adapters}
         self.requests: dict[str, Request] = {}
         self.outputs = Outputs(host_tier=self.host is not None, disk_tier=self.disk is not None)
         # Batches sent and not yet answered, oldest first: one, or two while overlapping.
@@ -133,10 +135,15 @@ class Scheduler:
 
     def add_request(self, msg: TokenizedRequest) -> None:
         prompt = unpack_ids(msg.prompt_ids).copy()
-        req = Request(msg.rid, prompt, msg.params, msg.reply_to, msg.namespace,
-                      msg.arrival or time.monotonic(), msg.session_id)
+        adapter = self.adapters.get(msg.lora_name) if msg.lora_name is not None else None
+        req = Request(msg.rid, prompt, msg.params, msg.reply_to,
+                      lora_namespace(msg.namespace, adapter), msg.arrival or time.monotonic(),
+                      msg.session_id, lora_id=adapter.lora_id if adapter else 0)
         try:
-            error = reject_reason(req, self.config, self.info, self.alloc, len(self.waiting))
+            if msg.lora_name is not None and adapter is None:
+                error = 404, f"the LoRA adapter {msg.lora_name!r} does not exist"
+            else:
+                error = reject_reason(req, self.config, self.info, self.alloc, len(self.waiting))
         except Exception:
             # A request must never take the scheduler (and every other request) down.
             logger.exception("checking request %s failed", req.rid)

@@ -32,6 +32,9 @@ def add_declared_arguments(parser: argparse.ArgumentParser, title: str,
             else option.help
         if option.kind is bool:
             group.add_argument(option.flag, action="store_true", default=default, help=help_text)
+        elif option.kind is list:
+            group.add_argument(option.flag, nargs="+", default=default, help=help_text,
+                               metavar=option.name.upper().removesuffix("S"))
         else:
             group.add_argument(option.flag, type=option.kind, default=default,
                                choices=option.choices, help=help_text,

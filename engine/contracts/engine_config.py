@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from engine.contracts.disk_cache import check_directory
+from engine.contracts.lora import parse_lora_modules
 from engine.contracts.options import check_declared
 from engine.contracts.speculative import SpeculativeConfig
 
@@ -68,6 +69,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "other checkpoints dense), none (every weight widened to --dtype), int8 (per output "
         "row) or int4 (per group of 32): the decoder's projections quantized once at load and "
         "cached; CPU only"))] = "auto"
+    # LoRA adapters (engine/contracts/lora.py, engine/worker/lora_pool.py)
+    enable_lora: Annotated[bool, Meta(description=(
+        "serve LoRA adapters of the base model: a request names one as its `model`; each "
+        "adapter's prefixes are cached apart from the base model's and the other adapters'"))
+        ] = False
+    lora_modules: Annotated[list[str], Meta(description=(
+        "adapters loaded at start, as NAME=PATH (a PEFT adapter directory) entries; needs "
+        "--enable-lora"))] | None = None
+    max_loras: Annotated[int, Meta(ge=1, description=(
+        "adapters resident on the device at once (the rest wait on the host, swapped in "
+        "least recently used first; a step runs at most this many)"))] = 4
+    max_lora_rank: Annotated[int, Meta(ge=1, description=(
+        "the largest adapter rank served (the device pool is sized for it)"))] = 64
     # the model runner
     device: Annotated[str, Meta(description=(
         "cpu or cuda (default: cuda when available)"))] | None = None
@@ -223,6 +237,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              "--dp-size > 1 the replicas publish to the dispatcher instead "
                              "(run one radixserve serve per engine behind a gateway to use it)")
         self._validate_tp()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        parse_lora_modules(self.lora_modules)
+        if self.enable_lora and self.tp_size > 1:
+            raise ValueError("--enable-lora is not supported with --tp-size > 1 yet: the "
+                             "adapters' matrices are not split across ranks")
 
     def _validate_disk(self) -> None:
         if self.disk_cache_dir is None:

@@ -23,7 +23,7 @@ from msgspec import inspect
 @dataclass(frozen=True)
 class Option:
     name: str  # the field
-    kind: type  # int, float, str or bool
+    kind: type  # int, float, str, bool or list (of str: the flag takes one or more values)
     help: str
     default: Any
     optional: bool  # None is allowed
@@ -55,7 +55,9 @@ def declared_options(struct: type[msgspec.Struct]) -> list[Option]:
                 described = {**described, **(kind.extra_json_schema or {}), **(kind.extra or {})}
                 kind = kind.type
         choices = None
-        if isinstance(kind, inspect.LiteralType):
+        if isinstance(kind, inspect.ListType):
+            base = list
+        elif isinstance(kind, inspect.LiteralType):
             choices = tuple(kind.values)
             base = type(choices[0])
         else:

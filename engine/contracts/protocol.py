@@ -18,6 +18,7 @@ import struct
 import msgspec
 import numpy as np
 
+from engine.contracts.lora import LoraAdapterInfo
 from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
 
@@ -64,6 +65,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
     namespace: str | None = None
     session_id: str | None = None
     arrival: float = 0.0
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class SessionOpen(msgspec.Struct, tag=True):
@@ -314,6 +316,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     num_host_cache_pages: int = 0  # the prefix cache's host tier (after the swap pages)
     disk_fingerprint: str = ""  # the disk tier's directory for this model and layout, if on
     disk_block_tokens: int = 0
+    lora_adapters: list[LoraAdapterInfo] = []  # loaded at start (--lora-modules)
+    max_loras: int = 0  # adapters one step may use (0: LoRA is off)
 
 
 class WorkerReady(msgspec.Struct, tag=True):

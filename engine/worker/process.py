@@ -58,6 +58,9 @@ class Worker:
             kv_cache_bytes=self.runner.kv_cache_bytes,
             num_host_cache_pages=self.runner.num_host_cache_pages,
         )
+        if self.runner.lora is not None:
+            self.info.lora_adapters = list(self.runner.lora.infos.values())
+            self.info.max_loras = self.runner.lora.max_loras
         from engine.worker.tier_io import open_tier_io
 
         self.io = open_tier_io(c, self.runner)  # the tiers' I/O thread, if there are tiers

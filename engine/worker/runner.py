@@ -26,14 +26,17 @@ import numpy as np
 import torch
 
 from engine.contracts.engine_config import EngineConfig
+from engine.contracts.lora import parse_lora_modules
 from engine.contracts.step import BatchInput
 from engine.worker.attention import make_backend
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.distributed import TensorParallel
 from engine.worker.kv_pool import KVPool
 from engine.worker.kv_quant import resolve_kv_dtype
+from engine.worker.lora_pool import LoraPool
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.loader import load_model
+from engine.worker.model.lora import load_adapter
 from engine.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
@@ -87,7 +90,8 @@ class ModelRunner:
     Reads from ``EngineConfig``: ``model``, ``load_format``, ``seed``, ``device``, ``dtype``
     (the weights); ``page_size``, ``num_pages`` / ``kv_cache_gb`` / ``mem_fraction``,
     ``num_host_pages``, ``host_cache_gb``, ``kv_cache_dtype`` (the pool); ``attention_backend``, ``flashinfer_decode_backend`` (the
-    attention); ``enable_cuda_graph``, ``cuda_graph_max_bs`` (decode graphs). Its defaults
+    attention); ``enable_cuda_graph``, ``cuda_graph_max_bs`` (decode graphs); ``enable_lora``,
+    ``lora_modules``, ``max_loras``, ``max_lora_rank`` (the adapters' pool). Its defaults
     are the config's: the runner declares none of its own.
     """
 
@@ -102,6 +106,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graph_max_batch = config.cuda_graph_max_bs if config.enable_cuda_graph else 0
         self._load_model(config)
+        self.lora = self._make_lora_pool(config)
         self._make_pool(config)
         self.attention = make_backend(
             config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
@@ -130,6 +135,16 @@ class ModelRunner:
         self._max_threads = self._threads = torch.get_num_threads()
         logger.info("weights: %s", ", ".join(f"{name} {size / 2**20:.1f} MiB"
                                              for name, size in self.weight_formats.items()))
+
+    def _make_lora_pool(self, c: EngineConfig) -> LoraPool | None:
+        """The LoRA adapters' pool with every ``--lora-modules`` adapter in it (ids from 1, in
+        the order given), or None without ``--enable-lora``."""
+        if not c.enable_lora:
+            return None
+        pool = LoraPool(self.config, c.max_loras, c.max_lora_rank, self.device, self.dtype)
+        for lora_id, (name, path) in enumerate(parse_lora_modules(c.lora_modules), start=1):
+            pool.add(lora_id, load_adapter(name, path, self.config, c.max_lora_rank), path)
+        return pool
 
     def _make_pool(self, c: EngineConfig) -> None:
         """The KV pool, sized by ``num_pages``, ``kv_cache_gb`` or ``mem_fraction`` (the
@@ -230,6 +245,11 @@ class ModelRunner:
                        self.num_host_pages + self.num_host_cache_pages)
         if not batch.num_seqs:
             return  # page moves only
+        if len(batch.lora_ids):
+            if self.lora is None:
+                raise ValueError("the step names LoRA adapters but the engine runs without "
+                                 "--enable-lora")
+            self.lora.check(batch.lora_ids)
         longest = int(batch.seq_lens.max())
         if longest > self.config.max_context_len:
             raise ValueError(f"a sequence reaches {longest} tokens but the model's context is "
@@ -275,7 +295,11 @@ class ModelRunner:
         if not batch.num_seqs:
             return None  # a step that only moves pages
         self._set_threads(batch)
-        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        lora = (self.lora.prepare(batch.lora_ids, batch.extend_lens)
+                if self.lora is not None else None)
+        # graphs are captured without adapters: a step with one runs eagerly
+        bucket = (self.graphs.bucket_for(batch)
+                  if self.graphs is not None and lora is None else None)
         if bucket is not None:
             return self.graphs.run(batch, bucket)
         input_ids, positions, rows, out_slots, *staged = self.staging.stage(
@@ -284,4 +308,4 @@ class ModelRunner:
              *self.attention.staged_arrays(batch)])
         self.attention.plan(batch, out_slots.on_device, staged=staged)
         return self.model(input_ids.on_device, positions.on_device, self.attention,
-                          rows.on_device)
+                          rows.on_device, lora)

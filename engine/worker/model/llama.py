@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.cpu_kernels import rms_norm_op
+from engine.worker.lora_pool import LoraStep
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.parallel import Collectives, ShardPlan, Slice, embed_vocab_parallel
 from engine.worker.model.quant import QuantizedLinear, part_sources
@@ -277,12 +278,15 @@ class DecoderLayer(_Weights):
         return targets
 
     def forward(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionBackend) -> torch.Tensor:
+                attention: AttentionBackend, lora: LoraStep | None = None) -> torch.Tensor:
         """Add this layer's attention and MLP outputs to ``hidden`` [T, hidden_size], the
-        residual stream, in place (the model's forward owns it), and return it."""
+        residual stream, in place (the model's forward owns it), and return it. ``lora``: the
+        step's adapters, whose updates each projection adds on top of the base weight's."""
         num_tokens = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = self._linear("qkv", x, self.qkv_bias)
+        if lora is not None:
+            lora.add_(index, "qkv", x, qkv)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -293,13 +297,22 @@ class DecoderLayer(_Weights):
         # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
         out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
         self._add_projection_("o", hidden, out, self.o_bias)
+        if lora is not None:
+            lora.add_(index, "o", out, hidden)
         x = rms_norm(hidden, self.post_norm, self.eps)
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
         chunk = self.mlp_chunk_tokens
-        for rows, x_rows in zip(hidden.split(chunk), x.split(chunk), strict=True):
-            gate, up = self._linear("gate_up", x_rows, self.gate_up_bias).chunk(2, dim=-1)
-            self._add_projection_("down", rows, F.silu(gate).mul_(up), self.down_bias)
+        for k, (rows, x_rows) in enumerate(zip(hidden.split(chunk), x.split(chunk),
+                                               strict=True)):
+            gate_up = self._linear("gate_up", x_rows, self.gate_up_bias)
+            if lora is not None:
+                lora.add_(index, "gate_up", x_rows, gate_up, k * chunk)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+            self._add_projection_("down", rows, act, self.down_bias)
+            if lora is not None:
+                lora.add_(index, "down", act, rows, k * chunk)
         return hidden
 
     def _add_projection_(self, name: str, residual: torch.Tensor, x: torch.Tensor,
@@ -390,9 +403,11 @@ class LlamaForCausalLM(_Weights):
         return sources
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionBackend, logits_rows: torch.Tensor) -> torch.Tensor | None:
+                attention: AttentionBackend, logits_rows: torch.Tensor,
+                lora: LoraStep | None = None) -> torch.Tensor | None:
         """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]; under
-        tensor parallel on rank 0 only (None on the others)."""
+        tensor parallel on rank 0 only (None on the others). ``lora``: the step's LoRA
+        adapters (engine/worker/lora_pool.py), None when every row runs the base model."""
         if "embed" in self.quantized:
             hidden = self.quantized["embed"].rows_dense(input_ids, torch.float32)
         elif self.tp is None:
@@ -401,7 +416,7 @@ class LlamaForCausalLM(_Weights):
             hidden = embed_vocab_parallel(input_ids, self.embed, self.plan, self.tp).float()
         cos, sin = self.rope(positions, self.dtype)
         for index, layer in enumerate(self.layers):
-            hidden = layer(index, hidden, cos, sin, attention)
+            hidden = layer(index, hidden, cos, sin, attention, lora)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         if self.tp is None:
             return self._linear("lm_head", hidden).float()

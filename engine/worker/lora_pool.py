@@ -1,0 +1,165 @@
+"""The worker's LoRA adapters: host copies of every loaded one, ``max_loras`` resident on the
+device, and each step's low-rank updates.
+
+Memory: per layer and fused projection, one device tensor of A slots
+[max_loras, parts * max_rank, in] and one of B slots [max_loras, out, parts * max_rank],
+allocated at start. An adapter in slot ``s`` fills the first ``parts * rank`` rows of A and
+columns of B; a step uses exactly those (no padded rank is multiplied). Which adapter holds
+which slot changes only in ``prepare``, before a step's forward, least recently used first and
+never one the step itself uses: an adapter is never swapped mid-step. The scheduler puts at
+most ``max_loras`` adapters in one step (more wait for a later one).
+
+A step (``LoraStep``): the tokens of each adapter form one group (the base model's, none);
+per layer and projection, each group adds ``(x_g A^T) B^T`` to its rows of the base
+projection's output, whatever format the base weight is in (S-LoRA's segmented form, in
+torch: one pair of small matmuls per adapter in the step, rows gathered unless contiguous).
+Rows of the base model pay nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from engine.contracts.lora import BASE_MODEL, LoraAdapterInfo
+from engine.worker.model.config import ModelConfig
+from engine.worker.model.lora import LoraWeights, projection_shapes
+
+
+class LoraPool:
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.device, self.dtype = device, dtype
+        shapes = projection_shapes(config)
+        self.slots_a: list[dict[str, torch.Tensor]] = []
+        self.slots_b: list[dict[str, torch.Tensor]] = []
+        for _ in range(config.num_layers):
+            self.slots_a.append({name: torch.zeros(max_loras, len(outs) * max_rank, width,
+                                                   device=device, dtype=dtype)
+                                 for name, (width, outs) in shapes.items()})
+            self.slots_b.append({name: torch.zeros(max_loras, sum(outs), len(outs) * max_rank,
+                                                   device=device, dtype=dtype)
+                                 for name, (width, outs) in shapes.items()})
+        self.adapters: dict[int, LoraWeights] = {}  # lora id -> host copy
+        self.infos: dict[int, LoraAdapterInfo] = {}
+        self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
+        # slot -> (layer, projection) -> rows of A (columns of B) in use; 0: not adapted
+        self.slot_ranks: list[dict[tuple[int, str], int]] = [{} for _ in range(max_loras)]
+        self.swaps = 0
+        self.swap_seconds = 0.0
+
+    def add(self, lora_id: int, weights: LoraWeights, path: str = "") -> LoraAdapterInfo:
+        """Keep ``weights`` as adapter ``lora_id`` (on the host until a step needs it)."""
+        self.remove(lora_id)
+        self.adapters[lora_id] = weights
+        self.infos[lora_id] = LoraAdapterInfo(weights.name, lora_id, weights.rank,
+                                              weights.content_hash, path)
+        return self.infos[lora_id]
+
+    def remove(self, lora_id: int) -> None:
+        self.adapters.pop(lora_id, None)
+        self.infos.pop(lora_id, None)
+        self.resident.pop(lora_id, None)
+
+    def check(self, lora_ids: np.ndarray) -> None:
+        """ValueError for a step naming an adapter this pool lacks or more than it holds."""
+        wanted = set(np.unique(lora_ids).tolist()) - {BASE_MODEL}
+        unknown = wanted - set(self.adapters)
+        if unknown:
+            raise ValueError(f"the step names LoRA adapter ids {sorted(unknown)} that the "
+                             "worker has not loaded")
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"the step uses {len(wanted)} LoRA adapters but --max-loras is "
+                             f"{self.max_loras}")
+
+    def prepare(self, lora_ids: np.ndarray, extend_lens: np.ndarray) -> LoraStep | None:
+        """Make the step's adapters resident and group its tokens by adapter; None when every
+        sequence runs the base model. ``lora_ids``: per sequence (empty: all base)."""
+        if not len(lora_ids) or not np.any(lora_ids != BASE_MODEL):
+            return None
+        wanted = [int(i) for i in np.unique(lora_ids) if i != BASE_MODEL]
+        slot_of = np.full(int(max(wanted)) + 1, -1, dtype=np.int64)
+        for lora_id in wanted:
+            slot_of[lora_id] = self._resident_slot(lora_id, keep=set(wanted))
+        token_slots = np.repeat(slot_of[np.asarray(lora_ids, dtype=np.int64)], extend_lens)
+        return LoraStep(self, token_slots)
+
+    def _resident_slot(self, lora_id: int, keep: set[int]) -> int:
+        if lora_id in self.resident:
+            self.resident.move_to_end(lora_id)
+            return self.resident[lora_id]
+        used = set(self.resident.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(i for i in self.resident if i not in keep)
+            slot = self.resident.pop(victim)
+        started = time.perf_counter()
+        self._fill(slot, self.adapters[lora_id])
+        self.swap_seconds += time.perf_counter() - started
+        self.swaps += 1
+        self.resident[lora_id] = slot
+        return slot
+
+    def _fill(self, slot: int, weights: LoraWeights) -> None:
+        ranks = self.slot_ranks[slot]
+        ranks.clear()
+        for (layer, name), (a, b) in weights.mats.items():
+            width = a.shape[0]
+            self.slots_a[layer][name][slot, :width].copy_(a, non_blocking=True)
+            self.slots_b[layer][name][slot, :, :width].copy_(b, non_blocking=True)
+            ranks[(layer, name)] = width
+
+    def matrices(self, slot: int, layer: int, name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Slot ``slot``'s A [R, in] and B [out, R] for one projection, None if not adapted."""
+        width = self.slot_ranks[slot].get((layer, name), 0)
+        if not width:
+            return None
+        return self.slots_a[layer][name][slot, :width], self.slots_b[layer][name][slot, :, :width]
+
+
+class LoraStep:
+    """One step's tokens grouped by adapter slot, and the update each projection adds."""
+
+    def __init__(self, pool: LoraPool, token_slots: np.ndarray) -> None:
+        self.pool, self.token_slots = pool, token_slots
+        self._groups: dict[tuple[int, int], list[tuple[int, slice | torch.Tensor]]] = {}
+
+    def groups(self, start: int, count: int) -> list[tuple[int, slice | torch.Tensor]]:
+        """(slot, rows) of each adapter among tokens [start, start + count), rows relative to
+        ``start``: a slice when contiguous, else device indices. Cached: every layer asks."""
+        key = (start, count)
+        found = self._groups.get(key)
+        if found is None:
+            slots = self.token_slots[start : start + count]
+            found = []
+            for slot in np.unique(slots[slots >= 0]).tolist():
+                rows = np.flatnonzero(slots == slot)
+                if rows[-1] - rows[0] + 1 == len(rows):
+                    found.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+                else:
+                    found.append((slot, torch.from_numpy(rows).to(self.pool.device)))
+            self._groups[key] = found
+        return found
+
+    def add_(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor,
+             start: int = 0) -> None:
+        """out += each adapter's update of projection ``name`` of ``layer`` for its rows of
+        ``x`` (tokens [start, start + len(x)) of the step; ``out`` row-aligned with ``x``)."""
+        for slot, rows in self.groups(start, x.shape[0]):
+            mats = self.pool.matrices(slot, layer, name)
+            if mats is None:
+                continue
+            a, b = mats
+            if isinstance(rows, slice):
+                out[rows] += ((x[rows] @ a.t()) @ b.t()).to(out.dtype)
+            else:
+                delta = (x.index_select(0, rows) @ a.t()) @ b.t()
+                out.index_add_(0, rows, delta.to(out.dtype))
+

@@ -1,0 +1,146 @@
+"""LoRA adapters: PEFT loading and its refusals, rows of several adapters and of the base
+model in one batch token-identical to transformers + peft in fp32, and each adapter's prefixes
+cached apart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoints.demo_model import build_demo_model
+from engine.contracts.sampling_params import SamplingParams
+from engine.worker.model.config import ModelConfig
+from engine.worker.model.lora import load_adapter
+from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
+from tests.test_scheduler import GREEDY, Harness, hf_greedy, shared_prefix_prompts
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(build_demo_model())
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: str(make_adapter(model_dir, root / name, seed, **settings))
+            for seed, (name, settings) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def oracles(model_dir, adapters):
+    from transformers import AutoModelForCausalLM
+
+    models = {name: peft_model(model_dir, path) for name, path in adapters.items()}
+    models[None] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return models
+
+
+def lora_harness(model_dir: str, adapters: dict[str, str], **options) -> Harness:
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    return Harness(model_dir, enable_lora=True, lora_modules=modules, **options)
+
+
+def add(h: Harness, rid: str, prompt: list[int], adapter: str | None,
+        params: SamplingParams = GREEDY) -> None:
+    from engine.contracts.protocol import TokenizedRequest, pack_ids
+
+    h.sched.add_request(TokenizedRequest(rid=rid, prompt_ids=pack_ids(prompt), params=params,
+                                         reply_to=0, lora_name=adapter))
+
+
+def test_adapters_and_base_in_one_batch_match_peft(model_dir, adapters, oracles):
+    """Six requests in flight (two per adapter, two of the base model) sharing a system
+    prompt, prefilled in chunks, in a pool small enough that one is preempted: every one's
+    greedy tokens are transformers + peft's under its own adapter."""
+    h = lora_harness(model_dir, adapters, num_pages=20, chunked_prefill_size=24,
+                     max_prefill_tokens=64)
+    for layer in h.worker.runner.model.layers:
+        layer.mlp_chunk_tokens = 7  # the MLP's row chunks cut through adapters' row groups
+    steps = []  # each batch's adapter ids
+    run_step = h.worker.step
+    h.worker.step = lambda msg: (steps.append(set(msg.step.lora_ids.tolist())),
+                                 run_step(msg))[1]
+    prompts = shared_prefix_prompts(6, seed=3)
+    names = [None, "alpha", "beta"] * 2
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        add(h, f"r{i}", prompt, name)
+    h.run()
+    assert h.sched.num_preemptions > 0
+    assert {0, 1, 2} in steps  # one forward served both adapters and the base model
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        expected = hf_greedy(oracles[name], prompt, 12)
+        assert h.outputs[f"r{i}"][0] == expected, (i, name)
+    # the adapters change the answers (else the comparison above shows nothing)
+    for i, name in enumerate(names):
+        if name is not None:
+            assert h.outputs[f"r{i}"][0] != hf_greedy(oracles[None], prompts[i], 12), name
+
+
+def test_a_prefix_cached_by_the_base_model_is_no_hit_for_an_adapter(model_dir, adapters,
+                                                                    oracles):
+    h = lora_harness(model_dir, adapters, num_pages=256)
+    prompt = shared_prefix_prompts(1, seed=4)[0]
+    add(h, "base", prompt, None)
+    h.run()
+    add(h, "alpha", prompt, "alpha")
+    h.run()
+    add(h, "base-again", prompt, None)
+    add(h, "beta", prompt, "beta")
+    h.run()
+    add(h, "alpha-again", prompt, "alpha")
+    h.run()
+    hits = {rid: finals[0].cached_tokens for rid, finals in h.finals.items()}
+    assert hits["alpha"] == 0 and hits["beta"] == 0
+    assert hits["base-again"] == hits["alpha-again"] == len(prompt) - 1
+    assert h.outputs["alpha-again"] == h.outputs["alpha"]
+    assert h.outputs["alpha"][0] == hf_greedy(oracles["alpha"], prompt, 12)
+
+
+def test_more_adapters_than_max_loras_wait_and_swap(model_dir, adapters, oracles):
+    """With one adapter resident at a time, requests of two adapters in flight together are
+    queued step by step (never failed) and the pool swaps adapters between steps."""
+    h = lora_harness(model_dir, adapters, num_pages=256, max_loras=1)
+    prompts = shared_prefix_prompts(4, seed=5)
+    names = ["alpha", "beta", "beta", None]
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        add(h, f"r{i}", prompt, name)
+    h.run()
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        assert h.outputs[f"r{i}"][0] == hf_greedy(oracles[name], prompt, 12), name
+    assert h.worker.runner.lora.swaps >= 2
+
+
+def test_an_unknown_adapter_is_a_404(model_dir, adapters):
+    h = lora_harness(model_dir, adapters, num_pages=64)
+    add(h, "x", [5, 6, 7], "gamma")
+    h.step()
+    (final,) = h.finals["x"]
+    assert final.status == 404 and "'gamma' does not exist" in final.error
+
+
+def test_adapters_that_do_not_fit_are_refused_with_a_sentence(model_dir, adapters, tmp_path):
+    config = ModelConfig.from_dir(model_dir)
+    with pytest.raises(ValueError, match="has rank 8 but --max-lora-rank is 4"):
+        load_adapter("beta", adapters["beta"], config, max_rank=4)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with open(f"{adapters['alpha']}/adapter_config.json") as file:
+        settings = json.load(file)
+    (bad / "adapter_config.json").write_text(json.dumps(settings))
+    tensors = load_file(f"{adapters['alpha']}/adapter_model.safetensors")
+    key = next(k for k in tensors if "q_proj.lora_B" in k)
+    tensors[key] = torch.zeros(100, 4)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"is \[100, 4\] but the base model's q_proj needs "
+                                         r"\[256, 4\]"):
+        load_adapter("bad", bad, config, max_rank=64)
+    settings["target_modules"] = ["q_proj", "lm_head"]
+    (bad / "adapter_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="targets lm_head; only q_proj"):
+        load_adapter("bad", bad, config, max_rank=64)
