@@ -142,7 +142,7 @@ class TokenizerWorker:
                                             echo_pending=req.echo)
         return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
                                 reply_to=self.index, namespace=req.namespace,
-                                session_id=req.session_id)
+                                session_id=req.session_id, lora_name=req.lora_name)
 
     def _session_prompt(self, session: ChatSession, req: GenerateRequest) -> list[int]:
         if req.messages is None:

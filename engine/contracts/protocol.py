@@ -45,6 +45,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     session_id: str | None = None  # the scheduler-side history to continue (multi-turn)
     stream: bool = True
     echo: bool = False  # the first output carries the prompt's text (``prompt_text``)
+    lora_name: str | None = None  # the LoRA adapter the request's ``model`` named
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -295,6 +295,7 @@ class ModelCard(Struct):
     max_model_len: int
     object: str = "model"
     owned_by: str = "radixserve"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for the base
 
 
 class ModelList(Struct):

@@ -93,12 +93,21 @@ class Service(Shapes):
 
     # ---------------------------------------------------------------- models
     def models(self) -> ModelList:
-        return ModelList([ModelCard(self.model_name, self.created, self.info.context_len)])
+        base = ModelCard(self.model_name, self.created, self.info.context_len)
+        return ModelList([base] + [
+            ModelCard(adapter.name, self.created, self.info.context_len, parent=self.model_name)
+            for adapter in self.info.lora_adapters])
 
-    def check_model(self, name: str | None) -> None:
-        if name and name not in (self.model_name, self.config.model):
-            raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter ``name`` (a request's ``model``) selects, None for the base model;
+        404 for a name this server does not serve."""
+        if not name or name in (self.model_name, self.config.model):
+            return None
+        if any(adapter.name == name for adapter in self.info.lora_adapters):
+            return name
+        adapters = "".join(f", {a.name!r}" for a in self.info.lora_adapters)
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{self.model_name!r}{adapters}", param="model", code="model_not_found")
 
     # -------------------------------------------------------------- sessions
     async def open_session(self) -> SessionObject:
@@ -124,7 +133,7 @@ class Service(Shapes):
     def _call(self, prefix: str, endpoint: str, requests: list[GenerateRequest],
               n: int, discard: bool = False, **fields: Any) -> Call:
         """The call of admitted engine requests; ``fields``: the endpoint's own ``Call``
-        fields."""
+        fields. Answers name the adapter the requests run under, else the model."""
         self._check_alive()
         limit = self.options.max_inflight_requests
         if len(requests) > limit:
@@ -134,8 +143,8 @@ class Service(Shapes):
             raise APIError(503, f"the server is at its limit of {limit:,} requests "
                            f"in flight ({self.admitted:,} now, this one adds "
                            f"{len(requests):,}); retry later")
-        call = Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                    requests, Choices(len(requests), n, discard), self.metrics.track(endpoint),
+        call = Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                    requests[0].lora_name or self.model_name, requests, Choices(len(requests), n, discard), self.metrics.track(endpoint),
                     **fields)
         self.admitted += len(requests)
         call.release = weakref.finalize(call, self._release, len(requests))
@@ -145,11 +154,11 @@ class Service(Shapes):
         self.admitted -= count
 
     def completion_call(self, req: CompletionRequest) -> Call:
-        self.check_model(req.model)
+        adapter = self.check_model(req.model)
         params = sampling.completion_params(req, self.info)
         namespace = self._namespace(req.cache_salt, req.user)
         requests = [GenerateRequest(rid=new_request_id(), params=params, namespace=namespace,
-                                    echo=req.echo, **_prompt_fields(prompt))
+                                    echo=req.echo, lora_name=adapter, **_prompt_fields(prompt))
                     for prompt in sampling.completion_prompts(req.prompt, self.info,
                                                               params.max_tokens)]
         return self._call("cmpl", "completions", requests, params.n,
@@ -157,7 +166,7 @@ class Service(Shapes):
                           return_token_ids=req.return_token_ids, echo=req.echo)
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
-        self.check_model(req.model)
+        adapter = self.check_model(req.model)
         template_tools, plan = tools.resolve(req, self.options.tool_call_parser)
         params = sampling.chat_params(req, self.options.default_max_tokens, self.info,
                                       plan.constraint if plan is not None else None)
@@ -167,12 +176,13 @@ class Service(Shapes):
             self.sessions.get(req.session_id)  # 404 now, before any stream starts
         request = GenerateRequest(rid=new_request_id(), params=params, messages=req.messages,
                                   tools=template_tools, session_id=req.session_id,
-                                  namespace=self._namespace(req.cache_salt, req.user))
+                                  namespace=self._namespace(req.cache_salt, req.user),
+                                  lora_name=adapter)
         return self._call("chatcmpl", "chat", [request], params.n, prompt_param="messages",
                           tool_plan=plan)
 
     def generate_call(self, body: GenerateBody) -> Call:
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         params = sampling.native_params(body.sampling_params, self.info)
         if (body.input_ids is None) == (body.text is None):
             raise APIError(400, "give exactly one of input_ids (token ids) or text",
@@ -184,7 +194,7 @@ class Service(Shapes):
         prompt = body.input_ids if body.input_ids is not None else body.text
         request = GenerateRequest(rid=new_request_id(), params=params,
                                   namespace=self._namespace(body.cache_salt),
-                                  **_prompt_fields(prompt))
+                                  lora_name=adapter, **_prompt_fields(prompt))
         return self._call("gen", "generate", [request], params.n,
                           prompt_param="input_ids" if body.input_ids is not None else "text")
 

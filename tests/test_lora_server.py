@@ -1,0 +1,67 @@
+"""LoRA adapters through a live server: ``--enable-lora --lora-modules``, the request's
+``model`` choosing the adapter, ``/v1/models`` listing each adapter with its parent, a 404 for
+an unknown one, and the base model's cache no hit for an adapter."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from engine.checkpoints.demo_model import build_demo_model
+from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
+from tests.server_process import API_KEY, AUTH, serve_module
+from tests.test_scheduler import hf_greedy
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, str]:
+    root, model_dir = tmp_path_factory.mktemp("adapters"), str(build_demo_model())
+    return {name: str(make_adapter(model_dir, root / name, seed, **settings))
+            for seed, (name, settings) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, adapters):
+    yield from serve_module(tmp_path_factory.mktemp("server"), "--api-key", API_KEY,
+                            "--num-pages", "512", "--enable-lora", "--lora-modules",
+                            *(f"{name}={path}" for name, path in adapters.items()))
+
+
+def generate(client: httpx.Client, model: str | None, ids: list[int]) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_tokens": 8, "temperature": 0,
+                                                  "ignore_eos": True}}
+    if model is not None:
+        body["model"] = model
+    response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_models_list_each_adapter_with_its_parent(server):
+    cards = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]
+    base = cards[0]["id"]
+    assert [(c["id"], c["parent"]) for c in cards] == [
+        (base, None), ("alpha", base), ("beta", base)]
+
+
+def test_the_model_field_chooses_the_adapter(server, adapters):
+    model_dir = str(build_demo_model())
+    prompt = list(range(40, 75))
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        base = generate(client, None, prompt)
+        for name, path in adapters.items():
+            answer = generate(client, name, prompt)
+            assert answer["model"] == name
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            expected = hf_greedy(peft_model(model_dir, path), prompt, 8)
+            assert answer["choices"][0]["token_ids"] == expected, name
+            assert expected != base["choices"][0]["token_ids"]
+        again = generate(client, None, prompt)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        assert again["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+        unknown = client.post("/generate", json={"input_ids": prompt, "model": "gamma"})
+        assert unknown.status_code == 404
+        assert "'gamma' does not exist" in unknown.json()["error"]["message"]
