@@ -1,0 +1,263 @@
+"""Quantized weights: the block formats (engine/checkpoints/quant_formats.py), the compiled
+kernels that read them (csrc/quant_linear.cpp, in this CPU's build, the AVX2 build and the
+portable one) against float64 references at every shape the default model uses and at odd
+sizes, the loader's choice of formats and its refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from engine.checkpoints.gguf import gguf_checkpoint
+from engine.checkpoints.quant_formats import BLOCK, PackedWeight, from_gguf, quantize
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.step import BatchInput
+from engine.worker.model import loader
+from engine.worker.model.parallel import Slice
+from engine.worker.model.quant import part_sources
+from engine.worker.runner import ModelRunner
+from tests.conftest_models import write_checkpoint
+from tests.test_cpu_kernels import load_variants
+from tests.test_gguf import write_gguf
+from tests.test_tp import ThreadRank, run_ranks
+
+# SmolLM2-135M's projections (qkv, o, gate_up, down, the tied LM head) and odd sizes: rows not a
+# multiple of the interleaving, one block, an odd number of blocks.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576),
+          (33, 96), (7, 32), (40, 160), (17, 224)]
+FORMATS = ["q8_0", "q4_0", "q4_1", "int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[str, object]:
+    return load_variants()
+
+
+def random_weight(fmt: str, rows: int, cols: int, seed: int) -> PackedWeight:
+    """A weight in ``fmt`` with random blocks (GGUF's own quantizer for its formats)."""
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randn(rows, cols, generator=generator) * 0.05
+    if fmt in ("int8", "int4"):
+        return quantize(dense, fmt)
+    kind = fmt.upper()
+    blocks = gguf_quantize(dense.numpy(), GGMLQuantizationType[kind])
+    return from_gguf(kind, blocks)
+
+
+def emulated(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
+    """What the kernel computes, in float64: activations quantized per row and block of 32
+    (scale max|x| / 127, ties to even), integer block products scaled by both scales, and the
+    4-bit minimum times the block's exact sum of x."""
+    rows, cols = p.shape
+    xb = x.double().view(x.shape[0], -1, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0))
+    dense = p.dequantize().view(rows, -1, BLOCK)
+    scales = p.scales.double().expand(rows, cols // BLOCK)[..., None]
+    if p.bits == 8:
+        q, mins = dense / torch.where(scales == 0, 1, scales), 0
+    else:
+        mins = p.mins.double()[..., None] if p.mins is not None else -8 * scales
+        q = (dense - mins) / torch.where(scales == 0, 1, scales)
+    products = torch.einsum("mbe,nbe->mnb", xq, torch.round(q))
+    out = (products * scales[None, :, :, 0] * (amax[..., 0] / 127)[:, None, :]).sum(-1)
+    if p.bits == 4:
+        out += torch.einsum("mb,nb->mn", xb.sum(-1), mins[..., 0].expand(rows, -1))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_build_computes_what_the_format_and_the_activations_say(variants, fmt):
+    """Every build against the float64 emulation of its arithmetic (only float32 rounding
+    apart), and against the exact product with the dequantized weights (apart by what
+    quantizing the activations costs: under 1% for 8-bit weights, 3% for 4-bit), for float32
+    and bf16 activations and 1 to 9 rows."""
+    for index, (rows, cols) in enumerate(SHAPES):
+        p = random_weight(fmt, rows, cols, seed=index)
+        if rows > 10_000 and p.bits == 4:  # the LM head: 8-bit in the GGUF files served
+            continue
+        batch = 1 if rows > 10_000 else 1 + index % 9
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(100 + index))
+        exact = x.double() @ p.dequantize().T
+        for name, ops in variants.items():
+            kernel = ops.quant_repack(p.qweight, p.scales.expand(rows, cols // BLOCK), p.mins,
+                                      p.bits)
+            for dtype in (torch.float32, torch.bfloat16):
+                xs = x.to(dtype)
+                out = ops.quant_linear(xs, *kernel, p.bits, rows)
+                assert out.dtype == dtype and out.shape == (batch, rows)
+                want = emulated(xs.float(), p)
+                tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+                err = ((out.double() - want).norm() / want.norm()).item()
+                assert err < tolerance, (name, rows, cols, dtype, err)
+                err = ((out.double() - exact).norm() / exact.norm()).item()
+                assert err < (0.01 if p.bits == 8 else 0.03), (name, rows, cols, dtype, err)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantizing_rows_gives_the_formats_numbers(variants, fmt):
+    """dequantize_weight over the repacked layout (the embedding's lookups, any row order)
+    gives exactly the format's numbers in every build."""
+    p = random_weight(fmt, 40, 160, seed=7)
+    rows = torch.tensor([39, 0, 17, 16, 17])
+    for name, ops in variants.items():
+        kernel = ops.quant_repack(p.qweight, p.scales.expand(40, 5), p.mins, p.bits)
+        got = ops.dequantize_weight(*kernel, p.bits, 40, rows, torch.float32)
+        assert torch.equal(got.double(), p.dequantize()[rows].float().double()), name
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_keep_their_numbers(kind):
+    """A GGUF tensor's blocks, split into values, scales and minimums, stand for exactly what
+    the gguf package dequantizes them to."""
+    dense = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
+    blocks = gguf_quantize(dense, GGMLQuantizationType[kind])
+    packed = from_gguf(kind, blocks)
+    want = dequantize(blocks, GGMLQuantizationType[kind])
+    assert np.array_equal(packed.dequantize().numpy(), want.astype(np.float64))
+
+
+def test_int8_and_int4_quantize_to_the_nearest_steps():
+    """int8: one scale per row, every value within half a step; int4: per group of 32, the
+    group's minimum and 15 steps, within half a step (plus float16's rounding of both)."""
+    w = torch.randn(64, 128) * 0.05
+    for fmt, bound in (("int8", 0.5), ("int4", 0.5)):
+        p = quantize(w, fmt)
+        scales = p.scales.double()
+        if fmt == "int8":
+            assert p.scales.shape == (64, 1) and p.qweight.dtype == torch.int8
+            step = scales
+        else:
+            assert p.scales.shape == p.mins.shape == (64, 4) and p.qweight.shape == (64, 64)
+            step = scales.repeat_interleave(BLOCK, dim=1)
+        err = (p.dequantize() - w.double()).abs() / step
+        assert err.max() < bound + 0.01, fmt
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_products_over_column_shards_add_up_to_the_whole(variants, fmt):
+    """Tensor parallel's row-parallel projections: the kernel over each rank's whole blocks of
+    the columns sums to the kernel over all of them (activations are quantized per block, so
+    the shards see the same integers), up to float32's rounding."""
+    p = random_weight(fmt, 48, 192, seed=3)
+    x = torch.randn(5, 192, generator=torch.Generator().manual_seed(4))
+    for name, ops in variants.items():
+        def product(cols: slice, p=p, ops=ops) -> torch.Tensor:
+            blocks = slice(cols.start // BLOCK, cols.stop // BLOCK)
+            width = 8 // p.bits
+            part = PackedWeight(p.format, p.qweight[:, cols.start // width: cols.stop // width],
+                                p.scales.expand(48, 6)[:, blocks],
+                                None if p.mins is None else p.mins[:, blocks])
+            kernel = ops.quant_repack(part.qweight.contiguous(), part.scales, part.mins, p.bits)
+            return ops.quant_linear(x[:, cols].contiguous(), *kernel, p.bits, 48)
+
+        whole = product(slice(0, 192))
+        shards = product(slice(0, 64)) + product(slice(64, 192))
+        torch.testing.assert_close(shards, whole, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_tensor_parallel_split_keeps_whole_blocks_or_is_refused():
+    rows = part_sources("w", Slice(0, 96, 192, 576), "q4_1")
+    assert rows["w.qweight"] == rows["w.scales"] == Slice(0, 96, 192, 576)
+    columns = part_sources("w", Slice(1, 288, 576, 576), "q4_1")
+    assert columns == {"w.qweight": Slice(1, 144, 288, 288), "w.scales": Slice(1, 9, 18, 18),
+                       "w.mins": Slice(1, 9, 18, 18)}
+    assert set(part_sources("w", Slice(1, 64, 128, 128), "int8")) == {"w.qweight"}
+    with pytest.raises(ValueError, match=r"would cut w's q8_0 blocks.*--quantization none"):
+        part_sources("w", Slice(1, 48, 96, 96), "q8_0")
+
+
+def steps(vocab: int) -> list[BatchInput]:
+    """A prefill of two sequences, then a decode of one and an extend of the other."""
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(3, vocab, 7), rng.integers(3, vocab, 5)
+    return [BatchInput.build([([3, 7], 0, a[:6]), ([1], 0, b[:3])], 4, "all"),
+            BatchInput.build([([3, 7], 6, a[6:]), ([1, 5], 3, b[3:])], 4, "all")]
+
+
+def forward(model: str, tp: ThreadRank | None = None, **options) -> list[torch.Tensor]:
+    config = EngineConfig(model=model, page_size=4, num_pages=16, dtype="float32",
+                          attention_backend="torch", **options)
+    runner = ModelRunner(config, tp)
+    return [runner.forward(step) for step in steps(runner.config.vocab_size)], runner
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A Llama checkpoint whose widths tensor parallel splits in whole blocks (64, 128)."""
+    return str(write_checkpoint(tmp_path_factory.mktemp("quant") / "llama", "llama",
+                                intermediate_size=128))
+
+
+def test_int8_and_int4_quantize_a_checkpoint_once_and_stay_close(checkpoint, tmp_path,
+                                                                 monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
+    """The random checkpoint's logits move by a few percent under int8 and by a third under
+    int4 (random weights have no structure for 15 steps a group to follow; the default model's
+    figures are in docs/benchmarks.md)."""
+    dense, runner = forward(checkpoint, quantization="none")
+    assert set(runner.weight_formats) == {"float32"}
+    for fmt, bound in (("int8", 0.06), ("int4", 0.4)):
+        got, runner = forward(checkpoint, quantization=fmt)
+        # the projections in blocks; embeddings, norms and the LM head in --dtype
+        assert set(runner.weight_formats) == {fmt, "float32"}
+        assert relative_error(got, dense) < bound, fmt
+        made = list(tmp_path.glob(f"quant-{fmt}-*/quantized.safetensors"))
+        assert len(made) == 1
+        stamp = made[0].stat().st_mtime_ns
+        again, _ = forward(checkpoint, quantization=fmt)  # read from the cache, not made again
+        assert made[0].stat().st_mtime_ns == stamp and list(tmp_path.glob(f"quant-{fmt}-*")) == [
+            made[0].parent]
+        assert all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
+
+
+def test_tensor_parallel_shards_quantized_blocks(checkpoint):
+    """Two ranks (threads) hold whole blocks of each projection and compute what one does:
+    the same integer products per block, only summed in another order. That order's rounding
+    can move an activation across a quantization step in a later layer, so the logits agree
+    to a fraction of what quantizing costs, not to the last bit."""
+    for fmt in ("int8", "int4"):
+        want, _ = forward(checkpoint, quantization=fmt)
+        results = run_ranks(2, lambda tp, fmt=fmt: forward(checkpoint, tp, quantization=fmt)[0])
+        assert relative_error(results[0], want) < 0.05, fmt
+
+
+def test_a_gguf_is_served_in_its_own_blocks(tmp_path):
+    """--quantization auto (the default) keeps a GGUF's Q8_0, Q4_0 and Q4_1 tensors, the
+    embedding included, and computes close to the widened weights; F16 has none to keep."""
+    for kind in ("Q8_0", "Q4_0", "Q4_1", "F16"):
+        qtype = GGMLQuantizationType[kind]
+        directory = str(gguf_checkpoint(write_gguf(tmp_path / f"{kind}.gguf", qtype),
+                                        tmp_path / "cache"))
+        dense, _ = forward(directory, quantization="none")
+        got, runner = forward(directory)
+        if kind == "F16":
+            assert set(runner.weight_formats) == {"float32"}
+            continue
+        assert set(runner.weight_formats) == {kind.lower(), "float32"}  # the norms
+        assert relative_error(got, dense) < (0.02 if kind == "Q8_0" else 0.1), kind
+
+
+def test_refusals_name_the_way_out(tmp_path, monkeypatch):
+    directory = gguf_checkpoint(write_gguf(tmp_path / "q.gguf", GGMLQuantizationType.Q4_1),
+                                tmp_path / "cache")
+    quantized = directory / "quantized.safetensors"
+    with pytest.raises(ValueError, match=r"q4_1 blocks .* on cuda with --quantization none"):
+        loader._formats(quantized, "auto", torch.device("cuda"))
+    # tensor parallel over 2 ranks would cut the MLP's 96 columns into 48 and 48
+    with pytest.raises(ValueError, match=r"would cut .*down_proj.* --quantization none"):
+        run_ranks(2, lambda tp: forward(str(directory), tp))
+    with pytest.raises(ValueError, match=r"dummy has no weights to quantize"):
+        forward(str(directory), quantization="int8", load_format="dummy")
+    monkeypatch.setattr(loader, "quant_ops", lambda: None)  # no compiler on this machine
+    with pytest.raises(RuntimeError, match=r"int8 needs the compiled CPU kernels.*none"):
+        loader._formats(quantized, "int8", torch.device("cpu"))
+    assert loader._formats(quantized, "auto", torch.device("cpu")) == {}  # widened, logged
