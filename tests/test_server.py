@@ -368,6 +368,9 @@ def test_metrics_parse_and_count_what_happened(server):
     page_size = int(info[0].split("page_size=")[1].split(",")[0].rstrip("}"))
     assert values["radixserve_kv_cache_capacity_tokens"] == 2048 * page_size
     assert values["radixserve_kv_cache_bytes"] > 0
+    # The demo model's weights, dense in the model's dtype (no quantized blocks to keep).
+    weights = [key for key in values if key.startswith("radixserve_model_weight_bytes{")]
+    assert len(weights) == 1 and values[weights[0]] > 0
 
 
 def test_health_models_and_openapi(server):

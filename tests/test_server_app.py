@@ -132,13 +132,17 @@ def test_a_full_session_table_reclaims_the_longest_idle_expired_session(engine):
 
 
 def test_metrics_show_the_kv_caches_dtype_capacity_and_bytes() -> None:
-    """The worker's ModelInfo names what the pool stores; the gauges follow the engine-wide
-    page count the scheduler reports (summed over data-parallel replicas)."""
+    """The worker's ModelInfo names what the pool stores and the weights' formats; the gauges
+    follow the engine-wide page count the scheduler reports (summed over data-parallel
+    replicas)."""
     from engine.server.metrics import FrontendState, Metrics
 
-    info = msgspec.structs.replace(INFO, kv_cache_dtype="int8", kv_cache_bytes=32 * 3000)
+    info = msgspec.structs.replace(INFO, kv_cache_dtype="int8", kv_cache_bytes=32 * 3000,
+                                   weight_bytes={"q4_1": 70_000_000, "bfloat16": 60_000})
     stats = SchedulerStats(kv_pages_total=64)
     text = Metrics(lambda: stats, lambda: FrontendState(0, 0, True), info).render().decode()
+    assert 'radixserve_model_weight_bytes{format="q4_1"} 7e+07' in text
+    assert 'radixserve_model_weight_bytes{format="bfloat16"} 60000.0' in text
     assert ('radixserve_kv_cache_info{attention_backend="torch",kv_cache_dtype="int8",'
             'page_size="16"} 1.0') in text
     assert "radixserve_kv_cache_capacity_tokens 1024.0" in text

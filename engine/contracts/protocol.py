@@ -8,6 +8,7 @@ No Python-object serialisation crosses a socket. Token ids travel as packed int3
     frontend ◀───────SchedulerStats─────────── tokenizer ◀──(TokenOutputs.stats)───────── scheduler
                                                           scheduler ──ForwardBatch──▶ worker
                                                           scheduler ◀──BatchResult/WorkerReady── worker
+    frontend ──LoraUpdate──▶ tokenizer ──▶ scheduler ──▶ worker, and LoraUpdated all the way back
     every child ──Ready/Fatal──▶ launcher
 """
 
@@ -78,6 +79,30 @@ class SessionOpen(msgspec.Struct, tag=True):
 
 class SessionClose(msgspec.Struct, tag=True):
     session_id: str
+
+
+class LoraUpdate(msgspec.Struct, tag=True, kw_only=True):
+    """Frontend → tokenizer → scheduler → worker: load LoRA adapter ``name`` from ``path`` (a
+    PEFT directory), or unload it (``path`` None). The scheduler checks it and gives a load its
+    ``lora_id`` (never reused); the worker answers with a ``LoraUpdated``."""
+
+    rid: str
+    name: str
+    path: str | None = None
+    reply_to: int = 0  # the tokenizer worker the answer goes back through
+    lora_id: int = 0
+
+
+class LoraUpdated(msgspec.Struct, tag=True, kw_only=True):
+    """Worker → scheduler → tokenizer → frontend: how a ``LoraUpdate`` ended (``error`` with
+    its ``status``, or the adapter loaded) and, from the scheduler, every adapter now loaded."""
+
+    rid: str
+    reply_to: int = 0
+    adapter: LoraAdapterInfo | None = None
+    error: str | None = None
+    status: int = 200
+    adapters: list[LoraAdapterInfo] = []
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -314,6 +339,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     attention_backend: str
     kv_cache_dtype: str = ""  # what the pool stores (--kv-cache-dtype resolved)
     kv_cache_bytes: int = 0  # the device pool's bytes, scales included
+    # the weights' bytes by format (a dtype's name, or a block format: q4_1, int8, ...); rank
+    # 0's share under tensor parallel
+    weight_bytes: dict[str, int] = {}
     num_host_cache_pages: int = 0  # the prefix cache's host tier (after the swap pages)
     disk_fingerprint: str = ""  # the disk tier's directory for this model and layout, if on
     disk_block_tokens: int = 0
@@ -378,7 +406,8 @@ class DispatchStats(msgspec.Struct, tag=True):
 
 
 Message = (
-    GenerateRequest | AbortRequest | TokenizedRequest | SessionOpen | SessionClose | TokenOutputs
+    GenerateRequest | AbortRequest | TokenizedRequest | SessionOpen | SessionClose | LoraUpdate
+    | LoraUpdated | TokenOutputs
     | SchedulerStats | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
     | ReplicaDown | DispatchStats
 )

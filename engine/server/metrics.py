@@ -101,6 +101,13 @@ def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
     per_page = info.kv_cache_bytes / info.num_pages if info.num_pages else 0.0
     yield GaugeMetricFamily(f"{PREFIX}_kv_cache_bytes", "Bytes of the device KV pool (8-bit "
                             "caches' scales included).", value=pages * per_page)
+    weights = GaugeMetricFamily(f"{PREFIX}_model_weight_bytes", "Bytes of the model's weights "
+                                "by format: a dtype, or the block format of quantized ones "
+                                "(--quantization); rank 0's share under tensor parallel.",
+                                labels=["format"])
+    for name, size in info.weight_bytes.items():
+        weights.add_metric([name], float(size))
+    yield weights
 
 
 def _tiers(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:
@@ -214,21 +221,35 @@ class Metrics:
                                   "getting a step's result to the frontend handing its tokens "
                                   "to the response: the hops through the tokenizer worker.",
                                   buckets=DELIVERY_BUCKETS, registry=self.registry)
+        # LoRA adapters (--enable-lora): the same counts for each adapter's requests
+        self.lora_requests = Counter(f"{PREFIX}_lora_requests", "API requests answered under "
+                                     "a LoRA adapter, by adapter and status.",
+                                     ["adapter", "status"], registry=self.registry)
+        self.lora_prompt_tokens = Counter(f"{PREFIX}_lora_prompt_tokens", "Prompt tokens of "
+                                          "finished requests, by LoRA adapter.", ["adapter"],
+                                          registry=self.registry)
+        self.lora_cached_tokens = Counter(f"{PREFIX}_lora_cached_prompt_tokens", "Of those, "
+                                          "served from the adapter's own cache.", ["adapter"],
+                                          registry=self.registry)
+        self.lora_generation_tokens = Counter(f"{PREFIX}_lora_generation_tokens", "Generated "
+                                              "tokens, by LoRA adapter.", ["adapter"],
+                                              registry=self.registry)
         self.registry.register(_SchedulerCollector(stats, frontend, info))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def track(self, endpoint: str) -> RequestTimer:
-        return RequestTimer(self, endpoint)
+    def track(self, endpoint: str, adapter: str | None = None) -> RequestTimer:
+        return RequestTimer(self, endpoint, adapter)
 
 
 class RequestTimer:
     """Times one API request's token deliveries (per choice) and records its outcome once."""
 
-    def __init__(self, metrics: Metrics, endpoint: str) -> None:
+    def __init__(self, metrics: Metrics, endpoint: str, adapter: str | None = None) -> None:
         self.metrics = metrics
         self.endpoint = endpoint
+        self.adapter = adapter  # the LoRA adapter the request runs under, if any
         self.start = time.monotonic()
         self.last: dict[int, float] = {}  # choice → when its last token came
         self.done = False
@@ -262,3 +283,10 @@ class RequestTimer:
             m.prompt_tokens.inc(prompt)
             m.cached_tokens.inc(cached)
             m.generation_tokens.inc(generated)
+        if self.adapter is None:
+            return
+        m.lora_requests.labels(self.adapter, str(status)).inc()
+        if status == 200:
+            m.lora_prompt_tokens.labels(self.adapter).inc(prompt)
+            m.lora_cached_tokens.labels(self.adapter).inc(cached)
+            m.lora_generation_tokens.labels(self.adapter).inc(generated)

@@ -18,6 +18,8 @@ from engine.contracts.engine_config import EngineConfig, LaunchSpec
 from engine.contracts.protocol import (
     BatchResult,
     ForwardBatch,
+    LoraUpdate,
+    LoraUpdated,
     ModelInfo,
     Shutdown,
     WorkerReady,
@@ -55,7 +57,7 @@ class Worker:
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),
             attention_backend=self.runner.attention_backend,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
-            kv_cache_bytes=self.runner.kv_cache_bytes,
+            kv_cache_bytes=self.runner.kv_cache_bytes, weight_bytes=self.runner.weight_formats,
             num_host_cache_pages=self.runner.num_host_cache_pages,
         )
         if self.runner.lora is not None:
@@ -74,6 +76,22 @@ class Worker:
         # scheduling) names them as input ids ``-1 - row``.
         self.last_tokens = np.zeros(0, dtype=np.int32)
         self._loads_started = False  # the batch being handled started its loads
+
+    def update_lora(self, msg: LoraUpdate) -> LoraUpdated:
+        """Load or unload an adapter between steps (the scheduler checked the names); a load
+        whose files do not fit the model fails with a sentence."""
+        reply = LoraUpdated(rid=msg.rid, reply_to=msg.reply_to)
+        if msg.path is None:
+            self.runner.lora.remove(msg.lora_id)
+            return reply
+        try:
+            reply.adapter = self.runner.load_lora(msg.lora_id, msg.name, msg.path)
+        except Exception as exc:  # a bad adapter fails its load, never the worker
+            logger.warning("loading LoRA adapter %r from %s failed: %s", msg.name, msg.path, exc)
+            reply.error, reply.status = (str(exc) if isinstance(exc, ValueError) else
+                                         f"the LoRA adapter at {msg.path} could not be read "
+                                         f"({type(exc).__name__}: {exc})"), 400
+        return reply
 
     def step(self, msg: ForwardBatch) -> BatchResult:
         from engine.worker.sampler import sample
@@ -279,4 +297,7 @@ def _serve(worker: Worker, pull: zmq.Socket, push: zmq.Socket, tp: TensorParalle
             if tp is not None:
                 tp.send_step(encode(msg))
             return
+        if isinstance(msg, LoraUpdate):
+            push.send(encode(worker.update_lora(msg)))
+            continue
         push.send(encode(worker.handle(msg)))
