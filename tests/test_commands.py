@@ -29,3 +29,4 @@ def test_bench_reports_throughput_and_hits():
                  and line.split()[0] in ("requests", "output", "throughput"))
     assert lines["requests"].strip() == "12"
     assert "cached" in out.stdout and "output tok/s" in lines["throughput"]
+    assert "MiB (--quantization auto)" in out.stdout  # the weights' format and bytes

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             results = engine.generate(prompts, params)
             elapsed = time.perf_counter() - start
+            weights = engine.info.weight_bytes
     except (EngineDead, LaunchError) as exc:
         print(f"radixserve bench: {exc}", file=sys.stderr)
         return 1
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = sum(r.prompt_tokens for r in results)
     cached = sum(r.cached_tokens for r in results)
     output = sum(len(c.token_ids) for r in results for c in r.outputs)
+    formats = ", ".join(f"{name} {size / 2**20:,.1f} MiB" for name, size in weights.items())
+    print(f"weights           {formats} (--quantization {config.quantization})")
     print(f"requests          {len(results):,}")
     print(f"prompt tokens     {prompt:,} ({cached:,} cached: {cached / max(prompt, 1):.1%})")
     print(f"output tokens     {output:,}")
