@@ -25,7 +25,7 @@ by every server on the machine, and what one trims the others cannot report.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import msgspec
 import numpy as np
@@ -42,6 +42,7 @@ from engine.contracts.kv_events import (
     binds,
     chain_hashes,
 )
+from engine.contracts.lora import LoraAdapterInfo
 from radix.node import DEVICE
 from radix.tree import Node, RadixTree
 
@@ -55,10 +56,14 @@ class BlockEvents:
     Cost: one hash per block of the touched path, only while attached.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int,
+                 loras: Callable[[Hashable], LoraAdapterInfo | None] | None = None) -> None:
+        """``loras``: the LoRA adapter of a namespace, if any (its blocks' ``lora_id`` and
+        ``lora_name``, as vLLM's events carry them)."""
         if block_size < 1:
             raise ValueError(f"the KV event block size must be at least 1, got {block_size}")
         self.block_size = block_size
+        self.loras = loras
         self.pending: list[KVEvent] = []
         self._namespaces: dict[Node, Hashable] = {}  # root → namespace
 
@@ -88,13 +93,15 @@ class BlockEvents:
         """Blocks ``first`` on of a path (its ``tokens`` from position 0)."""
         size = self.block_size
         hashes = chain_hashes(namespace, tokens, size)
-        extra = None
+        extra = adapter = None
         if namespace is not None:
             extra = [(str(namespace),) if k == 0 else None for k in range(first, len(hashes))]
+            adapter = self.loras(namespace) if self.loras is not None else None
         self.pending.append(BlockStored(
             block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
-            token_ids=tokens[first * size :].tolist(), block_size=size, lora_id=None,
-            medium=medium, lora_name=None, extra_keys=extra))
+            token_ids=tokens[first * size :].tolist(), block_size=size,
+            lora_id=adapter.lora_id if adapter else None, medium=medium,
+            lora_name=adapter.name if adapter else None, extra_keys=extra))
 
     def evicted(self, node: Node) -> None:
         root = self._root(node)

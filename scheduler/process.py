@@ -17,6 +17,8 @@ from engine.contracts.engine_config import LaunchSpec
 from engine.contracts.protocol import (
     AbortRequest,
     BatchResult,
+    LoraUpdate,
+    LoraUpdated,
     Ready,
     SchedulerStats,
     SessionClose,
@@ -62,7 +64,7 @@ class SchedulerLoop:
         self.kv_events: BlockEvents | None = None
         self.publisher: KVEventPublisher | None = None
         if config.kv_events_endpoint:
-            self.kv_events = BlockEvents(config.kv_events_block)
+            self.kv_events = BlockEvents(config.kv_events_block, loras=self.sched.lora_of)
             self.kv_events.attach(self.sched.tree)
             self.publisher = KVEventPublisher(ctx, config.kv_events_endpoint)
         self.control.send(encode(Ready("scheduler", os.getpid(), hello.info)))
@@ -107,6 +109,12 @@ class SchedulerLoop:
                 self.sched.sessions.open(msg.session_id, msg.ttl)
             elif isinstance(msg, SessionClose):
                 self.sched.sessions.close(msg.session_id)
+            elif isinstance(msg, LoraUpdate):
+                # behind the batches already sent: the worker never changes adapters mid-step
+                checked = self.sched.update_lora(msg)
+                sock = self.to_worker if isinstance(checked, LoraUpdate) else (
+                    self.to_tokenizers[msg.reply_to])
+                sock.send(encode(checked))
             elif isinstance(msg, Shutdown):
                 return False
         return True
@@ -115,6 +123,10 @@ class SchedulerLoop:
         """Apply every batch result waiting; when the last arrived (monotonic seconds)."""
         result_at = 0.0
         for result in _drain(self.from_worker):
+            if isinstance(result, LoraUpdated):
+                answer = self.sched.lora_updated(result)
+                self.to_tokenizers[answer.reply_to].send(encode(answer))
+                continue
             assert isinstance(result, BatchResult)
             result_at = time.monotonic()
             self.sched.process_result(result)

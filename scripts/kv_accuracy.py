@@ -52,16 +52,22 @@ def make_prompts(tokenizer, count: int, min_len: int, max_len: int) -> list[list
 
 
 def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = "bfloat16",
-            kv_dtypes: tuple[str, ...] = ("int8",), batch_size: int = 8
+            kv_dtypes: tuple[str, ...] = ("int8",), batch_size: int = 8,
+            candidates: dict[str, dict] | None = None, reference: dict | None = None
             ) -> dict[str, dict[str, object]]:
     """Per KV dtype of ``kv_dtypes``: agreement and KL against ``dtype`` KV over ``prompts``,
-    ``steps`` tokens each (the model in ``dtype`` every time)."""
+    ``steps`` tokens each (the model in ``dtype`` every time). ``candidates`` (name -> engine
+    options) and ``reference`` (engine options) compare other settings the same way
+    (scripts/weight_accuracy.py: weight formats)."""
     pages_per_seq = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
     num_pages = pages_per_seq * batch_size
-    runners = {kv: ModelRunner(EngineConfig(model=checkpoint, dtype=dtype, page_size=PAGE_SIZE,
-                                            num_pages=num_pages, kv_cache_dtype=kv,
-                                            attention_backend="torch"))
-               for kv in ("auto", *kv_dtypes)}
+    if candidates is None:
+        candidates = {kv: {"kv_cache_dtype": kv} for kv in kv_dtypes}
+    kv_dtypes = tuple(candidates)  # the candidates' names from here on
+    runners = {name: ModelRunner(EngineConfig(model=checkpoint, dtype=dtype, page_size=PAGE_SIZE,
+                                              num_pages=num_pages, attention_backend="torch",
+                                              **options))
+               for name, options in {"auto": reference or {}, **candidates}.items()}
     agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
     kls: dict[str, list] = {kv: [] for kv in kv_dtypes}
     for first in range(0, len(prompts), batch_size):

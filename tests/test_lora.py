@@ -144,3 +144,94 @@ def test_adapters_that_do_not_fit_are_refused_with_a_sentence(model_dir, adapter
     (bad / "adapter_config.json").write_text(json.dumps(settings))
     with pytest.raises(ValueError, match="targets lm_head; only q_proj"):
         load_adapter("bad", bad, config, max_rank=64)
+
+
+def update(h: Harness, name: str, path: str | None = None):
+    """Load (or, without ``path``, unload) an adapter through the scheduler and worker, as
+    their processes pass the messages."""
+    from engine.contracts.protocol import LoraUpdate, LoraUpdated
+
+    checked = h.sched.update_lora(LoraUpdate(rid=f"lora-{name}-{path}", name=name, path=path))
+    if isinstance(checked, LoraUpdated):
+        return checked
+    return h.sched.lora_updated(h.worker.update_lora(checked))
+
+
+def test_an_adapter_reloaded_with_new_weights_answers_with_them(model_dir, adapters, tmp_path):
+    """Load at runtime, use (then hit its cache), unload, write other weights to the same
+    directory, load again: the answers follow the new weights, and nothing cached under the
+    old ones is read."""
+    h = lora_harness(model_dir, {}, num_pages=256)
+    path = make_adapter(model_dir, tmp_path / "gamma", 10, **ADAPTERS["alpha"])
+    prompt = shared_prefix_prompts(1, seed=6)[0]
+    assert update(h, "gamma", str(path)).error is None
+    assert update(h, "gamma", str(path)).error.endswith("is already loaded; unload it first "
+                                                         "to load other weights under that name")
+    add(h, "first", prompt, "gamma")
+    h.run()
+    add(h, "hit", prompt, "gamma")
+    h.step()
+    busy = update(h, "gamma")
+    assert busy.status == 400 and "has 1 requests in flight" in busy.error
+    h.run()
+    assert h.finals["hit"][0].cached_tokens == len(prompt) - 1
+    assert h.outputs["first"][0] == hf_greedy(peft_model(model_dir, path), prompt, 12)
+    assert update(h, "gamma").error is None
+    add(h, "gone", prompt, "gamma")
+    h.step()
+    assert h.finals["gone"][0].status == 404
+    make_adapter(model_dir, path, 11, **ADAPTERS["alpha"])  # new weights, same directory
+    loaded = update(h, "gamma", str(path))
+    assert [a.name for a in loaded.adapters] == ["gamma"] and loaded.adapter.lora_id == 2
+    add(h, "reloaded", prompt, "gamma")
+    h.run()
+    assert h.finals["reloaded"][0].cached_tokens == 0
+    new_answer = hf_greedy(peft_model(model_dir, path), prompt, 12)
+    assert h.outputs["reloaded"][0] == new_answer != h.outputs["first"][0]
+    assert len(h.worker.runner.lora.adapters) == 1  # the old weights left the worker
+    bad = update(h, "delta", str(tmp_path / "nowhere"))
+    assert bad.status == 400 and "adapter_config.json does not exist" in bad.error
+    assert update(h, "delta", str(path)).error is None  # a failed load leaves the name free
+
+
+def test_kv_events_name_the_adapter_of_each_block(model_dir, adapters):
+    from engine.contracts.kv_events import BlockStored
+    from scheduler.kv_events import BlockEvents
+
+    h = lora_harness(model_dir, adapters, num_pages=64)
+    events = BlockEvents(16, loras=h.sched.lora_of)
+    events.attach(h.sched.tree)
+    prompt = shared_prefix_prompts(1, seed=7)[0]
+    add(h, "base", prompt, None)
+    add(h, "beta", prompt, "beta")
+    h.run()
+    stored = [e for e in events.take() if isinstance(e, BlockStored)]
+    assert {(e.lora_id, e.lora_name) for e in stored} == {(None, None), (2, "beta")}
+    # the same tokens hash apart under the adapter
+    base = {h for e in stored if e.lora_id is None for h in e.block_hashes}
+    assert not base & {h for e in stored if e.lora_id == 2 for h in e.block_hashes}
+
+
+def test_the_disk_tier_serves_an_adapter_its_own_weights_blocks_only(model_dir, tmp_path):
+    """A restart reads an adapter's blocks from disk; the same name with new weights, or the
+    base model, reads none of them (the adapter's content hash is in the hash chain)."""
+    path = make_adapter(model_dir, tmp_path / "gamma", 12, **ADAPTERS["alpha"])
+    disk = tmp_path / "disk"
+    disk.mkdir(mode=0o700)
+    prompt = shared_prefix_prompts(1, seed=8)[0] * 3
+
+    def served(rid: str, adapter: str | None = "gamma"):
+        h = lora_harness(model_dir, {"gamma": str(path)}, page_size=16, num_pages=40,
+                         disk_cache_dir=str(disk))
+        add(h, rid, prompt, adapter)
+        h.run()
+        return h.finals[rid][0], h.outputs[rid][0]
+
+    _, first = served("first")
+    final, again = served("restart")
+    assert final.cached_tokens_disk == (len(prompt) - 1) // 16 * 16 and again == first
+    assert served("base", None)[0].cached_tokens_disk == 0
+    make_adapter(model_dir, path, 13, **ADAPTERS["alpha"])
+    final, answer = served("new-weights")
+    assert final.cached_tokens_disk == 0
+    assert answer == hf_greedy(peft_model(model_dir, path), prompt, 12) != first

@@ -1,6 +1,7 @@
 """LoRA adapters through a live server: ``--enable-lora --lora-modules``, the request's
 ``model`` choosing the adapter, ``/v1/models`` listing each adapter with its parent, a 404 for
-an unknown one, and the base model's cache no hit for an adapter."""
+an unknown one, the base model's cache no hit for an adapter, and vLLM's load and unload
+endpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from engine.checkpoints.demo_model import build_demo_model
 from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
-from tests.server_process import API_KEY, AUTH, serve_module
+from tests.server_process import API_KEY, AUTH, metric_values, serve_module
 from tests.test_scheduler import hf_greedy
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +27,8 @@ def adapters(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, adapters):
     yield from serve_module(tmp_path_factory.mktemp("server"), "--api-key", API_KEY,
-                            "--num-pages", "512", "--enable-lora", "--lora-modules",
+                            "--num-pages", "512", "--enable-lora",
+                            "--enable-runtime-lora-updating", "--lora-modules",
                             *(f"{name}={path}" for name, path in adapters.items()))
 
 
@@ -65,3 +67,33 @@ def test_the_model_field_chooses_the_adapter(server, adapters):
         unknown = client.post("/generate", json={"input_ids": prompt, "model": "gamma"})
         assert unknown.status_code == 404
         assert "'gamma' does not exist" in unknown.json()["error"]["message"]
+    metrics = metric_values(server)
+    for name in adapters:
+        assert metrics[f"radixserve_lora_requests_total{{adapter={name},status=200}}"] >= 1
+        assert metrics[f"radixserve_lora_prompt_tokens_total{{adapter={name}}}"] >= len(prompt)
+        assert metrics[f"radixserve_lora_generation_tokens_total{{adapter={name}}}"] >= 8
+
+
+def test_adapters_load_and_unload_at_runtime(server, adapters):
+    body = {"lora_name": "gamma", "lora_path": adapters["alpha"]}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=body).status_code == 401
+        loaded = client.post("/v1/load_lora_adapter", json=body)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.text == "Success: LoRA adapter 'gamma' added successfully."
+        assert "gamma" in [c["id"] for c in client.get("/v1/models").json()["data"]]
+        prompt = list(range(80, 100))
+        # the same files under another name: the same answers, its own cache
+        assert generate(client, "gamma", prompt)["choices"][0]["token_ids"] == generate(
+            client, "alpha", prompt)["choices"][0]["token_ids"]
+        again = client.post("/v1/load_lora_adapter", json=body)
+        assert again.status_code == 400 and "already loaded" in again.text
+        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "delta",
+                                                         "lora_path": "/nowhere"})
+        assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+        gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+        assert gone.text == "Success: LoRA adapter 'gamma' removed successfully."
+        assert client.post("/generate", json={"input_ids": prompt, "model": "gamma"}
+                           ).status_code == 404
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}
+                           ).status_code == 404

@@ -27,6 +27,8 @@ from engine.contracts.engine_config import LaunchSpec, ReplicaEndpoints
 from engine.contracts.protocol import (
     AbortRequest,
     GenerateRequest,
+    LoraUpdate,
+    LoraUpdated,
     Ready,
     ReplicaDown,
     RequestOutput,
@@ -119,7 +121,10 @@ class TokenizerLoop:
                     pass  # the frontend is not reading: the next report carries the same
                 self.next_report = now + STATS_INTERVAL
 
-    def on_outputs(self, replica: int, msg: TokenOutputs) -> None:
+    def on_outputs(self, replica: int, msg: TokenOutputs | LoraUpdated) -> None:
+        if isinstance(msg, LoraUpdated):
+            self.to_frontend.send(encode(msg))
+            return
         if msg.stats is not None and self.to_metrics is None:
             self.to_frontend.send(encode(msg.stats))  # a single engine's: the frontend's metrics
         elif msg.stats is not None:
@@ -154,6 +159,10 @@ class TokenizerLoop:
         elif isinstance(msg, SessionClose):
             self.worker.on_session(msg)
             self._to_replica(self.dispatcher.close_session(msg.session_id), msg)
+        elif isinstance(msg, LoraUpdate):
+            # one engine (the frontend refuses runtime updates under --dp-size > 1)
+            msg.reply_to = self.index
+            self._to_replica(0, msg)
         elif isinstance(msg, ReplicaDown):
             lost, again = self.dispatcher.replica_down(msg.replica)
             for req in again:

@@ -21,6 +21,8 @@ from engine.contracts.engine_config import Endpoints
 from engine.contracts.protocol import (
     AbortRequest,
     GenerateRequest,
+    LoraUpdate,
+    LoraUpdated,
     RequestOutput,
     SchedulerStats,
     SessionClose,
@@ -46,6 +48,7 @@ class EngineClient:
             self.tokenizers.append(sock)
         self._next = itertools.cycle(range(len(self.tokenizers)))
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._lora_updates: dict[str, asyncio.Future[LoraUpdated]] = {}
         self._receiver: asyncio.Task | None = None
         self.dead: str | None = None
         # The scheduler reports only once it has worked; until then its pool is whole and free.
@@ -64,6 +67,11 @@ class EngineClient:
             if isinstance(msg, SchedulerStats):
                 self.stats = msg
                 continue
+            if isinstance(msg, LoraUpdated):
+                waiting = self._lora_updates.pop(msg.rid, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(msg)
+                continue
             queue = self._queues.get(msg.rid) if isinstance(msg, RequestOutput) else None
             if queue is not None:
                 queue.put_nowait(msg)
@@ -79,6 +87,18 @@ class EngineClient:
         if self.dead is not None:
             raise EngineDead(self.dead)
         await self.tokenizers[self._route(msg.session_id)].send(encode(msg))
+
+    async def update_lora(self, msg: LoraUpdate) -> LoraUpdated:
+        """Load or unload a LoRA adapter in the engine; its answer once the worker has."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        answer = asyncio.get_running_loop().create_future()
+        self._lora_updates[msg.rid] = answer
+        try:
+            await self.tokenizers[0].send(encode(msg))
+            return await answer
+        finally:
+            self._lora_updates.pop(msg.rid, None)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until every sample has finished."""
@@ -110,6 +130,9 @@ class EngineClient:
     def fail_all(self, reason: str) -> None:
         """Called on the event loop when the process group died."""
         self.dead = reason
+        for answer in self._lora_updates.values():
+            if not answer.done():
+                answer.set_exception(EngineDead(reason))
         for rid, queue in self._queues.items():
             queue.put_nowait(RequestOutput(rid=rid, finish_reason="error", error=reason, status=500))
 

@@ -3,6 +3,7 @@
     POST /v1/completions  /v1/chat/completions  /generate   (SSE with "stream": true)
     GET  /v1/models  /health  /metrics  /openapi.json
     POST /v1/sessions   DELETE /v1/sessions/{id}
+    POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (--enable-runtime-lora-updating)
 
 Every route checks the API key (except ``/health``, ``/openapi.json`` and, with
 ``metrics_open``, ``/metrics``), reads
@@ -34,7 +35,9 @@ from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateBody,
+    LoadLoraAdapterBody,
     SessionBody,
+    UnloadLoraAdapterBody,
 )
 from engine.server.service import Service
 
@@ -183,6 +186,12 @@ def build_app(service: Service) -> Starlette:
     async def models(request: Request) -> Response:
         return json_response(service.models())
 
+    async def update_lora(request: Request, schema: type) -> Response:
+        with pipeline.counted("lora_adapters"):
+            body = await read_body(request, pipeline, schema)
+            text = await service.update_lora(body)
+        return Response(text, media_type="text/plain; charset=utf-8")
+
     async def health(request: Request) -> Response:
         problem = service.unhealthy()
         if problem is not None:
@@ -217,6 +226,13 @@ def build_app(service: Service) -> Starlette:
         route("/metrics", "metrics", metrics_page, ["GET"]),
         route("/openapi.json", "openapi", openapi, ["GET"]),
     ]
+    if service.options.enable_runtime_lora_updating:
+        routes += [
+            route("/v1/load_lora_adapter", "lora_adapters",
+                  lambda r: update_lora(r, LoadLoraAdapterBody), ["POST"]),
+            route("/v1/unload_lora_adapter", "lora_adapters",
+                  lambda r: update_lora(r, UnloadLoraAdapterBody), ["POST"]),
+        ]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 
 

@@ -47,6 +47,10 @@ class ServeOptions(msgspec.Struct, kw_only=True):
         "generates: hermes takes <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
         "blocks (Hermes, Qwen 2.5 and later); without it such a request is refused (default: "
         "none)"))] | None = None
+    enable_runtime_lora_updating: Annotated[bool, Meta(description=(
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies; behind "
+        "the API key), which read adapters from paths on this machine a client names; needs "
+        "--enable-lora"))] = False
     shutdown_timeout: Annotated[float, Meta(ge=0, description=(
         "seconds running requests get to finish after SIGTERM / SIGINT before they are failed "
         "with 503"))] = 30.0

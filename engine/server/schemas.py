@@ -132,6 +132,21 @@ class SessionBody(_Body):
     model: str | None = None
 
 
+class LoadLoraAdapterBody(_Body):
+    """vLLM's ``/v1/load_lora_adapter`` body: a name and a PEFT adapter directory."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterBody(_Body):
+    """vLLM's ``/v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused: the
+    name says which)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # ------------------------------------------------------------------------------ responses
 class _Response(Struct):
     """What every response body and stream chunk starts with (then ``choices``, ``usage``)."""

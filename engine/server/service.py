@@ -25,6 +25,7 @@ import msgspec
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
     GenerateRequest,
+    LoraUpdate,
     ModelInfo,
     RequestOutput,
     SessionClose,
@@ -42,10 +43,12 @@ from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateBody,
+    LoadLoraAdapterBody,
     ModelCard,
     ModelList,
     SessionDeleted,
     SessionObject,
+    UnloadLoraAdapterBody,
 )
 from engine.server.session_table import SessionTable
 from engine.server.shapes import Call, Delta, Shapes
@@ -109,6 +112,34 @@ class Service(Shapes):
         raise APIError(404, f"the model {name!r} does not exist; this server serves "
                        f"{self.model_name!r}{adapters}", param="model", code="model_not_found")
 
+    # ---------------------------------------------------------- LoRA adapters
+    async def update_lora(self, body: LoadLoraAdapterBody | UnloadLoraAdapterBody) -> str:
+        """Load or unload an adapter (``--enable-runtime-lora-updating``); vLLM's success
+        text, or an APIError with the engine's sentence."""
+        self._check_alive()
+        if not self.config.enable_lora:
+            raise APIError(400, "LoRA adapters need a server started with --enable-lora")
+        if self.config.dp_size > 1:
+            raise APIError(400, "loading LoRA adapters at runtime is not supported with "
+                           "--dp-size > 1 yet; give them to --lora-modules")
+        loading = isinstance(body, LoadLoraAdapterBody)
+        if loading and body.lora_name in (self.model_name, self.config.model):
+            raise APIError(400, f"{body.lora_name!r} is the base model's name; give the "
+                           "adapter another", param="lora_name")
+        update = LoraUpdate(rid=new_request_id(), name=body.lora_name,
+                            path=body.lora_path if loading else None)
+        try:
+            answer = await self.client.update_lora(update)
+        except EngineDead as exc:
+            raise APIError(503, f"the engine stopped: {exc}") from None
+        self.info.lora_adapters = answer.adapters
+        if answer.error is not None:
+            param = "lora_path" if loading and answer.status == 400 and (
+                "already loaded" not in answer.error) else "lora_name"
+            raise APIError(answer.status, answer.error, param=param)
+        done = "added" if loading else "removed"
+        return f"Success: LoRA adapter '{body.lora_name}' {done} successfully."
+
     # -------------------------------------------------------------- sessions
     async def open_session(self) -> SessionObject:
         self._check_alive()
@@ -144,8 +175,9 @@ class Service(Shapes):
                            f"in flight ({self.admitted:,} now, this one adds "
                            f"{len(requests):,}); retry later")
         call = Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
-                    requests[0].lora_name or self.model_name, requests, Choices(len(requests), n, discard), self.metrics.track(endpoint),
-                    **fields)
+                    requests[0].lora_name or self.model_name, requests,
+                    Choices(len(requests), n, discard),
+                    self.metrics.track(endpoint, requests[0].lora_name), **fields)
         self.admitted += len(requests)
         call.release = weakref.finalize(call, self._release, len(requests))
         return call

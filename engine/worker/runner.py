@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.lora import parse_lora_modules
+from engine.contracts.lora import LoraAdapterInfo, parse_lora_modules
 from engine.contracts.step import BatchInput
 from engine.worker.attention import make_backend
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -141,10 +141,16 @@ class ModelRunner:
         the order given), or None without ``--enable-lora``."""
         if not c.enable_lora:
             return None
-        pool = LoraPool(self.config, c.max_loras, c.max_lora_rank, self.device, self.dtype)
+        self.lora = LoraPool(self.config, c.max_loras, c.max_lora_rank, self.device, self.dtype)
         for lora_id, (name, path) in enumerate(parse_lora_modules(c.lora_modules), start=1):
-            pool.add(lora_id, load_adapter(name, path, self.config, c.max_lora_rank), path)
-        return pool
+            self.load_lora(lora_id, name, path)
+        return self.lora
+
+    def load_lora(self, lora_id: int, name: str, path: str) -> LoraAdapterInfo:
+        """Read the PEFT adapter at ``path`` into the pool as ``lora_id`` (ValueError with a
+        sentence if it does not fit the model or --max-lora-rank)."""
+        weights = load_adapter(name, path, self.config, self.lora.max_rank)
+        return self.lora.add(lora_id, weights, path)
 
     def _make_pool(self, c: EngineConfig) -> None:
         """The KV pool, sized by ``num_pages``, ``kv_cache_gb`` or ``mem_fraction`` (the
