@@ -106,7 +106,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graph_max_batch = config.cuda_graph_max_bs if config.enable_cuda_graph else 0
         self._load_model(config)
-        self.lora = self._make_lora_pool(config)
+        self._make_lora_pool(config)
         self._make_pool(config)
         self.attention = make_backend(
             config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
@@ -136,15 +136,15 @@ class ModelRunner:
         logger.info("weights: %s", ", ".join(f"{name} {size / 2**20:.1f} MiB"
                                              for name, size in self.weight_formats.items()))
 
-    def _make_lora_pool(self, c: EngineConfig) -> LoraPool | None:
-        """The LoRA adapters' pool with every ``--lora-modules`` adapter in it (ids from 1, in
-        the order given), or None without ``--enable-lora``."""
+    def _make_lora_pool(self, c: EngineConfig) -> None:
+        """``lora``: the LoRA adapters' pool with every ``--lora-modules`` adapter in it (ids
+        from 1, in the order given), or None without ``--enable-lora``."""
+        self.lora: LoraPool | None = None
         if not c.enable_lora:
-            return None
+            return
         self.lora = LoraPool(self.config, c.max_loras, c.max_lora_rank, self.device, self.dtype)
         for lora_id, (name, path) in enumerate(parse_lora_modules(c.lora_modules), start=1):
             self.load_lora(lora_id, name, path)
-        return self.lora
 
     def load_lora(self, lora_id: int, name: str, path: str) -> LoraAdapterInfo:
         """Read the PEFT adapter at ``path`` into the pool as ``lora_id`` (ValueError with a
