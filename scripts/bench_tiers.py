@@ -4,6 +4,8 @@ several times the device pool, sent to the same engine four ways, one server at 
     no tier         --num-pages N                     (what an evicted history costs: recompute)
     host tier (L2)  --num-pages N --host-cache-gb G   (big enough for the working set)
     disk tier (L3)  --num-pages N --disk-cache-dir D  (a fresh directory per server)
+    disk tier shared by 2 replicas
+                    --dp-size 2, each replica N pages, one directory D shared by both
     unlimited pool  --num-pages 16 N                  (the hit rate a cache could reach)
 
 Conversations run ``--concurrency`` at a time and take turns round robin, so each one's next
@@ -11,8 +13,9 @@ turn comes after every other conversation's: its history has long left an LRU de
 N pages, and only a tier below can serve it. Every server gets the same user turns
 (scripts/bench_serving.py, multi-turn, seeded); greedy replies are the same in every setup.
 
-Reports per setup (medians over ``--repeats``): the hit rate (cached / prompt tokens), TTFT
-median, req/s, and each as a ratio to "no tier".
+Reports per setup (medians over ``--repeats``): the hit rate (cached / prompt tokens), the
+share of hit tokens each tier served (/metrics, over the whole run), TTFT median, req/s, each
+as a ratio to "no tier", and whether the server logged its disk tier turning off.
 
     python scripts/bench_tiers.py --model demo
     python scripts/bench_tiers.py                  # SmolLM2-135M-Instruct, the default model
@@ -58,10 +61,25 @@ def run(args: argparse.Namespace, name: str, extra: list[str], work: Path) -> di
                 "--output-len", str(args.output_len), "--concurrency", str(args.concurrency),
                 "--repeats", str(args.repeats), "--pause", "1", "--seed", str(args.seed)]
         report = asyncio.run(bench_serving.bench(bench_serving.parse_args(argv)))
+        tiers = tier_hits(url)
     finally:
         proc.terminate()
         proc.wait(60)
-    return report["summary"][0]["medians"][name]
+    log = (work / f"{name}.log").read_text()
+    return {**report["summary"][0]["medians"][name], "tier_hit_tokens": tiers,
+            "disk_tier_turned_off": "the disk cache" in log and ") is off:" in log}
+
+
+def tier_hits(url: str) -> dict[str, float]:
+    """Prompt tokens the cache served so far, by tier (/metrics: every repeat and warm-up)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {sample.labels["tier"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "radixserve_prefix_cache_tier_hit_tokens"
+            for sample in family.samples if sample.name.endswith("_total")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1,
                         help="the traffic's seed: every setup gets the same user turns")
+    parser.add_argument("--setups", help="comma-separated setups to run (default: all; "
+                        "'no tier' always, as the baseline)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
@@ -86,10 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     setups = {"no tier": pool, "host tier (L2)": [*pool, "--host-cache-gb",
                                                   str(args.host_cache_gb)],
               "disk tier (L3)": [*pool, "--disk-cache-dir", str(work / "kv")],
+              "disk tier shared by 2 replicas": [*pool, "--dp-size", "2", "--disk-cache-dir",
+                                        str(work / "kv")],
               "unlimited pool": ["--num-pages", str(16 * args.num_pages)]}
+    chosen = args.setups.split(",") if args.setups else list(setups)
+    unknown = sorted(set(chosen) - set(setups))
+    if unknown or "no tier" not in chosen:
+        parser.error(f"--setups takes 'no tier' and any of {', '.join(setups)}; got {unknown}")
     results = {}
     try:
-        for name, extra in setups.items():
+        for name, extra in ((name, setups[name]) for name in chosen):
             (work / "kv").mkdir(mode=0o700, exist_ok=True)
             began = time.monotonic()
             results[name] = run(args, name.split(" (")[0].replace(" ", "-"), extra, work)
@@ -98,12 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = results["no tier"]
-    rows = ["| setup | hit rate | TTFT median (ms) | req/s | TTFT vs no tier | req/s vs no tier |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| setup | hit rate | hits by tier (device / host / disk) | TTFT median (ms) | "
+            "req/s | TTFT vs no tier | req/s vs no tier | disk tier turned off |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, m in results.items():
-        rows.append(f"| {name} | {m['cached_fraction']:.3f} | {m['ttft_median_ms']:.1f} | "
-                    f"{m['req_per_s']:.2f} | {m['ttft_median_ms'] / base['ttft_median_ms']:.2f}x"
-                    f" | {m['req_per_s'] / base['req_per_s']:.2f}x |")
+        hits = m["tier_hit_tokens"]
+        total = sum(hits.values()) or 1
+        split = " / ".join(f"{hits.get(tier, 0) / total:.2f}" for tier in ("device", "host", "disk"))
+        rows.append(f"| {name} | {m['cached_fraction']:.3f} | {split} | "
+                    f"{m['ttft_median_ms']:.1f} | {m['req_per_s']:.2f} | "
+                    f"{m['ttft_median_ms'] / base['ttft_median_ms']:.2f}x | "
+                    f"{m['req_per_s'] / base['req_per_s']:.2f}x | "
+                    f"{'yes' if m['disk_tier_turned_off'] else 'no'} |")
     print("\n".join(rows))
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)},
