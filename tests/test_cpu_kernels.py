@@ -107,6 +107,91 @@ def test_kernel_matches_float64_reference(variants, variant, dtype, heads, kv_he
         torch.set_num_threads(before)
 
 
+def verify_reference(q, k_pages, v_pages, indptr, indices, seq_lens, q_indptr, window, scale,
+                     starts=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference`` for several query rows a sequence: row j of sequence b is its token at
+    position seq_len - n_b + j, attending the keys up to it (the keys a decode step with that
+    token last would see)."""
+    outs, lses = [], []
+    for b in range(len(seq_lens)):
+        rows = int(q_indptr[b + 1] - q_indptr[b])
+        for j in range(rows):
+            length = int(seq_lens[b]) - rows + j + 1
+            out, lse = reference(q[int(q_indptr[b]) + j][None], k_pages, v_pages,
+                                 indptr[b: b + 2] - indptr[b],
+                                 indices[int(indptr[b]): int(indptr[b + 1])],
+                                 torch.tensor([length]), window, scale,
+                                 None if starts is None else starts[b: b + 1])
+            outs.append(out)
+            lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def verify_case(heads, kv_heads, head_dim, page_size, dtype):
+    """Sequences verifying 1 (a decode) to 17 tokens, on and around page and block edges."""
+    seq_lens = [1, 15, 16, 17, 33, 200, 40, 18]
+    rows = [1, 3, 6, 1, 9, 17, 4, 17]
+    case = random_case(heads, kv_heads, head_dim, page_size, seq_lens, dtype)
+    q_indptr = torch.tensor(np.concatenate(([0], np.cumsum(rows))), dtype=torch.int32)
+    q = torch.randn(sum(rows), heads, head_dim, generator=torch.Generator().manual_seed(5))
+    return (q.to(dtype), *case[1:]), q_indptr, rows
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 64), (12, 1, 32),
+                                                     (6, 2, 40), (4, 4, 16)])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [0, 5])
+def test_verify_rows_match_float64_reference(variants, variant, dtype, heads, kv_heads,
+                                             head_dim, page_size, window) -> None:
+    """Several query rows a sequence (``q_indptr``), causal among the sequence's last tokens,
+    with and without a window and starts: each row is the attention of its own position."""
+    case, q_indptr, rows = verify_case(heads, kv_heads, head_dim, page_size, dtype)
+    scale = head_dim**-0.5
+    seq_lens = case[5].tolist()
+    starts = torch.tensor([max(0, min((7 * n) // 10, n - r))
+                           for n, r in zip(seq_lens, rows, strict=True)], dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        for given in (None, starts):
+            want, want_lse = verify_reference(*case, q_indptr, window, scale, given)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                got, lse = variants[variant].paged_decode(*case, window, scale, given, q_indptr)
+                assert got.dtype == dtype and got.shape == case[0].shape
+                assert lse.dtype == torch.float32 and lse.shape == got.shape[:2]
+                assert (got.double() - want).abs().max().item() < TOLERANCE[dtype]
+                assert (lse.double() - want_lse).abs().max().item() < 1e-4
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 64), (12, 1, 32),
+                                                     (6, 2, 40)])
+def test_verify_rows_are_the_decode_rows_bit_for_bit(variants, variant, dtype, heads, kv_heads,
+                                                     head_dim) -> None:
+    """Without a sliding window, each verify row's output and log-sum-exp equal those of a
+    one-row decode step of that token (its sequence cut after it): the same sums in the same
+    order, whatever the rows beside it."""
+    case, q_indptr, rows = verify_case(heads, kv_heads, head_dim, 16, dtype)
+    q, k_pages, v_pages, indptr, indices, seq_lens = case
+    op = variants[variant].paged_decode
+    got, lse = op(*case, 0, 0.125, None, q_indptr)
+    for b, count in enumerate(rows):
+        for j in range(count):
+            row = int(q_indptr[b]) + j
+            length = int(seq_lens[b]) - count + j + 1
+            pages = indices[int(indptr[b]): int(indptr[b]) + -(-length // 16)]
+            one, one_lse = op(q[row: row + 1].contiguous(), k_pages, v_pages,
+                              torch.tensor([0, len(pages)], dtype=torch.int32),
+                              pages.contiguous(), torch.tensor([length], dtype=torch.int32), 0,
+                              0.125)
+            assert torch.equal(got[row], one[0]) and torch.equal(lse[row], one_lse[0]), (b, j)
+
+
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in float32, back to the weight's dtype, scale."""
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -152,6 +237,30 @@ def test_kernel_refuses_what_it_cannot_read(variants) -> None:
         op(q, k, v, indptr, indices, seq_lens, 0, 1.0, torch.tensor([5, 3], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="head sizes disagree"):
         op(q[:, :6].contiguous(), k, v, indptr, indices, seq_lens, 0, 1.0)
+    rows = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="int32 q_indptr"):
+        op(q, k, v, indptr, indices, seq_lens, 0, 1.0, None, rows.long())
+    with pytest.raises(RuntimeError, match="end at q's 2 rows"):
+        op(q, k, v, indptr, indices, seq_lens, 0, 1.0, None, torch.tensor([0, 1, 3],
+                                                                            dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sequence 1 has 4 query rows for 3 keys"):
+        op(torch.cat([q, q, q[:1]]), k, v, indptr, indices, seq_lens, 0, 1.0, None,
+           torch.tensor([0, 1, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="leave its sequence a key"):  # row 0 of 2 at 18
+        op(torch.cat([q, q[:1]]), k, v, indptr, indices, seq_lens, 0, 1.0,
+           torch.tensor([19, 0], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int32 q_indptr"):
+        op(q, k, v, indptr, indices, seq_lens, 0, 1.0, None,
+           torch.tensor([0, 1, 2], dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="end at q's 2 rows"):
+        op(q, k, v, indptr, indices, seq_lens, 0, 1.0, None,
+           torch.tensor([0, 1, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sequence 1 has 4 query rows for 3 keys"):
+        op(torch.cat([q, q, q[:1]]), k, v, indptr, indices, seq_lens, 0, 1.0, None,
+           torch.tensor([0, 1, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="leave its sequence a key"):  # rows at 18 and 19
+        op(torch.cat([q, q[:1]]), k, v, indptr, indices, seq_lens, 0, 1.0,
+           torch.tensor([19, 0], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"weight \[hidden\]"):
         variants["native"].rms_norm(q[0], torch.ones(5), 1e-6)
 
@@ -170,9 +279,11 @@ def backend(pool: KVPool, compiled: bool) -> TorchNativeBackend:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_decodes_through_the_kernel_as_the_sdpa_path_does(variants, page_size,
                                                                   dtype) -> None:
-    """A mixed step (decodes among extends, so the decode group is a subset of the rows) and a
+    """A mixed step (decodes and short extends, verify-shaped, among a long extend, so the
+    kernel's group is a subset of the rows), a step of decodes and short extends only, and a
     decode-only step: the kernel and gather + SDPA agree, on both layers (one windowed)."""
-    for shapes in ([(30, 1), (0, 7), (47, 1), (5, 3), (16, 1)], [(30, 1), (47, 1), (0, 1)]):
+    for shapes in ([(30, 1), (0, 7), (47, 1), (5, 3), (40, 20), (16, 1), (100, 17)],
+                   [(30, 1), (0, 7), (90, 6)], [(30, 1), (47, 1), (0, 1)]):
         pool = make_pool(page_size, dtype=dtype)
         batch = random_batch(page_size, pool.num_pages, shapes)
         compiled, plain = backend(pool, True), backend(pool, False)
@@ -186,7 +297,9 @@ def test_backend_decodes_through_the_kernel_as_the_sdpa_path_does(variants, page
             for attention in (compiled, plain):
                 attention.plan(batch)
                 outs.append(attention.forward(layer, q, k, v).float())
-            assert any(g.paged is not None for g in compiled._groups)
+            paged = [g for g in compiled._groups if g.paged is not None]
+            assert len(paged) == 1 and paged[0].num_seqs == sum(n <= 17 for _, n in shapes)
+            assert (len(paged[0].paged) == 4) == any(1 < n <= 17 for _, n in shapes)  # q_indptr
             assert torch.allclose(*outs, atol=TOLERANCE[dtype], rtol=0), layer
 
 
@@ -233,6 +346,36 @@ def test_large_shared_groups_take_the_cascade_with_the_kernel_on_own_parts(
             # saved: 4 more members read 48 shared tokens once, 2 more read 24
             assert group.cascade.saved_keys == 4 * 48 + 2 * 24
         assert torch.allclose(got, want, atol=TOLERANCE[dtype], rtol=0), threshold
+
+
+def test_verify_groups_sharing_enough_take_the_extend_paths_cascade(variants, monkeypatch) -> None:
+    """The kernel's cascade attends one query row a sequence: verify-shaped steps whose
+    shared pages pay for a cascade take the extend path's (gather + SDPA, shared pages once);
+    below the threshold the kernel serves them. Both agree with the reference."""
+    from engine.contracts.step import BatchInput
+    from engine.worker.attention import torch_native
+
+    page_size = 4
+    pool = make_pool(page_size)
+    head, free = list(range(0, 12)), iter(range(40, pool.num_pages))
+    seqs = [(head + [next(free) for _ in range(3)], 48 + m, [7, 8, 9][: 1 + m % 3])
+            for m in range(5)]
+    batch = BatchInput.build(seqs, page_size, "all")
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(batch.num_tokens, n, 16, generator=gen) for n in (8, 2, 2))
+    attention = backend(pool, False)
+    attention.sliding_windows = (None, None)
+    attention.plan(batch)
+    attention.forward(0, q, k, v)  # this step's K and V into the pool
+    want = reference_attention(pool, 0, batch, q)
+    for threshold, cascade in ((0, True), (10**9, False)):
+        monkeypatch.setattr(torch_native, "CASCADE_MIN_SAVED_KEYS", threshold)
+        attention = backend(pool, True)
+        attention.sliding_windows = (None, None)
+        attention.plan(batch)
+        (group,) = attention._groups
+        assert (group.paged is None) == cascade and (group.cascade is not None) == cascade
+        torch.testing.assert_close(attention.forward(0, q, k, v), want, atol=2e-5, rtol=0)
 
 
 def test_switch_and_failed_build_leave_the_torch_path(monkeypatch, caplog) -> None:

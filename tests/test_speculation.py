@@ -174,6 +174,41 @@ def test_greedy_outputs_are_those_of_decoding_without_drafts(model_dir, page_siz
     assert looked_up.sched.speculator.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_verify_step_gives_the_logits_of_decode_steps(model_dir, dtype):
+    """A verify step (the last token and 5 drafts, 6 logits rows) against 6 decode steps of the
+    same tokens, on the compiled kernel's path: the same logits within the dtype's rounding of
+    the projections (their matrix products take 6 rows at once), the same greedy tokens; the
+    attention itself is the decode kernel's, row for row."""
+    from engine.contracts.step import StepBuilder
+    from engine.worker.runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model=model_dir, num_pages=64, page_size=16, dtype=dtype))
+    assert runner.attention._paged_decode is not None
+    rng = np.random.default_rng(8)
+    prompt, new = rng.integers(3, 4000, 37).tolist(), rng.integers(3, 4000, 6).tolist()
+    decoded, verified = list(range(0, 4)), list(range(8, 12))
+    for pages in (decoded, verified):
+        builder = StepBuilder(16)
+        builder.add(pages, 0, prompt)
+        runner.forward(builder.finish())
+    steps = []
+    for i, token in enumerate(new):
+        builder = StepBuilder(16)
+        builder.add(decoded, len(prompt) + i, [token])
+        steps.append(runner.forward(builder.finish()).clone())
+    builder = StepBuilder(16)
+    builder.add(verified, len(prompt), new, num_drafts=5)
+    batch = builder.finish()
+    verify = runner.forward(batch)
+    assert [g.paged is not None for g in runner.attention._groups] == [True]
+    decode = torch.cat(steps)
+    assert verify.shape == decode.shape == (6, runner.config.vocab_size)
+    tolerance = 1e-4 if dtype == "float32" else 0.05
+    torch.testing.assert_close(verify, decode, atol=tolerance, rtol=0)
+    assert torch.equal(verify.argmax(-1), decode.argmax(-1))
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_drafts_keeps_outputs_identical(model_dir, mode, monkeypatch):
     options = dict(num_pages=16, preemption_mode=mode, chunked_prefill_size=64,

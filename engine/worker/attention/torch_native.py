@@ -2,12 +2,14 @@
 
 A step's sequences split into groups, each served by one call per layer:
 
-- decode group (sequences adding one token): on a CPU with AVX-512 or AVX2 (with FMA and F16C),
-  and for int8 pages on any CPU, the compiled kernel (engine/worker/cpu_kernels.py) reads every
-  sequence's keys straight from its pages (faster than gather + SDPA at batch 8: 2-2.5x at
-  608-token contexts with AVX-512, 3.2x at 4,096 with the AVX2 loops); when members of groups
-  share enough pages (``CASCADE_MIN_SAVED_KEYS``), the cascade attends those once and the kernel
-  the rest.
+- decode group (sequences adding one token; with the compiled kernel also those adding up to
+  ``PAGED_MAX_EXTEND``: a verify step's last token and drafts, causal among themselves): on a
+  CPU with AVX-512 or AVX2 (with FMA and F16C), and for int8 pages on any CPU, the compiled
+  kernel (engine/worker/cpu_kernels.py) reads every sequence's keys straight from its pages
+  (faster than gather + SDPA at batch 8: 2-2.5x at 608-token contexts with AVX-512, 3.2x at
+  4,096 with the AVX2 loops); when members of groups share enough pages
+  (``CASCADE_MIN_SAVED_KEYS``), the cascade attends those once and the kernel the rest (a
+  group with several rows a sequence then takes the extend path's cascade).
   Elsewhere, or without the kernel, q is laid out [B, kv_heads, group, head_dim] so the query
   heads sharing a KV head attend together without repeating K/V, and the mask [B, 1, 1, S]
   broadcasts over them;
@@ -58,6 +60,13 @@ class _Group:
 # 2.9 vs 3.2 ms, 30.1 vs 31.9 ms).
 CASCADE_MIN_SAVED_KEYS = 8192
 
+# Sequences adding at most this many tokens in a step attend through the compiled kernel, as
+# decodes do (one call for all of them, several query rows a sequence, causal among its new
+# tokens): a verify of up to 16 draft tokens (``num_speculative_tokens``' bound) and its last
+# token, and short extends. Longer extends pad into SDPA groups, whose flash kernel skips the
+# masked blocks of a long causal extend.
+PAGED_MAX_EXTEND = 17
+
 
 def _padded_pages(batch: BatchInput, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Where each of ``seqs``' pages sits in ``batch.page_indices``, [B, max_pages], each row
@@ -96,11 +105,14 @@ class TorchNativeBackend(AttentionBackend):
     def _plan(self, batch: BatchInput, graph: bool = False, staged=()) -> None:
         # No fixed buffers (``supports_cuda_graph`` is False): a graph step plans like any
         # other, which is what DecodeGraphs(capture=False) runs on CPU.
-        decode = batch.extend_lens == 1
-        groups = [np.nonzero(decode)[0]]
+        # With the compiled kernel, decodes and short extends (a verify of draft tokens: its
+        # last token and the drafts) attend in one kernel call; without it, decodes alone.
+        short = PAGED_MAX_EXTEND if self._paged_decode is not None else 1
+        paged = batch.extend_lens <= short
+        groups = [np.nonzero(paged)[0]]
         # Extends pad to their group's longest: bucket them by length within a factor of 2, so
         # a 65-token extend never pads to a 2,000-token prefill's rows.
-        extends = np.nonzero(~decode)[0]
+        extends = np.nonzero(~paged)[0]
         extends = extends[np.argsort(batch.extend_lens[extends], kind="stable")]
         start = 0
         for i in range(1, len(extends) + 1):
@@ -116,8 +128,10 @@ class TorchNativeBackend(AttentionBackend):
         page_size, device = self.pool.page_size, self.device
         extend = batch.extend_lens[seqs].astype(np.int64)
         num_seqs, max_extend = len(seqs), int(extend.max())
-        if max_extend == 1 and self._paged_decode is not None:
-            return self._plan_paged(batch, seqs, whole)
+        if max_extend <= PAGED_MAX_EXTEND and self._paged_decode is not None:
+            paged = self._plan_paged(batch, seqs, whole)
+            if paged is not None:
+                return paged
         num_tokens = int(extend.sum())
         seq_of_token = np.repeat(np.arange(num_seqs), extend)
         offset = np.arange(num_tokens) - np.repeat(np.cumsum(extend) - extend, extend)
@@ -156,8 +170,12 @@ class TorchNativeBackend(AttentionBackend):
                       page_table=staged["page_table"], num_seqs=num_seqs, max_extend=max_extend,
                       kv_len=kv_len, masks=masks, cascade=cascade)
 
-    def _plan_paged(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group:
-        """A decode group for the compiled kernel: its sequences' page lists as int32 CSR."""
+    def _plan_paged(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group | None:
+        """A group for the compiled kernel: its sequences' page lists as int32 CSR and, when
+        some sequence adds several tokens (a verify), each one's query rows (``q_indptr``).
+        None: a verify group whose shared pages the cascade should attend once (the extend
+        path's plan does)."""
+        extend = batch.extend_lens[seqs].astype(np.int64)
         if whole:
             indptr, indices, seq_lens = batch.page_indptr, batch.page_indices, batch.seq_lens
         else:
@@ -166,14 +184,27 @@ class TorchNativeBackend(AttentionBackend):
             indptr = np.concatenate(([0], np.cumsum(counts)))
             take = np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1])
             indices, seq_lens = batch.page_indices[take], batch.seq_lens[seqs]
+        arrays = [indptr, indices, seq_lens]
+        multi = bool(np.any(extend > 1))
+        if multi:
+            arrays.append(np.concatenate(([0], np.cumsum(extend))))
         # Copies (a few KB): the batch's arrays may be read-only views of the message.
-        paged = tuple(torch.from_numpy(np.array(a, dtype=np.int32))
-                      for a in (indptr, indices, seq_lens))
-        # Each sequence's one new token: its row of the step's [T] tokens.
-        rows = (np.cumsum(batch.extend_lens, dtype=np.int64) - 1)[seqs]
+        paged = tuple(torch.from_numpy(np.array(a, dtype=np.int32)) for a in arrays)
+        # The group's rows of the step's [T] tokens: each sequence's new tokens, in order.
+        last = np.cumsum(batch.extend_lens, dtype=np.int64)[seqs]
+        rows = (np.repeat(last - extend, extend)
+                + np.arange(int(extend.sum())) - np.repeat(np.cumsum(extend) - extend, extend))
+        cascade = None
+        if multi:
+            # The kernel's cascade attends one query row a sequence: a verify group whose
+            # shared prefix would pay for it takes the extend path's cascade instead.
+            if self._paged_cascade(batch, seqs, paged[:3]) is not None:
+                return None
+        else:
+            cascade = self._paged_cascade(batch, seqs, paged)
         return _Group(rows=None if whole else torch.from_numpy(rows),
-                      pad_index=None, page_table=paged[1], num_seqs=len(seqs), max_extend=1,
-                      kv_len=0, masks={}, cascade=self._paged_cascade(batch, seqs, paged),
+                      pad_index=None, page_table=paged[1], num_seqs=len(seqs),
+                      max_extend=int(extend.max()), kv_len=0, masks={}, cascade=cascade,
                       paged=paged)
 
     def _paged_cascade(self, batch: BatchInput, seqs: np.ndarray,
@@ -244,8 +275,10 @@ class TorchNativeBackend(AttentionBackend):
     def _attend_group(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         k_pages, v_pages = self.pool.layer(layer)
         if g.paged is not None and g.cascade is None:
-            out, _ = self._paged_decode(q.contiguous(), k_pages, v_pages, *g.paged,
-                                        self.sliding_windows[layer] or 0, self.scale)
+            indptr, indices, seq_lens, *q_indptr = g.paged
+            out, _ = self._paged_decode(q.contiguous(), k_pages, v_pages, indptr, indices,
+                                        seq_lens, self.sliding_windows[layer] or 0, self.scale,
+                                        None, *q_indptr)
             return out
         if g.pad_index is not None:
             padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])

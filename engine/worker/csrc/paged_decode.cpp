@@ -1,21 +1,30 @@
-// Decode attention straight over the KV pages, on CPU: one query token per sequence attends
-// every key of its sequence (or the last `window` of them) without gathering the pages into a
-// dense copy first. Built by engine/worker/cpu_kernels.py; registered as
+// Decode attention straight over the KV pages, on CPU: each sequence's query rows attend every
+// key of their sequence up to their own (or the last `window` of them) without gathering the
+// pages into a dense copy first. A decode step has one query row per sequence; a step that
+// verifies draft tokens (scheduler/speculation.py) gives a sequence several, its last tokens,
+// causal among themselves. Built by engine/worker/cpu_kernels.py; registered as
 // torch.ops.radixserve.paged_decode.
 //
-//   q        [B, H, D]                    the step's queries (one per sequence)
+//   q        [T, H, D]                    the step's queries: one per sequence (T = B), or
+//                                         as q_indptr says
 //   k, v     [num_pages, P, KVH, D]       one layer's pages, in q's dtype or int8 rows of D + 2
 //                                         (D values and their float16 scale: kv_quant.py)
 //   indptr   int32 [B + 1], indices       each sequence's pages, in position order (CSR)
-//   seq_lens int32 [B]                    keys per sequence, the new token's included
+//   seq_lens int32 [B]                    keys per sequence, the new tokens' included
 //   starts   int32 [B], optional          attend keys from this position on (the cascade's
 //                                         own part, after the pages a group shares)
-// Returns the output [B, H, D] and the log-sum-exp of each row's scaled scores, float32
-// [B, H], which merges it with an attention over other keys (engine/worker/attention/cascade.py).
+//   q_indptr int32 [B + 1], optional      sequence b's query rows are q[q_indptr[b] ..
+//                                         q_indptr[b + 1]]: its last n_b tokens, row j at
+//                                         position seq_len - n_b + j seeing keys up to it
+// Returns the output [T, H, D] and the log-sum-exp of each row's scaled scores, float32
+// [T, H], which merges it with an attention over other keys (engine/worker/attention/cascade.py).
 //
 // Work item = a sequence and a run of its KV heads (all of them unless a small batch must be
-// split further to keep every thread busy); the H / KVH query heads sharing a KV head read
-// each key once. Keys go in blocks of 16 with an online softmax (running max and sum in
+// split further to keep every thread busy); the H / KVH query heads sharing a KV head, of all
+// the sequence's query rows, read each key once. A row's keys past its own position (a later
+// draft's) and before its window take weight 0 in the blocks they share with its other keys;
+// its sums are otherwise taken in the order a one-row decode of that token takes them, so
+// without a sliding window a verify row's output is that decode's, bit for bit. Keys go in blocks of 16 with an online softmax (running max and sum in
 // float32); scores, weights and sums are float32 whatever the KV dtype. int8 keys and values
 // are widened in registers and their scales folded into the block's scores (score = scale_k *
 // q.k) and weights (p * scale_v): no page is ever dequantized into memory. The loops run on
@@ -361,60 +370,82 @@ inline void add_values(const float* p, const T* const* values, int64_t n, int64_
   }
 }
 
-// One block's softmax step for one query head: scores s[0..n) become weights exp(s - new max),
-// the running sum and max absorb them; returns the factor the head's output rescales by.
-inline float softmax_block(float* s, int64_t n, float& run_max, float& run_sum) {
+// One block's softmax step for one query head: scores s[lo..hi) become weights exp(s - new
+// max), the running sum and max absorb them; the block's other lanes (s[0..lo) and s[hi..n)
+// with n <= kBlock: keys this row must not see) get weight 0. Returns the factor the head's
+// output rescales by. A decode row takes lo = 0, hi = n: every key of the block.
+inline float softmax_block(float* s, int64_t lo, int64_t hi, int64_t n, float& run_max,
+                           float& run_sum) {
 #ifdef RADIXSERVE_AVX512
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  (void)n;
+  const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
   const __m512 scores = _mm512_maskz_loadu_ps(valid, s);
   const float block_max = std::max(
       run_max, _mm512_mask_reduce_max_ps(valid, scores));
   const __m512 weights = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(block_max)));
-  _mm512_mask_storeu_ps(s, valid, weights);
+  _mm512_storeu_ps(s, _mm512_maskz_mov_ps(valid, weights));
   const float rescale = _mm512_cvtss_f32(exp16(_mm512_set1_ps(run_max - block_max)));
   run_sum = run_sum * rescale + _mm512_mask_reduce_add_ps(valid, weights);
 #elif defined(RADIXSERVE_AVX2)
-  // The block's scores as two runs of 8; lanes past n take no part in the maximum and get
-  // weight 0 (the scores' slots past n are in bounds: each row has kBlock of them).
+  (void)n;
+  // The block's scores as two runs of 8; lanes outside [lo, hi) take no part in the maximum
+  // and get weight 0 (the scores' slots past n are in bounds: each row has kBlock of them).
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 valid_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
-  const __m256 valid_hi =
-      _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane));
+  const __m256i lane_hi = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+  const __m256i below = _mm256_set1_epi32(lo - 1), above = _mm256_set1_epi32(hi);
+  const __m256 valid_lo = _mm256_castsi256_ps(_mm256_and_si256(
+      _mm256_cmpgt_epi32(above, lane), _mm256_cmpgt_epi32(lane, below)));
+  const __m256 valid_hi = _mm256_castsi256_ps(_mm256_and_si256(
+      _mm256_cmpgt_epi32(above, lane_hi), _mm256_cmpgt_epi32(lane_hi, below)));
   const __m256 lowest = _mm256_set1_ps(-3.0e38f);
-  const __m256 lo = _mm256_blendv_ps(lowest, _mm256_loadu_ps(s), valid_lo);
-  const __m256 hi = _mm256_blendv_ps(lowest, _mm256_loadu_ps(s + 8), valid_hi);
-  const float block_max = std::max(run_max, radixserve::max_lanes8(_mm256_max_ps(lo, hi)));
+  const __m256 lo8 = _mm256_blendv_ps(lowest, _mm256_loadu_ps(s), valid_lo);
+  const __m256 hi8 = _mm256_blendv_ps(lowest, _mm256_loadu_ps(s + 8), valid_hi);
+  const float block_max = std::max(run_max, radixserve::max_lanes8(_mm256_max_ps(lo8, hi8)));
   const __m256 top = _mm256_set1_ps(block_max);
-  const __m256 weights_lo = _mm256_and_ps(exp8(_mm256_sub_ps(lo, top)), valid_lo);
-  const __m256 weights_hi = _mm256_and_ps(exp8(_mm256_sub_ps(hi, top)), valid_hi);
+  const __m256 weights_lo = _mm256_and_ps(exp8(_mm256_sub_ps(lo8, top)), valid_lo);
+  const __m256 weights_hi = _mm256_and_ps(exp8(_mm256_sub_ps(hi8, top)), valid_hi);
   _mm256_storeu_ps(s, weights_lo);
   _mm256_storeu_ps(s + 8, weights_hi);
   const float rescale = _mm256_cvtss_f32(exp8(_mm256_set1_ps(run_max - block_max)));
   run_sum = run_sum * rescale + radixserve::sum_lanes8(_mm256_add_ps(weights_lo, weights_hi));
 #else
   float block_max = run_max;
-  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+  for (int64_t t = lo; t < hi; ++t) block_max = std::max(block_max, s[t]);
   float rescale = run_max - block_max;
   exp_block(&rescale, 1);
-  for (int64_t t = 0; t < n; ++t) s[t] -= block_max;
-  exp_block(s, n);
+  for (int64_t t = lo; t < hi; ++t) s[t] -= block_max;
+  exp_block(s + lo, hi - lo);
   float total = run_sum * rescale;
-  for (int64_t t = 0; t < n; ++t) total += s[t];
+  for (int64_t t = lo; t < hi; ++t) total += s[t];
   run_sum = total;
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + hi, s + n, 0.f);
 #endif
   run_max = block_max;
   return rescale;
 }
 
-// T: q's dtype; KV: the pages' (T, or int8_t for quantized rows of D + 2).
+// Query rows of one work item sharing KV head h, scored (or weighted) together: a multiple of
+// G of at most 8 (the fixed-size loops), or G alone past 8. Each row's sums are then taken in
+// the order a decode of that row alone takes them, so a verify row is a decode row, bit for
+// bit (see decode).
+inline int64_t rows_at_once(int64_t G) { return G <= 8 ? G * (8 / G) : G; }
+
+// T: q's dtype; KV: the pages' (T, or int8_t for quantized rows of D + 2). ``q_indptr``
+// (nullptr: one query row per sequence, row b) gives sequence b the query rows
+// q_indptr[b] .. q_indptr[b + 1]: its last n_b tokens, row j at position len - n_b + j, which
+// sees the keys up to its own (causal within the sequence's new tokens). ``max_rows``: the
+// largest n_b.
 template <typename T, typename KV>
 void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int32_t* indptr,
-            const int32_t* indices, const int32_t* seq_lens, const int32_t* starts, int64_t B,
-            int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t window, float scale,
-            int64_t page_stride, int64_t token_stride) {
+            const int32_t* indices, const int32_t* seq_lens, const int32_t* starts,
+            const int32_t* q_indptr, int64_t max_rows, int64_t B, int64_t H, int64_t KVH,
+            int64_t D, int64_t P, int64_t window, float scale, int64_t page_stride,
+            int64_t token_stride) {
   constexpr bool quantized = std::is_same_v<KV, int8_t>;
   const int64_t row_len = quantized ? D + radixserve::kScaleBytes : D;  // a head's row
   const int64_t G = H / KVH;
+  const int64_t at_once = rows_at_once(G);
   // A work item is a sequence's keys for a run of its KV heads: all of them when there are
   // enough sequences to keep every thread busy (a token's heads are adjacent in its page, so
   // one item reads each page front to back), fewer when a small batch must be split further.
@@ -422,24 +453,39 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
   const int64_t chunks = std::min(KVH, std::max<int64_t>(1, (2 * threads + B - 1) / B));
   const int64_t heads_per_chunk = (KVH + chunks - 1) / chunks;
   at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = heads_per_chunk * G;  // query heads of one item
+    // Query rows of one item, [KV head][token][group member]: those of one KV head adjacent.
+    const int64_t rows = heads_per_chunk * max_rows * G;
     std::vector<float> qf(rows * D), acc(rows * D), run_max(rows), run_sum(rows),
         s(rows * kBlock), weighted(quantized ? rows * kBlock : 0), scales(kBlock);
-    std::vector<int64_t> row_at(kBlock);
+    std::vector<int64_t> row_at(kBlock), lo(rows), hi(rows);
     std::vector<const KV*> key_rows(kBlock), value_rows(kBlock);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks;
       const int64_t h0 = (item % chunks) * heads_per_chunk;
       const int64_t h1 = std::min(KVH, h0 + heads_per_chunk);
       const int64_t len = seq_lens[b];
-      const int64_t first = std::max<int64_t>(window > 0 ? len - window : 0,
-                                              starts != nullptr ? starts[b] : 0);
-      const T* qb = q + (b * H + h0 * G) * D;
-      const int64_t used = (h1 - h0) * G;
-      for (int64_t j = 0; j < used * D; ++j) qf[j] = to_float(qb[j]) * scale;
-      std::fill(run_max.begin(), run_max.end(), -3.0e38f);
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t q0 = q_indptr != nullptr ? q_indptr[b] : b;
+      const int64_t nq = q_indptr != nullptr ? q_indptr[b + 1] - q0 : 1;
+      const int64_t per_head = nq * G;  // query rows sharing one KV head
+      const int64_t used = (h1 - h0) * per_head;
+      const int64_t from = starts != nullptr ? starts[b] : 0;
+      // Row j's keys: [lo_j, len - nq + j], the window's last keys at most; the first block
+      // starts at the earliest row's first key (row 0's), as a decode of row 0 would.
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t last = len - nq + j;
+        const int64_t first_j = std::max<int64_t>(window > 0 ? last + 1 - window : 0, from);
+        for (int64_t hh = 0; hh < h1 - h0; ++hh)
+          for (int64_t i = 0; i < G; ++i) {
+            const int64_t row = hh * per_head + j * G + i;
+            lo[row] = first_j, hi[row] = last + 1;
+            const T* qr = q + ((q0 + j) * H + (h0 + hh) * G + i) * D;
+            for (int64_t d = 0; d < D; ++d) qf[row * D + d] = to_float(qr[d]) * scale;
+          }
+      }
+      const int64_t first = lo[0];
+      std::fill(run_max.begin(), run_max.begin() + used, -3.0e38f);
+      std::fill(run_sum.begin(), run_sum.begin() + used, 0.f);
+      std::fill(acc.begin(), acc.begin() + used * D, 0.f);
       const int32_t* pages = indices + indptr[b];
       for (int64_t start = first; start < len; start += kBlock) {
         const int64_t n = std::min(kBlock, len - start);
@@ -461,43 +507,57 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
           }
           if (++slot == P) slot = 0, ++page;
         }
-        // Scores: s[row * kBlock + t] for query row `row` (head h, group member i).
+        // Scores: s[row * kBlock + t] for query row `row` (head h, token j, group member i).
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t t = 0; t < n; ++t) key_rows[t] = k + row_at[t] + h * row_len;
-          const int64_t row0 = (h - h0) * G;
-          score_keys(qf.data() + row0 * D, key_rows.data(), n, G, D, s.data() + row0 * kBlock);
+          const int64_t row0 = (h - h0) * per_head;
+          for (int64_t r = row0; r < row0 + per_head; r += at_once)
+            score_keys(qf.data() + r * D, key_rows.data(), n,
+                       std::min(at_once, row0 + per_head - r), D, s.data() + r * kBlock);
           if constexpr (quantized) {
             for (int64_t t = 0; t < n; ++t) scales[t] = radixserve::row_scale(key_rows[t], D);
-            for (int64_t i = row0; i < row0 + G; ++i)
+            for (int64_t i = row0; i < row0 + per_head; ++i)
               for (int64_t t = 0; t < n; ++t) s[i * kBlock + t] *= scales[t];
           }
         }
         for (int64_t row = 0; row < used; ++row) {
-          const float rescale =
-              softmax_block(s.data() + row * kBlock, n, run_max[row], run_sum[row]);
-          float* a = acc.data() + row * D;
-          for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+          // The keys of this block the row sees; none (a later token's own keys, or keys
+          // before its window): its weights are 0 and its sums stay as they are.
+          const int64_t a = std::max<int64_t>(lo[row] - start, 0);
+          const int64_t z = std::min<int64_t>(hi[row] - start, n);
+          float* w = s.data() + row * kBlock;
+          if (z <= a) {
+            std::fill(w, w + n, 0.f);
+            continue;
+          }
+          const float rescale = softmax_block(w, a, z, n, run_max[row], run_sum[row]);
+          float* acc_row = acc.data() + row * D;
+          for (int64_t d = 0; d < D; ++d) acc_row[d] *= rescale;
         }
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t t = 0; t < n; ++t) value_rows[t] = v + row_at[t] + h * row_len;
-          const int64_t row0 = (h - h0) * G;
-          const float* weights = s.data() + row0 * kBlock;
+          const int64_t row0 = (h - h0) * per_head;
+          const float* weights = s.data();
           if constexpr (quantized) {
             // The softmax's sums took the weights as they are; the values take them scaled.
             for (int64_t t = 0; t < n; ++t) scales[t] = radixserve::row_scale(value_rows[t], D);
-            for (int64_t i = row0; i < row0 + G; ++i)
+            for (int64_t i = row0; i < row0 + per_head; ++i)
               for (int64_t t = 0; t < n; ++t)
                 weighted[i * kBlock + t] = s[i * kBlock + t] * scales[t];
-            weights = weighted.data() + row0 * kBlock;
+            weights = weighted.data();
           }
-          add_values(weights, value_rows.data(), n, G, D, acc.data() + row0 * D);
+          for (int64_t r = row0; r < row0 + per_head; r += at_once)
+            add_values(weights + r * kBlock, value_rows.data(), n,
+                       std::min(at_once, row0 + per_head - r), D, acc.data() + r * D);
         }
       }
-      T* ob = out + (b * H + h0 * G) * D;
       for (int64_t row = 0; row < used; ++row) {
+        const int64_t hh = row / per_head, j = row % per_head / G, i = row % G;
+        const int64_t at = (q0 + j) * H + (h0 + hh) * G + i;
         const float inv = 1.f / run_sum[row];
-        for (int64_t d = 0; d < D; ++d) ob[row * D + d] = static_cast<T>(acc[row * D + d] * inv);
-        lse[b * H + h0 * G + row] = run_max[row] + std::log(run_sum[row]);
+        T* o = out + at * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[row * D + d] * inv);
+        lse[at] = run_max[row] + std::log(run_sum[row]);
       }
     }
   });
@@ -506,32 +566,36 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
 template <typename T, typename KV>
 void run_kv(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
             at::Tensor& out, at::Tensor& lse, const at::Tensor& indptr, const at::Tensor& indices,
-            const at::Tensor& seq_lens, const int32_t* starts, int64_t window, double scale) {
+            const at::Tensor& seq_lens, const int32_t* starts, const int32_t* q_indptr,
+            int64_t max_rows, int64_t window, double scale) {
   decode<T, KV>(q.data_ptr<T>(), k_pages.data_ptr<KV>(), v_pages.data_ptr<KV>(),
                 out.data_ptr<T>(), lse.data_ptr<float>(), indptr.data_ptr<int32_t>(),
-                indices.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), starts, q.size(0),
-                q.size(1), k_pages.size(2), q.size(2), k_pages.size(1), window,
-                static_cast<float>(scale), k_pages.stride(0), k_pages.stride(1));
+                indices.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), starts, q_indptr,
+                max_rows, seq_lens.numel(), q.size(1), k_pages.size(2), q.size(2),
+                k_pages.size(1), window, static_cast<float>(scale), k_pages.stride(0),
+                k_pages.stride(1));
 }
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
          at::Tensor& out, at::Tensor& lse, const at::Tensor& indptr, const at::Tensor& indices,
-         const at::Tensor& seq_lens, const int32_t* starts, int64_t window, double scale) {
+         const at::Tensor& seq_lens, const int32_t* starts, const int32_t* q_indptr,
+         int64_t max_rows, int64_t window, double scale) {
   if (k_pages.scalar_type() == at::kChar)
-    run_kv<T, int8_t>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, starts, window,
-                      scale);
+    run_kv<T, int8_t>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, starts,
+                      q_indptr, max_rows, window, scale);
   else
-    run_kv<T, T>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, starts, window,
-                 scale);
+    run_kv<T, T>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, starts, q_indptr,
+                 max_rows, window, scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode(
     const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& seq_lens,
-    int64_t window, double scale, const std::optional<at::Tensor>& starts) {
+    int64_t window, double scale, const std::optional<at::Tensor>& starts,
+    const std::optional<at::Tensor>& q_indptr) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
-              "paged_decode: q [B, H, D] and pages [N, P, KVH, D] expected");
+              "paged_decode: q [T, H, D] and pages [N, P, KVH, D] expected");
   TORCH_CHECK(q.is_contiguous() && k_pages.stride(3) == 1 &&
                   k_pages.stride(2) == k_pages.size(3) && v_pages.strides() == k_pages.strides(),
               "paged_decode: q contiguous, pages with contiguous heads expected");
@@ -542,9 +606,15 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
   TORCH_CHECK(q.size(2) + (quantized ? radixserve::kScaleBytes : 0) == k_pages.size(3) &&
                   q.size(1) % k_pages.size(2) == 0,
               "paged_decode: head sizes disagree (int8 rows hold D values and a 2-byte scale)");
+  TORCH_CHECK(!q_indptr.has_value() ||
+                  (q_indptr->scalar_type() == at::kInt && q_indptr->is_contiguous() &&
+                   q_indptr->dim() == 1 && q_indptr->numel() >= 1),
+              "paged_decode: int32 q_indptr [B + 1] expected");
+  // Sequences: one per query row, or as q_indptr says.
+  const int64_t B = q_indptr.has_value() ? q_indptr->numel() - 1 : q.size(0);
   TORCH_CHECK(indptr.scalar_type() == at::kInt && indices.scalar_type() == at::kInt &&
-                  seq_lens.scalar_type() == at::kInt && indptr.numel() == q.size(0) + 1 &&
-                  seq_lens.numel() == q.size(0) && indptr.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && indptr.numel() == B + 1 &&
+                  seq_lens.numel() == B && indptr.is_contiguous() &&
                   indices.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode: int32 indptr [B + 1], indices and seq_lens [B] expected");
   // Every read the kernel makes is checked here, once: a bad table is an error, never a read
@@ -553,40 +623,55 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
   const int32_t* ptr = indptr.data_ptr<int32_t>();
   const int32_t* pages = indices.data_ptr<int32_t>();
   const int64_t num_pages = k_pages.size(0), page_size = k_pages.size(1);
-  TORCH_CHECK(ptr[0] == 0 && ptr[q.size(0)] <= indices.numel(),
+  TORCH_CHECK(ptr[0] == 0 && ptr[B] <= indices.numel(),
               "paged_decode: indptr must start at 0 and stay within indices");
-  for (int64_t b = 0; b < q.size(0); ++b)
+  for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && ptr[b + 1] >= ptr[b] &&
                     (ptr[b + 1] - ptr[b]) * page_size >= lens[b],
                 "paged_decode: sequence ", b, " has ", lens[b], " keys but ",
                 ptr[b + 1] - ptr[b], " pages of ", page_size);
-  for (int64_t i = 0; i < ptr[q.size(0)]; ++i)
+  for (int64_t i = 0; i < ptr[B]; ++i)
     TORCH_CHECK(pages[i] >= 0 && pages[i] < num_pages, "paged_decode: page ", pages[i],
                 " is outside the pool of ", num_pages);
+  const int32_t* rows_ptr = nullptr;
+  int64_t max_rows = 1;
+  if (q_indptr.has_value()) {
+    rows_ptr = q_indptr->data_ptr<int32_t>();
+    TORCH_CHECK(rows_ptr[0] == 0 && rows_ptr[B] == q.size(0),
+                "paged_decode: q_indptr must start at 0 and end at q's ", q.size(0), " rows");
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t rows = rows_ptr[b + 1] - rows_ptr[b];
+      TORCH_CHECK(rows >= 1 && rows <= lens[b], "paged_decode: sequence ", b, " has ", rows,
+                  " query rows for ", lens[b], " keys");
+      max_rows = std::max(max_rows, rows);
+    }
+  }
   const int32_t* start_ptr = nullptr;
   if (starts.has_value()) {
-    TORCH_CHECK(starts->scalar_type() == at::kInt && starts->numel() == q.size(0) &&
+    TORCH_CHECK(starts->scalar_type() == at::kInt && starts->numel() == B &&
                     starts->is_contiguous(),
                 "paged_decode: int32 starts [B] expected");
     start_ptr = starts->data_ptr<int32_t>();
-    for (int64_t b = 0; b < q.size(0); ++b)
-      TORCH_CHECK(start_ptr[b] >= 0 && start_ptr[b] < lens[b],
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t rows = rows_ptr != nullptr ? rows_ptr[b + 1] - rows_ptr[b] : 1;
+      TORCH_CHECK(start_ptr[b] >= 0 && start_ptr[b] <= lens[b] - rows,
                   "paged_decode: each start must leave its sequence a key to attend");
+    }
   }
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, window,
-                 scale);
+      run<float>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, rows_ptr,
+                 max_rows, window, scale);
       break;
     case at::kBFloat16:
       run<c10::BFloat16>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr,
-                         window, scale);
+                         rows_ptr, max_rows, window, scale);
       break;
     case at::kHalf:
-      run<c10::Half>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, window,
-                     scale);
+      run<c10::Half>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr,
+                     rows_ptr, max_rows, window, scale);
       break;
     default:
       TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
@@ -610,7 +695,8 @@ bool paged_decode_vectorized() {
 RADIXSERVE_OPS_FRAGMENT(m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor indptr, Tensor indices, "
-      "Tensor seq_lens, int window, float scale, Tensor? starts=None) -> (Tensor, Tensor)");
+      "Tensor seq_lens, int window, float scale, Tensor? starts=None, Tensor? q_indptr=None) "
+      "-> (Tensor, Tensor)");
   m.def("paged_decode_vectorized() -> bool", &paged_decode_vectorized);
 }
 
