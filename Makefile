@@ -32,6 +32,10 @@ setup: $(VENV)/.installed
 # --no-compile: pip would byte-compile all 13,600 installed modules (about 90 CPU seconds); Python
 # compiles the few hundred it imports on first use instead
 PIP_INSTALL = -m pip install -q --no-compile
+# ... and writes them to __pycache__ once, unless PYTHONDONTWRITEBYTECODE is set (many container
+# images set it): then every process (each test worker, server and child) compiles torch's and
+# transformers' sources again, about 12 CPU seconds each. Empty is unset for Python.
+export PYTHONDONTWRITEBYTECODE :=
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
