@@ -47,11 +47,11 @@ def lora_harness(model_dir: str, adapters: dict[str, str], **options) -> Harness
 
 
 def add(h: Harness, rid: str, prompt: list[int], adapter: str | None,
-        params: SamplingParams = GREEDY) -> None:
+        params: SamplingParams = GREEDY, namespace: str | None = None) -> None:
     from engine.contracts.protocol import TokenizedRequest, pack_ids
 
     h.sched.add_request(TokenizedRequest(rid=rid, prompt_ids=pack_ids(prompt), params=params,
-                                         reply_to=0, lora_name=adapter))
+                                         reply_to=0, lora_name=adapter, namespace=namespace))
 
 
 def test_adapters_and_base_in_one_batch_match_peft(model_dir, adapters, oracles):
@@ -94,10 +94,14 @@ def test_a_prefix_cached_by_the_base_model_is_no_hit_for_an_adapter(model_dir, a
     add(h, "beta", prompt, "beta")
     h.run()
     add(h, "alpha-again", prompt, "alpha")
+    add(h, "alpha-salted", prompt, "alpha", namespace="tenant")  # cache_salt composes with it
+    h.run()
+    add(h, "alpha-salted-again", prompt, "alpha", namespace="tenant")
     h.run()
     hits = {rid: finals[0].cached_tokens for rid, finals in h.finals.items()}
-    assert hits["alpha"] == 0 and hits["beta"] == 0
+    assert hits["alpha"] == hits["beta"] == hits["alpha-salted"] == 0
     assert hits["base-again"] == hits["alpha-again"] == len(prompt) - 1
+    assert hits["alpha-salted-again"] == len(prompt) - 1
     assert h.outputs["alpha-again"] == h.outputs["alpha"]
     assert h.outputs["alpha"][0] == hf_greedy(oracles["alpha"], prompt, 12)
 
@@ -235,3 +239,36 @@ def test_the_disk_tier_serves_an_adapter_its_own_weights_blocks_only(model_dir, 
     final, answer = served("new-weights")
     assert final.cached_tokens_disk == 0
     assert answer == hf_greedy(peft_model(model_dir, path), prompt, 12) != first
+
+
+def test_adapters_with_drafts_samples_beams_and_a_grammar(model_dir, adapters, oracles):
+    """Under adapters: prompt-lookup drafts, n = 2 samples and beam search give transformers +
+    peft's tokens; a constrained request keeps its grammar."""
+    from engine.contracts.structured import StructuredOutputs
+    from engine.contracts.tokenizer import load_tokenizer
+
+    h = lora_harness(model_dir, adapters, num_pages=256, page_size=4,
+                     speculative_config=json.dumps({"method": "ngram",
+                                                    "num_speculative_tokens": 4,
+                                                    "prompt_lookup_min": 1,
+                                                    "prompt_lookup_max": 3}))
+    repetitive = list(range(200, 212)) * 4
+    add(h, "drafted", repetitive, "alpha")
+    add(h, "samples", repetitive[:30], "beta", SamplingParams(
+        max_tokens=12, temperature=0.0, n=2, ignore_eos=True))
+    prompt = list(range(100, 130))
+    add(h, "beams", prompt, "beta", SamplingParams(max_tokens=6, beam_width=3, n=2))
+    add(h, "digits", prompt, "alpha", SamplingParams(
+        max_tokens=16, temperature=0.0, structured_outputs=StructuredOutputs(regex="[0-9]{5}")))
+    h.run()
+    assert h.sched.stats()["spec_drafted_tokens"] > 0
+    assert h.outputs["drafted"][0] == hf_greedy(oracles["alpha"], repetitive, 12)
+    expected = hf_greedy(oracles["beta"], repetitive[:30], 12)
+    assert h.outputs["samples"] == {0: expected, 1: expected}
+    ref = oracles["beta"].generate(input_ids=torch.tensor([prompt]), num_beams=3,
+                                   num_return_sequences=2, max_new_tokens=6, do_sample=False,
+                                   early_stopping=False, length_penalty=1.0, pad_token_id=0)
+    assert [h.outputs["beams"][i] for i in range(2)] == [
+        [t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
+    text = load_tokenizer(model_dir).decode(h.outputs["digits"][0], skip_special_tokens=True)
+    assert text.isdigit() and len(text) == 5
