@@ -22,6 +22,7 @@ slices ``weight_sources`` names: engine/worker/model/parallel.py).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -180,22 +181,18 @@ class _Weights(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def weight_bytes(self) -> dict[str, int]:
-        """Bytes of this module's weights (its submodules' too) by format: the dtype's name
-        for dense ones, the block format's for quantized ones."""
-        found: dict[str, int] = {}
+        """Resident bytes of this module's weights (its submodules' too) by format: the
+        dtype's name for dense ones (oneDNN's prepacked copies included: a tied embedding keeps
+        its plain copy beside the LM head's), the block format's for quantized ones."""
+        found: Counter[str] = Counter()
         for module in self.modules():
             if not isinstance(module, _Weights):
                 continue
-            for weight in module.parameters(recurse=False):
-                name = str(weight.dtype).removeprefix("torch.")
-                found[name] = found.get(name, 0) + weight.numel() * weight.element_size()
-            for name, packed in module.packed.items():
-                if getattr(module, name).numel() == 0:
-                    found[str(packed.dtype).removeprefix("torch.")] = (
-                        found.get(str(packed.dtype).removeprefix("torch."), 0)
-                        + packed.numel() * packed.element_size())
+            for tensor in [*module.parameters(recurse=False), *module.packed.values()]:
+                found[str(tensor.dtype).removeprefix("torch.")] += (tensor.numel()
+                                                                   * tensor.element_size())
             for quantized in set(module.quantized.values()):
-                found[quantized.format] = found.get(quantized.format, 0) + quantized.nbytes
+                found[quantized.format] += quantized.nbytes
         return {name: size for name, size in found.items() if size}
 
     def _prepack(self, keep: tuple[torch.Tensor, ...] = ()) -> None:
