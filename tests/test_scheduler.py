@@ -3,6 +3,7 @@ accounting invariant checked after every step, against transformers as the oracl
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import numpy as np
@@ -29,8 +30,19 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+# Per model object (a peft wrapper is another object), per prompt: the longest greedy run made.
+# Tests and their parameters ask for the same references again (the same prompts in each
+# preemption mode, a wave repeated); a shorter run is the longer one's head.
+_REFERENCES: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, ...], list[int]]] = (
+    weakref.WeakKeyDictionary())
+
+
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     """Reference greedy decoding that keeps going past EOS (like ignore_eos)."""
+    runs = _REFERENCES.setdefault(model, {})
+    known = runs.get(tuple(prompt), [])
+    if len(known) >= steps:
+        return known[:steps]
     ids = torch.tensor([prompt])
     out, past = [], None
     with torch.no_grad():
@@ -40,7 +52,8 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
             token = int(res.logits[0, -1].argmax())
             out.append(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
+    runs[tuple(prompt)] = out
+    return list(out)
 
 
 class Harness:
