@@ -25,10 +25,12 @@ import time
 import numpy as np
 import torch
 
+from engine.checkpoints.quant_formats import BITS
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.lora import LoraAdapterInfo, parse_lora_modules
 from engine.contracts.step import BatchInput
 from engine.worker.attention import make_backend
+from engine.worker.cpu_kernels import quant_ops
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.distributed import TensorParallel
 from engine.worker.kv_pool import KVPool
@@ -133,8 +135,11 @@ class ModelRunner:
         self.weight_bytes = sum(self.weight_formats.values())
         self._small_model = self.weight_bytes < SMALL_MODEL_BYTES
         self._max_threads = self._threads = torch.get_num_threads()
-        logger.info("weights: %s", ", ".join(f"{name} {size / 2**20:.1f} MiB"
-                                             for name, size in self.weight_formats.items()))
+        blocks = (f" (blocks read by the {quant_ops().quant_linear_isa()} kernels)"
+                  if set(self.weight_formats) & set(BITS) else "")
+        logger.info("weights: %s%s", ", ".join(f"{name} {size / 2**20:.1f} MiB"
+                                               for name, size in self.weight_formats.items()),
+                    blocks)
 
     def _make_lora_pool(self, c: EngineConfig) -> None:
         """``lora``: the LoRA adapters' pool with every ``--lora-modules`` adapter in it (ids
