@@ -92,9 +92,9 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
         )
         names = ", ".join(f.name for f in files)
         raise ValueError(f"weights missing from {names}: {shown}")
-    for module in model.modules():
-        for quantized in set(getattr(module, "quantized", {}).values()):
-            quantized.repack()
+    for module in model.modules():  # the blocks as the kernel reads them, once loaded
+        for blocks in set(getattr(module, "quantized", {}).values()):
+            blocks.repack()
     return model
 
 
