@@ -53,7 +53,7 @@ from engine.server.service import Service
 
 logger = logging.getLogger("radixserve.grpc")
 HEARTBEAT_SECONDS = 1.0
-INSTALL_HINT = "pip install 'radixserve[grpc]' (grpcio and smg-grpc-proto)"
+INSTALL_HINT = "pip install -e '.[grpc]' in the radixserve checkout (grpcio and smg-grpc-proto)"
 
 # What a tokenizer needs from a model directory, in the layouts transformers and smg read.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
