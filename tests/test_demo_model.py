@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +40,10 @@ def test_same_key_gives_same_bytes(model_dir: Path, tmp_path: Path) -> None:
     assert file_hashes(again) == file_hashes(model_dir)
 
 
-def test_existing_model_is_reused_and_a_damaged_one_rebuilt(tmp_path: Path) -> None:
-    first = build_demo_model(tmp_path)
+def test_existing_model_is_reused_and_a_damaged_one_rebuilt(model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    first = tmp_path / model_dir.name  # a cache that holds the model already
+    shutil.copytree(model_dir, first)
     weights = first / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert build_demo_model(tmp_path) == first
