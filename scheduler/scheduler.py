@@ -294,6 +294,7 @@ class Scheduler:
         refused = dict(result.grammar_failures)  # row: why its grammar did not compile
         next_row = 0  # an entry's logits rows follow the previous entry's
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
+        accepted = self._accepted(entries, rows)
         for entry in entries:
             seq, row = entry.seq, next_row
             next_row += entry.samples
@@ -313,11 +314,10 @@ class Scheduler:
                 continue
             if entry.drafts:
                 # Verification: the accepted drafts' KV is kept, the rest rolls back.
-                sampled = rows.tokens[row : row + entry.samples]
-                kept = self.speculator.accept(seq, entry.drafts, sampled)
+                kept = self.speculator.accept(seq, len(entry.drafts), accepted[row])
                 seq.computed = seq.settled = entry.end + kept - 1
                 self.mem.trim(seq, seq.computed + 1)
-                self._append(seq, sampled[:kept].tolist(), rows, row)
+                self._append(seq, rows.tokens[row : row + kept].tolist(), rows, row)
                 if seq.status is Status.RUNNING:  # a stop inside the drafts ends the tokens
                     seq.computed = seq.settled = min(seq.computed, len(seq.tokens) - 1)
                 continue
@@ -345,6 +345,19 @@ class Scheduler:
                            "log has the details")
         for req in [r for r in self.running if not r.live_seqs()]:
             self._retire(req)
+
+    def _accepted(self, entries: list[Entry], rows: SampledRows) -> dict[int, int]:
+        """Drafts accepted by each verification of the step, by its first logits row: all of
+        them in one pass over the rows (scheduler/speculation.py)."""
+        verifies, row = [], 0
+        for entry in entries:
+            if entry.drafts:
+                verifies.append((row, entry.drafts))
+            row += entry.samples
+        if not verifies:
+            return {}
+        counts = self.speculator.accepted(rows.tokens, verifies).tolist()
+        return {first: count for (first, _), count in zip(verifies, counts, strict=True)}
 
     def _loads_ended(self, result: BatchResult) -> None:
         """Sequences whose loads ended run from the tokens that arrived."""
@@ -377,13 +390,12 @@ class Scheduler:
             seq.tokens.append(new[0])
         else:
             seq.tokens[index] = new[0]
-        reason = self._finish_reason(seq, new[0], index + 1)
-        for i, token in enumerate(new[1:], 1):
-            if reason is not None:
-                new = new[:i]
-                break
-            seq.tokens.append(token)
-            reason = self._finish_reason(seq, token, index + 1 + i)
+        if len(new) == 1:
+            reason = self._finish_reason(seq, new[0], index + 1)
+        else:  # a verification's tokens: where the first that ends it is, in one pass
+            end, reason = self._first_finish(seq, new, index + 1)
+            new = new[: end + 1]
+            seq.tokens.extend(new[1:])
         lp, tid, tlp = rows.logprob_bytes(row, row + len(new), seq.req.params.logprobs)
         self.outputs.emit(seq.req, seq.index, new, finish_reason=reason, logprobs=lp,
                           top_ids=tid, top_logprobs=tlp)
@@ -398,6 +410,21 @@ class Scheduler:
         if length >= seq.req.max_len(self.info.context_len):
             return "length"
         return None
+
+    def _first_finish(self, seq: Seq, new: list[int], length: int) -> tuple[int, str | None]:
+        """The first of ``new`` (``seq``'s tokens number ``length``, ``length + 1``, ...) that
+        ends it and why, as ``_finish_reason`` of each in turn would say; the last index and
+        None when none does."""
+        p = seq.req.params
+        stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
+        hits = np.flatnonzero(np.isin(new, stops)) if stops else ()
+        stop = int(hits[0]) if len(hits) else len(new)
+        limit = max(seq.req.max_len(self.info.context_len) - length, 0)
+        if stop < len(new) and stop <= limit:
+            return stop, "stop"
+        if limit < len(new):
+            return limit, "length"
+        return len(new) - 1, None
 
     def _finish(self, seq: Seq, reason: str) -> None:
         req = seq.req

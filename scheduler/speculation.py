@@ -93,19 +93,35 @@ class Speculator:
             return self.suffix.propose(tokens, seq.req.namespace, k)
         return propose_ngram(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k).tolist()
 
-    def accept(self, seq: Seq, drafts: list[int], sampled: np.ndarray) -> int:
-        """How many of ``sampled`` (one token per verify row, ``len(drafts) + 1``) ``seq``
-        keeps: the accepted drafts and the token after them. Updates its rate and the
-        counters."""
-        k = len(drafts)
-        agree = sampled[:k] == np.asarray(drafts, dtype=sampled.dtype)
-        accepted = int(np.cumprod(agree).sum())
-        self.drafted_tokens += k
+    @staticmethod
+    def accepted(tokens: np.ndarray, verifies: list[tuple[int, list[int]]]) -> np.ndarray:
+        """How many drafts each verification accepts, for all of a step's at once (one numpy
+        pass over their rows, no Python per row): ``verifies`` holds each one's first logits row
+        in ``tokens`` (the step's samples) and its drafts; a verification accepts its drafts up
+        to the first that differs from the token sampled at its row."""
+        if not verifies:
+            return np.zeros(0, dtype=np.int64)
+        counts = np.fromiter((len(d) for _, d in verifies), dtype=np.int64, count=len(verifies))
+        firsts = np.fromiter((r for r, _ in verifies), dtype=np.int64, count=len(verifies))
+        offsets = np.cumsum(counts) - counts
+        local = np.arange(int(counts.sum())) - np.repeat(offsets, counts)
+        drafts = np.fromiter((t for _, d in verifies for t in d), dtype=np.int64,
+                             count=len(local))
+        agree = tokens[np.repeat(firsts, counts) + local] == drafts
+        # Each row's candidate for its verification's count: its own index where it disagrees,
+        # the verification's length where it agrees; the least is the first disagreement.
+        return np.minimum.reduceat(np.where(agree, np.repeat(counts, counts), local), offsets)
+
+    def accept(self, seq: Seq, drafted: int, accepted: int) -> int:
+        """``seq`` verified ``drafted`` drafts and ``accepted`` of them (``accepted``): updates
+        its rate, its pause and the counters; returns the tokens it keeps (the accepted drafts
+        and the token after them)."""
+        self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.emitted_tokens += accepted + 1
         self.verifications += 1
-        seq.draft_rate += RATE_WEIGHT * (accepted / k - seq.draft_rate)
-        if accepted / k >= 0.5:
+        seq.draft_rate += RATE_WEIGHT * (accepted / drafted - seq.draft_rate)
+        if accepted / drafted >= 0.5:
             seq.draft_backoff = FIRST_PAUSE
         if seq.draft_rate < PAUSE_BELOW:
             seq.draft_pause = seq.draft_backoff

@@ -294,6 +294,42 @@ def test_a_stop_string_inside_several_tokens_cuts_the_tokens_there():
     assert 0 < len(runs["at_once"]) < len(ids)
 
 
+def test_a_steps_acceptances_in_one_pass_are_those_of_each_verification():
+    """``Speculator.accepted`` (all verifications of a step at once) against each one's drafts
+    checked in turn; and the scheduler's first-finish search against ``_finish_reason`` of each
+    token in turn."""
+    from scheduler.scheduler import Scheduler
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        verifies, tokens, want = [], [], []
+        for _ in range(int(rng.integers(1, 6))):
+            drafts = rng.integers(0, 3, int(rng.integers(1, 7))).tolist()
+            sampled = rng.integers(0, 3, len(drafts) + 1).tolist()
+            verifies.append((len(tokens), drafts))
+            tokens += sampled
+            want.append(next((i for i, (d, t) in enumerate(zip(drafts, sampled[:-1],
+                                                                strict=True)) if d != t),
+                             len(drafts)))
+        got = speculation.Speculator.accepted(np.array(tokens, dtype=np.int32), verifies)
+        assert got.tolist() == want
+
+    sched = Scheduler.__new__(Scheduler)
+    sched.eos_ids = {2}
+    sched.info = type("Info", (), {"context_len": 100})()
+    for _ in range(300):
+        params = SamplingParams(max_tokens=int(rng.integers(1, 12)),
+                                stop_token_ids=rng.integers(0, 9, int(rng.integers(0, 3))).tolist(),
+                                ignore_eos=bool(rng.integers(2)))
+        req = type("Req", (), {"params": params,
+                               "max_len": lambda self, n, p=params: 5 + p.max_tokens})()
+        seq = type("Seq", (), {"req": req})()
+        new, length = rng.integers(0, 9, int(rng.integers(2, 8))).tolist(), int(rng.integers(5, 9))
+        reasons = [sched._finish_reason(seq, t, length + i) for i, t in enumerate(new)]
+        end = next((i for i, r in enumerate(reasons) if r is not None), len(new) - 1)
+        assert sched._first_finish(seq, new, length) == (end, reasons[end])
+
+
 # ------------------------------------------------------------------- rejection sampling
 def test_speculative_sampling_keeps_the_target_distribution():
     """A point-mass draft d: accepted with probability p(d); the emitted token (d when
@@ -308,9 +344,11 @@ def test_speculative_sampling_keeps_the_target_distribution():
     out = sample(logits.repeat(rows, 1), [state] * rows).token_ids
     s = speculation.Speculator(SpeculativeConfig.parse(spec(1)))
     seq = type("Seq", (), {"draft_rate": 1.0, "draft_backoff": 4, "draft_pause": 0})()
-    kept = np.array([s.accept(seq, [draft], np.array([t, 0]))
-                     for t in out[:2000]])
+    tokens = np.stack([out[:2000], np.zeros(2000, dtype=out.dtype)], 1).reshape(-1)
+    accepted = s.accepted(tokens, [(2 * i, [draft]) for i in range(2000)])
+    kept = np.array([s.accept(seq, 1, int(a)) for a in accepted])
     assert set(kept) <= {1, 2}  # 2: accepted + bonus; 1: the residual's token
+    assert np.array_equal(kept == 2, out[:2000] == draft)
     accepted = out == draft
     assert abs(accepted.mean() - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / rows)
     counts = np.bincount(out, minlength=len(p))
