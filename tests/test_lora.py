@@ -272,3 +272,19 @@ def test_adapters_with_drafts_samples_beams_and_a_grammar(model_dir, adapters, o
         [t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
     text = load_tokenizer(model_dir).decode(h.outputs["digits"][0], skip_special_tokens=True)
     assert text.isdigit() and len(text) == 5
+
+
+def test_the_dp_dispatcher_predicts_no_base_model_hit_for_an_adapter():
+    """Replicas hash an adapter's blocks under its content hash, which the dispatcher does not
+    know: an adapter request goes by load alone and claims none of the base model's blocks."""
+    from engine.contracts.protocol import TokenizedRequest, pack_ids
+    from tokenizer_worker.dispatch import Dispatcher
+
+    dispatcher = Dispatcher(2, 4)
+    ids = pack_ids(list(range(10, 50)))
+    routes = [dispatcher.route(TokenizedRequest(rid=rid, prompt_ids=ids, params=GREEDY,
+                                                reply_to=0, lora_name=adapter))[0]
+              for rid, adapter in (("base", None), ("alpha", "alpha"), ("again", None))]
+    assert routes == [0, 1, 0]  # the adapter's to the idle replica, the base model's home
+    predicted = {rid: routed.predicted for rid, routed in dispatcher.requests.items()}
+    assert predicted == {"base": 0, "alpha": 0, "again": 39}

@@ -136,7 +136,10 @@ class Dispatcher:
         """The replica for a tokenized request, and the ttl to open its session with there
         first when the session has to move (its replica died), else None."""
         ids, session_id = unpack_ids(req.prompt_ids), req.session_id
-        hashes = chain_hashes(req.namespace, ids, self.block_size)
+        # An adapter's blocks hash under its content hash, which only the replicas know: its
+        # requests go by load alone, and claim none of the base model's blocks.
+        hashes = [] if req.lora_name is not None else chain_hashes(req.namespace, ids,
+                                                                   self.block_size)
         reopen = None
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is not None and self.replicas[session.replica].alive:
