@@ -64,10 +64,13 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
     if candidates is None:
         candidates = {kv: {"kv_cache_dtype": kv} for kv in kv_dtypes}
     kv_dtypes = tuple(candidates)  # the candidates' names from here on
-    runners = {name: ModelRunner(EngineConfig(model=checkpoint, dtype=dtype, page_size=PAGE_SIZE,
-                                              num_pages=num_pages, attention_backend="torch",
-                                              **options))
-               for name, options in {"auto": reference or {}, **candidates}.items()}
+    def runner(options: dict) -> ModelRunner:
+        return ModelRunner(EngineConfig(model=checkpoint, dtype=dtype, page_size=PAGE_SIZE,
+                                        num_pages=num_pages, attention_backend="torch",
+                                        **options))
+
+    baseline = runner(reference or {})
+    runners = {name: runner(options) for name, options in candidates.items()}
     agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
     kls: dict[str, list] = {kv: [] for kv in kv_dtypes}
     for first in range(0, len(prompts), batch_size):
@@ -80,7 +83,7 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
         group_agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
         group_kl: dict[str, list] = {kv: [] for kv in kv_dtypes}
         for _ in range(steps):
-            ref = runners["auto"].forward(batch).double().log_softmax(-1)
+            ref = baseline.forward(batch).double().log_softmax(-1)
             tokens = ref.argmax(-1)
             for kv in kv_dtypes:
                 got = runners[kv].forward(batch).double().log_softmax(-1)
