@@ -64,7 +64,7 @@ class SchedulerLoop:
         self.kv_events: BlockEvents | None = None
         self.publisher: KVEventPublisher | None = None
         if config.kv_events_endpoint:
-            self.kv_events = BlockEvents(config.kv_events_block, loras=self.sched.lora_of)
+            self.kv_events = BlockEvents(config.kv_events_block, loras=self.sched.adapters.of_namespace)
             self.kv_events.attach(self.sched.tree)
             self.publisher = KVEventPublisher(ctx, config.kv_events_endpoint)
         self.control.send(encode(Ready("scheduler", os.getpid(), hello.info)))
@@ -124,7 +124,7 @@ class SchedulerLoop:
         result_at = 0.0
         for result in _drain(self.from_worker):
             if isinstance(result, LoraUpdated):
-                answer = self.sched.lora_updated(result)
+                answer = self.sched.adapters.updated(result)
                 self.to_tokenizers[answer.reply_to].send(encode(answer))
                 continue
             assert isinstance(result, BatchResult)

@@ -15,14 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable
 
-import msgspec
 import numpy as np
 
 from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.lora import LoraAdapterInfo, lora_namespace
+from engine.contracts.lora import lora_namespace
 from engine.contracts.protocol import (
     BatchResult,
     ForwardBatch,
@@ -36,6 +34,7 @@ from engine.contracts.protocol import (
 from radix import HostTier, PageAllocator, RadixTree
 from radix.eviction import POLICIES
 from scheduler import beam
+from scheduler.adapters import Adapters
 from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
 from scheduler.disk import DiskTier
@@ -79,12 +78,7 @@ class Scheduler:
         self.speculator = (Speculator(speculative, self.tree) if speculative is not None
                            else None)
         self.planner = StepPlanner(config, info, self.mem, self.sessions, self.speculator)
-        self.adapters = {adapter.name: adapter for adapter in info.lora_adapters}
-        self.adapters_loading: dict[str, str] = {}  # update rid -> the name it loads
-        # every adapter loaded since start by its own namespace (KV events name the adapter
-        # of blocks cached under it, also after it was unloaded)
-        self.namespace_adapters = {lora_namespace(None, a): a for a in info.lora_adapters}
-        self.next_lora_id = 1 + max((a.lora_id for a in info.lora_adapters), default=0)
+        self.adapters = Adapters(info)
         self.requests: dict[str, Request] = {}
         self.outputs = Outputs(host_tier=self.host is not None, disk_tier=self.disk is not None)
         # Batches sent and not yet answered, oldest first: one, or two while overlapping.
@@ -144,7 +138,7 @@ class Scheduler:
 
     def add_request(self, msg: TokenizedRequest) -> None:
         prompt = unpack_ids(msg.prompt_ids).copy()
-        adapter = self.adapters.get(msg.lora_name) if msg.lora_name is not None else None
+        adapter = self.adapters.served.get(msg.lora_name) if msg.lora_name is not None else None
         req = Request(msg.rid, prompt, msg.params, msg.reply_to,
                       lora_namespace(msg.namespace, adapter), msg.arrival or time.monotonic(),
                       msg.session_id, lora_id=adapter.lora_id if adapter else 0)
@@ -170,46 +164,9 @@ class Scheduler:
         self._looked_ahead = False
 
     def update_lora(self, msg: LoraUpdate) -> LoraUpdate | LoraUpdated:
-        """Check an adapter load or unload: the update for the worker (a load gets its id; an
-        unloaded name is refused from now on), or the refusal for the frontend. An adapter
-        that requests still run under is not unloaded."""
-        def refused(status: int, error: str) -> LoraUpdated:
-            return LoraUpdated(rid=msg.rid, reply_to=msg.reply_to, error=error, status=status,
-                               adapters=list(self.adapters.values()))
-
-        if not self.info.max_loras:
-            return refused(400, "LoRA adapters need a server started with --enable-lora")
-        if msg.path is not None:
-            if msg.name in self.adapters or msg.name in self.adapters_loading.values():
-                return refused(400, f"the LoRA adapter {msg.name!r} is already loaded; unload "
-                                    "it first to load other weights under that name")
-            self.adapters_loading[msg.rid] = msg.name
-            self.next_lora_id += 1
-            return msgspec.structs.replace(msg, lora_id=self.next_lora_id - 1)
-        adapter = self.adapters.get(msg.name)
-        if adapter is None:
-            return refused(404, f"the LoRA adapter {msg.name!r} is not loaded")
-        users = sum(r.lora_id == adapter.lora_id for r in self.requests.values())
-        if users:
-            return refused(400, f"the LoRA adapter {msg.name!r} has {users} requests in "
-                                "flight; unload it once they have finished")
-        del self.adapters[msg.name]
-        return msgspec.structs.replace(msg, lora_id=adapter.lora_id)
-
-    def lora_updated(self, msg: LoraUpdated) -> LoraUpdated:
-        """The worker's answer to an update: a loaded adapter is served from now on; the
-        answer carries every adapter loaded."""
-        self.adapters_loading.pop(msg.rid, None)
-        if msg.adapter is not None:
-            self.adapters[msg.adapter.name] = msg.adapter
-            self.namespace_adapters[lora_namespace(None, msg.adapter)] = msg.adapter
-        msg.adapters = list(self.adapters.values())
-        return msg
-
-    def lora_of(self, namespace: Hashable) -> LoraAdapterInfo | None:
-        """The LoRA adapter whose prefixes ``namespace`` holds (its own part comes last,
-        ``lora_namespace``), None for the base model's."""
-        return self.namespace_adapters.get(str(namespace).rpartition("|")[2])
+        """An adapter load or unload checked (scheduler/adapters.py): the update for the worker,
+        or the refusal for the frontend."""
+        return self.adapters.check_update(msg, self.requests.values())
 
     def abort(self, rid: str, reason: str = "abort", index: int = -1) -> None:
         """Release the request's pages now (between steps) and close its outputs; ``index``

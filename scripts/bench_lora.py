@@ -77,17 +77,21 @@ def run(worker: Worker, config: EngineConfig, adapters: list[str | None], reques
     return requests / (time.perf_counter() - start)
 
 
-def update_forms(worker: Worker, rows: int, adapters: int, repeats: int) -> tuple[float, float]:
-    """Microseconds of layer 0's gate/up update for ``rows`` decode rows spread over
-    ``adapters`` adapters: segmented (one pair of matmuls per adapter, rows gathered) and
-    gathered per row (each row's A and B gathered, two batched matmuls)."""
+def update_forms(worker: Worker, seqs: int, rows_each: int, adapters: int, repeats: int
+                 ) -> tuple[float, float]:
+    """Microseconds of layer 0's gate/up update for ``seqs`` sequences of ``rows_each`` rows,
+    sequence i under adapter ``i mod adapters``: segmented (as served: the rows gathered once,
+    one pair of matmuls per adapter, one scatter) and gathered per row (BGMV's form: each
+    row's A and B gathered, two batched matmuls)."""
     pool = worker.runner.lora
-    step = pool.prepare(np.arange(rows) % adapters + 1, np.ones(rows, dtype=np.int64))
+    lora_ids = np.arange(seqs) % adapters + 1
+    step = pool.prepare(lora_ids, np.full(seqs, rows_each))
     a, b = pool.slots_a[0]["gate_up"], pool.slots_b[0]["gate_up"]
     width = pool.slot_ranks[0][(0, "gate_up")]
+    rows = seqs * rows_each
     x = torch.randn(rows, a.shape[2], dtype=pool.dtype)
     out = torch.zeros(rows, b.shape[1], dtype=pool.dtype)
-    index = torch.from_numpy(np.array([pool.resident[i % adapters + 1] for i in range(rows)]))
+    index = torch.from_numpy(np.repeat([pool.resident[int(i)] for i in lora_ids], rows_each))
 
     def segmented() -> None:
         step.add_(0, "gate_up", x, out)
@@ -97,15 +101,25 @@ def update_forms(worker: Worker, rows: int, adapters: int, repeats: int) -> tupl
         out.add_(torch.bmm(torch.bmm(x[:, None], row_a.transpose(1, 2)),
                            row_b.transpose(1, 2))[:, 0])
 
-    timings: dict[str, list[float]] = {"segmented": [], "gathered": []}
+    return _median_us(segmented, repeats), _median_us(gathered, repeats)
+
+
+def product_us(dtype: torch.dtype, repeats: int) -> float:
+    """Microseconds of a [1 x 32] by [32 x 3072] product (a decode row's B side) in ``dtype``."""
+    left, right = torch.randn(1, 32, dtype=dtype), torch.randn(3072, 32, dtype=dtype)
+    return _median_us(lambda: left @ right.t(), repeats)
+
+
+def _median_us(work, repeats: int, calls: int = 50) -> float:
+    work()
+    timings = []
     with torch.inference_mode():
         for _ in range(repeats):
-            for name, form in (("segmented", segmented), ("gathered", gathered)):
-                start = time.perf_counter()
-                for _ in range(50):
-                    form()
-                timings[name].append((time.perf_counter() - start) / 50 * 1e6)
-    return statistics.median(timings["segmented"]), statistics.median(timings["gathered"])
+            start = time.perf_counter()
+            for _ in range(calls):
+                work()
+            timings.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(timings)
 
 
 def main() -> None:
@@ -142,7 +156,11 @@ def main() -> None:
                                          model_config.vocab_size, 1000 * repeat + k))
         pool = worker.runner.lora
         swap_ms = pool.swap_seconds / pool.swaps * 1e3
-        segmented, gathered = update_forms(worker, args.in_flight, 16, 2 * args.repeats)
+        forms = {(seqs, each, adapters): update_forms(worker, seqs, each, adapters,
+                                                      2 * args.repeats)
+                 for seqs, each, adapters in ((16, 1, 1), (16, 1, 4), (16, 1, 16), (4, 128, 4))}
+        products = {str(d).removeprefix("torch."): product_us(d, 2 * args.repeats)
+                    for d in (torch.float32, torch.bfloat16)}
 
     print(f"model {source.name or source.path}, dtype {worker.info.dtype}, weights "
           f"{', '.join(worker.runner.weight_formats)}, rank {args.rank} on q/k/v/o/gate/up/down,"
@@ -156,8 +174,13 @@ def main() -> None:
         print(f"| {name} | {value:.2f} | {value / base:.2f}x |")
     print(f"adapter swap (host copy into a device slot): {swap_ms:.2f} ms "
           f"({pool.adapters[1].nbytes / 2**20:.1f} MiB in float32 on the host)")
-    print(f"layer 0 gate/up update, {args.in_flight} decode rows over 16 adapters: segmented "
-          f"{segmented:.0f} us, gathered per row {gathered:.0f} us")
+    print(f"layer 0 gate/up update ({pool.dtype}), microseconds:")
+    print("| rows | adapters | segmented | gathered per row |")
+    print("|---|---|---|---|")
+    for (seqs, each, adapters), (segmented, gathered) in forms.items():
+        print(f"| {seqs} x {each} | {adapters} | {segmented:.0f} | {gathered:.0f} |")
+    print("a [1 x 32] by [32 x 3072] product: " + ", ".join(
+        f"{name} {us:.1f} us" for name, us in products.items()))
 
 
 if __name__ == "__main__":

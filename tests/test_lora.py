@@ -158,7 +158,7 @@ def update(h: Harness, name: str, path: str | None = None):
     checked = h.sched.update_lora(LoraUpdate(rid=f"lora-{name}-{path}", name=name, path=path))
     if isinstance(checked, LoraUpdated):
         return checked
-    return h.sched.lora_updated(h.worker.update_lora(checked))
+    return h.sched.adapters.updated(h.worker.update_lora(checked))
 
 
 def test_an_adapter_reloaded_with_new_weights_answers_with_them(model_dir, adapters, tmp_path):
@@ -203,7 +203,7 @@ def test_kv_events_name_the_adapter_of_each_block(model_dir, adapters):
     from scheduler.kv_events import BlockEvents
 
     h = lora_harness(model_dir, adapters, num_pages=64)
-    events = BlockEvents(16, loras=h.sched.lora_of)
+    events = BlockEvents(16, loras=h.sched.adapters.of_namespace)
     events.attach(h.sched.tree)
     prompt = shared_prefix_prompts(1, seed=7)[0]
     add(h, "base", prompt, None)
