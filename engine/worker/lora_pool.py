@@ -15,8 +15,8 @@ projection's output, whatever format the base weight is in (S-LoRA's segmented f
 torch): the adapted rows are gathered once in adapter order, each adapter's segment takes one
 pair of small matmuls, and one scatter adds every delta (none when the adapted rows are all
 the step's, in order). Rows of the base model pay nothing. On CPU the adapters are kept and
-multiplied in float32 whatever the model's dtype: CPU torch's small bf16 products are 4x
-slower than fp32's (a [1 x 32] by [32 x 3072] product: 59 vs 14 us).
+multiplied in float32 whatever the model's dtype: CPU torch's small bf16 products are 3-4x
+slower than float32's (docs/benchmarks.md, "Multi-LoRA serving").
 """
 
 from __future__ import annotations
