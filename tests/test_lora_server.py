@@ -97,3 +97,6 @@ def test_adapters_load_and_unload_at_runtime(server, adapters):
                            ).status_code == 404
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}
                            ).status_code == 404
+        paths = client.get("/openapi.json").json()["paths"]
+        body_schema = paths["/v1/load_lora_adapter"]["post"]["requestBody"]["content"]
+        assert body_schema["application/json"]["schema"]["$ref"].endswith("LoadLoraAdapterBody")

@@ -201,7 +201,8 @@ def build_app(service: Service) -> Starlette:
     async def metrics_page(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    document = _encoder.encode(openapi_document(service.model_name))
+    document = _encoder.encode(openapi_document(
+        service.model_name, service.options.enable_runtime_lora_updating))
 
     async def openapi(request: Request) -> Response:
         return Response(document, media_type="application/json")

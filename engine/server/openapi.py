@@ -17,10 +17,12 @@ from engine.server.schemas import (
     ErrorResponse,
     GenerateBody,
     GenerateResponse,
+    LoadLoraAdapterBody,
     ModelList,
     SessionBody,
     SessionDeleted,
     SessionObject,
+    UnloadLoraAdapterBody,
 )
 
 _REF = "#/components/schemas/{name}"
@@ -59,14 +61,17 @@ def _operation(summary: str, response: type, body: type | None = None,
     return op
 
 
-def openapi_document(model_name: str) -> dict[str, Any]:
+def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, Any]:
+    """The document; ``lora_updates``: with the LoRA load and unload routes
+    (--enable-runtime-lora-updating)."""
     kinds = [CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest,
              ChatCompletionResponse, ChatCompletionChunk, GenerateBody, GenerateResponse,
-             ModelList, SessionBody, SessionObject, SessionDeleted, ErrorResponse]
+             ModelList, SessionBody, SessionObject, SessionDeleted, ErrorResponse,
+             LoadLoraAdapterBody, UnloadLoraAdapterBody]
     _, components = msgspec.json.schema_components(kinds, ref_template=_REF)
     text = {"200": {"description": "OK", "content": {"text/plain": {"schema": {
         "type": "string"}}}}}
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "radixserve", "version": "0.1.0",
                  "description": f"OpenAI-compatible serving of {model_name} with a "
@@ -98,3 +103,13 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                                             "needed)", "responses": text}},
         },
     }
+    if lora_updates:
+        for path, summary, body in (
+                ("/v1/load_lora_adapter", "Load a LoRA adapter (vLLM's body)",
+                 LoadLoraAdapterBody),
+                ("/v1/unload_lora_adapter", "Unload a LoRA adapter no request runs under",
+                 UnloadLoraAdapterBody)):
+            operation = _operation(summary, ErrorResponse, body)
+            operation["responses"]["200"] = text["200"]
+            document["paths"][path] = {"post": operation}
+    return document
