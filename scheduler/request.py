@@ -49,11 +49,14 @@ class Seq:
     closing: bool = False  # a session turn's last token runs for its KV; no more samples
     copy_last_page: bool = False  # a fork's last page is its parent's, until grow() copies it
     prefills_in_flight: int = 0  # batches in flight prefilling a chunk of it (not in the tree yet)
-    # speculative decoding (scheduler/speculation.py): the moving acceptance rate of its drafts,
-    # decode steps left without drafting, and the next such pause's length
-    draft_rate: float = 1.0
+    # speculative decoding (scheduler/speculation.py): its drafts accepted and tried (decayed
+    # counts), decode steps left without drafting, the next such pause's length, and whether
+    # the pause ended (one draft then, as a probe)
+    draft_hits: float = 0.0
+    draft_tries: float = 0.0
     draft_pause: int = 0
     draft_backoff: int = 4
+    draft_probe: bool = False
     # a load into its own pages in flight (scheduler/loads.py; -1: none); the disk tier's
     # blocks found to load at admission, and the tokens whose blocks were sent to be saved
     load_id: int = -1

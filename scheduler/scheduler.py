@@ -94,6 +94,7 @@ class Scheduler:
         self.grammar_forced_tokens = 0
         self.grammar_mask_seconds = 0.0
         self.transfer_seconds = 0.0
+        self._sent_at = (0, 0.0)  # (batch id, when sent) of the last batch sent with none in flight
 
     # ------------------------------------------------------------- requests
     @property
@@ -231,11 +232,15 @@ class Scheduler:
                 seq.tokens.append(-1 - row)
             row += entry.samples
         self.inflight.append((self.batch_id, plan.entries))
+        if self.speculator is not None and not lookahead:
+            self._sent_at = (self.batch_id, time.perf_counter())  # what drafts cost: its time
         return batch
 
     def process_result(self, result: BatchResult) -> None:
         batch_id, entries = self.inflight.popleft()
         assert result.batch_id == batch_id, f"result of batch {result.batch_id}, expected {batch_id}"
+        if self._sent_at[0] == batch_id and result.error is None:
+            self.speculator.step_took(entries, time.perf_counter() - self._sent_at[1])
         self._looked_ahead = False
         self._loads_ended(result)
         if result.error is not None:

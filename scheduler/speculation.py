@@ -19,14 +19,32 @@ token drawn from ``p`` with ``d`` removed and renormalised (the race's winner gi
 drafts. Rejected positions roll back: the sequence's ``computed`` counts only kept tokens, the
 tree only ever gets settled ones, and pages past the kept tokens return (``SeqMemory.trim``).
 
-Adaptive rules: a sequence's acceptance rate (a moving average of accepted / drafted) sets how
-many tokens it drafts; one whose drafts are mostly rejected pauses drafting for a number of
-steps that doubles each time it happens again. No sequence drafts while more than
-``disable_by_batch_size`` run: the step is then bound by compute, and a draft costs as much as
-a token. Not drafted: beams, rows with penalties (their sampler reads the whole history), a
-session's closing step, prefill chunks, a step that preempted, and a sequence whose drafts
-would need pages that are not free once every sequence of the step has its own (drafts are
-planned last: they never evict the cache or preempt anyone, scheduler/planner.py).
+Adaptive rules, so that drafting never costs more than it brings:
+
+- a sequence's acceptance ``a``: the chance that a draft whose predecessors were accepted is
+  accepted too (its verifications' accepted drafts over the drafts they tried, up to and
+  including the first rejected one; decayed counts behind a prior, ``Seq.draft_hits`` and
+  ``Seq.draft_tries``);
+- what a draft costs (``StepCosts``): each decode or verify step's time, from sending it to
+  its result, fitted per batch size B as ``T = t_B + b * drafts`` (one slope for all B);
+  a draft row costs ``share = b * B / t_B`` of a step's time per token that step produces;
+- the j-th draft of a sequence adds a token with probability ``a ** j`` and costs ``share``:
+  a sequence drafts the K (at most ``num_speculative_tokens``) with ``a ** K > share``. At one
+  sequence on a CPU a draft row costs ~0.15 of a step and K follows acceptance; at 4 and more,
+  where the step's cost is mostly per row (docs/benchmarks.md), ~0.45, and only sequences whose
+  drafts are mostly right draft. On a GPU, where rows are nearly free, nearly every sequence
+  drafts fully;
+- a sequence with no draft worth making, or whose acceptance falls under ``PAUSE_BELOW``
+  (drafts that keep failing), pauses for a number of decode steps that doubles each time it
+  happens again (back to the first length once half of a verification's drafts are
+  accepted), then drafts one token as a probe, whatever it costs.
+
+The state is the sequence's: preemption (recompute or swap) keeps it. No sequence drafts while
+more than ``disable_by_batch_size`` run. Not drafted: beams, rows with penalties (their
+sampler reads the whole history), a session's closing step, prefill chunks, a step that
+preempted, and a sequence whose drafts would need pages that are not free once every sequence
+of the step has its own (drafts are planned last: they never evict the cache or preempt
+anyone, scheduler/planner.py).
 """
 
 from __future__ import annotations
@@ -45,16 +63,80 @@ if TYPE_CHECKING:
     from radix.tree import RadixTree
     from scheduler.request import Seq
 
-RATE_WEIGHT = 0.3  # weight of the latest verification in the moving acceptance rate
-PAUSE_BELOW = 0.25  # acceptance rate under which a sequence pauses drafting
+# A new sequence's acceptance: PRIOR_ACCEPT, worth PRIOR_TRIES tried drafts; a verification's
+# counts weigh HISTORY times the previous ones' (all drafts rejected: the acceptance falls to
+# 0.42, 0.33, 0.28 and below, towards 0.22). Under PAUSE_BELOW a sequence pauses, whatever
+# its drafts cost; no draft row is taken to cost less than MIN_SHARE (a sampled row, pages).
+PRIOR_ACCEPT, PRIOR_TRIES, HISTORY = 0.7, 1.5, 0.7
+PAUSE_BELOW, MIN_SHARE = 0.3, 0.02
 FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # decode steps without drafts; doubled on each new pause
+
+
+class StepCosts:
+    """What a draft costs, from the steps' own times. A decode or verify step of B sequences
+    with D draft rows took T seconds: per B, decayed sums of D, T, D * D and D * T (the last
+    ``1 / (1 - DECAY)`` or so steps of that size); one slope ``b`` (seconds per draft row) from
+    the deviations within each B, and ``t_B`` the draft-free step's time. ``share(B)`` is a
+    draft row's time over the time per token of a draft-free step, ``b * B / t_B``; until the
+    steps have varied enough to tell (``MIN_SPREAD`` draft rows squared), ``PRIOR_SHARE * B``,
+    at most ``PRIOR_MAX`` (what one sequence's draft row costs on a CPU; at that bound, sequences
+    whose drafts are mostly right still draft, and so the steps vary)."""
+
+    DECAY = 0.95
+    MIN_SPREAD = 4.0
+    PRIOR_SHARE, PRIOR_MAX = 0.15, 0.5
+
+    def __init__(self) -> None:
+        self.sums: dict[int, np.ndarray] = {}  # B -> [n, D, T, D*D, D*T], decayed
+
+    def observe(self, batch_size: int, drafts: int, seconds: float) -> None:
+        sums = self.sums.setdefault(batch_size, np.zeros(5))
+        sums *= self.DECAY
+        sums += (1.0, drafts, seconds, drafts * drafts, drafts * seconds)
+
+    def slope(self) -> float | None:
+        """Seconds a draft row adds to a step (None: the steps have not varied enough)."""
+        spread = covariance = 0.0
+        for n, d, t, dd, dt in self.sums.values():
+            spread += dd - d * d / n
+            covariance += dt - d * t / n
+        if spread < self.MIN_SPREAD:
+            return None
+        return max(covariance / spread, 0.0)
+
+    def share(self, batch_size: int) -> float:
+        prior = min(self.PRIOR_SHARE * batch_size, self.PRIOR_MAX)
+        b, sums = self.slope(), self.sums.get(batch_size)
+        if b is None or sums is None or sums[0] < 1.0:
+            return prior
+        n, d, t = sums[:3]
+        draft_free = t / n - b * d / n
+        if draft_free <= 0.0:
+            return prior
+        return min(b * batch_size / draft_free, 1.0)
+
+
+def worth_drafting(accept: float, share: float, most: int) -> int:
+    """The drafts worth making: the K (at most ``most``) with ``accept ** K > share``."""
+    if accept >= 1.0:
+        return most
+    if accept <= share:
+        return 0
+    return min(most, math.ceil(math.log(share) / math.log(accept)) - 1)
+
+
+def acceptance(seq: Seq) -> float:
+    """The chance that ``seq``'s next draft is accepted once its predecessors were."""
+    return ((seq.draft_hits + PRIOR_ACCEPT * PRIOR_TRIES)
+            / (seq.draft_tries + PRIOR_TRIES))
 
 
 class Speculator:
     """Drafts for decoding sequences and the counters behind ``/metrics``. Holds no pages; the
-    per-sequence state lives on the ``Seq`` (``draft_rate``, ``draft_pause``,
-    ``draft_backoff``). With the ``suffix`` method and a ``tree``, its index holds copies of
-    the tokens the tree caches (bounded: scheduler/suffix_index.py)."""
+    per-sequence state lives on the ``Seq`` (``draft_hits``, ``draft_tries``, ``draft_pause``,
+    ``draft_backoff``, ``draft_probe``), the steps' costs in ``costs`` (the scheduler reports
+    each decode or verify step's time). With the ``suffix`` method and a ``tree``, its index
+    holds copies of the tokens the tree caches (bounded: scheduler/suffix_index.py)."""
 
     def __init__(self, config: SpeculativeConfig, tree: RadixTree | None = None) -> None:
         self.config = config
@@ -70,6 +152,7 @@ class Speculator:
         self.accepted_tokens = 0  # of those, accepted
         self.emitted_tokens = 0  # tokens verification steps produced (accepted + one each)
         self.verifications = 0  # sequence-steps that verified drafts
+        self.costs = StepCosts()
 
     def may_draft(self, num_running: int) -> bool:
         """Whether sequences draft while ``num_running`` run (else the step is compute-bound)."""
@@ -84,8 +167,15 @@ class Speculator:
         if seq.draft_pause > 0:
             seq.draft_pause -= 1
             return []
-        k = min(math.ceil(c.num_speculative_tokens * seq.draft_rate),
-                limit - len(seq.tokens) - 1)  # room for the drafts and the bonus token
+        room = limit - len(seq.tokens) - 1  # for the drafts and the bonus token
+        accept, share = acceptance(seq), max(self.costs.share(num_running), MIN_SHARE)
+        k = 0 if accept < PAUSE_BELOW else min(
+            worth_drafting(accept, share, c.num_speculative_tokens), room)
+        if seq.draft_probe:  # a pause ended: one draft, whatever it costs
+            seq.draft_probe, k = False, min(1, room)
+        elif k < 1 <= room:
+            seq.draft_pause, seq.draft_probe = seq.draft_backoff, True
+            seq.draft_backoff = min(2 * seq.draft_backoff, LONGEST_PAUSE)
         if k < 1:
             return []
         tokens = np.asarray(seq.tokens[-LOOKUP_WINDOW:], dtype=np.int64)
@@ -120,14 +210,19 @@ class Speculator:
         self.accepted_tokens += accepted
         self.emitted_tokens += accepted + 1
         self.verifications += 1
-        seq.draft_rate += RATE_WEIGHT * (accepted / drafted - seq.draft_rate)
+        tried = accepted + (accepted < drafted)  # the drafts reached: up to the first rejected
+        seq.draft_hits = HISTORY * seq.draft_hits + accepted
+        seq.draft_tries = HISTORY * seq.draft_tries + tried
         if accepted / drafted >= 0.5:
             seq.draft_backoff = FIRST_PAUSE
-        if seq.draft_rate < PAUSE_BELOW:
-            seq.draft_pause = seq.draft_backoff
-            seq.draft_backoff = min(2 * seq.draft_backoff, LONGEST_PAUSE)
-            seq.draft_rate = 0.5  # after the pause, try again with half the drafts
         return accepted + 1
+
+    def step_took(self, entries: list, seconds: float) -> None:
+        """A step came back ``seconds`` after it was sent: a step of decodes and verifies only
+        (each entry's tokens its last one and its drafts) tells what drafts cost."""
+        if entries and all(e.extend == 1 + len(e.drafts) and e.samples == e.extend
+                           for e in entries):
+            self.costs.observe(len(entries), sum(len(e.drafts) for e in entries), seconds)
 
     def check(self) -> None:
         """The suffix index's bookkeeping (with the scheduler's accounting check)."""

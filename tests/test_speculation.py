@@ -224,6 +224,74 @@ def test_preemption_with_drafts_keeps_outputs_identical(model_dir, mode, monkeyp
     assert len(drafted.sched.mem.host_free) == drafted.sched.mem.num_host_pages
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_adaptive_k_state_survives_preemption(model_dir, mode, monkeypatch):
+    """A preempted sequence's drafting state (acceptance counts, pause, backoff, probe) is the
+    one it drafts from when it runs again: nothing resets it, and nothing changes it while it
+    waits."""
+    from scheduler.planner import StepPlanner
+
+    options = dict(num_pages=16, preemption_mode=mode, chunked_prefill_size=64,
+                   num_host_pages=64 if mode == "swap" else 0)
+    requests = workload(seed=2, count=8, max_tokens=30)
+    base = run(model_dir, requests, **options)
+    monkeypatch.setattr(speculation, "propose_ngram",
+                        Oracle(references(base, requests), wrong_every=2))
+
+    def state(seq):
+        return (seq.draft_hits, seq.draft_tries, seq.draft_pause, seq.draft_backoff,
+                seq.draft_probe)
+
+    at_preemption, checked = {}, []
+    preempt, drafts_for = StepPlanner._preempt, speculation.Speculator.drafts_for
+
+    def recording_preempt(self, req, work):
+        for seq in req.live_seqs():
+            at_preemption[id(seq)] = state(seq)
+        return preempt(self, req, work)
+
+    def checking_drafts_for(self, seq, limit, num_running):
+        if id(seq) in at_preemption:
+            assert state(seq) == at_preemption.pop(id(seq))
+            checked.append(seq.draft_tries)
+        return drafts_for(self, seq, limit, num_running)
+
+    monkeypatch.setattr(StepPlanner, "_preempt", recording_preempt)
+    monkeypatch.setattr(speculation.Speculator, "drafts_for", checking_drafts_for)
+    drafted = run(model_dir, requests, speculative_config=spec(), **options)
+    assert drafted.sched.num_preemptions > 0 and drafted.sched.speculator.accepted_tokens > 0
+    assert any(tries > 0 for tries in checked)  # preempted after verifying, drafting again
+    assert_same_outputs(base, drafted)
+
+
+def test_draft_counts_follow_acceptance_and_what_a_draft_row_costs():
+    """``StepCosts`` fits the steps' times (seconds = t_B + b x draft rows) into each batch
+    size's share, a draft row's time over a draft-free step's time per token; the drafts a
+    sequence makes are those whose chance of adding a token beats it."""
+    costs = speculation.StepCosts()
+    assert costs.share(1) == pytest.approx(0.15) and costs.share(8) == 0.5  # the prior
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        size = int(rng.choice([1, 4]))
+        rows = int(rng.integers(0, 6)) * size
+        base = 0.018 + 0.003 * size  # a draft-free step: the weights, then 3 ms a row
+        costs.observe(size, rows, (base + 0.003 * rows) * (1 + 0.05 * rng.standard_normal()))
+    assert costs.slope() == pytest.approx(0.003, rel=0.15)
+    assert costs.share(1) == pytest.approx(0.003 / 0.021, rel=0.2)
+    assert costs.share(4) == pytest.approx(0.012 / 0.030, rel=0.2)
+    assert costs.share(16) == 0.5  # not seen: the prior
+    worth = speculation.worth_drafting
+    assert worth(0.7, 0.15, 5) == 5 and worth(0.7, 0.45, 5) == 2  # 0.7^2 = 0.49 > 0.45
+    assert worth(0.5, 0.25, 8) == 1 and worth(0.4, 0.45, 8) == 0 and worth(1.0, 0.9, 3) == 3
+    seq = type("Seq", (), {"draft_hits": 0.0, "draft_tries": 0.0})()
+    assert speculation.acceptance(seq) == pytest.approx(speculation.PRIOR_ACCEPT)
+    s = speculation.Speculator(SpeculativeConfig.parse(spec(4)))
+    seq.draft_backoff, seq.draft_pause = 4, 0
+    for _ in range(3):
+        s.accept(seq, 4, 0)  # all rejected: the acceptance falls under the pause threshold
+    assert speculation.acceptance(seq) < speculation.PAUSE_BELOW
+
+
 def test_seeded_samples_n_and_logprobs_are_those_without_drafts(model_dir, monkeypatch):
     """Sampled rows draw each token with its own step's seeded noise, so a seeded run gives
     the same tokens with drafts (accepted or not); parallel samples draft each on their own;
@@ -343,7 +411,8 @@ def test_speculative_sampling_keeps_the_target_distribution():
     state = RowState(params, np.zeros(0, np.int32), np.zeros(0, np.int32))
     out = sample(logits.repeat(rows, 1), [state] * rows).token_ids
     s = speculation.Speculator(SpeculativeConfig.parse(spec(1)))
-    seq = type("Seq", (), {"draft_rate": 1.0, "draft_backoff": 4, "draft_pause": 0})()
+    seq = type("Seq", (), {"draft_hits": 0.0, "draft_tries": 0.0, "draft_backoff": 4,
+                           "draft_pause": 0})()
     tokens = np.stack([out[:2000], np.zeros(2000, dtype=out.dtype)], 1).reshape(-1)
     accepted = s.accepted(tokens, [(2 * i, [draft]) for i in range(2000)])
     kept = np.array([s.accept(seq, 1, int(a)) for a in accepted])
@@ -416,6 +485,7 @@ def test_drafts_take_only_pages_no_sequence_of_the_step_needs(model_dir, monkeyp
     preempts no one, and the outputs are those decoding without drafts gives."""
     monkeypatch.setattr(speculation, "propose_ngram",
                         lambda tokens, lo, hi, k: np.full(k, 7, dtype=np.int64))
+    monkeypatch.setattr(speculation.StepCosts, "share", lambda self, batch_size: 0.0)  # K = 4
     rng = np.random.default_rng(17)
     cached, first, second = (rng.integers(3, 4000, n).tolist() for n in (40, 41, 40))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
