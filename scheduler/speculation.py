@@ -118,7 +118,7 @@ class StepCosts:
 
 def worth_drafting(accept: float, share: float, most: int) -> int:
     """The drafts worth making: the K (at most ``most``) with ``accept ** K > share``."""
-    if accept >= 1.0:
+    if accept >= 1.0 or share <= 0.0:
         return most
     if accept <= share:
         return 0

@@ -1,18 +1,21 @@
 """Speculative decoding (``--speculative-config``) measured on this machine.
 
 ``--cost``: what verifying drafts costs in the model runner. For each batch size B, the median
-time of a decode step (B sequences x 1 token) and of a verify step (B x (1 + K) tokens, the
-same sequences), and their ratio: drafting pays while the tokens a verification emits per
-sequence (1 + mean accepted drafts) exceed it. Where the ratio passes ~2 (one accepted draft in
-two no longer pays), drafting should stop: ``disable_by_batch_size``.
+time of a decode step (B sequences x 1 token), of verify steps (B x (1 + K) tokens, the same
+sequences, K + 1 logits rows each) for each K of ``--ks`` by the compiled kernel and by the
+general extend path, and of an extend of the same tokens (one logits row each), with their
+ratios to the decode step: drafting pays while the tokens a verification emits per sequence
+(1 + mean accepted drafts) exceed the verify's ratio.
 
 ``--serve`` (default): in-process engines, speculation off and one per ``--methods`` (ngram,
 suffix), their order rotating over ``--repeats``, on workloads whose outputs repeat their
-inputs::
+inputs, and on ordinary chat::
 
     repeat      "Repeat this passage exactly" + a passage (chat, greedy)
     recall      a 2-turn chat: turn 1 asks for a passage rewritten, turn 2 asks for the
                 previous answer again (the second turn's output repeats the first's)
+    chat        ordinary questions (a poem, tips, an explanation): answers that do not copy
+                the prompt, where drafting must not make decoding slower
 
 at each ``--in-flight`` level; reports per-request output tok/s (output tokens over the time
 from the request's first to its last token; median over requests), drafts accepted, and
@@ -22,7 +25,7 @@ whether greedy outputs were identical.
 the ``repeat`` prompts one at a time over HTTP, four to warm up, then the same four passages
 again; the median per-request output tokens/s (first to last streamed token).
 
-    python scripts/bench_speculation.py --cost
+    python scripts/bench_speculation.py --cost --batches 1 4 16 --ks 2 4 8
     python scripts/bench_speculation.py --in-flight 1 4 32 --repeats 2
     python scripts/bench_speculation.py --url http://127.0.0.1:8100
 """
@@ -37,8 +40,8 @@ import time
 
 import numpy as np
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 5}
+SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 4,
+        "prompt_lookup_max": 4}
 PASSAGES = [
     "The river bends twice before it reaches the old mill, where the water slows and turns "
     "green under the willows. Children from the village come there in summer to fish for "
@@ -54,56 +57,92 @@ PASSAGES = [
 ]
 
 
+# Ordinary chat: questions whose answers do not copy the prompt (speculation must not slow it);
+# each round asks questions no earlier round asked (the suffix method drafts from cached answers).
+FORMS = ["Write a short poem about {}.", "Give me three practical tips about {}.",
+         "Explain {} to a ten-year-old.", "What are the pros and cons of {}?"]
+TOPICS = ["staying healthy in winter", "learning the guitar as an adult", "a weekend hiking trip",
+          "how a bicycle works", "cooking with rice and spinach", "keeping a diary",
+          "saving money on groceries", "training a puppy", "growing tomatoes on a balcony",
+          "working from home", "learning a second language", "visiting a museum"]
+QUESTIONS = [form.format(topic) for topic in TOPICS for form in FORMS]
+
+
 # ------------------------------------------------------------------------------- --cost
 def cost(args: argparse.Namespace) -> list[dict]:
+    """Step times in the model runner, per batch size: a decode step, and for each K in
+    ``--ks`` a verify step (K drafts + the last token a sequence, K + 1 logits rows) through
+    the compiled paged kernel, the same verify through the general extend path (gather + SDPA,
+    what verify steps took before), and an extend of the same K + 1 tokens with one logits
+    row (a prefill chunk; the kernel's path too, as the engine runs extends of up to 17
+    tokens). The step kinds of one batch size run round-robin, so that all see the same load;
+    medians."""
     import torch
 
     from engine.checkpoints.model_source import resolve_model
     from engine.contracts.engine_config import EngineConfig
     from engine.contracts.step import StepBuilder
+    from engine.worker.attention import torch_native
     from engine.worker.runner import ModelRunner
 
     source = resolve_model(args.model)
-    runner = ModelRunner(EngineConfig(model=source.path, num_pages=4096, page_size=16))
-    context, k, page = args.context, args.k, 16
+    runner = ModelRunner(EngineConfig(model=source.path, num_pages=4096, page_size=16,
+                                      quantization=args.quantization, dtype=args.dtype))
+    context, page = args.context, 16
+    per_seq = -(-(context + max(args.ks) + 1) // page)
     rng = np.random.default_rng(0)
+    paged_max = torch_native.PAGED_MAX_EXTEND
 
-    def batch_of(size: int, new: int):
+    def batch_of(size: int, new: int, verify: bool):
         builder = StepBuilder(page)
         for i in range(size):
-            pages = list(range(i * 40, i * 40 + 40))
-            builder.add(pages, context, rng.integers(3, 1000, new).tolist(), num_drafts=new - 1)
+            pages = list(range(i * per_seq, (i + 1) * per_seq))
+            builder.add(pages, context, rng.integers(3, 1000, new).tolist(),
+                        num_drafts=new - 1 if verify else 0)
         return builder.finish()
 
-    def timed(b) -> float:
+    def timed(b, path: str) -> float:
+        torch_native.PAGED_MAX_EXTEND = paged_max if path == "paged" else 1
         start = time.perf_counter()
         runner.forward(b).float().sum().item()
         return time.perf_counter() - start
-
-    def pair(size: int) -> tuple[float, float]:
-        """Decode and verify steps alternating (so both see the same load), medians."""
-        decode_batch, verify_batch = batch_of(size, 1), batch_of(size, 1 + k)
-        timed(decode_batch), timed(verify_batch)
-        times = [(timed(decode_batch), timed(verify_batch)) for _ in range(args.iters)]
-        return tuple(statistics.median(t[j] for t in times) for j in (0, 1))
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     runner._max_threads = runner._threads = args.threads
     # fill the pages once: a prefill of every sequence's context
-    builder = StepBuilder(page)
     for i in range(max(args.batches)):
-        builder.add(list(range(i * 40, i * 40 + 40)), 0, rng.integers(3, 1000, context).tolist())
-    runner.forward(builder.finish())
-    print(f"{source.name}, context {context}, K = {k}, {args.threads} thread(s); ms per step "
-          f"(median of {args.iters})")
-    print(f"{'batch':>5} {'decode':>8} {'verify':>8} {'ratio':>6}")
+        builder = StepBuilder(page)
+        builder.add(list(range(i * per_seq, (i + 1) * per_seq)), 0,
+                    rng.integers(3, 1000, context).tolist())
+        runner.forward(builder.finish())
+    print(f"{source.name} ({', '.join(runner.weight_formats)} weights, {runner.dtype}), context "
+          f"{context}, {args.threads} thread(s); ms per step (median of {args.iters}); "
+          "ratios to the decode step")
     rows = []
-    for batch in args.batches:
-        decode, verify = pair(batch)
-        rows.append({"batch": batch, "decode_ms": decode * 1e3, "verify_ms": verify * 1e3,
-                     "ratio": verify / decode})
-        print(f"{batch:>5} {decode * 1e3:>8.1f} {verify * 1e3:>8.1f} {verify / decode:>6.2f}")
+    for size in args.batches:
+        kinds = {"decode": (batch_of(size, 1, False), "paged")}
+        for k in args.ks:
+            kinds[f"verify{k}"] = (batch_of(size, k + 1, True), "paged")
+            kinds[f"verify{k}_extend_path"] = (batch_of(size, k + 1, True), "sdpa")
+            kinds[f"extend{k + 1}"] = (batch_of(size, k + 1, False), "paged")
+        for b, path in kinds.values():
+            timed(b, path)
+        times: dict[str, list[float]] = {name: [] for name in kinds}
+        for _ in range(args.iters):
+            for name, (b, path) in kinds.items():
+                times[name].append(timed(b, path))
+        med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        row = {"batch": size, **{f"{n}_ms": round(t, 2) for n, t in med.items()}}
+        rows.append(row)
+        print(f"batch {size}: decode {med['decode']:.1f} ms")
+        for k in args.ks:
+            d = med["decode"]
+            print(f"  K={k}: verify {med[f'verify{k}']:.1f} ({med[f'verify{k}'] / d:.2f}x), "
+                  f"verify by the extend path {med[f'verify{k}_extend_path']:.1f} "
+                  f"({med[f'verify{k}_extend_path'] / d:.2f}x), extend of {k + 1} tokens "
+                  f"{med[f'extend{k + 1}']:.1f} ({med[f'extend{k + 1}'] / d:.2f}x)", flush=True)
+    torch_native.PAGED_MAX_EXTEND = paged_max
     return rows
 
 
@@ -116,6 +155,9 @@ def conversations(workload: str, count: int, seed: int) -> list[list[str]]:
         passage = PASSAGES[int(rng.integers(len(PASSAGES)))]
         if workload == "repeat":
             out.append([f"Repeat this passage exactly, word for word:\n\n{passage}"])
+        elif workload == "chat":
+            order = np.random.default_rng(12345).permutation(len(QUESTIONS))
+            out.append([QUESTIONS[order[(seed * count + len(out)) % len(QUESTIONS)]]])
         else:
             out.append([f"Rewrite this passage in your own words:\n\n{passage}",
                         "Now write your previous answer again, exactly as you wrote it."])
@@ -162,6 +204,8 @@ def serve(args: argparse.Namespace) -> list[dict]:
     from engine.runtime.offline import Engine
 
     common = dict(num_pages=args.num_pages, dtype=args.dtype)
+    if args.worker_threads:
+        common["worker_threads"] = args.worker_threads
     engines = {"off": Engine(args.model, **common)}
     for method in args.methods:
         spec = {**SPEC, "method": method} if method == "ngram" else {"method": method}
@@ -236,13 +280,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--cost", action="store_true", help="verify vs decode step times")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--k", type=int, default=5, help="drafts per sequence")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8],
+                    help="drafts per sequence (--cost)")
+    ap.add_argument("--quantization", default="auto", help="the weights' format (--cost)")
+    ap.add_argument("--k", type=int, default=5, help="drafts per sequence (--serve)")
     ap.add_argument("--context", type=int, default=300, help="tokens cached per sequence")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (--cost); one is "
                     "steadier on a machine others share")
-    ap.add_argument("--workloads", nargs="+", choices=["repeat", "recall"],
+    ap.add_argument("--workloads", nargs="+", choices=["repeat", "recall", "chat"],
                     default=["repeat", "recall"])
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--min-requests", type=int, default=4)
@@ -252,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pause", type=float, default=1.0, help="idle seconds before each run")
     ap.add_argument("--url", default=None, help="time this server's replies instead (remote)")
     ap.add_argument("--dtype", default=None, help="the model's dtype (default: the engine's)")
+    ap.add_argument("--worker-threads", type=int, default=None,
+                    help="the engines' worker threads (default: the engine's, every core)")
     ap.add_argument("--methods", nargs="+", choices=["ngram", "suffix"],
                     default=["ngram", "suffix"], help="speculation methods against none")
     ap.add_argument("--json", default=None)

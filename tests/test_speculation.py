@@ -283,6 +283,7 @@ def test_draft_counts_follow_acceptance_and_what_a_draft_row_costs():
     worth = speculation.worth_drafting
     assert worth(0.7, 0.15, 5) == 5 and worth(0.7, 0.45, 5) == 2  # 0.7^2 = 0.49 > 0.45
     assert worth(0.5, 0.25, 8) == 1 and worth(0.4, 0.45, 8) == 0 and worth(1.0, 0.9, 3) == 3
+    assert worth(0.3, 0.0, 4) == 4  # free rows
     seq = type("Seq", (), {"draft_hits": 0.0, "draft_tries": 0.0})()
     assert speculation.acceptance(seq) == pytest.approx(speculation.PRIOR_ACCEPT)
     s = speculation.Speculator(SpeculativeConfig.parse(spec(4)))
