@@ -19,7 +19,9 @@ inputs, and on ordinary chat::
 
 at each ``--in-flight`` level; reports per-request output tok/s (output tokens over the time
 from the request's first to its last token; median over requests), drafts accepted, and
-whether greedy outputs were identical.
+whether greedy outputs were identical; and the same ratio over the requests whose reply copies
+its prompt (``copying``: at least 80% of the reply's word 4-grams are in the prompt; a small
+model paraphrases some passages it is asked to repeat).
 
 ``--url URL`` (any OpenAI-compatible server, e.g. vLLM with its own ``--speculative-config``):
 the ``repeat`` prompts one at a time over HTTP, four to warm up, then the same four passages
@@ -164,6 +166,19 @@ def conversations(workload: str, count: int, seed: int) -> list[list[str]]:
     return out
 
 
+COPIED = 0.8  # a reply copies its prompt when this share of its word 4-grams is in the prompt
+
+
+def copied(reply: str, prompt: str, n: int = 4) -> float:
+    """The share of ``reply``'s word ``n``-grams that ``prompt`` holds (0 for a short reply)."""
+    def grams(text: str) -> list[tuple[str, ...]]:
+        words = text.split()
+        return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+    have, want = set(grams(prompt)), grams(reply)
+    return sum(g in have for g in want) / len(want) if want else 0.0
+
+
 async def converse(engine, turns: list[str], max_tokens: int) -> list[dict]:
     from engine.contracts.sampling_params import SamplingParams
 
@@ -185,7 +200,8 @@ async def converse(engine, turns: list[str], max_tokens: int) -> list[dict]:
         reply = "".join(text)
         messages.append({"role": "assistant", "content": reply})
         span = (last - first) if first and last and last > first else None
-        results.append({"ids": ids, "tok_s": (len(ids) - 1) / span if span else None})
+        results.append({"ids": ids, "tok_s": (len(ids) - 1) / span if span else None,
+                        "copies": copied(reply, turn) >= COPIED})
     return results
 
 
@@ -217,6 +233,7 @@ def serve(args: argparse.Namespace) -> list[dict]:
             for in_flight in args.in_flight:
                 count = max(in_flight, args.min_requests)
                 speeds: dict[str, list[float]] = {name: [] for name in engines}
+                copying: dict[str, list[float]] = {name: [] for name in engines}
                 identical = {method: True for method in args.methods}
                 for repeat in range(args.repeats + 1):  # round 0 warms up, untimed
                     convs = conversations(workload, count, seed=repeat)
@@ -233,13 +250,20 @@ def serve(args: argparse.Namespace) -> list[dict]:
                     if repeat:
                         for name in order:
                             speeds[name] += [r["tok_s"] for r in outs[name] if r["tok_s"]]
+                            # the requests whose reply (without drafts) copies its prompt
+                            copying[name] += [r["tok_s"] for r, off in zip(
+                                outs[name], outs["off"], strict=True)
+                                if r["tok_s"] and off["copies"]]
                 med = {n: statistics.median(v) for n, v in speeds.items()}
                 row = {"workload": workload, "in_flight": in_flight, "requests": count,
-                       "off_tok_s": med["off"]}
+                       "off_tok_s": med["off"], "copying_requests": len(copying["off"])}
                 for method in args.methods:
                     row[f"{method}_tok_s"] = med[method]
                     row[f"{method}_ratio"] = med[method] / med["off"]
                     row[f"{method}_identical"] = identical[method]
+                    if copying["off"] and copying[method]:
+                        row[f"{method}_copying_ratio"] = (statistics.median(copying[method])
+                                                          / statistics.median(copying["off"]))
                 report.append(row)
                 print(json.dumps(row), flush=True)
     finally:
