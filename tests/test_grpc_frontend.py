@@ -276,7 +276,7 @@ def test_missing_extra_is_a_sentence(monkeypatch):
     from engine.server.grpc_frontend import load_grpc
 
     monkeypatch.setitem(sys.modules, "grpc", None)
-    with pytest.raises(ImportError, match=r"pip install 'radixserve\[grpc\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[grpc\]' in the radixserve checkout"):
         load_grpc()
 
 

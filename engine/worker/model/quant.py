@@ -16,14 +16,16 @@ from engine.checkpoints.quant_formats import BITS, BLOCK, WITH_MINS, PackedWeigh
 from engine.worker.cpu_kernels import quant_ops
 from engine.worker.model.parallel import Slice
 
+
 class QuantizedLinear:
     """``[N, K]`` weight in format ``fmt``. Its parts in the checkpoint's layout are allocated
     for the loader to fill; ``repack`` then lays them out for the kernel once and frees them."""
 
     def __init__(self, fmt: str, rows: int, cols: int, device: torch.device) -> None:
         if cols % BLOCK:
-            raise ValueError(f"a {rows} x {cols} weight cannot be held in {fmt}: its rows are "
-                             f"not whole blocks of {BLOCK}")
+            raise ValueError(f"a {rows} x {cols} weight (under tensor parallel, this rank's "
+                             f"share) cannot be held in {fmt}: its rows are not whole blocks of "
+                             f"{BLOCK}; choose another --tp-size or use --quantization none")
         self.ops = quant_ops()
         if self.ops is None:
             raise RuntimeError(f"{fmt} weights need the compiled CPU kernels, which are not "
@@ -73,15 +75,11 @@ class QuantizedLinear:
 
 
 def part_sources(name: str, source: Slice, fmt: str) -> dict[str, Slice]:
-    """Tensor parallel's slice of weight ``name`` (elements of [N, K]) as slices of its parts;
-    a column slice must keep whole blocks."""
+    """Tensor parallel's slice of weight ``name`` (elements of [N, K]) as slices of its parts.
+    A column slice keeps whole blocks: its width is this rank's share, which the layer checked
+    to be whole blocks, so every rank's start is too."""
     if source.dim == 0:
         return {f"{name}.{part}": source for part in ("qweight", "scales", "mins")}
-    if source.start % BLOCK or source.stop % BLOCK:
-        raise ValueError(
-            f"tensor parallel would cut {name}'s {fmt} blocks: this rank's columns "
-            f"[{source.start}, {source.stop}) do not start and end on multiples of {BLOCK}; "
-            "choose another --tp-size or use --quantization none")
     per_byte = 8 // BITS[fmt]
     blocks = Slice(1, source.start // BLOCK, source.stop // BLOCK, source.full // BLOCK)
     slices = {f"{name}.qweight": Slice(1, source.start // per_byte, source.stop // per_byte,
