@@ -3,9 +3,9 @@
     auto   the checkpoint's own quantized.safetensors when it has one (a GGUF file's Q4_0, Q4_1
            and Q8_0 tensors, engine/checkpoints/gguf.py), else nothing
     none   nothing: every weight dense, in --dtype
-    int8   the decoder layers' projections (q, k, v, o, gate, up, down) quantized once, int8
-    int4   per output row, or int4 per group of 32, and cached in the radixserve cache as
-           ``quant-<format>-<key>/quantized.safetensors``
+    int8   the decoder layers' projections (q, k, v, o, gate, up, down) quantized once (int8
+    int4   with one scale per output row; int4 per group of 32) and cached in the radixserve
+           cache as ``quant-<format>-<key>/quantized.safetensors``
 
 Embeddings, norms and the LM head stay in --dtype under int8 and int4 (only a GGUF brings its
 own quantized embedding). ``<key>`` hashes the checkpoint's path and its weight files' names,
