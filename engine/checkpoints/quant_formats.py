@@ -58,13 +58,8 @@ class PackedWeight:
         found = {"qweight": self.qweight, "scales": self.scales, "mins": self.mins}
         return {part: tensor for part, tensor in found.items() if tensor is not None}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts().values())
-
     def dequantize(self) -> torch.Tensor:
-        """The float64 [N, K] matrix the blocks stand for (the tests' reference, and the
-        weights of a machine without the compiled kernels)."""
+        """The float64 [N, K] matrix the blocks stand for (the tests' reference)."""
         rows, cols = self.shape
         if self.bits == 8:
             q = self.qweight.to(torch.float64).view(rows, -1, BLOCK)
