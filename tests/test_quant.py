@@ -77,20 +77,21 @@ def test_each_build_computes_what_the_format_and_the_activations_say(variants, f
     quantizing the activations costs: under 1% for 8-bit weights, 3% for 4-bit), for float32
     and bf16 activations and 1 to 9 rows."""
     for index, (rows, cols) in enumerate(SHAPES):
+        if rows > 10_000 and fmt in ("q4_0", "q4_1", "int4"):
+            continue  # the LM head: 8-bit in the GGUF files served
         p = random_weight(fmt, rows, cols, seed=index)
-        if rows > 10_000 and p.bits == 4:  # the LM head: 8-bit in the GGUF files served
-            continue
         batch = 1 if rows > 10_000 else 1 + index % 9
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(100 + index))
         exact = x.double() @ p.dequantize().T
+        # the emulation depends on the activations' dtype, not on the build
+        wants = {dtype: emulated(x.to(dtype).float(), p)
+                 for dtype in (torch.float32, torch.bfloat16)}
         for name, ops in variants.items():
             kernel = ops.quant_repack(p.qweight, p.scales.expand(rows, cols // BLOCK), p.mins,
                                       p.bits)
-            for dtype in (torch.float32, torch.bfloat16):
-                xs = x.to(dtype)
-                out = ops.quant_linear(xs, *kernel, p.bits, rows)
+            for dtype, want in wants.items():
+                out = ops.quant_linear(x.to(dtype), *kernel, p.bits, rows)
                 assert out.dtype == dtype and out.shape == (batch, rows)
-                want = emulated(xs.float(), p)
                 tolerance = 1e-5 if dtype == torch.float32 else 8e-3
                 err = ((out.double() - want).norm() / want.norm()).item()
                 assert err < tolerance, (name, rows, cols, dtype, err)
