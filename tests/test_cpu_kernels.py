@@ -4,6 +4,7 @@ take; and the engine's use of them."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -71,6 +72,19 @@ def random_case(num_heads, num_kv, head_dim, page_size, seq_lens, dtype, seed=0)
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# Lengths on and around page and 16-key block edges, and a long one.
+DECODE_SEQ_LENS = [1, 15, 16, 17, 33, 200]
+
+
+@functools.cache
+def decode_references(dtype, heads, kv_heads, head_dim, page_size, window
+                      ) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+    """(starts, output, log-sum-exp) of the decode case of these parameters in float64,
+    without starts and with each sequence's keys starting somewhere before its last. A case's
+    inputs follow from its parameters, so every build is checked against one computation."""
+    case = random_case(heads, kv_heads, head_dim, page_size, DECODE_SEQ_LENS, dtype)
+    starts = torch.tensor([(7 * n) // 10 for n in DECODE_SEQ_LENS], dtype=torch.int32)
+    return [(given, *reference(*case, window, head_dim**-0.5, given)) for given in (None, starts)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -84,16 +98,12 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 @pytest.mark.parametrize("window", [0, 5, 40])
 def test_kernel_matches_float64_reference(variants, variant, dtype, heads, kv_heads, head_dim,
                                           page_size, window) -> None:
-    # Lengths on and around page and 16-key block edges, and a long one.
-    seq_lens = [1, 15, 16, 17, 33, 200]
-    case = random_case(heads, kv_heads, head_dim, page_size, seq_lens, dtype)
+    case = random_case(heads, kv_heads, head_dim, page_size, DECODE_SEQ_LENS, dtype)
     scale = head_dim**-0.5
-    # Without starts, and with each sequence's keys starting somewhere before its last.
-    starts = torch.tensor([(7 * n) // 10 for n in seq_lens], dtype=torch.int32)
     before = torch.get_num_threads()
     try:
-        for given in (None, starts):
-            want, want_lse = reference(*case, window, scale, given)
+        for given, want, want_lse in decode_references(dtype, heads, kv_heads, head_dim,
+                                                       page_size, window):
             for threads in (1, 2):  # one item per sequence, or sequences split by KV heads
                 torch.set_num_threads(threads)
                 got, lse = variants[variant].paged_decode(*case, window, scale, given)
@@ -127,14 +137,28 @@ def verify_reference(q, k_pages, v_pages, indptr, indices, seq_lens, q_indptr, w
     return torch.cat(outs), torch.cat(lses)
 
 
+VERIFY_SEQ_LENS = [1, 15, 16, 17, 33, 200, 40, 18]
+VERIFY_ROWS = [1, 3, 6, 1, 9, 17, 4, 17]
+
+
 def verify_case(heads, kv_heads, head_dim, page_size, dtype):
     """Sequences verifying 1 (a decode) to 17 tokens, on and around page and block edges."""
-    seq_lens = [1, 15, 16, 17, 33, 200, 40, 18]
-    rows = [1, 3, 6, 1, 9, 17, 4, 17]
-    case = random_case(heads, kv_heads, head_dim, page_size, seq_lens, dtype)
-    q_indptr = torch.tensor(np.concatenate(([0], np.cumsum(rows))), dtype=torch.int32)
-    q = torch.randn(sum(rows), heads, head_dim, generator=torch.Generator().manual_seed(5))
-    return (q.to(dtype), *case[1:]), q_indptr, rows
+    case = random_case(heads, kv_heads, head_dim, page_size, VERIFY_SEQ_LENS, dtype)
+    q_indptr = torch.tensor(np.concatenate(([0], np.cumsum(VERIFY_ROWS))), dtype=torch.int32)
+    q = torch.randn(sum(VERIFY_ROWS), heads, head_dim, generator=torch.Generator().manual_seed(5))
+    return (q.to(dtype), *case[1:]), q_indptr, VERIFY_ROWS
+
+
+@functools.cache
+def verify_references(dtype, heads, kv_heads, head_dim, page_size, window
+                      ) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+    """(starts, output, log-sum-exp) of the verify case of these parameters in float64, without
+    and with starts; computed once for every build, as ``decode_references``."""
+    case, q_indptr, rows = verify_case(heads, kv_heads, head_dim, page_size, dtype)
+    starts = torch.tensor([max(0, min((7 * n) // 10, n - r))
+                           for n, r in zip(VERIFY_SEQ_LENS, rows, strict=True)], dtype=torch.int32)
+    return [(given, *verify_reference(*case, q_indptr, window, head_dim**-0.5, given))
+            for given in (None, starts)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -147,15 +171,12 @@ def test_verify_rows_match_float64_reference(variants, variant, dtype, heads, kv
                                              head_dim, page_size, window) -> None:
     """Several query rows a sequence (``q_indptr``), causal among the sequence's last tokens,
     with and without a window and starts: each row is the attention of its own position."""
-    case, q_indptr, rows = verify_case(heads, kv_heads, head_dim, page_size, dtype)
+    case, q_indptr, _ = verify_case(heads, kv_heads, head_dim, page_size, dtype)
     scale = head_dim**-0.5
-    seq_lens = case[5].tolist()
-    starts = torch.tensor([max(0, min((7 * n) // 10, n - r))
-                           for n, r in zip(seq_lens, rows, strict=True)], dtype=torch.int32)
     before = torch.get_num_threads()
     try:
-        for given in (None, starts):
-            want, want_lse = verify_reference(*case, q_indptr, window, scale, given)
+        for given, want, want_lse in verify_references(dtype, heads, kv_heads, head_dim,
+                                                       page_size, window):
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 got, lse = variants[variant].paged_decode(*case, window, scale, given, q_indptr)
