@@ -44,9 +44,11 @@ def candidates(rows: int, cols: int) -> dict[str, Callable[[torch.Tensor], torch
                                   p.bits)
         found[f"ours {fmt}"] = lambda x, k=kernel, bits=p.bits: ops.quant_linear(x, *k, bits,
                                                                                  rows)
-    p8 = quantize(weight, "int8")
-    scales = p8.scales[:, 0].bfloat16()
-    found["torch int8"] = lambda x: torch.ops.aten._weight_int8pack_mm(x, p8.qweight, scales)
+    # torch's int8 takes one scale per output row
+    row_scales = weight.abs().amax(1) / 127
+    q8 = torch.round(weight / row_scales[:, None]).to(torch.int8)
+    found["torch int8"] = lambda x: torch.ops.aten._weight_int8pack_mm(x, q8,
+                                                                        row_scales.bfloat16())
     p4 = quantize(weight, "int4")
     values = torch.cat((p4.qweight.view(rows, -1, 16) & 15, p4.qweight.view(rows, -1, 16) >> 4),
                        -1).view(rows, cols).to(torch.int32)

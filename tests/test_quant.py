@@ -123,18 +123,20 @@ def test_gguf_blocks_keep_their_numbers(kind):
 
 
 def test_int8_and_int4_quantize_to_the_nearest_steps():
-    """int8: one scale per row, every value within half a step; int4: per group of 32, the
-    group's minimum and 15 steps, within half a step (plus float16's rounding of both)."""
+    """Per group of 32: int8, the group's largest magnitude in 127 steps; int4, the group's
+    minimum and 15 steps; every value within half a step (plus float16's rounding)."""
     w = torch.randn(64, 128) * 0.05
     for fmt, bound in (("int8", 0.5), ("int4", 0.5)):
         p = quantize(w, fmt)
-        scales = p.scales.double()
         if fmt == "int8":
-            assert p.scales.shape == (64, 1) and p.qweight.dtype == torch.int8
-            step = scales
+            assert p.qweight.dtype == torch.int8 and p.qweight.shape == (64, 128)
+            assert p.mins is None
+            groups = w.view(64, 4, BLOCK).abs().amax(-1)
+            assert torch.equal(p.scales, (groups / 127).half())
         else:
-            assert p.scales.shape == p.mins.shape == (64, 4) and p.qweight.shape == (64, 64)
-            step = scales.repeat_interleave(BLOCK, dim=1)
+            assert p.mins.shape == (64, 4) and p.qweight.shape == (64, 64)
+        assert p.scales.shape == (64, 4)
+        step = p.scales.double().repeat_interleave(BLOCK, dim=1)
         err = (p.dequantize() - w.double()).abs() / step
         assert err.max() < bound + 0.01, fmt
 
@@ -167,7 +169,8 @@ def test_a_tensor_parallel_split_keeps_whole_blocks():
     columns = part_sources("w", Slice(1, 288, 576, 576), "q4_1")
     assert columns == {"w.qweight": Slice(1, 144, 288, 288), "w.scales": Slice(1, 9, 18, 18),
                        "w.mins": Slice(1, 9, 18, 18)}
-    assert set(part_sources("w", Slice(1, 64, 128, 128), "int8")) == {"w.qweight"}
+    assert part_sources("w", Slice(1, 64, 128, 128), "int8") == {
+        "w.qweight": Slice(1, 64, 128, 128), "w.scales": Slice(1, 2, 4, 4)}
 
 
 def steps(vocab: int) -> list[BatchInput]:

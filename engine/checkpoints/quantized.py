@@ -3,8 +3,8 @@
     auto   the checkpoint's own quantized.safetensors when it has one (a GGUF file's Q4_0, Q4_1
            and Q8_0 tensors, engine/checkpoints/gguf.py), else nothing
     none   nothing: every weight dense, in --dtype
-    int8   the decoder layers' projections (q, k, v, o, gate, up, down) quantized once (int8
-    int4   with one scale per output row; int4 per group of 32) and cached in the radixserve
+    int8   the decoder layers' projections (q, k, v, o, gate, up, down) quantized once, per
+    int4   group of 32 (engine/checkpoints/quant_formats.py), and cached in the radixserve
            cache as ``quant-<format>-<key>/quantized.safetensors``
 
 Embeddings, norms and the LM head stay in --dtype under int8 and int4 (only a GGUF brings its
@@ -23,7 +23,7 @@ from engine.checkpoints.model_source import weight_files
 from engine.checkpoints.quant_formats import FILE, quantize, write
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-QUANTIZER_VERSION = 1
+QUANTIZER_VERSION = 2
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 
 

@@ -37,8 +37,7 @@ class QuantizedLinear:
             fmt,
             torch.empty(rows, cols * bits // 8,
                         dtype=torch.int8 if bits == 8 else torch.uint8, device=device),
-            torch.empty(rows, 1 if fmt == "int8" else cols // BLOCK, dtype=torch.float16,
-                        device=device),
+            torch.empty(rows, cols // BLOCK, dtype=torch.float16, device=device),
             torch.empty(rows, cols // BLOCK, dtype=torch.float16, device=device)
             if fmt in WITH_MINS else None)
         self.kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -57,8 +56,7 @@ class QuantizedLinear:
         """The loaded blocks in the kernel's layout (csrc/quant_linear.cpp), once."""
         p = self.packed
         rows, cols = p.shape
-        self.kernel = tuple(self.ops.quant_repack(
-            p.qweight, p.scales.expand(rows, cols // BLOCK), p.mins, p.bits))
+        self.kernel = tuple(self.ops.quant_repack(p.qweight, p.scales, p.mins, p.bits))
         self.packed = None
 
     def rows_dense(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,9 +82,7 @@ def part_sources(name: str, source: Slice, fmt: str) -> dict[str, Slice]:
     per_byte = 8 // BITS[fmt]
     blocks = Slice(1, source.start // BLOCK, source.stop // BLOCK, source.full // BLOCK)
     slices = {f"{name}.qweight": Slice(1, source.start // per_byte, source.stop // per_byte,
-                                       source.full // per_byte)}
-    if fmt != "int8":  # int8's one scale per row is every rank's
-        slices[f"{name}.scales"] = blocks
+                                       source.full // per_byte), f"{name}.scales": blocks}
     if fmt in WITH_MINS:
         slices[f"{name}.mins"] = blocks
     return slices
