@@ -292,8 +292,10 @@ void run(const at::Tensor& x, const Weights& w, at::Tensor& out) {
   const int64_t M = x.size(0);
   const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), M, w.K);
   T* o = out.data_ptr<T>();
-  // Enough row groups per task that a thread streams a few hundred KB of weights in one run.
-  const int64_t grain = std::max<int64_t>(1, 2048 / w.blocks);
+  // Enough work per task to pay for handing it to a thread: a few hundred KB of weights
+  // streamed for one row, proportionally fewer groups as more rows share each unpacked block
+  // (a 32-row step over a 960 x 576 weight would otherwise run on one thread).
+  const int64_t grain = std::max<int64_t>(1, 2048 / (w.blocks * std::min<int64_t>(M, 16)));
   at::parallel_for(0, w.groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       int64_t m = 0;
