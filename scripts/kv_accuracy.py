@@ -7,7 +7,10 @@ version) is prefilled by both runners, then both are fed the bf16 run's greedy t
 ``--steps`` steps (teacher forcing: every step compares the two caches on the same context).
 Reported per 8-bit dtype: greedy agreement (its run's argmax equals the reference's) over every
 step, and the mean KL divergence KL(reference || 8-bit) of the next-token distributions; plus the
-worst prompt.
+worst prompt. Teacher forcing hides how early a first difference sends a reply elsewhere, so each
+runner also decodes greedily on its own for ``--prefix`` tokens (48 and 128 by default): the
+common prefix is how many of its first tokens equal the reference's before the first
+difference, as a fraction of that length, averaged over the prompts.
 
     .venv/bin/python scripts/kv_accuracy.py            # 32 prompts of 200-1,500 tokens
     .venv/bin/python scripts/kv_accuracy.py --prompts 4 --max-len 400 --json out.json
@@ -51,15 +54,37 @@ def make_prompts(tokenizer, count: int, min_len: int, max_len: int) -> list[list
     return [ids[start:start + length] for start, length in zip(starts, lengths, strict=True)]
 
 
+def greedy(runner: ModelRunner, tables: list[list[int]], group: list[list[int]],
+           count: int) -> np.ndarray:
+    """The first ``count`` greedy tokens [len(group), count] of ``runner`` after each prompt."""
+    batch = BatchInput.build([(t, 0, p) for t, p in zip(tables, group, strict=True)], PAGE_SIZE)
+    lengths, out = [len(p) for p in group], []
+    for _ in range(count):
+        tokens = runner.forward(batch).argmax(-1).tolist()
+        out.append(tokens)
+        batch = BatchInput.build(
+            [(t, n, [tok]) for t, n, tok in zip(tables, lengths, tokens, strict=True)],
+            PAGE_SIZE)
+        lengths = [n + 1 for n in lengths]
+    return np.array(out).T
+
+
+def common_prefix(reference: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """Per row, how many leading tokens of ``got`` equal ``reference``'s."""
+    differs = reference != got
+    return np.where(differs.any(1), differs.argmax(1), reference.shape[1])
+
+
 def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = "bfloat16",
             kv_dtypes: tuple[str, ...] = ("int8",), batch_size: int = 8,
-            candidates: dict[str, dict] | None = None, reference: dict | None = None
-            ) -> dict[str, dict[str, object]]:
+            candidates: dict[str, dict] | None = None, reference: dict | None = None,
+            prefixes: tuple[int, ...] = ()) -> dict[str, dict[str, object]]:
     """Per KV dtype of ``kv_dtypes``: agreement and KL against ``dtype`` KV over ``prompts``,
-    ``steps`` tokens each (the model in ``dtype`` every time). ``candidates`` (name -> engine
+    ``steps`` tokens each (the model in ``dtype`` every time), and the mean common prefix of
+    free greedy decoding over each length of ``prefixes``. ``candidates`` (name -> engine
     options) and ``reference`` (engine options) compare other settings the same way
     (scripts/weight_accuracy.py: weight formats)."""
-    pages_per_seq = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
+    pages_per_seq = -(-(max(map(len, prompts)) + max(steps, *prefixes, 0)) // PAGE_SIZE)
     num_pages = pages_per_seq * batch_size
     if candidates is None:
         candidates = {kv: {"kv_cache_dtype": kv} for kv in kv_dtypes}
@@ -73,6 +98,7 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
     runners = {name: runner(options) for name, options in candidates.items()}
     agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
     kls: dict[str, list] = {kv: [] for kv in kv_dtypes}
+    shared: dict[str, list] = {kv: [] for kv in kv_dtypes}
     for first in range(0, len(prompts), batch_size):
         group = prompts[first:first + batch_size]
         tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq))
@@ -96,6 +122,11 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
         for kv in kv_dtypes:
             agree[kv].append(np.stack(group_agree[kv], 1))
             kls[kv].append(np.stack(group_kl[kv], 1))
+        if prefixes:
+            wanted = greedy(baseline, tables, group, max(prefixes))
+            for kv in kv_dtypes:
+                shared[kv].append(common_prefix(
+                    wanted, greedy(runners[kv], tables, group, max(prefixes))))
     results = {}
     for kv in kv_dtypes:
         agreement, kl = np.concatenate(agree[kv]), np.concatenate(kls[kv])
@@ -105,6 +136,10 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
             "agreement": float(agreement.mean()), "mean_kl": float(kl.mean()),
             "max_kl": float(kl.max()), "p99_kl": float(np.quantile(kl, 0.99)),
             "worst_prompt_agreement": float(agreement.mean(1).min())}
+        if prefixes:
+            kept = np.concatenate(shared[kv])
+            for n in prefixes:
+                results[kv][f"common_prefix_{n}"] = float((np.minimum(kept, n) / n).mean())
     return results
 
 
@@ -115,6 +150,8 @@ def accuracy_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--min-len", type=int, default=200)
     parser.add_argument("--max-len", type=int, default=1500)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--prefix", default="48,128",
+                        help="free greedy lengths whose common prefix is reported ('' for none)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     return parser
 
@@ -134,7 +171,8 @@ def report(args: argparse.Namespace, dtype: str, **settings) -> None:
     prompts = make_prompts(AutoTokenizer.from_pretrained(checkpoint), args.prompts,
                            args.min_len, args.max_len)
     began = time.perf_counter()
-    result = compare(checkpoint, prompts, args.steps, dtype, **settings)
+    prefixes = tuple(int(n) for n in args.prefix.split(",") if n)
+    result = compare(checkpoint, prompts, args.steps, dtype, prefixes=prefixes, **settings)
     result["seconds"] = round(time.perf_counter() - began, 1)
     print(json.dumps(result, indent=2))
     if args.json:
