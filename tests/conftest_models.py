@@ -72,12 +72,14 @@ def write_checkpoint(
     *,
     seed: int = 0,
     max_shard_size: str | None = None,
+    head_std: float = 0.15,
     **overrides: Any,
 ) -> Path:
     """Save a random ``kind`` checkpoint (see KINDS) into ``path`` and return it.
 
     ``max_shard_size`` (e.g. "20KB") writes sharded safetensors with an index file;
-    ``overrides`` replace config fields.
+    ``head_std`` is the spread of an untied LM head's weights (the logits' spread grows with
+    it); ``overrides`` replace config fields.
     """
     path = Path(path)
     architecture, fields = KINDS[kind]
@@ -91,6 +93,8 @@ def write_checkpoint(
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.2)
+            elif name == "lm_head.weight":
+                param.normal_(0.0, head_std)
             else:
                 param.normal_(0.0, 0.15)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -18,7 +18,7 @@ from tests.test_scheduler import GREEDY, Harness, hf_greedy, hf_model, model_dir
 
 
 def host_cache_gb(model: str, num_pages: int, page_size: int) -> float:
-    """``--host-cache-gb`` that buys exactly ``num_pages`` host pages of the demo model in fp32
+    """``--host-cache-gb`` that buys exactly ``num_pages`` host pages of the model in fp32
     (a whole number of bytes over 2**30 is exact in a float)."""
     mc = ModelConfig.from_dir(model)
     page_bytes = KVPool.bytes_per_page(num_layers=mc.num_layers, page_size=page_size,

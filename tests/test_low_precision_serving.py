@@ -29,13 +29,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.sampling_params import SamplingParams
 from tests.server_process import ServerProcess
-from tests.test_scheduler import Harness, hf_greedy, model_dir  # noqa: F401 (fixture)
+from tests.test_scheduler import Harness, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 NEAR_TIE = 0.25  # fp32 logit lead of the greedy token over the next one
 DRIFT_MARGIN = 0.10  # two flips early in a 12-token output of the 16 grouped requests
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    """The demo model, whose logits the bounds above were measured on."""
+    return str(build_demo_model())
 
 
 def grouped_prompts(groups: int, members: int, head: int, seed: int) -> list[list[int]]:
@@ -80,7 +87,7 @@ def run_mix(directory: str, dtype: str, mode: str, compiled: bool = True
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,compiled", [("recompute", True), ("swap", True),
                                            ("recompute", False)])
-def test_scheduler_paths_in_bf16_agree_with_fp32(model_dir, mode, compiled):  # noqa: F811
+def test_scheduler_paths_in_bf16_agree_with_fp32(model_dir, mode, compiled):
     low, cascade_groups = run_mix(model_dir, "bfloat16", mode, compiled)
     exact, _ = run_mix(model_dir, "float32", mode)
     assert low.sched.num_preemptions > 0

@@ -8,7 +8,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.protocol import ForwardBatch, RowSampling, TokenizedRequest, pack_ids
 from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
@@ -16,8 +15,8 @@ from tests.test_scheduler import Harness
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(build_demo_model())
+def model_dir(harness_model_dir: str) -> str:
+    return harness_model_dir
 
 
 def _mixed_workload(h: Harness, stop_token: int) -> None:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import TokenizedRequest, decode, encode, pack_ids, unpack_ids
 from engine.contracts.sampling_params import SamplingParams
@@ -19,8 +18,8 @@ from scheduler.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(build_demo_model())
+def model_dir(harness_model_dir: str) -> str:
+    return harness_model_dir
 
 
 @pytest.fixture(scope="module")

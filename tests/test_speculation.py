@@ -4,7 +4,7 @@ check after every step (the harness). Outputs are compared with decoding without
 
 Most tests draft with an oracle (the continuation the run without drafts produced, with a
 wrong token at a position that varies by step), so that verification sees full acceptance,
-rejection at every position and stops inside accepted drafts; the demo model's random
+rejection at every position and stops inside accepted drafts; the test model's random
 weights rarely repeat themselves, which the ngram proposer needs."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
     GenerateRequest,
@@ -38,8 +37,8 @@ from tokenizer_worker.core import TokenizerWorker
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(build_demo_model())
+def model_dir(harness_model_dir: str) -> str:
+    return harness_model_dir
 
 
 def spec(k: int = 4, **extra) -> str:

@@ -13,7 +13,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import SchedulerStats
 from engine.contracts.sampling_params import SamplingParams
@@ -30,8 +29,8 @@ DEPTH = 12  # max_depth in the index tests
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(build_demo_model())
+def model_dir(harness_model_dir: str) -> str:
+    return harness_model_dir
 
 
 def suffix_spec(k: int = 6, **extra) -> str:
