@@ -5,6 +5,7 @@ empty."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterator
 
@@ -17,6 +18,13 @@ from tests.kv_gateway import Subscriber, reference_hash
 from tests.radix_sim import Sim
 
 
+@functools.cache
+def block_hash(parent: int | None, namespace: str | None, block: tuple[int, ...]) -> int:
+    """``reference_hash``, remembered: the walks from scratch below hash the same blocks again
+    after every operation."""
+    return reference_hash(parent, namespace, list(block))
+
+
 def tree_blocks(tree, block_size: int) -> dict[int, tuple[str | None, list[int]]]:
     """Every whole block on every cached path, from scratch: hash → (namespace, prefix)."""
     blocks = {}
@@ -27,7 +35,7 @@ def tree_blocks(tree, block_size: int) -> dict[int, tuple[str | None, list[int]]
             path = prefix + np.frombuffer(node.key, dtype=np.int32).tolist()
             parent = None
             for end in range(block_size, len(path) + 1, block_size):
-                parent = reference_hash(parent, namespace, path[end - block_size : end])
+                parent = block_hash(parent, namespace, tuple(path[end - block_size : end]))
                 blocks[parent] = (namespace, path[:end])
             stack.extend((child, path) for child in node.children.values())
     return blocks
@@ -87,13 +95,13 @@ def tree_blocks_by_medium(tree, block_size: int) -> dict[str, set[int]]:
             for end in range(block_size, len(path) + 1, block_size):
                 if end <= len(prefix):
                     continue
-                parent = reference_hash(parent, namespace, path[end - block_size : end])
+                parent = block_hash(parent, namespace, tuple(path[end - block_size : end]))
                 for medium, held in (("GPU", node.pages), ("CPU", node.host_pages)):
                     if held:
                         media[medium].add(parent)
             last = None
             for end in range(block_size, len(path) + 1, block_size):
-                last = reference_hash(last, namespace, path[end - block_size : end])
+                last = block_hash(last, namespace, tuple(path[end - block_size : end]))
             stack.extend((child, path, last) for child in node.children.values())
     return media
 
