@@ -6,6 +6,7 @@ unsupported files fail with sentences that name what is wrong. Also what ``--mod
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import gguf
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 
 from engine.checkpoints import gguf as converter
 from engine.checkpoints import model_source
+from engine.checkpoints.demo_model import build_demo_model
 from engine.checkpoints.gguf import SUPPORTED_TYPES, find_gguf, gguf_checkpoint
 from engine.checkpoints.model_source import DEMO_NAME, resolve_model
 from engine.contracts.sampling_params import SamplingParams
@@ -264,6 +266,10 @@ def test_a_directory_holding_one_gguf_names_it(tmp_path):
 
 def test_what_model_resolves_to(converted, monkeypatch):
     path, directory = converted["F16"]
+    # the demo model of the default cache, copied into this one: "demo" resolves to it
+    # (building it is tests/test_demo_model.py's)
+    built = build_demo_model()
+    shutil.copytree(built, directory.parent / built.name)
     monkeypatch.setenv("RADIXSERVE_CACHE", str(directory.parent))
     assert resolve_model(str(path)) == model_source.ModelSource(str(directory), path.stem)
     assert resolve_model(str(directory)) == model_source.ModelSource(str(directory), None)
