@@ -50,12 +50,19 @@ def random_weight(fmt: str, rows: int, cols: int, seed: int) -> PackedWeight:
 
 def emulated(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
     """What the kernel computes, in float64: activations quantized per row and block of 32
-    (scale max|x| / 127, ties to even), integer block products scaled by both scales, and the
-    4-bit minimum times the block's exact sum of x."""
+    (step max|x| / 127, ties to even; against 8-bit weights with a second digit, what the
+    first leaves in 254ths of its step), integer block products scaled by both scales, and
+    the 4-bit minimum times the block's exact sum of x."""
     rows, cols = p.shape
     xb = x.double().view(x.shape[0], -1, BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
+    step = amax / 127
     xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0))
+    if p.bits == 8:
+        left = xb - xq * step
+        xq = xq * 254 + torch.round(left * torch.where(amax > 0, 127 * 254 / amax, 0)).clamp(
+            -127, 127)
+        step = step / 254
     dense = p.dequantize().view(rows, -1, BLOCK)
     scales = p.scales.double().expand(rows, cols // BLOCK)[..., None]
     if p.bits == 8:
@@ -64,7 +71,7 @@ def emulated(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
         mins = p.mins.double()[..., None] if p.mins is not None else -8 * scales
         q = (dense - mins) / torch.where(scales == 0, 1, scales)
     products = torch.einsum("mbe,nbe->mnb", xq, torch.round(q))
-    out = (products * scales[None, :, :, 0] * (amax[..., 0] / 127)[:, None, :]).sum(-1)
+    out = (products * scales[None, :, :, 0] * step[..., 0][:, None, :]).sum(-1)
     if p.bits == 4:
         out += torch.einsum("mb,nb->mn", xb.sum(-1), mins[..., 0].expand(rows, -1))
     return out
@@ -74,8 +81,9 @@ def emulated(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
 def test_each_build_computes_what_the_format_and_the_activations_say(variants, fmt):
     """Every build against the float64 emulation of its arithmetic (only float32 rounding
     apart), and against the exact product with the dequantized weights (apart by what
-    quantizing the activations costs: under 1% for 8-bit weights, 3% for 4-bit), for float32
-    and bf16 activations and 1 to 9 rows."""
+    quantizing the activations costs: under 0.05% for 8-bit weights, whose activations carry
+    a second digit, 3% for 4-bit; bf16's own rounding of x and of the result 1%), for
+    float32 and bf16 activations and 1 to 9 rows."""
     for index, (rows, cols) in enumerate(SHAPES):
         if rows > 10_000 and fmt in ("q4_0", "q4_1", "int4"):
             continue  # the LM head: 8-bit in the GGUF files served
@@ -96,7 +104,8 @@ def test_each_build_computes_what_the_format_and_the_activations_say(variants, f
                 err = ((out.double() - want).norm() / want.norm()).item()
                 assert err < tolerance, (name, rows, cols, dtype, err)
                 err = ((out.double() - exact).norm() / exact.norm()).item()
-                assert err < (0.01 if p.bits == 8 else 0.03), (name, rows, cols, dtype, err)
+                bound = 0.03 if p.bits == 4 else 5e-4 if dtype == torch.float32 else 0.01
+                assert err < bound, (name, rows, cols, dtype, err)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

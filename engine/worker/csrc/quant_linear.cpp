@@ -14,7 +14,11 @@
 //            padding rows are zeros)
 //
 // The activations are quantized per row and block of 32 (x = dx * qx, qx in -127..127, as
-// llama.cpp's Q8 activations). A block's products for kRows outputs are then 8 integer
+// llama.cpp's Q8 activations). Against 8-bit weights they get a second int8 digit, the
+// rounding left by the first in 254ths of a step (x = dx * (qx + qx2 / 254)): their own
+// rounding would otherwise be most of what 8-bit weights lose (4-bit weights lose far more to
+// their own, docs/benchmarks.md "Quantized weights"), and a product costs two vpdpbusd where
+// a decode step is bound by reading the weights. A block's products for kRows outputs are 8 integer
 // multiply-adds of the unpacked weights by one row's 4 bytes broadcast (AVX-512 VNNI: 64
 // products in one vpdpbusd, which multiplies unsigned by signed bytes: 4-bit values are
 // unsigned as stored, int8 ones are stored offset by 128, whose excess 128 * sum(qx) is taken
@@ -84,21 +88,27 @@ inline int32_t value_at(const Weights& w, int64_t g, int64_t b, int64_t r, int64
   return r < half ? packed & 15 : packed >> 4;
 }
 
-// The activations, quantized once per call: per row K int8 values, and per block the scale, the
-// exact float sum of x (4-bit minimums) and 128 times the sum of qx (offset int8 weights).
+// The second digit's weight: the first digit's step over kDigit2.
+constexpr int32_t kDigit2 = 254;
+
+// The activations, quantized once per call: per row K int8 values (and, for 8-bit weights, K
+// second digits), and per block the scale (8-bit: over kDigit2), the exact float sum of x
+// (4-bit minimums) and 128 times the sum of qx (offset int8 weights; both digits, as the
+// integer kDigit2 * qx + qx2 their products add up to).
 struct Activations {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, q2;
   std::vector<float> scale, sum;
   std::vector<int32_t> excess;
   int64_t K, blocks;
 };
 
 template <typename T>
-Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K) {
+Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K, int bits) {
   Activations a;
   a.K = K;
   a.blocks = K / kBlock;
   a.q.resize(M * K);
+  if (bits == 8) a.q2.resize(M * K);
   a.scale.resize(M * a.blocks);
   a.sum.resize(M * a.blocks);
   a.excess.resize(M * a.blocks);
@@ -114,7 +124,7 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
           amax = std::max(amax, std::fabs(values[e]));
           sum += values[e];
         }
-        const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+        const float inverse = amax > 0.f ? 127.f / amax : 0.f, step = amax / 127.f;
         int8_t* qb = a.q.data() + m * K + b * kBlock;
         int32_t qsum = 0;
 #pragma omp simd reduction(+ : qsum)
@@ -122,7 +132,19 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
           qb[e] = static_cast<int8_t>(std::nearbyint(values[e] * inverse));
           qsum += qb[e];
         }
-        a.scale[m * a.blocks + b] = amax / 127.f;
+        if (bits == 8) {
+          int8_t* q2 = a.q2.data() + m * K + b * kBlock;
+          const float inverse2 = inverse * kDigit2;
+          int32_t qsum2 = 0;
+          for (int64_t e = 0; e < kBlock; ++e) {
+            const float left = std::fma(-static_cast<float>(qb[e]), step, values[e]);
+            q2[e] = static_cast<int8_t>(
+                std::clamp(std::nearbyint(left * inverse2), -127.f, 127.f));
+            qsum2 += q2[e];
+          }
+          qsum = qsum * kDigit2 + qsum2;
+        }
+        a.scale[m * a.blocks + b] = bits == 8 ? step / kDigit2 : step;
         a.sum[m * a.blocks + b] = sum;
         a.excess[m * a.blocks + b] = kOffset8 * qsum;
       }
@@ -161,6 +183,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
     for (int r = 0; r < R; ++r) {
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
     }
+    __m512i dot2[R][kChains];
     for (int q = 0; q < kQuads; ++q) {
       for (int r = 0; r < R; ++r) {
         const int32_t* xq =
@@ -169,9 +192,26 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
             _mm512_dpbusd_epi32(dot[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
       }
     }
+    if (w.bits == 8) {
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < kChains; ++c) dot2[r][c] = _mm512_setzero_si512();
+      }
+      for (int q = 0; q < kQuads; ++q) {
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq =
+              reinterpret_cast<const int32_t*>(a.q2.data() + (m0 + r) * a.K + b * kBlock);
+          dot2[r][q % kChains] =
+              _mm512_dpbusd_epi32(dot2[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
+        }
+      }
+    }
     for (int r = 0; r < R; ++r) {
       __m512i sum = dot[r][0];
       for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[r][c]);
+      if (w.bits == 8) {
+        sum = _mm512_mullo_epi32(sum, _mm512_set1_epi32(kDigit2));
+        for (int c = 0; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot2[r][c]);
+      }
       const int64_t at = (m0 + r) * a.blocks + b;
       if (w.bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a.excess[at]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
@@ -207,16 +247,25 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + m * a.K + b * kBlock);
-      __m256i dot = _mm256_setzero_si256();
+      __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();
       for (int q = 0; q < kQuads; ++q) {
         const __m256i xv = _mm256_set1_epi32(xq[q]);
+        if (w.bits == 4) {
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[q], xv), ones16));
+          continue;
+        }
         // int8 weights: |w| (vpmaddubsw's unsigned side) times x with w's sign, so that no
         // pair sum overflows 16 bits.
-        const __m256i pairs = w.bits == 4
-                                  ? _mm256_maddubs_epi16(wv[q], xv)
-                                  : _mm256_maddubs_epi16(_mm256_sign_epi8(wv[q], wv[q]),
-                                                         _mm256_sign_epi8(xv, wv[q]));
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones16));
+        const __m256i magnitude = _mm256_sign_epi8(wv[q], wv[q]);
+        const __m256i xv2 = _mm256_set1_epi32(
+            reinterpret_cast<const int32_t*>(a.q2.data() + m * a.K + b * kBlock)[q]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
+            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv[q])), ones16));
+        dot2 = _mm256_add_epi32(dot2, _mm256_madd_epi16(
+            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv2, wv[q])), ones16));
+      }
+      if (w.bits == 8) {
+        dot = _mm256_add_epi32(_mm256_mullo_epi32(dot, _mm256_set1_epi32(kDigit2)), dot2);
       }
       const int64_t at = m * a.blocks + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
@@ -242,7 +291,11 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, A
         const int64_t m = m0 + r, at = m * a.blocks + b;
         const int8_t* xq = a.q.data() + m * a.K + b * kBlock;
         int32_t dot = 0;
-        for (int64_t e = 0; e < kBlock; ++e) dot += value_at(w, g, b, lane, e) * xq[e];
+        for (int64_t e = 0; e < kBlock; ++e) {
+          const int32_t x = w.bits == 8 ? xq[e] * kDigit2 + a.q2[m * a.K + b * kBlock + e]
+                                        : xq[e];
+          dot += value_at(w, g, b, lane, e) * x;
+        }
         acc[r].lanes[lane] += static_cast<float>(dot) * d * a.scale[at] + mn * a.sum[at];
       }
     }
@@ -290,7 +343,7 @@ Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::
 template <typename T>
 void run(const at::Tensor& x, const Weights& w, at::Tensor& out) {
   const int64_t M = x.size(0);
-  const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), M, w.K);
+  const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), M, w.K, w.bits);
   T* o = out.data_ptr<T>();
   // Enough work per task to pay for handing it to a thread: a few hundred KB of weights
   // streamed for one row, proportionally fewer groups as more rows share each unpacked block
