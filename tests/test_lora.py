@@ -4,6 +4,7 @@ cached apart."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -17,7 +18,10 @@ from engine.worker.model.lora import load_adapter
 from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
 from tests.test_scheduler import GREEDY, Harness, hf_greedy, shared_prefix_prompts
 
-pytest.importorskip("peft")
+# peft looked up, not imported: every test process collects this module, and the import takes
+# about a second
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="peft is not installed")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ endpoints."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import httpx
 import pytest
 
@@ -13,8 +15,10 @@ from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
 from tests.server_process import API_KEY, AUTH, metric_values, serve_module
 from tests.test_scheduler import hf_greedy
 
-pytestmark = pytest.mark.e2e
-pytest.importorskip("peft")
+# peft looked up, not imported: every test process collects this module, and the import takes
+# about a second
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                                 reason="peft is not installed")]
 
 
 @pytest.fixture(scope="module")

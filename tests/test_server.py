@@ -9,7 +9,6 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
 
 from tests.server_process import API_KEY, AUTH, metric_values, serve_module
@@ -287,6 +286,8 @@ def test_the_server_keeps_serving_after_bad_inputs(oai, model):
 
 
 def test_errors_reach_the_openai_client_as_its_exceptions(oai, model):
+    import openai  # here, not above: every test process collects this module (a 0.4 s import)
+
     with pytest.raises(openai.BadRequestError, match="context is 4,096"):
         oai.completions.create(model=model, prompt=[5] * 5000, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
