@@ -4,6 +4,7 @@ preemption keeps each grammar state in step, and bad constraints are refused."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -66,8 +67,14 @@ def constrained(spec: StructuredOutputs, **options) -> SamplingParams:
                           structured_outputs=spec)
 
 
+@functools.cache
+def decoder(model: str):
+    """The model's tokenizer, loaded once for the decoding of every output below."""
+    return load_tokenizer(model)
+
+
 def texts(h: Harness, model: str, rid: str) -> list[str]:
-    tokenizer = load_tokenizer(model)
+    tokenizer = decoder(model)
     return [tokenizer.decode(ids, skip_special_tokens=True)
             for _, ids in sorted(h.outputs[rid].items())]
 
