@@ -5,6 +5,7 @@ Every import statement counts, also those inside functions and under TYPE_CHECKI
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,9 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return {t for t in found if not (known[t].name == "__init__.py" and t in name)}
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
+    """Each module's imports; read once for the three checks below (not changed by them)."""
     known = modules()
     return {name: imports_of(name, path, known) for name, path in known.items()}
 
