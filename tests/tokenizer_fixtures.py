@@ -146,7 +146,9 @@ def chunked(items: ItemsT, sizes: Sequence[int]) -> list[ItemsT]:
 TOKENIZERS = {"byte_level": byte_level_tokenizer, "metaspace": metaspace_tokenizer}
 
 
+@functools.cache
 def byte_fallback_ids(tokenizer: PreTrainedTokenizerFast) -> frozenset[int]:
-    """Ids of the ``<0xNN>`` byte tokens (empty for the byte-level tokenizer)."""
+    """Ids of the ``<0xNN>`` byte tokens (empty for the byte-level tokenizer); looked up once
+    per tokenizer, whose vocabulary the property tests ask for at every example."""
     vocab = tokenizer.get_vocab()
     return frozenset(vocab[f"<0x{b:02X}>"] for b in range(256) if f"<0x{b:02X}>" in vocab)
