@@ -257,6 +257,20 @@ def test_a_gguf_is_served_in_its_own_blocks(tmp_path):
         assert relative_error(got, dense) < (0.02 if kind == "Q8_0" else 0.1), kind
 
 
+def test_a_quantized_lm_head_gives_float32_logits_in_bf16(tmp_path):
+    """With the model in bf16, a quantized LM head's logits are the kernel's float32 sums, not
+    rounded to bf16 (where close candidates would tie, and any small difference upstream would
+    decide between them)."""
+    directory = str(gguf_checkpoint(write_gguf(tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0),
+                                    tmp_path / "cache"))
+    runner = ModelRunner(EngineConfig(model=directory, page_size=4, num_pages=16,
+                                      dtype="bfloat16", attention_backend="torch"))
+    assert "lm_head" in runner.model.quantized
+    logits = runner.forward(steps(runner.config.vocab_size)[0])
+    assert logits.dtype == torch.float32
+    assert not torch.equal(logits, logits.bfloat16().float())
+
+
 def test_refusals_name_the_way_out(tmp_path, monkeypatch):
     directory = gguf_checkpoint(write_gguf(tmp_path / "q.gguf", GGMLQuantizationType.Q4_1),
                                 tmp_path / "cache")

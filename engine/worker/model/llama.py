@@ -415,6 +415,10 @@ class LlamaForCausalLM(_Weights):
         for index, layer in enumerate(self.layers):
             hidden = layer(index, hidden, cos, sin, attention, lora)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
+        if "lm_head" in self.quantized:
+            # float32 logits straight from the kernel's float accumulators: in bf16, close
+            # candidates would round to ties that any small difference upstream breaks
+            return self.quantized["lm_head"](hidden.float())
         if self.tp is None:
             return self._linear("lm_head", hidden).float()
         return self.tp.gather_vocab(F.linear(hidden, self.lm_head), self.config.vocab_size)
