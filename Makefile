@@ -18,10 +18,8 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
 # two pytest workers (pytest-xdist), each test file on one of them (its module servers stay
-# shared), in the order tests/conftest.py gives the files (the long ones first), under a short
-# fresh base directory: ipc:// socket paths have a 107-byte limit
-PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder \
-	--basetemp=$$(mktemp -d /tmp/rs-tests.XXXXXX)
+# shared), under a short fresh base directory: ipc:// socket paths have a 107-byte limit
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=$$(mktemp -d /tmp/rs-tests.XXXXXX)
 # the two workers share two cores: OpenMP threads that spin while they wait (the default) take
 # cycles from the other worker; sleeping ones make the suite faster (serving keeps the default,
 # docs/benchmarks.md "Worker threads")

@@ -1,30 +1,13 @@
 """Fixtures for the modules that start a server: a module whose ``server`` fixture is a
 ServerProcess started with ``--api-key API_KEY`` gets ``oai``, the official openai client on it,
 and ``model``, the id of the model it serves. ``harness_model_dir``: the checkpoint the
-in-process scheduler tests run. The order in which the modules' tests run: see
-``pytest_collection_modifyitems``."""
+in-process scheduler tests run."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import pytest
 
 from tests.server_process import API_KEY
-
-
-@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that start processes (e2e) or run slow oracles first, then the rest, each group
-    from the module with the most tests down. pytest-xdist's --dist loadfile hands the modules
-    to its workers in this order (--no-loadscope-reorder, the Makefile's): ordered by test
-    count alone, as it would be, modules of two to four tests that start a server each time
-    (tens of seconds) came last, one worker still running them while the other had nothing
-    left."""
-    counts = Counter(item.path for item in items)
-    heavy = {item.path for item in items
-             if item.get_closest_marker("e2e") or item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (item.path not in heavy, -counts[item.path]))
 
 
 @pytest.fixture(scope="module")
