@@ -24,11 +24,12 @@ def model(oai):
 
 @pytest.fixture(scope="session")
 def harness_model_dir(tmp_path_factory) -> str:
-    """The model of the in-process scheduler tests: a random Llama with the demo model's
+    """The model of the in-process scheduler tests (the speculation ones keep the demo model:
+    their drafting follows measured step times): a random Llama with the demo model's
     vocabulary (4,096 ids, from which their prompts draw) and context, the width and depth of
-    tests/conftest_models.py (a step costs a third of the demo model's) and an LM head as
-    wide as the demo model's logits (top-2 margins alike: median 0.6 nats, 0.8 for the demo
-    model, over 20 random prompts). Written once per session."""
+    tests/conftest_models.py (a step costs a third of the demo model's) and an LM head whose
+    logits spread like the demo model's (top-2 margins over 20 random prompts: median 0.6
+    nats, 0.8 for the demo model). Written once per session."""
     from tests.conftest_models import write_checkpoint  # imports transformers: only when used
 
     path = tmp_path_factory.mktemp("harness_model")

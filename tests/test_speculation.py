@@ -4,7 +4,7 @@ check after every step (the harness). Outputs are compared with decoding without
 
 Most tests draft with an oracle (the continuation the run without drafts produced, with a
 wrong token at a position that varies by step), so that verification sees full acceptance,
-rejection at every position and stops inside accepted drafts; the test model's random
+rejection at every position and stops inside accepted drafts; the demo model's random
 weights rarely repeat themselves, which the ngram proposer needs."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
     GenerateRequest,
@@ -37,8 +38,12 @@ from tokenizer_worker.core import TokenizerWorker
 
 
 @pytest.fixture(scope="module")
-def model_dir(harness_model_dir: str) -> str:
-    return harness_model_dir
+def model_dir() -> str:
+    # the demo model, not the scheduler tests' smaller one (harness_model_dir): how much is
+    # drafted follows the steps' measured times (StepCosts), and the smaller model's steps are
+    # a third as long, so a pause on a busy machine weighs three times as much (with it,
+    # tests/test_suffix.py's retries test failed once in six runs on a busy 2-core machine)
+    return str(build_demo_model())
 
 
 def spec(k: int = 4, **extra) -> str:
