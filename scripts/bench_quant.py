@@ -1,7 +1,8 @@
 """Products with quantized weights on this CPU: radixserve's kernel (csrc/quant_linear.cpp) in
 the default model's formats against the dense bf16 product (oneDNN, prepacked: what
 ``--quantization none`` runs) and torch's own weight-only kernels (``_weight_int8pack_mm``,
-int8 per output row; ``_weight_int4pack_mm_for_cpu``, 4-bit per group of 32), at
+int8 per output row; ``_weight_int4pack_mm_for_cpu``, 4-bit per group of 32), with the
+activations in one int8 digit or two (quant_linear's ``digits``), at
 SmolLM2-135M's projection shapes and 1 to 128 activation rows (bf16 activations).
 
     .venv/bin/python scripts/bench_quant.py                  # torch's threads
@@ -38,12 +39,13 @@ def candidates(rows: int, cols: int) -> dict[str, Callable[[torch.Tensor], torch
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16())
     found = {"dense bf16": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
                                                                         [], "")}
-    for fmt in ("int4", "int8"):
+    # as served (int8's activations in two int8 digits), and int4 with two digits too
+    for fmt, digits in (("int4", 1), ("int4", 2), ("int8", 2)):
         p = quantize(weight, fmt)
-        kernel = ops.quant_repack(p.qweight, p.scales.expand(rows, cols // BLOCK), p.mins,
-                                  p.bits)
-        found[f"ours {fmt}"] = lambda x, k=kernel, bits=p.bits: ops.quant_linear(x, *k, bits,
-                                                                                 rows)
+        kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
+        name = f"ours {fmt}" + (", 2 digits" if fmt == "int4" and digits == 2 else "")
+        found[name] = lambda x, k=kernel, bits=p.bits, d=digits: ops.quant_linear(x, *k, bits,
+                                                                                  rows, d)
     # torch's int8 takes one scale per output row
     row_scales = weight.abs().amax(1) / 127
     q8 = torch.round(weight / row_scales[:, None]).to(torch.int8)

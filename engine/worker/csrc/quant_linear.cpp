@@ -14,11 +14,10 @@
 //            padding rows are zeros)
 //
 // The activations are quantized per row and block of 32 (x = dx * qx, qx in -127..127, as
-// llama.cpp's Q8 activations). Against 8-bit weights they get a second int8 digit, the
-// rounding left by the first in 254ths of a step (x = dx * (qx + qx2 / 254)): their own
-// rounding would otherwise be most of what 8-bit weights lose (4-bit weights lose far more to
-// their own, docs/benchmarks.md "Quantized weights"), and a product costs two vpdpbusd where
-// a decode step is bound by reading the weights. A block's products for kRows outputs are 8 integer
+// llama.cpp's Q8 activations), with ``digits`` 2 a second int8 digit, the rounding left by the
+// first in 254ths of a step (x = dx * (qx + qx2 / 254)): two vpdpbusd per product, for
+// activations as exact as float's 16 bits (engine/worker/model/quant.py chooses per layer).
+// A block's products for kRows outputs are 8 integer
 // multiply-adds of the unpacked weights by one row's 4 bytes broadcast (AVX-512 VNNI: 64
 // products in one vpdpbusd, which multiplies unsigned by signed bytes: 4-bit values are
 // unsigned as stored, int8 ones are stored offset by 128, whose excess 128 * sum(qx) is taken
@@ -91,8 +90,8 @@ inline int32_t value_at(const Weights& w, int64_t g, int64_t b, int64_t r, int64
 // The second digit's weight: the first digit's step over kDigit2.
 constexpr int32_t kDigit2 = 254;
 
-// The activations, quantized once per call: per row K int8 values (and, for 8-bit weights, K
-// second digits), and per block the scale (8-bit: over kDigit2), the exact float sum of x
+// The activations, quantized once per call: per row K int8 values (and with two digits, K
+// second digits), and per block the scale (two digits: over kDigit2), the exact float sum of x
 // (4-bit minimums) and 128 times the sum of qx (offset int8 weights; both digits, as the
 // integer kDigit2 * qx + qx2 their products add up to).
 struct Activations {
@@ -100,15 +99,17 @@ struct Activations {
   std::vector<float> scale, sum;
   std::vector<int32_t> excess;
   int64_t K, blocks;
+  bool two;  // the second digits are there
 };
 
 template <typename T>
-Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K, int bits) {
+Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K, bool two) {
   Activations a;
   a.K = K;
   a.blocks = K / kBlock;
+  a.two = two;
   a.q.resize(M * K);
-  if (bits == 8) a.q2.resize(M * K);
+  if (two) a.q2.resize(M * K);
   a.scale.resize(M * a.blocks);
   a.sum.resize(M * a.blocks);
   a.excess.resize(M * a.blocks);
@@ -132,7 +133,7 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
           qb[e] = static_cast<int8_t>(std::nearbyint(values[e] * inverse));
           qsum += qb[e];
         }
-        if (bits == 8) {
+        if (two) {
           int8_t* q2 = a.q2.data() + m * K + b * kBlock;
           const float inverse2 = inverse * kDigit2;
           int32_t qsum2 = 0;
@@ -144,7 +145,7 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
           }
           qsum = qsum * kDigit2 + qsum2;
         }
-        a.scale[m * a.blocks + b] = bits == 8 ? step / kDigit2 : step;
+        a.scale[m * a.blocks + b] = two ? step / kDigit2 : step;
         a.sum[m * a.blocks + b] = sum;
         a.excess[m * a.blocks + b] = kOffset8 * qsum;
       }
@@ -192,7 +193,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
             _mm512_dpbusd_epi32(dot[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
       }
     }
-    if (w.bits == 8) {
+    if (a.two) {
       for (int r = 0; r < R; ++r) {
         for (int c = 0; c < kChains; ++c) dot2[r][c] = _mm512_setzero_si512();
       }
@@ -208,7 +209,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
     for (int r = 0; r < R; ++r) {
       __m512i sum = dot[r][0];
       for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[r][c]);
-      if (w.bits == 8) {
+      if (a.two) {
         sum = _mm512_mullo_epi32(sum, _mm512_set1_epi32(kDigit2));
         for (int c = 0; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot2[r][c]);
       }
@@ -248,23 +249,24 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
       const int64_t m = m0 + r;
       const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + m * a.K + b * kBlock);
       __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();
+      const int32_t* xq2 =
+          a.two ? reinterpret_cast<const int32_t*>(a.q2.data() + m * a.K + b * kBlock) : nullptr;
       for (int q = 0; q < kQuads; ++q) {
-        const __m256i xv = _mm256_set1_epi32(xq[q]);
-        if (w.bits == 4) {
-          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[q], xv), ones16));
-          continue;
-        }
         // int8 weights: |w| (vpmaddubsw's unsigned side) times x with w's sign, so that no
-        // pair sum overflows 16 bits.
-        const __m256i magnitude = _mm256_sign_epi8(wv[q], wv[q]);
-        const __m256i xv2 = _mm256_set1_epi32(
-            reinterpret_cast<const int32_t*>(a.q2.data() + m * a.K + b * kBlock)[q]);
+        // pair sum overflows 16 bits; 4-bit weights are unsigned as stored.
+        const __m256i unsigned_w = w.bits == 4 ? wv[q] : _mm256_sign_epi8(wv[q], wv[q]);
+        const auto signed_x = [&](int32_t packed) {
+          const __m256i xv = _mm256_set1_epi32(packed);
+          return w.bits == 4 ? xv : _mm256_sign_epi8(xv, wv[q]);
+        };
         dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
-            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv[q])), ones16));
-        dot2 = _mm256_add_epi32(dot2, _mm256_madd_epi16(
-            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv2, wv[q])), ones16));
+            _mm256_maddubs_epi16(unsigned_w, signed_x(xq[q])), ones16));
+        if (xq2) {
+          dot2 = _mm256_add_epi32(dot2, _mm256_madd_epi16(
+              _mm256_maddubs_epi16(unsigned_w, signed_x(xq2[q])), ones16));
+        }
       }
-      if (w.bits == 8) {
+      if (a.two) {
         dot = _mm256_add_epi32(_mm256_mullo_epi32(dot, _mm256_set1_epi32(kDigit2)), dot2);
       }
       const int64_t at = m * a.blocks + b;
@@ -292,8 +294,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, A
         const int8_t* xq = a.q.data() + m * a.K + b * kBlock;
         int32_t dot = 0;
         for (int64_t e = 0; e < kBlock; ++e) {
-          const int32_t x = w.bits == 8 ? xq[e] * kDigit2 + a.q2[m * a.K + b * kBlock + e]
-                                        : xq[e];
+          const int32_t x = a.two ? xq[e] * kDigit2 + a.q2[m * a.K + b * kBlock + e] : xq[e];
           dot += value_at(w, g, b, lane, e) * x;
         }
         acc[r].lanes[lane] += static_cast<float>(dot) * d * a.scale[at] + mn * a.sum[at];
@@ -341,9 +342,9 @@ Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::
 }
 
 template <typename T>
-void run(const at::Tensor& x, const Weights& w, at::Tensor& out) {
+void run(const at::Tensor& x, const Weights& w, bool two, at::Tensor& out) {
   const int64_t M = x.size(0);
-  const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), M, w.K, w.bits);
+  const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), M, w.K, two);
   T* o = out.data_ptr<T>();
   // Enough work per task to pay for handing it to a thread: a few hundred KB of weights
   // streamed for one row, proportionally fewer groups as more rows share each unpacked block
@@ -363,22 +364,25 @@ void run(const at::Tensor& x, const Weights& w, at::Tensor& out) {
   });
 }
 
-// x [M, K] (float32, bf16 or fp16) @ the repacked weight's [N, K].T -> [M, N] in x's dtype.
+// x [M, K] (float32, bf16 or fp16) @ the repacked weight's [N, K].T -> [M, N] in x's dtype,
+// the activations quantized in ``digits`` (1 or 2) int8 digits.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits, int64_t N) {
+                        const at::Tensor& mins, int64_t bits, int64_t N, int64_t digits) {
   const Weights w = describe(qweight, scales, mins, bits, N);
+  TORCH_CHECK(digits == 1 || digits == 2, "quant_linear: digits must be 1 or 2, got ", digits);
+  const bool two = digits == 2;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == w.K,
               "quant_linear: x [M, ", w.K, "] with contiguous rows expected, got ", x.sizes());
   auto out = at::empty({x.size(0), w.N}, x.options());
   switch (x.scalar_type()) {
     case at::kFloat:
-      run<float>(x, w, out);
+      run<float>(x, w, two, out);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(x, w, out);
+      run<c10::BFloat16>(x, w, two, out);
       break;
     case at::kHalf:
-      run<c10::Half>(x, w, out);
+      run<c10::Half>(x, w, two, out);
       break;
     default:
       TORCH_CHECK(false, "quant_linear: unsupported activation dtype ", x.scalar_type());
@@ -506,8 +510,8 @@ std::string quant_linear_isa() {
 RADIXSERVE_OPS_FRAGMENT(m) {
   m.def("quant_repack(Tensor qweight, Tensor scales, Tensor? mins, int bits) -> "
         "(Tensor, Tensor, Tensor)");
-  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int bits, int N) "
-        "-> Tensor");
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int bits, int N, "
+        "int digits) -> Tensor");
   m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor mins, int bits, int N, "
         "Tensor rows, ScalarType dtype) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
