@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,12 +79,15 @@ def common_prefix(reference: np.ndarray, got: np.ndarray) -> np.ndarray:
 def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = "bfloat16",
             kv_dtypes: tuple[str, ...] = ("int8",), batch_size: int = 8,
             candidates: dict[str, dict] | None = None, reference: dict | None = None,
-            prefixes: tuple[int, ...] = ()) -> dict[str, dict[str, object]]:
+            prefixes: tuple[int, ...] = (),
+            prepare: Callable[[str, ModelRunner], None] | None = None
+            ) -> dict[str, dict[str, object]]:
     """Per KV dtype of ``kv_dtypes``: agreement and KL against ``dtype`` KV over ``prompts``,
     ``steps`` tokens each (the model in ``dtype`` every time), and the mean common prefix of
     free greedy decoding over each length of ``prefixes``. ``candidates`` (name -> engine
     options) and ``reference`` (engine options) compare other settings the same way
-    (scripts/weight_accuracy.py: weight formats)."""
+    (scripts/weight_accuracy.py: weight formats); ``prepare(name, runner)`` may change each
+    candidate's runner once made (scripts/kv_candidates.py: emulated caches)."""
     pages_per_seq = -(-(max(map(len, prompts)) + max(steps, *prefixes, 0)) // PAGE_SIZE)
     num_pages = pages_per_seq * batch_size
     if candidates is None:
@@ -96,6 +100,9 @@ def compare(checkpoint: str, prompts: list[list[int]], steps: int, dtype: str = 
 
     baseline = runner(reference or {})
     runners = {name: runner(options) for name, options in candidates.items()}
+    if prepare is not None:
+        for name, made in runners.items():
+            prepare(name, made)
     agree: dict[str, list] = {kv: [] for kv in kv_dtypes}
     kls: dict[str, list] = {kv: [] for kv in kv_dtypes}
     shared: dict[str, list] = {kv: [] for kv in kv_dtypes}
@@ -185,11 +192,16 @@ def main() -> None:
                         help="the model's dtype and the reference cache's")
     parser.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2",
                         help="the 8-bit caches to compare, comma-separated")
+    parser.add_argument("--quantization", default="auto",
+                        help="the weights both caches are compared under (--quantization)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    report(args, args.dtype, kv_dtypes=tuple(args.kv_cache_dtypes.split(",")))
+    weights = {"quantization": args.quantization}
+    report(args, args.dtype, reference=weights,
+           candidates={kv: {**weights, "kv_cache_dtype": kv}
+                       for kv in args.kv_cache_dtypes.split(",")})
 
 
 if __name__ == "__main__":
