@@ -1,7 +1,8 @@
 """Multi-LoRA serving speed: requests/s with 1, 4 and 16 distinct adapters mixed at 16 in
 flight against the base model alone, in one process and one run; an adapter swap's cost; and
-the low-rank update's two torch forms (segmented per adapter, as served, against gathered per
-row, BGMV's form) on one decode step's rows.
+the low-rank update's three forms on one step's rows: the compiled kernel (as served on CPU)
+and torch's two (segmented per adapter, as served without the kernels, and gathered per row,
+BGMV's form).
 
 The scheduler and the model worker run in-process (no sockets), every configuration on the
 same worker with every adapter loaded (``--max-loras`` 16, so none is swapped mid-run); the
@@ -78,30 +79,47 @@ def run(worker: Worker, config: EngineConfig, adapters: list[str | None], reques
 
 
 def update_forms(worker: Worker, seqs: int, rows_each: int, adapters: int, repeats: int
-                 ) -> tuple[float, float]:
+                 ) -> tuple[float, float, float]:
     """Microseconds of layer 0's gate/up update for ``seqs`` sequences of ``rows_each`` rows,
-    sequence i under adapter ``i mod adapters``: segmented (as served: the rows gathered once,
-    one pair of matmuls per adapter, one scatter) and gathered per row (BGMV's form: each
-    row's A and B gathered, two batched matmuls)."""
+    sequence i under adapter ``i mod adapters``, in the model's dtype: the compiled kernel (as
+    served on CPU, the pool's slots as they are), then torch's forms over float32 copies of the
+    slots: segmented (as served without the kernels: the rows gathered once, one pair of
+    matmuls per adapter, one scatter) and gathered per row (BGMV's form: each row's A and B
+    gathered, two batched matmuls)."""
     pool = worker.runner.lora
     lora_ids = np.arange(seqs) % adapters + 1
     step = pool.prepare(lora_ids, np.full(seqs, rows_each))
-    a, b = pool.slots_a[0]["gate_up"], pool.slots_b[0]["gate_up"]
-    width = pool.slot_ranks[0][(0, "gate_up")]
     rows = seqs * rows_each
-    x = torch.randn(rows, a.shape[2], dtype=pool.dtype)
-    out = torch.zeros(rows, b.shape[1], dtype=pool.dtype)
+    plan = step.plan(0, rows)
+    a = pool.slots_a[0]["gate_up"].float()
+    b = pool.slots_b[0]["gate_up"].float()  # transposed: [slot, rank, out]
+    width = int(pool.width_tensors[(0, "gate_up")].max())
+    x = torch.randn(rows, a.shape[2]).to(worker.runner.dtype)
+    out = torch.zeros(rows, b.shape[2], dtype=x.dtype)
     index = torch.from_numpy(np.repeat([pool.resident[int(i)] for i in lora_ids], rows_each))
 
-    def segmented() -> None:
+    def kernel() -> None:
         step.add_(0, "gate_up", x, out)
 
-    def gathered() -> None:
-        row_a, row_b = a[index, :width], b[index, :, :width]
-        out.add_(torch.bmm(torch.bmm(x[:, None], row_a.transpose(1, 2)),
-                           row_b.transpose(1, 2))[:, 0])
+    def segmented() -> None:
+        gathered_rows = (x if plan.index is None else x.index_select(0, plan.index)).float()
+        delta = gathered_rows.new_zeros(plan.num_rows, out.shape[1])
+        for slot, lo, hi in plan.segments:
+            torch.mm(gathered_rows[lo:hi] @ a[slot, :width].t(), b[slot, :width],
+                     out=delta[lo:hi])
+        if plan.index is None:
+            out.add_(delta.to(out.dtype))
+        else:
+            out.index_add_(0, plan.index, delta.to(out.dtype))
 
-    return _median_us(segmented, repeats), _median_us(gathered, repeats)
+    def gathered() -> None:
+        row_a, row_b = a[index, :width], b[index, :width]
+        out.add_(torch.bmm(torch.bmm(x.float()[:, None], row_a.transpose(1, 2)),
+                           row_b)[:, 0].to(out.dtype))
+
+    timed = (kernel, segmented, gathered) if pool.kernel is not None else (segmented, gathered)
+    times = [_median_us(form, repeats) for form in timed]
+    return (float("nan"), *times) if pool.kernel is None else tuple(times)
 
 
 def product_us(dtype: torch.dtype, repeats: int) -> float:
@@ -174,11 +192,13 @@ def main() -> None:
         print(f"| {name} | {value:.2f} | {value / base:.2f}x |")
     print(f"adapter swap (host copy into a device slot): {swap_ms:.2f} ms "
           f"({pool.adapters[1].nbytes / 2**20:.1f} MiB in float32 on the host)")
-    print(f"layer 0 gate/up update ({pool.dtype}), microseconds:")
-    print("| rows | adapters | segmented | gathered per row |")
-    print("|---|---|---|---|")
-    for (seqs, each, adapters), (segmented, gathered) in forms.items():
-        print(f"| {seqs} x {each} | {adapters} | {segmented:.0f} | {gathered:.0f} |")
+    print(f"layer 0 gate/up update, microseconds (kernel: {pool.dtype} slots; torch forms: "
+          "float32):")
+    print("| rows | adapters | kernel | segmented | gathered per row |")
+    print("|---|---|---|---|---|")
+    for (seqs, each, adapters), (kernel, segmented, gathered) in forms.items():
+        print(f"| {seqs} x {each} | {adapters} | {kernel:.0f} | {segmented:.0f} | "
+              f"{gathered:.0f} |")
     print("a [1 x 32] by [32 x 3072] product: " + ", ".join(
         f"{name} {us:.1f} us" for name, us in products.items()))
 

@@ -10,6 +10,9 @@
   (csrc/rope_store.cpp).
 - ``quant_ops()``: ``torch.ops.radixserve.quant_linear`` and ``dequantize_weight``, linear
   layers over quantized weight blocks (csrc/quant_linear.cpp).
+- ``lora_bgmv_op()``: ``torch.ops.radixserve.lora_bgmv``, every row's LoRA update under its own
+  adapter in one op, where the torch path takes a pair of matmuls per adapter
+  (csrc/lora_bgmv.cpp).
 
 They are built together, once per machine, torch version and source (``-march=native``: the
 build is for this CPU), with the C++ compiler torch's extensions use, into the radixserve cache;
@@ -153,3 +156,8 @@ def rms_norm_op() -> Callable[..., torch.Tensor] | None:
 def rope_store_op() -> Callable[..., torch.Tensor] | None:
     ops = _ops()
     return None if ops is None else ops.rope_store
+
+
+def lora_bgmv_op() -> Callable[..., None] | None:
+    ops = _ops()
+    return None if ops is None else ops.lora_bgmv

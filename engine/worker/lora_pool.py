@@ -2,21 +2,26 @@
 device, and each step's low-rank updates.
 
 Memory: per layer and fused projection, one device tensor of A slots
-[max_loras, parts * max_rank, in] and one of B slots [max_loras, out, parts * max_rank],
-allocated at start. An adapter in slot ``s`` fills the first ``parts * rank`` rows of A and
-columns of B; a step uses exactly those (no padded rank is multiplied). Which adapter holds
-which slot changes only in ``prepare``, before a step's forward, least recently used first and
-never one the step itself uses: an adapter is never swapped mid-step. The scheduler puts at
-most ``max_loras`` adapters in one step (more wait for a later one).
+[max_loras, parts * max_rank, in] and one of B slots held transposed,
+[max_loras, parts * max_rank, out], allocated at start. An adapter in slot ``s`` fills the
+first ``parts * rank`` rows of both (``widths``: how many, per layer, projection and slot); a
+step uses exactly those (no padded rank is multiplied). Which adapter holds which slot changes
+only in ``prepare``, before a step's forward, least recently used first and never one the step
+itself uses: an adapter is never swapped mid-step. The scheduler puts at most ``max_loras``
+adapters in one step (more wait for a later one).
 
-A step (``LoraStep``): the tokens of each adapter form one group (the base model's, none);
-per layer and projection, each group adds ``(x_g A^T) B^T`` to its rows of the base
-projection's output, whatever format the base weight is in (S-LoRA's segmented form, in
-torch): the adapted rows are gathered once in adapter order, each adapter's segment takes one
-pair of small matmuls, and one scatter adds every delta (none when the adapted rows are all
-the step's, in order). Rows of the base model pay nothing. On CPU the adapters are kept and
-multiplied in float32 whatever the model's dtype: CPU torch's small bf16 products are 3-4x
-slower than float32's (docs/benchmarks.md, "Multi-LoRA serving").
+A step (``LoraStep``): per layer and projection, each token's row of the base projection's
+output gains ``B_s (A_s x)`` of its adapter's slot ``s`` (the base model's rows, none, and they
+pay nothing), whatever format the base weight is in. On CPU with the compiled kernels that is
+one op (``torch.ops.radixserve.lora_bgmv``, csrc/lora_bgmv.cpp, Punica's BGMV form: rows of one
+adapter share each read of its weights, products in float32), and the slots hold bf16 for a
+bf16 model (widened in registers: half the bytes of float32, which the op's decode steps are
+bound by), float32 otherwise. Without the kernels (CUDA, ``RADIXSERVE_CPU_KERNELS=0``, no
+compiler) the update is S-LoRA's segmented form in torch: the adapted rows are gathered once in
+adapter order, each adapter's segment takes one pair of small matmuls, and one scatter adds
+every delta (none when the adapted rows are all the step's, in order); on CPU the slots are then
+float32 whatever the model's dtype, since CPU torch's small bf16 products are 3-4x slower than
+float32's (docs/benchmarks.md, "Multi-LoRA serving").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 
 from engine.contracts.lora import BASE_MODEL, LoraAdapterInfo
+from engine.worker.cpu_kernels import lora_bgmv_op
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.lora import LoraWeights, projection_shapes
 
@@ -38,22 +44,31 @@ class LoraPool:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.device = device
-        self.dtype = torch.float32 if device.type == "cpu" else dtype
+        self.kernel = lora_bgmv_op() if device.type == "cpu" else None
+        if self.kernel is not None:  # bf16: half the bytes that a many-adapter step reads
+            self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        else:
+            self.dtype = torch.float32 if device.type == "cpu" else dtype
         shapes = projection_shapes(config)
+        self.names = list(shapes)
         self.slots_a: list[dict[str, torch.Tensor]] = []
-        self.slots_b: list[dict[str, torch.Tensor]] = []
+        self.slots_b: list[dict[str, torch.Tensor]] = []  # B transposed: [slot, rank, out]
         for _ in range(config.num_layers):
             self.slots_a.append({name: torch.zeros(max_loras, len(outs) * max_rank, width,
                                                    device=device, dtype=self.dtype)
                                  for name, (width, outs) in shapes.items()})
-            self.slots_b.append({name: torch.zeros(max_loras, sum(outs), len(outs) * max_rank,
+            self.slots_b.append({name: torch.zeros(max_loras, len(outs) * max_rank, sum(outs),
                                                    device=device, dtype=self.dtype)
                                  for name, (width, outs) in shapes.items()})
+        # [layer, projection (as in names), slot] -> rows of A and B in use; 0: not adapted
+        self.widths = np.zeros((config.num_layers, len(shapes), max_loras), dtype=np.int64)
+        views = torch.from_numpy(self.widths)  # shares the array's memory: _fill updates both
+        self.width_tensors = {(layer, name): views[layer, k]
+                              for layer in range(config.num_layers)
+                              for k, name in enumerate(self.names)}
         self.adapters: dict[int, LoraWeights] = {}  # lora id -> host copy
         self.infos: dict[int, LoraAdapterInfo] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
-        # slot -> (layer, projection) -> rows of A (columns of B) in use; 0: not adapted
-        self.slot_ranks: list[dict[tuple[int, str], int]] = [{} for _ in range(max_loras)]
         self.swaps = 0
         self.swap_seconds = 0.0
 
@@ -112,21 +127,21 @@ class LoraPool:
         return slot
 
     def _fill(self, slot: int, weights: LoraWeights) -> None:
-        ranks = self.slot_ranks[slot]
-        ranks.clear()
-        for (layer, name), (a, b) in weights.mats.items():
+        self.widths[:, :, slot] = 0
+        for (layer, name), (a, bt) in weights.mats.items():
             width = a.shape[0]
             self.slots_a[layer][name][slot, :width].copy_(a, non_blocking=True)
-            self.slots_b[layer][name][slot, :, :width].copy_(b, non_blocking=True)
-            ranks[(layer, name)] = width
+            self.slots_b[layer][name][slot, :width].copy_(bt, non_blocking=True)
+            self.widths[layer, self.names.index(name), slot] = width
 
     def matrices(self, slot: int, layer: int, name: str
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Slot ``slot``'s A [R, in] and B [out, R] for one projection, None if not adapted."""
-        width = self.slot_ranks[slot].get((layer, name), 0)
+        """Slot ``slot``'s A [R, in] and transposed B [R, out] for one projection, None if not
+        adapted."""
+        width = int(self.widths[layer, self.names.index(name), slot])
         if not width:
             return None
-        return self.slots_a[layer][name][slot, :width], self.slots_b[layer][name][slot, :, :width]
+        return self.slots_a[layer][name][slot, :width], self.slots_b[layer][name][slot, :width]
 
 
 class LoraStep:
@@ -152,7 +167,7 @@ class LoraStep:
                                                                     strict=False) if hi > lo]
             everything = len(rows) == count and bool(np.all(rows == np.arange(count)))
             index = None if everything else torch.from_numpy(rows).to(self.pool.device)
-            found = self._plans[key] = _Plan(index, segments, len(rows))
+            found = self._plans[key] = _Plan(index, segments, len(rows), torch.from_numpy(slots))
         return found
 
     def add_(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor,
@@ -160,8 +175,14 @@ class LoraStep:
         """out += each adapter's update of projection ``name`` of ``layer`` for its rows of
         ``x`` (tokens [start, start + len(x)) of the step; ``out`` row-aligned with ``x``)."""
         plan, pool = self.plan(start, x.shape[0]), self.pool
+        if not plan.num_rows:
+            return
+        if pool.kernel is not None:
+            pool.kernel(x.to(out.dtype), pool.slots_a[layer][name], pool.slots_b[layer][name],
+                        plan.slots, pool.width_tensors[(layer, name)], out)
+            return
         mats = [pool.matrices(slot, layer, name) for slot, _, _ in plan.segments]
-        if not plan.num_rows or all(m is None for m in mats):
+        if all(m is None for m in mats):
             return
         rows = x if plan.index is None else x.index_select(0, plan.index)
         rows = rows.to(pool.dtype)
@@ -169,7 +190,7 @@ class LoraStep:
         for (_, lo, hi), pair in zip(plan.segments, mats, strict=True):
             if pair is not None:
                 a, b = pair
-                torch.mm(rows[lo:hi] @ a.t(), b.t(), out=delta[lo:hi])
+                torch.mm(rows[lo:hi] @ a.t(), b, out=delta[lo:hi])
         if plan.index is None:
             out += delta.to(out.dtype)
         else:
@@ -180,3 +201,4 @@ class _Plan(NamedTuple):
     index: torch.Tensor | None  # the adapted rows in adapter order; None: all rows, in order
     segments: list[tuple[int, int, int]]  # (slot, first, end) in that order
     num_rows: int
+    slots: torch.Tensor  # int64, each row's slot (-1: the base model), on the host

@@ -8,8 +8,10 @@ adapted projection, ``...layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in] and
 
 The model fuses q/k/v and gate/up into one matmul each (engine/worker/model/llama.py), so an
 adapter is kept the same way: per layer and fused projection, the targeted parts' A matrices
-stacked ([parts * r, in]) and their B matrices block-diagonal ([out, parts * r], zero where a
-part is not targeted, the scale folded in). One low-rank product then updates every part.
+stacked ([parts * r, in]) and their B matrices block-diagonal, held transposed
+([parts * r, out], zero where a part is not targeted, the scale folded in; transposed as the
+worker's slots hold them, engine/worker/lora_pool.py). One low-rank product then updates every
+part.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ..
 
 @dataclass
 class LoraWeights:
-    """One adapter on the host: ``mats[(layer, fused)] = (A, B)`` in float32 (the scale in
+    """One adapter on the host: ``mats[(layer, fused)] = (A, B^T)`` in float32 (the scale in
     B), only for the projections it adapts."""
 
     name: str
@@ -137,12 +139,13 @@ def _check_settings(name: str, settings: dict, max_rank: int) -> tuple[int, floa
 
 def _fuse(by_part: dict[int, dict[str, torch.Tensor]], outs: tuple[int, ...], rank: int,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked A [k * rank, in] and block-diagonal scaled B [sum(outs), k * rank] of the k
-    parts present, in part order."""
+    """Stacked A [k * rank, in] and block-diagonal scaled B, transposed [k * rank, sum(outs)],
+    of the k parts present, in part order."""
     present = sorted(by_part)
     a = torch.cat([by_part[p]["A"] for p in present])
-    b = torch.zeros(sum(outs), len(present) * rank)
+    bt = torch.zeros(len(present) * rank, sum(outs))
     for block, part in enumerate(present):
-        row = sum(outs[:part])
-        b[row : row + outs[part], block * rank : (block + 1) * rank] = by_part[part]["B"] * scale
-    return a.contiguous(), b
+        column = sum(outs[:part])
+        bt[block * rank : (block + 1) * rank, column : column + outs[part]] = (
+            by_part[part]["B"].t() * scale)
+    return a.contiguous(), bt
