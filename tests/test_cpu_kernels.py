@@ -543,19 +543,28 @@ def test_decode_kernel_serves_only_where_it_is_vectorised(variants, monkeypatch)
 def lora_case(x_dtype: torch.dtype, w_dtype: torch.dtype, seed: int = 0):
     """Odd sizes (37 inputs, 301 outputs: a whole tile and a part), five slots of 24 rows in
     use to 24, 0, 7, 16 and 24, and 15 rows mixing them with rows of the base model (-1): six
-    of slot 2, more than one block of rows sharing its weights."""
+    of slot 2, more than one block of rows sharing its weights. Slot 4's B is block-diagonal as
+    a fused projection's: rows 0-11 reach outputs 0-149, rows 12-22 the others, row 23 none."""
     gen = torch.Generator().manual_seed(seed)
     a_slots = torch.randn(5, 24, 37, generator=gen).to(w_dtype)
     b_slots = torch.randn(5, 24, 301, generator=gen).to(w_dtype)
     widths = torch.tensor([24, 0, 7, 16, 24])
+    spans = torch.tensor([0, 301]).repeat(5, 24, 1)
+    b_slots[4, :12, 150:] = 0
+    b_slots[4, 12:, :150] = 0
+    b_slots[4, 23] = 0
+    spans[4, :12] = torch.tensor([0, 150])
+    spans[4, 12:] = torch.tensor([150, 301])
+    spans[4, 23] = 0
     row_slots = torch.tensor([2, -1, 0, 3, 2, 1, 4, -1, 0, 2, 3, 2, 2, 2, 0])
     x = torch.randn(15, 37, generator=gen).to(x_dtype)
     out = torch.randn(15, 301, generator=gen).to(x_dtype)
-    return x, a_slots, b_slots, row_slots, widths, out
+    return x, a_slots, b_slots, row_slots, widths, spans, out
 
 
 def lora_reference(x, a_slots, b_slots, row_slots, widths, out) -> torch.Tensor:
-    """out + B[s]^T-held (A[s] x) per row, in float64, over each slot's rows in use."""
+    """out + B[s] (A[s] x) per row (B held transposed), in float64, over each slot's rows in
+    use, every column of B read."""
     want = out.double()
     for i, slot in enumerate(row_slots.tolist()):
         if slot >= 0:
@@ -569,9 +578,9 @@ def lora_reference(x, a_slots, b_slots, row_slots, widths, out) -> torch.Tensor:
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_lora_bgmv_matches_float64_reference(variants, variant, x_dtype, w_dtype) -> None:
-    x, a_slots, b_slots, row_slots, widths, out = lora_case(x_dtype, w_dtype)
+    x, a_slots, b_slots, row_slots, widths, spans, out = lora_case(x_dtype, w_dtype)
     got = out.clone()
-    variants[variant].lora_bgmv(x, a_slots, b_slots, row_slots, widths, got)
+    variants[variant].lora_bgmv(x, a_slots, b_slots, row_slots, widths, spans, got)
     want = lora_reference(x, a_slots, b_slots, row_slots, widths, out)
     # float32 sums, then one rounding to out's dtype
     rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[x_dtype]
@@ -583,29 +592,32 @@ def test_lora_bgmv_matches_float64_reference(variants, variant, x_dtype, w_dtype
 def test_lora_bgmv_builds_agree_and_rows_do_not_depend_on_their_neighbours(variants) -> None:
     """A row's sums run in one order whether it shares its slot's weight loads with three
     other rows or not."""
-    x, a_slots, b_slots, row_slots, widths, out = lora_case(torch.float32, torch.bfloat16)
+    x, a_slots, b_slots, row_slots, widths, spans, out = lora_case(torch.float32, torch.bfloat16)
     together = out.clone()
-    variants["native"].lora_bgmv(x, a_slots, b_slots, row_slots, widths, together)
+    variants["native"].lora_bgmv(x, a_slots, b_slots, row_slots, widths, spans, together)
     for i in range(len(x)):
         alone = out[i : i + 1].clone()
         variants["native"].lora_bgmv(x[i : i + 1], a_slots, b_slots, row_slots[i : i + 1],
-                                     widths, alone)
+                                     widths, spans, alone)
         assert torch.equal(alone[0], together[i])
 
 
 def test_lora_bgmv_refuses_what_it_cannot_read(variants) -> None:
-    x, a_slots, b_slots, row_slots, widths, out = lora_case(torch.float32, torch.float32)
+    x, a_slots, b_slots, row_slots, widths, spans, out = lora_case(torch.float32, torch.float32)
     op = variants["native"].lora_bgmv
     with pytest.raises(RuntimeError, match="row 2 names slot 5 of 5"):
-        op(x, a_slots, b_slots, torch.where(row_slots == 0, 5, row_slots), widths, out)
+        op(x, a_slots, b_slots, torch.where(row_slots == 0, 5, row_slots), widths, spans, out)
     with pytest.raises(RuntimeError, match="slot 0 has width 25 of at most 24"):
-        op(x, a_slots, b_slots, row_slots, widths + 1, out)
+        op(x, a_slots, b_slots, row_slots, widths + 1, spans, out)
     with pytest.raises(RuntimeError, match=r"b_slots \[L, R, out\]"):
-        op(x, a_slots, b_slots.transpose(1, 2).contiguous(), row_slots, widths, out[:, :24])
+        op(x, a_slots, b_slots.transpose(1, 2).contiguous(), row_slots, widths, spans,
+           out[:, :24])
     with pytest.raises(RuntimeError, match="out .* of x's dtype"):
-        op(x, a_slots, b_slots, row_slots, widths, out.bfloat16())
+        op(x, a_slots, b_slots, row_slots, widths, spans, out.bfloat16())
     with pytest.raises(RuntimeError, match="row_slots int64"):
-        op(x, a_slots, b_slots, row_slots.int(), widths, out)
+        op(x, a_slots, b_slots, row_slots.int(), widths, spans, out)
+    with pytest.raises(RuntimeError, match=r"spans int64 \[L, R, 2\]"):
+        op(x, a_slots, b_slots, row_slots, widths, spans[:, :, 0], out)
 
 
 def random_adapter(config, rank: int, seed: int) -> LoraWeights:
@@ -640,6 +652,9 @@ def test_lora_step_takes_the_op_on_cpu_and_the_segmented_form_without(variants, 
         for lora_id, rank in ((1, 8), (2, 3)):
             pool.add(lora_id, random_adapter(config, rank, lora_id))
     steps = [pool.prepare(lora_ids, extend_lens) for pool in pools]
+    # q, k and v take outputs 0-39, 40-59 and 60-79; adapter 1's rank rows 0-7, 8-15 and 16-23
+    spans = pools[0].spans[(1, "qkv")][pools[0].resident[1], :24]
+    assert spans.unique_consecutive(dim=0).tolist() == [[0, 40], [40, 60], [60, 80]]
     gen = torch.Generator().manual_seed(0)
     for name, (width, outs) in projection_shapes(config).items():
         x = torch.randn(7, width, generator=gen).to(dtype)

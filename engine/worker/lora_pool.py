@@ -14,7 +14,9 @@ A step (``LoraStep``): per layer and projection, each token's row of the base pr
 output gains ``B_s (A_s x)`` of its adapter's slot ``s`` (the base model's rows, none, and they
 pay nothing), whatever format the base weight is in. On CPU with the compiled kernels that is
 one op (``torch.ops.radixserve.lora_bgmv``, csrc/lora_bgmv.cpp, Punica's BGMV form: rows of one
-adapter share each read of its weights, products in float32), and the slots hold bf16 for a
+adapter share each read of its weights, products in float32; ``spans`` tell it the columns of
+each row of B^T that are not zeros, so that it skips the fused parts a rank row does not
+reach: two thirds of q/k/v's B, half of gate/up's), and the slots hold bf16 for a
 bf16 model (widened in registers: half the bytes of float32, which the op's decode steps are
 bound by), float32 otherwise. Without the kernels (CUDA, ``RADIXSERVE_CPU_KERNELS=0``, no
 compiler) the update is S-LoRA's segmented form in torch: the adapted rows are gathered once in
@@ -66,7 +68,14 @@ class LoraPool:
         self.width_tensors = {(layer, name): views[layer, k]
                               for layer in range(config.num_layers)
                               for k, name in enumerate(self.names)}
+        # (layer, projection) -> [slot, row of B^T, (begin, end)]: its nonzero columns, which
+        # the kernel reads (the others hold zeros: the fused parts the row does not reach)
+        self.spans = {(layer, name): torch.zeros(max_loras, len(outs) * max_rank, 2,
+                                                 dtype=torch.int64)
+                      for layer in range(config.num_layers)
+                      for name, (_, outs) in shapes.items()}
         self.adapters: dict[int, LoraWeights] = {}  # lora id -> host copy
+        self.host_spans: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # lora id -> spans
         self.infos: dict[int, LoraAdapterInfo] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self.swaps = 0
@@ -76,12 +85,14 @@ class LoraPool:
         """Keep ``weights`` as adapter ``lora_id`` (on the host until a step needs it)."""
         self.remove(lora_id)
         self.adapters[lora_id] = weights
+        self.host_spans[lora_id] = {key: _nonzero_spans(bt) for key, (_, bt) in weights.mats.items()}
         self.infos[lora_id] = LoraAdapterInfo(weights.name, lora_id, weights.rank,
                                               weights.content_hash, path)
         return self.infos[lora_id]
 
     def remove(self, lora_id: int) -> None:
         self.adapters.pop(lora_id, None)
+        self.host_spans.pop(lora_id, None)
         self.infos.pop(lora_id, None)
         self.resident.pop(lora_id, None)
 
@@ -120,18 +131,20 @@ class LoraPool:
             victim = next(i for i in self.resident if i not in keep)
             slot = self.resident.pop(victim)
         started = time.perf_counter()
-        self._fill(slot, self.adapters[lora_id])
+        self._fill(slot, self.adapters[lora_id], self.host_spans[lora_id])
         self.swap_seconds += time.perf_counter() - started
         self.swaps += 1
         self.resident[lora_id] = slot
         return slot
 
-    def _fill(self, slot: int, weights: LoraWeights) -> None:
+    def _fill(self, slot: int, weights: LoraWeights,
+              spans: dict[tuple[int, str], torch.Tensor]) -> None:
         self.widths[:, :, slot] = 0
         for (layer, name), (a, bt) in weights.mats.items():
             width = a.shape[0]
             self.slots_a[layer][name][slot, :width].copy_(a, non_blocking=True)
             self.slots_b[layer][name][slot, :width].copy_(bt, non_blocking=True)
+            self.spans[(layer, name)][slot, :width] = spans[(layer, name)]
             self.widths[layer, self.names.index(name), slot] = width
 
     def matrices(self, slot: int, layer: int, name: str
@@ -179,7 +192,8 @@ class LoraStep:
             return
         if pool.kernel is not None:
             pool.kernel(x.to(out.dtype), pool.slots_a[layer][name], pool.slots_b[layer][name],
-                        plan.slots, pool.width_tensors[(layer, name)], out)
+                        plan.slots, pool.width_tensors[(layer, name)], pool.spans[(layer, name)],
+                        out)
             return
         mats = [pool.matrices(slot, layer, name) for slot, _, _ in plan.segments]
         if all(m is None for m in mats):
@@ -195,6 +209,14 @@ class LoraStep:
             out += delta.to(out.dtype)
         else:
             out.index_add_(0, plan.index, delta.to(out.dtype))
+
+
+def _nonzero_spans(bt: torch.Tensor) -> torch.Tensor:
+    """[rows, 2]: each row's first nonzero column and one past its last; (0, 0) if none."""
+    nonzero = (bt != 0).to(torch.int8)
+    begin = nonzero.argmax(1)
+    end = bt.shape[1] - nonzero.flip(1).argmax(1)
+    return torch.where(nonzero.any(1)[:, None], torch.stack((begin, end), 1), 0)
 
 
 class _Plan(NamedTuple):

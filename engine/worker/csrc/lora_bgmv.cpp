@@ -4,9 +4,11 @@
 //
 // A[s] the first widths[s] rows of a_slots[s] ([R, in]) and B[s] held transposed, the first
 // widths[s] rows of b_slots[s] ([R, out]), so that the second product reads contiguous tiles of
-// outputs. Weights float32 or bf16 (widened in registers: decode steps are bound by reading
-// them), products and sums in float32; each row's delta is added to out once, rounded to out's
-// dtype there. Rows of one slot go in blocks of kRows that share each load of its weights:
+// outputs; spans[s, r] = [begin, end): the columns of B[s]'s row r outside it are zeros and not
+// read (the parts of a fused projection that an adapter's rank row does not reach: two thirds
+// of q/k/v's B, half of gate/up's). Weights float32 or bf16 (widened in registers: decode steps
+// are bound by reading them), products and sums in float32; each row's delta is added to out
+// once, rounded to out's dtype there. Rows of one slot go in blocks of kRows that share each load of its weights:
 // first t = A[s] x[i] (threads split the blocks), then out[i] += B[s] t (threads split slot x
 // tile of kTile outputs; a slot's blocks take the tile in turn while it is in L1). A row's sums
 // run in the same order whatever its block, and the AVX-512, AVX2 and portable loops compute
@@ -67,11 +69,11 @@ void add_delta(O* out, const float* delta, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = static_cast<O>(to_float(out[j]) + delta[j]);
 }
 
-// out[q][j] += sum_r t[q][r] * bt[r * stride + j] for j in [0, len), len <= kTile, q < Rows:
-// each load of B serves the Rows rows.
+// out[q][j] += sum_r t[q][r] * bt[r * stride + j] for j in [0, len), len <= kTile, q < Rows,
+// r over the ``used`` rows listed in ``rows``: each load of B serves the Rows rows.
 template <int Rows, typename W, typename O>
-void expand(const float* const* t, int64_t width, const W* bt, int64_t stride, O* const* out,
-            int64_t len) {
+void expand(const float* const* t, const int64_t* rows, int64_t used, const W* bt,
+            int64_t stride, O* const* out, int64_t len) {
   float delta[Rows][kTile];
   int64_t j = 0;
 #if defined(RADIXSERVE_AVX512)
@@ -82,7 +84,8 @@ void expand(const float* const* t, int64_t width, const W* bt, int64_t stride, O
     for (int q = 0; q < Rows; ++q) {
       for (int v = 0; v < kVecs; ++v) acc[q][v] = _mm512_setzero_ps();
     }
-    for (int64_t r = 0; r < width; ++r) {
+    for (int64_t k = 0; k < used; ++k) {
+      const int64_t r = rows[k];
       const W* b = bt + r * stride + j;
       __m512 bv[kVecs];
       for (int v = 0; v < kVecs; ++v) bv[v] = radixserve::load16(b + 16 * v);
@@ -98,7 +101,8 @@ void expand(const float* const* t, int64_t width, const W* bt, int64_t stride, O
   for (; j + 16 <= len; j += 16) {
     __m512 acc[Rows];
     for (int q = 0; q < Rows; ++q) acc[q] = _mm512_setzero_ps();
-    for (int64_t r = 0; r < width; ++r) {
+    for (int64_t k = 0; k < used; ++k) {
+      const int64_t r = rows[k];
       const __m512 b = radixserve::load16(bt + r * stride + j);
       for (int q = 0; q < Rows; ++q) acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(t[q][r]), b, acc[q]);
     }
@@ -112,7 +116,8 @@ void expand(const float* const* t, int64_t width, const W* bt, int64_t stride, O
     for (int q = 0; q < Rows; ++q) {
       for (int v = 0; v < kVecs; ++v) acc[q][v] = _mm256_setzero_ps();
     }
-    for (int64_t r = 0; r < width; ++r) {
+    for (int64_t k = 0; k < used; ++k) {
+      const int64_t r = rows[k];
       const W* b = bt + r * stride + j;
       __m256 bv[kVecs];
       for (int v = 0; v < kVecs; ++v) bv[v] = radixserve::load8(b + 8 * v);
@@ -128,7 +133,8 @@ void expand(const float* const* t, int64_t width, const W* bt, int64_t stride, O
   for (; j + 8 <= len; j += 8) {
     __m256 acc[Rows];
     for (int q = 0; q < Rows; ++q) acc[q] = _mm256_setzero_ps();
-    for (int64_t r = 0; r < width; ++r) {
+    for (int64_t k = 0; k < used; ++k) {
+      const int64_t r = rows[k];
       const __m256 b = radixserve::load8(bt + r * stride + j);
       for (int q = 0; q < Rows; ++q) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(t[q][r]), b, acc[q]);
     }
@@ -137,7 +143,8 @@ void expand(const float* const* t, int64_t width, const W* bt, int64_t stride, O
 #endif
   const int64_t vectorized = j;
   for (int q = 0; q < Rows; ++q) std::fill(delta[q] + vectorized, delta[q] + len, 0.f);
-  for (int64_t r = 0; r < width; ++r) {
+  for (int64_t k = 0; k < used; ++k) {
+    const int64_t r = rows[k];
     const W* b = bt + r * stride;
     for (int q = 0; q < Rows; ++q) {
       for (j = vectorized; j < len; ++j) delta[q][j] += t[q][r] * to_float(b[j]);
@@ -148,7 +155,8 @@ void expand(const float* const* t, int64_t width, const W* bt, int64_t stride, O
 
 template <typename X, typename W>
 void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_slots,
-          const int64_t* slot_of, const int64_t* widths, at::Tensor& out) {
+          const int64_t* slot_of, const int64_t* widths, const int64_t* spans,
+          at::Tensor& out) {
   const int64_t rows = x.size(0), in = x.size(1), rank = a_slots.size(1), outs = b_slots.size(2);
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
   const X* xp = x.data_ptr<X>();
@@ -198,11 +206,19 @@ void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_sl
 
   const int64_t tiles = (outs + kTile - 1) / kTile;
   at::parallel_for(0, groups * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> used_rows(rank);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t group = item / tiles, first = (item % tiles) * kTile;
       const int64_t len = std::min(kTile, outs - first);
       const int64_t s = slot_of[order[block_starts[group_starts[group]]]];
       const W* bt = bp + s * rank * outs + first;
+      // The rows of B^T with nonzero columns in this tile: the rest are not read.
+      int64_t used = 0;
+      for (int64_t r = 0; r < widths[s]; ++r) {
+        const int64_t* span = spans + (s * rank + r) * 2;
+        if (span[0] < first + len && span[1] > first) used_rows[used++] = r;
+      }
+      if (used == 0) continue;
       for (int64_t block = group_starts[group]; block < group_starts[group + 1]; ++block) {
         const int64_t lo = block_starts[block], count = block_starts[block + 1] - lo;
         const float* t_rows[kRows];
@@ -212,10 +228,10 @@ void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_sl
           out_rows[q] = outp + order[lo + q] * out_stride + first;
         }
         if (count == kRows) {
-          expand<kRows>(t_rows, widths[s], bt, outs, out_rows, len);
+          expand<kRows>(t_rows, used_rows.data(), used, bt, outs, out_rows, len);
         } else {
           for (int64_t q = 0; q < count; ++q) {
-            expand<1>(t_rows + q, widths[s], bt, outs, out_rows + q, len);
+            expand<1>(t_rows + q, used_rows.data(), used, bt, outs, out_rows + q, len);
           }
         }
       }
@@ -225,12 +241,13 @@ void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_sl
 
 template <typename X>
 void dispatch_weights(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_slots,
-                      const int64_t* slot_of, const int64_t* widths, at::Tensor& out) {
+                      const int64_t* slot_of, const int64_t* widths, const int64_t* spans,
+                      at::Tensor& out) {
   switch (a_slots.scalar_type()) {
     case at::kFloat:
-      return bgmv<X, float>(x, a_slots, b_slots, slot_of, widths, out);
+      return bgmv<X, float>(x, a_slots, b_slots, slot_of, widths, spans, out);
     case at::kBFloat16:
-      return bgmv<X, c10::BFloat16>(x, a_slots, b_slots, slot_of, widths, out);
+      return bgmv<X, c10::BFloat16>(x, a_slots, b_slots, slot_of, widths, spans, out);
     default:
       TORCH_CHECK(false, "lora_bgmv: adapter slots in float32 or bf16 expected, not ",
                   a_slots.scalar_type());
@@ -238,7 +255,8 @@ void dispatch_weights(const at::Tensor& x, const at::Tensor& a_slots, const at::
 }
 
 void lora_bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_slots,
-               const at::Tensor& row_slots, const at::Tensor& widths, at::Tensor out) {
+               const at::Tensor& row_slots, const at::Tensor& widths, const at::Tensor& spans,
+               at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lora_bgmv: x [n, in] with contiguous rows "
               "expected");
   TORCH_CHECK(a_slots.dim() == 3 && a_slots.is_contiguous() && a_slots.size(2) == x.size(1),
@@ -256,8 +274,13 @@ void lora_bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor&
   TORCH_CHECK(widths.dim() == 1 && widths.is_contiguous() && widths.scalar_type() == at::kLong &&
                   widths.size(0) == a_slots.size(0),
               "lora_bgmv: widths int64 [L] expected");
+  TORCH_CHECK(spans.dim() == 3 && spans.is_contiguous() && spans.scalar_type() == at::kLong &&
+                  spans.size(0) == a_slots.size(0) && spans.size(1) == a_slots.size(1) &&
+                  spans.size(2) == 2,
+              "lora_bgmv: spans int64 [L, R, 2] expected");
   const int64_t* slot_of = row_slots.data_ptr<int64_t>();
   const int64_t* width_of = widths.data_ptr<int64_t>();
+  const int64_t* span_of = spans.data_ptr<int64_t>();
   for (int64_t i = 0; i < x.size(0); ++i) {
     TORCH_CHECK(slot_of[i] >= -1 && slot_of[i] < a_slots.size(0), "lora_bgmv: row ", i,
                 " names slot ", slot_of[i], " of ", a_slots.size(0));
@@ -268,11 +291,11 @@ void lora_bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor&
   }
   switch (x.scalar_type()) {
     case at::kFloat:
-      return dispatch_weights<float>(x, a_slots, b_slots, slot_of, width_of, out);
+      return dispatch_weights<float>(x, a_slots, b_slots, slot_of, width_of, span_of, out);
     case at::kBFloat16:
-      return dispatch_weights<c10::BFloat16>(x, a_slots, b_slots, slot_of, width_of, out);
+      return dispatch_weights<c10::BFloat16>(x, a_slots, b_slots, slot_of, width_of, span_of, out);
     case at::kHalf:
-      return dispatch_weights<c10::Half>(x, a_slots, b_slots, slot_of, width_of, out);
+      return dispatch_weights<c10::Half>(x, a_slots, b_slots, slot_of, width_of, span_of, out);
     default:
       TORCH_CHECK(false, "lora_bgmv: unsupported input dtype ", x.scalar_type());
   }
@@ -282,7 +305,7 @@ void lora_bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor&
 
 RADIXSERVE_OPS_FRAGMENT(m) {
   m.def("lora_bgmv(Tensor x, Tensor a_slots, Tensor b_slots, Tensor row_slots, Tensor widths, "
-        "Tensor(a!) out) -> ()");
+        "Tensor spans, Tensor(a!) out) -> ()");
 }
 
 RADIXSERVE_OPS_IMPL(m) { m.impl("lora_bgmv", &lora_bgmv); }
