@@ -51,8 +51,8 @@ def random_weight(fmt: str, rows: int, cols: int, seed: int) -> PackedWeight:
 def emulated(x: torch.Tensor, p: PackedWeight, digits: int) -> torch.Tensor:
     """What the kernel computes, in float64: activations quantized per row and block of 32
     (step max|x| / 127, ties to even; with ``digits`` 2 a second digit, what the first leaves
-    in 254ths of its step), integer block products scaled by both scales, and the 4-bit
-    minimum times the block's exact sum of x."""
+    in 254ths of its step), integer block products scaled by both scales, and the minimum
+    times the block's exact sum of x."""
     rows, cols = p.shape
     xb = x.double().view(x.shape[0], -1, BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
@@ -65,15 +65,14 @@ def emulated(x: torch.Tensor, p: PackedWeight, digits: int) -> torch.Tensor:
         step = step / 254
     dense = p.dequantize().view(rows, -1, BLOCK)
     scales = p.scales.double().expand(rows, cols // BLOCK)[..., None]
-    if p.bits == 8:
-        q, mins = dense / torch.where(scales == 0, 1, scales), 0
-    else:
-        mins = p.mins.double()[..., None] if p.mins is not None else -8 * scales
-        q = (dense - mins) / torch.where(scales == 0, 1, scales)
+    if p.mins is not None:
+        mins = p.mins.double()[..., None]
+    else:  # q8_0 has none, q4_0's is -8 d
+        mins = torch.zeros_like(scales) if p.bits == 8 else -8 * scales
+    q = (dense - mins) / torch.where(scales == 0, 1, scales)
     products = torch.einsum("mbe,nbe->mnb", xq, torch.round(q))
     out = (products * scales[None, :, :, 0] * step[..., 0][:, None, :]).sum(-1)
-    if p.bits == 4:
-        out += torch.einsum("mb,nb->mn", xb.sum(-1), mins[..., 0].expand(rows, -1))
+    out += torch.einsum("mb,nb->mn", xb.sum(-1), mins[..., 0].expand(rows, -1))
     return out
 
 
@@ -134,22 +133,39 @@ def test_gguf_blocks_keep_their_numbers(kind):
 
 
 def test_int8_and_int4_quantize_to_the_nearest_steps():
-    """Per group of 32: int8, the group's largest magnitude in 127 steps; int4, the group's
-    minimum and 15 steps; every value within half a step (plus float16's rounding)."""
-    w = torch.randn(64, 128) * 0.05
-    for fmt, bound in (("int8", 0.5), ("int4", 0.5)):
+    """Per group of 32, from the group's minimum to its maximum: int8 in 255 steps (q -128 at
+    the minimum, 127 at the maximum), int4 in 15; every value within half a step (plus
+    float16's rounding of the scale and the minimum)."""
+    w = torch.randn(64, 128) * 0.05 + 0.02
+    groups = w.view(64, 4, BLOCK)
+    for fmt, levels in (("int8", 255), ("int4", 15)):
         p = quantize(w, fmt)
+        assert p.mins.shape == p.scales.shape == (64, 4)
+        spread = groups.amax(-1) - groups.amin(-1)  # int4's from the float16 minimum
+        torch.testing.assert_close(p.scales.float(), spread / levels, rtol=2e-3, atol=0)
         if fmt == "int8":
             assert p.qweight.dtype == torch.int8 and p.qweight.shape == (64, 128)
-            assert p.mins is None
-            groups = w.view(64, 4, BLOCK).abs().amax(-1)
-            assert torch.equal(p.scales, (groups / 127).half())
+            q = p.qweight.view(64, 4, BLOCK)
+            assert (q.amin(-1) <= -127).all() and (q.amax(-1) >= 126).all()
         else:
-            assert p.mins.shape == (64, 4) and p.qweight.shape == (64, 64)
-        assert p.scales.shape == (64, 4)
+            assert p.qweight.shape == (64, 64)
         step = p.scales.double().repeat_interleave(BLOCK, dim=1)
         err = (p.dequantize() - w.double()).abs() / step
-        assert err.max() < bound + 0.01, fmt
+        assert err.max() < 0.5 + 0.05, fmt
+
+
+def test_int8_holds_a_4_bit_grid_exactly():
+    """A weight already on a 4-bit grid of 15 steps (a Q4_1 checkpoint's values) lands on int8's
+    255 steps (17 each) up to float16's rounding: what served Q4_1 checkpoints re-quantize."""
+    generator = torch.Generator().manual_seed(1)
+    low = torch.randn(8, 2, 1, generator=generator) * 0.02
+    levels = torch.randint(0, 16, (8, 2, BLOCK), generator=generator)
+    levels[..., 0], levels[..., 1] = 0, 15
+    w = (low + levels * 0.004).view(8, 2 * BLOCK)
+    p = quantize(w, "int8")
+    assert torch.equal(p.qweight.view(8, 2, BLOCK).long(), levels * 17 - 128)
+    err = (p.dequantize() - w.double()).abs().max().item()
+    assert err < 0.004 * 15 * 2**-10
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -182,6 +198,9 @@ def test_a_tensor_parallel_split_keeps_whole_blocks():
     assert columns == {"w.qweight": Slice(1, 144, 288, 288), "w.scales": Slice(1, 9, 18, 18),
                        "w.mins": Slice(1, 9, 18, 18)}
     assert part_sources("w", Slice(1, 64, 128, 128), "int8") == {
+        "w.qweight": Slice(1, 64, 128, 128), "w.scales": Slice(1, 2, 4, 4),
+        "w.mins": Slice(1, 2, 4, 4)}
+    assert part_sources("w", Slice(1, 64, 128, 128), "q8_0") == {
         "w.qweight": Slice(1, 64, 128, 128), "w.scales": Slice(1, 2, 4, 4)}
 
 

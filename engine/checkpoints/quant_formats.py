@@ -6,14 +6,14 @@ a checkpoint's ``quantized.safetensors`` and read by the worker's kernels
     q8_0    8     32 int8 q, float16 scale d                 d * q         GGUF Q8_0
     q4_0    4     16 bytes of nibbles, float16 d             d * (q - 8)   GGUF Q4_0
     q4_1    4     16 bytes of nibbles, float16 d and m       d * q + m     GGUF Q4_1
-    int8    8     32 int8 q, float16 scale d (as q8_0)       d * q         --quantization int8
+    int8    8     32 int8 q, float16 d and m                 d * q + m     --quantization int8
     int4    4     as q4_1 (a group's minimum and step)       d * q + m     --quantization int4
 
 A 4-bit block's byte j holds element j in its low nibble and element j + 16 in its high one
 (GGUF's order). Each weight is three arrays with one row per output feature, so fusing
 projections (q/k/v, gate/up) concatenates rows and tensor parallel takes rows, or columns in
 whole blocks: ``qweight`` (uint8 [N, K / 2] or int8 [N, K]), ``scales`` (float16 [N, K / 32])
-and, for q4_1 and int4, ``mins`` (float16 [N, K / 32]).
+and, for q4_1, int8 and int4, ``mins`` (float16 [N, K / 32]).
 
 In the file, weight ``NAME`` is stored as ``NAME.qweight``, ``NAME.scales`` (and
 ``NAME.mins``), and the file's metadata ``formats`` maps every such ``NAME`` to its format.
@@ -30,7 +30,7 @@ import torch
 
 BLOCK = 32
 BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "int8": 8, "int4": 4}
-WITH_MINS = ("q4_1", "int4")
+WITH_MINS = ("q4_1", "int8", "int4")
 PARTS = ("qweight", "scales", "mins")
 FILE = "quantized.safetensors"
 GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
@@ -94,12 +94,14 @@ def from_gguf(kind: str, blocks: np.ndarray) -> PackedWeight:
 
 def quantize(weight: torch.Tensor, fmt: str) -> PackedWeight:
     """``weight`` [N, K] (any float dtype) in format ``fmt``, per group of 32 along a row:
-    ``int8`` symmetric (the group's largest magnitude is 127 steps), ``int4`` from the group's
-    minimum in 15 steps. Groups rather than one scale per output row: over SmolLM2's weights,
-    per-row int8 agreed with the unquantized model on 96.5% of greedy steps even with exact
-    float activations, per-group int8 on 99.x% (docs/benchmarks.md, "Quantized weights").
-    Scales are rounded to float16 before the values are computed from them, so the blocks hold
-    the nearest representable weights."""
+    from the group's minimum to its maximum in 255 steps (``int8``, q = -128 at the minimum, m
+    the value at q = 0) or 15 (``int4``, q = 0 at the minimum). Groups rather than one scale
+    per output row, and a minimum rather than a symmetric range: over SmolLM2's weights
+    (docs/benchmarks.md, "Quantized weights"), per-row symmetric int8 agreed with the
+    unquantized model on 96.5% of greedy steps even with exact float activations, per-group
+    symmetric on 98.8% with the kernel's activations; a group's range in 255 steps halves the
+    step of a range centred off zero. Scales and minimums are rounded to float16 before the
+    values are computed from them, so the blocks hold the nearest representable weights."""
     w = weight.detach().to(torch.float32)
     rows, cols = w.shape
     if cols % BLOCK:
@@ -108,15 +110,18 @@ def quantize(weight: torch.Tensor, fmt: str) -> PackedWeight:
     if fmt not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {fmt!r}: int8 or int4")
     groups = w.view(rows, -1, BLOCK)
-    if fmt == "int8":
-        scales = (groups.abs().amax(dim=-1) / 127).to(torch.float16)
-        divisor = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
-        q = torch.round(groups / divisor).clamp_(-127, 127).to(torch.int8)
-        return PackedWeight(fmt, q.reshape(rows, cols), scales)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    tiny = torch.finfo(torch.float16).tiny
+    if fmt == "int8":
+        scales = ((high - low) / 255).to(torch.float16)
+        step = scales.float().clamp_min(tiny)
+        mins = (low + 128 * step).to(torch.float16)
+        q = torch.round((groups - mins.float()[..., None]) / step[..., None])
+        return PackedWeight(fmt, q.clamp_(-128, 127).to(torch.int8).reshape(rows, cols),
+                            scales, mins)
     mins = low.to(torch.float16)
     scales = ((high - mins.float()) / 15).to(torch.float16)
-    step = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+    step = scales.float().clamp_min(tiny)[..., None]
     q = torch.round((groups - mins.float()[..., None]) / step).clamp_(0, 15).to(torch.uint8)
     packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
     return PackedWeight(fmt, packed.reshape(rows, -1), scales, mins)

@@ -23,7 +23,7 @@ from engine.checkpoints.model_source import weight_files
 from engine.checkpoints.quant_formats import FILE, quantize, write
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-QUANTIZER_VERSION = 2
+QUANTIZER_VERSION = 3
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 
 

@@ -1,17 +1,17 @@
 // Linear layers over quantized weight blocks (engine/checkpoints/quant_formats.py holds the
 // formats): out[m, n] = sum_k x[m, k] * w[n, k], w held in blocks of 32 along k,
 //
-//   bits 8: w = d * q, q int8               (GGUF Q8_0; int8 per row repeats its one scale)
+//   bits 8: w = d * q (+ m), q int8         (GGUF Q8_0; int8 with m)
 //   bits 4: w = d * q + m, q in 0..15       (GGUF Q4_1, int4; GGUF Q4_0 is m = -8 d)
 //
-// with d and m float16 per block. quant_repack lays a checkpoint's blocks out once for these
+// with d and m float16 per block (8-bit weights may have no m). quant_repack lays a checkpoint's blocks out once for these
 // loops: kRows output rows interleaved, so that one vector holds the same 4 consecutive k of
 // kRows rows (a "k-quad"), and a block of 32 is 8 such vectors:
 //
 //   qweight [groups, blocks, 8 k-quads x kRows x 4 values]  (4-bit: two k-quads' rows
 //            per byte: rows 0 .. kRows/2 - 1 in the low nibbles, the others in the high)
 //   scales, mins [groups, blocks, kRows] float16            (groups = ceil(N / kRows); the
-//            padding rows are zeros)
+//            padding rows are zeros; mins empty for 8-bit weights without m)
 //
 // The activations are quantized per row and block of 32 (x = dx * qx, qx in -127..127, as
 // llama.cpp's Q8 activations), with ``digits`` 2 a second int8 digit, the rounding left by the
@@ -21,8 +21,8 @@
 // multiply-adds of the unpacked weights by one row's 4 bytes broadcast (AVX-512 VNNI: 64
 // products in one vpdpbusd, which multiplies unsigned by signed bytes: 4-bit values are
 // unsigned as stored, int8 ones are stored offset by 128, whose excess 128 * sum(qx) is taken
-// off per block), scaled by d * dx into a float accumulator per output; the 4-bit minimum adds
-// m times the block's exact float sum of x. AVX2 (8 rows; vpmaddubsw, int8 weights signed with
+// off per block), scaled by d * dx into a float accumulator per output; the minimum adds m
+// times the block's exact float sum of x. AVX2 (8 rows; vpmaddubsw, int8 weights signed with
 // the sign trick) and the portable build (plain loops over the AVX-512 layout) compute the same.
 // Up to kTile activation rows share each unpacked block. Outputs are split across threads by
 // row group, so a row's result does not depend on the batch it rides in.
@@ -64,7 +64,7 @@ inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
 struct Weights {
   const uint8_t* q;        // [groups, blocks, group_bytes]
   const c10::Half* scales;  // [groups, blocks, kRows]
-  const c10::Half* mins;    // [groups, blocks, kRows] (4-bit) or nullptr
+  const c10::Half* mins;    // [groups, blocks, kRows], or nullptr (8-bit without m)
   int bits;
   int64_t N, K, blocks, groups;
 
@@ -92,7 +92,7 @@ constexpr int32_t kDigit2 = 254;
 
 // The activations, quantized once per call: per row K int8 values (and with two digits, K
 // second digits), and per block the scale (two digits: over kDigit2), the exact float sum of x
-// (4-bit minimums) and 128 times the sum of qx (offset int8 weights; both digits, as the
+// (the minimums) and 128 times the sum of qx (offset int8 weights; both digits, as the
 // integer kDigit2 * qx + qx2 their products add up to).
 struct Activations {
   std::vector<int8_t> q, q2;
@@ -174,9 +174,9 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
     }
     const __m512 ws = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + w.at(g, b))));
-    const __m512 wm = w.bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                        reinterpret_cast<const __m256i*>(w.mins + w.at(g, b))))
-                                  : _mm512_setzero_ps();
+    const __m512 wm = w.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                   reinterpret_cast<const __m256i*>(w.mins + w.at(g, b))))
+                             : _mm512_setzero_ps();
     // Independent sums: a few rows' (or one row's several partial) vpdpbusd chains in flight
     // at once, since each waits for the previous one's result.
     constexpr int kChains = R >= 4 ? 1 : 4 / R;
@@ -217,7 +217,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
       if (w.bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a.excess[at]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
                                _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[at])), acc[r]);
-      if (w.bits == 4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.sum[at]), acc[r]);
+      if (w.mins) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.sum[at]), acc[r]);
     }
   }
 }
@@ -242,9 +242,9 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
     }
     const __m256 ws = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + w.at(g, b))));
-    const __m256 wm = w.bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                        reinterpret_cast<const __m128i*>(w.mins + w.at(g, b))))
-                                  : _mm256_setzero_ps();
+    const __m256 wm = w.mins ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                   reinterpret_cast<const __m128i*>(w.mins + w.at(g, b))))
+                             : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + m * a.K + b * kBlock);
@@ -272,7 +272,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
       const int64_t at = m * a.blocks + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[at])), acc[r]);
-      if (w.bits == 4) acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.sum[at]), acc[r]);
+      if (w.mins) acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.sum[at]), acc[r]);
     }
   }
 }
@@ -288,7 +288,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, A
   for (int64_t b = 0; b < w.blocks; ++b) {
     for (int64_t lane = 0; lane < kRows; ++lane) {
       const float d = static_cast<float>(w.scales[w.at(g, b) + lane]);
-      const float mn = w.bits == 4 ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
+      const float mn = w.mins ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r, at = m * a.blocks + b;
         const int8_t* xq = a.q.data() + m * a.K + b * kBlock;
@@ -332,10 +332,11 @@ Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::
               "quant_linear: scales from quant_repack expected");
   Weights w{qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), nullptr,
             static_cast<int>(bits), N, blocks * kBlock, blocks, groups};
-  if (bits == 4) {
+  TORCH_CHECK(bits == 8 || mins.numel() > 0, "quant_linear: 4-bit weights need mins");
+  if (mins.numel() > 0) {
     TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == at::kHalf &&
                     mins.numel() == scales.numel(),
-                "quant_linear: 4-bit weights need mins from quant_repack");
+                "quant_linear: mins from quant_repack expected");
     w.mins = mins.data_ptr<c10::Half>();
   }
   return w;
@@ -392,7 +393,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 // A checkpoint's blocks (quant_formats.py: qweight uint8 [N, K / 2] or int8 [N, K], scales
 // [N, K / 32] float16, or any stride along the blocks, mins the same or undefined) in the
-// interleaved layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d.
+// interleaved layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d; an 8-bit one
+// keeps none.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qweight,
                                                             const at::Tensor& scales,
                                                             const c10::optional<at::Tensor>& mins,
@@ -409,18 +411,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qw
   auto opts = qweight.options();
   at::Tensor packed = at::zeros({groups, blocks, group_bytes(bits)}, opts.dtype(at::kByte));
   at::Tensor out_scales = at::zeros({groups, blocks, kRows}, opts.dtype(at::kHalf));
-  at::Tensor out_mins = at::zeros({bits == 4 ? groups : 0, blocks, kRows}, opts.dtype(at::kHalf));
+  const bool keep_mins = bits == 4 || has_mins;
+  at::Tensor out_mins = at::zeros({keep_mins ? groups : 0, blocks, kRows}, opts.dtype(at::kHalf));
   if (bits == 8 && kOffset8) packed.fill_(kOffset8);  // padding rows hold q = 0
   const uint8_t* src = static_cast<const uint8_t*>(qweight.data_ptr());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   c10::Half* ds = out_scales.data_ptr<c10::Half>();
-  c10::Half* dm = bits == 4 ? out_mins.data_ptr<c10::Half>() : nullptr;
+  c10::Half* dm = keep_mins ? out_mins.data_ptr<c10::Half>() : nullptr;
   const auto sa = scales.accessor<c10::Half, 2>();
   const int64_t half = kRows / 2;
   const at::Tensor mins_rows = has_mins ? mins->contiguous() : at::Tensor();
-  TORCH_CHECK(!has_mins || (bits == 4 && mins_rows.scalar_type() == at::kHalf &&
+  TORCH_CHECK(!has_mins || (mins_rows.scalar_type() == at::kHalf &&
                             mins_rows.sizes() == scales.sizes()),
-              "quant_repack: mins [N, K / 32] float16, for 4-bit weights only");
+              "quant_repack: mins [N, K / 32] float16");
   const c10::Half* src_mins = has_mins ? mins_rows.data_ptr<c10::Half>() : nullptr;
   for (int64_t n = 0; n < N; ++n) {
     const int64_t g = n / kRows, lane = n % kRows;
@@ -456,7 +459,7 @@ void dequantize_rows(const Weights& w, const int64_t* rows, int64_t count, T* ou
       const int64_t n = rows[i], g = n / kRows, lane = n % kRows;
       for (int64_t b = 0; b < w.blocks; ++b) {
         const float d = static_cast<float>(w.scales[w.at(g, b) + lane]);
-        const float mn = w.bits == 4 ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
+        const float mn = w.mins ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
         for (int64_t e = 0; e < kBlock; ++e) {
           out[i * w.K + b * kBlock + e] =
               static_cast<T>(d * static_cast<float>(value_at(w, g, b, lane, e)) + mn);
