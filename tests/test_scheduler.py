@@ -56,13 +56,13 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 
 class Harness:
-    def __init__(self, model_dir: str, **options) -> None:
+    def __init__(self, model_dir: str, tp=None, **options) -> None:
         # fp32 and dense weights unless asked: outputs are compared with transformers' fp32
         # token for token. Overlap on (the default on GPU; off on CPU) so every scheduler test
-        # runs it.
+        # runs it. ``tp``: the worker is rank 0 of that group.
         self.config = EngineConfig(model=model_dir, **{"dtype": "float32", "quantization": "none",
                                                        "overlap_schedule": "on", **options})
-        self.worker = Worker(self.config)
+        self.worker = Worker(self.config, tp)
         self.sched = Scheduler(self.config, self.worker.info)
         self.outputs: dict[str, dict[int, list[int]]] = {}
         self.finals: dict[str, list] = {}

@@ -72,6 +72,12 @@ class ThreadRank(TensorParallel):
     def agree_min(self, value: int) -> int:
         return min(self.group.exchange(self.rank, value))
 
+    def send_step(self, data: bytes) -> None:
+        self.group.exchange(self.rank, data)
+
+    def receive_step(self) -> bytes:
+        return self.group.exchange(self.rank, None)[0]
+
 
 def run_ranks(size: int, work) -> list:
     """``work(rank)`` on ``size`` threads joined in one ThreadGroup; their results by rank."""

@@ -243,9 +243,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         parse_lora_modules(self.lora_modules)
-        if self.enable_lora and self.tp_size > 1:
-            raise ValueError("--enable-lora is not supported with --tp-size > 1 yet: the "
-                             "adapters' matrices are not split across ranks")
 
     def _validate_disk(self) -> None:
         if self.disk_cache_dir is None:

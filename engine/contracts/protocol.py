@@ -91,6 +91,9 @@ class LoraUpdate(msgspec.Struct, tag=True, kw_only=True):
     path: str | None = None
     reply_to: int = 0  # the tokenizer worker the answer goes back through
     lora_id: int = 0
+    # Tensor parallel, rank 0 to the others: the hash of the files it read, which theirs must
+    # equal (else the ranks would serve different weights; engine/worker/tp_rank.py)
+    content_hash: str = ""
 
 
 class LoraUpdated(msgspec.Struct, tag=True, kw_only=True):

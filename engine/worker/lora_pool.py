@@ -8,7 +8,9 @@ first ``parts * rank`` rows of both (``widths``: how many, per layer, projection
 step uses exactly those (no padded rank is multiplied). Which adapter holds which slot changes
 only in ``prepare``, before a step's forward, least recently used first and never one the step
 itself uses: an adapter is never swapped mid-step. The scheduler puts at most ``max_loras``
-adapters in one step (more wait for a later one).
+adapters in one step (more wait for a later one). Under tensor parallel every rank has its own
+pool of its share of each adapter (engine/worker/model/lora.py), shaped as its share of the
+base weights: ``in`` and ``out`` above are this rank's.
 
 A step (``LoraStep``): per layer and projection, each token's row of the base projection's
 output gains ``B_s (A_s x)`` of its adapter's slot ``s`` (the base model's rows, none, and they
@@ -39,11 +41,13 @@ from engine.contracts.lora import BASE_MODEL, LoraAdapterInfo
 from engine.worker.cpu_kernels import lora_bgmv_op
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.lora import LoraWeights, projection_shapes
+from engine.worker.model.parallel import ShardPlan
 
 
 class LoraPool:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, plan: ShardPlan | None = None
+                 ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.device = device
         self.kernel = lora_bgmv_op() if device.type == "cpu" else None
@@ -51,7 +55,7 @@ class LoraPool:
             self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         else:
             self.dtype = torch.float32 if device.type == "cpu" else dtype
-        shapes = projection_shapes(config)
+        shapes = projection_shapes(config, plan)  # this rank's, under tensor parallel
         self.names = list(shapes)
         self.slots_a: list[dict[str, torch.Tensor]] = []
         self.slots_b: list[dict[str, torch.Tensor]] = []  # B transposed: [slot, rank, out]

@@ -4,7 +4,7 @@ replies with one token per sampling row. It decides nothing about memory.
 
 With ``--tp-size`` > 1 it is rank 0 of the tensor-parallel group (engine/worker/distributed.py): it
 hands every step, its input ids resolved, to the other ranks (engine/worker/tp_rank.py) before
-running its own share of the forward."""
+running its own share of the forward, and every LoRA load (once its own succeeded) or unload."""
 
 from __future__ import annotations
 
@@ -79,10 +79,14 @@ class Worker:
 
     def update_lora(self, msg: LoraUpdate) -> LoraUpdated:
         """Load or unload an adapter between steps (the scheduler checked the names); a load
-        whose files do not fit the model fails with a sentence."""
+        whose files do not fit the model fails with a sentence. Under tensor parallel every
+        rank loads its share after this one, behind the steps already sent, and the load
+        counts only if all of them read the same files (else every rank drops it)."""
         reply = LoraUpdated(rid=msg.rid, reply_to=msg.reply_to)
         if msg.path is None:
             self.runner.lora.remove(msg.lora_id)
+            if self.tp is not None:
+                self.tp.send_step(encode(msg))
             return reply
         try:
             reply.adapter = self.runner.load_lora(msg.lora_id, msg.name, msg.path)
@@ -91,6 +95,15 @@ class Worker:
             reply.error, reply.status = (str(exc) if isinstance(exc, ValueError) else
                                          f"the LoRA adapter at {msg.path} could not be read "
                                          f"({type(exc).__name__}: {exc})"), 400
+            return reply
+        if self.tp is not None:
+            msg.content_hash = reply.adapter.content_hash
+            self.tp.send_step(encode(msg))
+            if not self.tp.agree_min(1):
+                self.runner.lora.remove(msg.lora_id)
+                reply.adapter, reply.status = None, 400
+                reply.error = (f"the LoRA adapter at {msg.path} could not be loaded on every "
+                               "tensor-parallel rank (the ranks' logs say why)")
         return reply
 
     def step(self, msg: ForwardBatch) -> BatchResult:

@@ -147,14 +147,16 @@ class ModelRunner:
         self.lora: LoraPool | None = None
         if not c.enable_lora:
             return
-        self.lora = LoraPool(self.config, c.max_loras, c.max_lora_rank, self.device, self.dtype)
+        self.lora = LoraPool(self.config, c.max_loras, c.max_lora_rank, self.device, self.dtype,
+                             self.model.plan)
         for lora_id, (name, path) in enumerate(parse_lora_modules(c.lora_modules), start=1):
             self.load_lora(lora_id, name, path)
 
     def load_lora(self, lora_id: int, name: str, path: str) -> LoraAdapterInfo:
-        """Read the PEFT adapter at ``path`` into the pool as ``lora_id`` (ValueError with a
-        sentence if it does not fit the model or --max-lora-rank)."""
-        weights = load_adapter(name, path, self.config, self.lora.max_rank)
+        """Read the PEFT adapter at ``path`` (this rank's share of it) into the pool as
+        ``lora_id`` (ValueError with a sentence if it does not fit the model or
+        --max-lora-rank)."""
+        weights = load_adapter(name, path, self.config, self.lora.max_rank, self.model.plan)
         return self.lora.add(lora_id, weights, path)
 
     def _make_pool(self, c: EngineConfig) -> None:

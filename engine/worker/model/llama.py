@@ -293,9 +293,7 @@ class DecoderLayer(_Weights):
                             rms_norm(k, self.k_norm, self.eps)), 1)
         # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
         out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
-        self._add_projection_("o", hidden, out, self.o_bias)
-        if lora is not None:
-            lora.add_(index, "o", out, hidden)
+        self._add_projection_(index, "o", hidden, out, self.o_bias, lora)
         x = rms_norm(hidden, self.post_norm, self.eps)
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
@@ -307,22 +305,29 @@ class DecoderLayer(_Weights):
                 lora.add_(index, "gate_up", x_rows, gate_up, k * chunk)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)
-            self._add_projection_("down", rows, act, self.down_bias)
-            if lora is not None:
-                lora.add_(index, "down", act, rows, k * chunk)
+            self._add_projection_(index, "down", rows, act, self.down_bias, lora, k * chunk)
         return hidden
 
-    def _add_projection_(self, name: str, residual: torch.Tensor, x: torch.Tensor,
-                         bias: torch.Tensor | None) -> None:
-        """residual += x @ W.T (+ bias) for the row-parallel projections (o, down): under
-        tensor parallel the ranks' partial products are summed first."""
+    def _add_projection_(self, index: int, name: str, residual: torch.Tensor, x: torch.Tensor,
+                         bias: torch.Tensor | None, lora: LoraStep | None, start: int = 0
+                         ) -> None:
+        """residual += x @ W.T (+ bias) and the adapters' updates for the row-parallel
+        projections (o, down; ``x`` is tokens [start, start + len(x)) of the step): under
+        tensor parallel the ranks' partial products are summed first, each with its share of
+        the updates, ``B (A_r x_r)``, so that the sum holds every update once."""
         if self.tp is not None:
-            partial = self.tp.all_reduce_(self._linear(name, x))
+            partial = self._linear(name, x)
+            if lora is not None:
+                lora.add_(index, name, x, partial, start)
+            partial = self.tp.all_reduce_(partial)
             residual.add_(partial if bias is None else partial.add_(bias))
-        elif name in self.packed or name in self.quantized:
+            return
+        if name in self.packed or name in self.quantized:
             residual.add_(self._linear(name, x, bias))
         else:
             add_linear_(residual, x, getattr(self, name), bias)
+        if lora is not None:
+            lora.add_(index, name, x, residual, start)
 
 
 class LlamaForCausalLM(_Weights):

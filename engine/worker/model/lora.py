@@ -12,6 +12,13 @@ stacked ([parts * r, in]) and their B matrices block-diagonal, held transposed
 ([parts * r, out], zero where a part is not targeted, the scale folded in; transposed as the
 worker's slots hold them, engine/worker/lora_pool.py). One low-rank product then updates every
 part.
+
+Under tensor parallel each rank keeps its share, split as its base weight is
+(engine/worker/model/parallel.py): ``W = B A``, so A takes the base weight's split of the
+input and B its split of the output. Column-parallel q/k/v and gate/up: A whole, B only this
+rank's output rows of each part. Row-parallel o and down: A only this rank's input columns, B
+whole; each rank's ``B (A_r x_r)`` joins its partial product before the all-reduce, whose sum
+over ranks is ``B A x``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.worker.model.config import ModelConfig
+from engine.worker.model.parallel import ShardPlan, Slice
 
 # PEFT's module name -> (the fused projection holding it, its place among the fused parts)
 MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
@@ -35,10 +43,13 @@ MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Fused projection -> (input features, each part's output features)."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    hidden, inter = config.hidden_size, config.intermediate_size
+def projection_shapes(config: ModelConfig, plan: ShardPlan | None = None
+                      ) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Fused projection -> (input features, each part's output features) of ``plan``'s rank
+    (the whole model's without)."""
+    share = config if plan is None else plan
+    q, kv = share.num_heads * config.head_dim, share.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, share.intermediate_size
     return {"qkv": (hidden, (q, kv, kv)), "o": (q, (hidden,)),
             "gate_up": (hidden, (inter, inter)), "down": (inter, (hidden,))}
 
@@ -46,7 +57,7 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ..
 @dataclass
 class LoraWeights:
     """One adapter on the host: ``mats[(layer, fused)] = (A, B^T)`` in float32 (the scale in
-    B), only for the projections it adapts."""
+    B), only for the projections it adapts; under tensor parallel, this rank's share."""
 
     name: str
     rank: int
@@ -58,10 +69,10 @@ class LoraWeights:
         return sum(a.nbytes + b.nbytes for a, b in self.mats.values())
 
 
-def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
-                 ) -> LoraWeights:
-    """Read the PEFT adapter at ``path``; ValueError with a sentence naming what does not fit
-    the base model or the limits."""
+def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int,
+                 plan: ShardPlan | None = None) -> LoraWeights:
+    """Read the PEFT adapter at ``path`` (``plan``'s share of it; all of it without);
+    ValueError with a sentence naming what does not fit the base model or the limits."""
     path = Path(path)
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for needed in (config_file, weights_file):
@@ -73,7 +84,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     rank, scale = _check_settings(name, settings, max_rank)
     tensors = load_file(str(weights_file))
     parts: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
-    shapes = projection_shapes(config)
+    shapes = projection_shapes(config)  # the files hold the whole model's matrices
+    splits = _splits(config, plan)
     for key, tensor in tensors.items():
         found = _KEY.search(key)
         if found is None or found.group(2) not in MODULES:
@@ -90,19 +102,37 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise ValueError(f"LoRA adapter {name!r}: {key} is {list(tensor.shape)} but the base "
                              f"model's {module} needs {list(expected)} (rank {rank}, "
                              f"{in_features} inputs, {outs[part]} outputs)")
-        parts.setdefault((layer, fused), {}).setdefault(part, {})[which] = tensor.float()
-    mats = {}
+        parts.setdefault((layer, fused), {}).setdefault(part, {})[which] = _share(
+            tensor.float(), which, splits.get(module))
+    mats, rank_shapes = {}, projection_shapes(config, plan)
     for (layer, fused), by_part in parts.items():
         for part, pair in by_part.items():
             if len(pair) != 2:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s part {part} of "
                                  f"{fused} has a lora_{next(iter(pair))} matrix but not the "
                                  "other one")
-        mats[(layer, fused)] = _fuse(by_part, shapes[fused][1], rank, scale)
+        mats[(layer, fused)] = _fuse(by_part, rank_shapes[fused][1], rank, scale)
     if not mats:
         raise ValueError(f"LoRA adapter {name!r} adapts no projection")
     digest = hashlib.sha256(raw_config + b"\0" + raw_weights).hexdigest()[:16]
     return LoraWeights(name, rank, digest, mats)
+
+
+def _splits(config: ModelConfig, plan: ShardPlan | None) -> dict[str, Slice]:
+    """PEFT module name -> the slice of its base weight that ``plan``'s rank holds (none
+    without tensor parallel)."""
+    if plan is None or plan.size == 1:
+        return {}
+    sources = plan.layer_sources("", config)
+    return {key.split(".")[1]: part for key, part in sources.items() if key.endswith(".weight")}
+
+
+def _share(tensor: torch.Tensor, which: str, split: Slice | None) -> torch.Tensor:
+    """This rank's part of a lora_A [r, in] or lora_B [out, r] matrix: A is split as its base
+    weight's input (dim 1), B as its output (dim 0)."""
+    if split is None or split.dim != (1 if which == "A" else 0):
+        return tensor
+    return tensor.narrow(split.dim, split.start, split.stop - split.start)
 
 
 def _check_settings(name: str, settings: dict, max_rank: int) -> tuple[int, float]:
