@@ -17,6 +17,7 @@ from engine.checkpoints.model_source import default_gguf
 from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
 from tests.test_lora import add, lora_harness
 from tests.test_scheduler import hf_greedy
+from tests.test_smollm2 import chat_prompts
 
 GGUF = default_gguf()
 pytestmark = [
@@ -44,12 +45,7 @@ def adapters(checkpoint, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def prompts(checkpoint) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in QUESTIONS]
-    return [tokenizer(text)["input_ids"] for text in texts]
+    return chat_prompts(checkpoint, QUESTIONS)
 
 
 @pytest.fixture(scope="module")

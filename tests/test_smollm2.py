@@ -36,15 +36,20 @@ def oracle():
                                                 dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def prompts(checkpoint) -> list[list[int]]:
-    """Chat prompts: the template's default system turn is their shared head."""
+def chat_prompts(checkpoint: str, questions: list[str]) -> list[list[int]]:
+    """Each question as a chat prompt: the template's default system turn is their shared
+    head."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in QUESTIONS]
+                                           add_generation_prompt=True) for q in questions]
     return [tokenizer(text)["input_ids"] for text in texts]
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint) -> list[list[int]]:
+    return chat_prompts(checkpoint, QUESTIONS)
 
 
 @pytest.mark.slow
