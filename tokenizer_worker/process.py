@@ -43,6 +43,7 @@ from engine.contracts.protocol import (
 from engine.contracts.tokenizer import load_tokenizer
 from tokenizer_worker.core import TokenizerWorker
 from tokenizer_worker.dispatch import Dispatcher, NoReplica, OneReplica
+from tokenizer_worker.lora_updates import LoraFanOut
 
 STATS_INTERVAL = 0.1  # seconds between the dispatcher's reports to the frontend
 
@@ -92,6 +93,7 @@ class TokenizerLoop:
         for sock in (*self.events, *self.outputs, self.from_frontend):
             self.poller.register(sock, zmq.POLLIN)
         self.next_report = 0.0
+        self.lora_updates = LoraFanOut()
 
     def run(self, control: zmq.Socket) -> None:
         control.send(encode(Ready(f"tokenizer-{self.index}", os.getpid())))
@@ -123,7 +125,7 @@ class TokenizerLoop:
 
     def on_outputs(self, replica: int, msg: TokenOutputs | LoraUpdated) -> None:
         if isinstance(msg, LoraUpdated):
-            self.to_frontend.send(encode(msg))
+            self._lora_settled(*self.lora_updates.answer(replica, msg))
             return
         if msg.stats is not None and self.to_metrics is None:
             self.to_frontend.send(encode(msg.stats))  # a single engine's: the frontend's metrics
@@ -160,10 +162,14 @@ class TokenizerLoop:
             self.worker.on_session(msg)
             self._to_replica(self.dispatcher.close_session(msg.session_id), msg)
         elif isinstance(msg, LoraUpdate):
-            # one engine (the frontend refuses runtime updates under --dp-size > 1)
             msg.reply_to = self.index
-            self._to_replica(0, msg)
+            live = [r for r in range(len(self.schedulers)) if self.dispatcher.is_alive(r)]
+            self._lora_settled(self.lora_updates.start(msg, live), [])
+            for r in live:
+                self._to_replica(r, msg)
         elif isinstance(msg, ReplicaDown):
+            for settled in self.lora_updates.replica_down(msg.replica):
+                self._lora_settled(*settled)
             lost, again = self.dispatcher.replica_down(msg.replica)
             for req in again:
                 self._dispatch(req)
@@ -176,6 +182,13 @@ class TokenizerLoop:
         elif isinstance(msg, Shutdown):
             return False
         return True
+
+    def _lora_settled(self, answer: LoraUpdated | None,
+                      undo: list[tuple[int, LoraUpdate]]) -> None:
+        for replica, unload in undo:
+            self._to_replica(replica, unload)
+        if answer is not None:
+            self.to_frontend.send(encode(answer))
 
     def _dispatch(self, req: TokenizedRequest) -> None:
         """Send a tokenized request to its replica, or its error to the frontend if none serves."""

@@ -119,9 +119,6 @@ class Service(Shapes):
         self._check_alive()
         if not self.config.enable_lora:
             raise APIError(400, "LoRA adapters need a server started with --enable-lora")
-        if self.config.dp_size > 1:
-            raise APIError(400, "loading LoRA adapters at runtime is not supported with "
-                           "--dp-size > 1 yet; give them to --lora-modules")
         loading = isinstance(body, LoadLoraAdapterBody)
         if loading and body.lora_name in (self.model_name, self.config.model):
             raise APIError(400, f"{body.lora_name!r} is the base model's name; give the "
