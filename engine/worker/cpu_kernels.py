@@ -15,7 +15,9 @@
   (csrc/lora_bgmv.cpp).
 
 They are built together, once per machine, torch version and source (``-march=native``: the
-build is for this CPU), with the C++ compiler torch's extensions use, into the radixserve cache;
+build is for this CPU), as one translation unit (torch's headers take most of a file's compile
+time: parsed once, the build takes about a third of the CPU time of one unit per file), with
+the C++ compiler torch's extensions use, into the radixserve cache;
 a second start only loads them. Without a compiler, or with ``RADIXSERVE_CPU_KERNELS=0``, they
 are None and the torch code paths serve every step (quantized weights are then widened to the
 model's dtype at load); the log says which and why.
@@ -94,8 +96,10 @@ def build(variant: str = "native") -> Path:
         # torch looks for ninja on PATH: the one pip installed beside this Python comes first.
         env = dict(os.environ)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        unit = staging / f"{name}.cpp"
+        unit.write_text("".join(f'#include "{path}"\n' for path in sources))
         done = subprocess.run(
-            [sys.executable, "-c", _BUILD_SCRIPT, name, ",".join(map(str, sources)), str(staging),
+            [sys.executable, "-c", _BUILD_SCRIPT, name, str(unit), str(staging),
              " ".join(cflags), " ".join(_LDFLAGS)],
             capture_output=True, text=True, timeout=600, env=env,
         )

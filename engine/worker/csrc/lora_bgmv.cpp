@@ -8,9 +8,9 @@
 // read (the parts of a fused projection that an adapter's rank row does not reach: two thirds
 // of q/k/v's B, half of gate/up's). Weights float32 or bf16 (widened in registers: decode steps
 // are bound by reading them), products and sums in float32; each row's delta is added to out
-// once, rounded to out's dtype there. Rows of one slot go in blocks of kRows that share each load of its weights:
+// once, rounded to out's dtype there. Rows of one slot go in blocks of kLoraRows that share each load of its weights:
 // first t = A[s] x[i] (threads split the blocks), then out[i] += B[s] t (threads split slot x
-// tile of kTile outputs; a slot's blocks take the tile in turn while it is in L1). A row's sums
+// tile of kLoraTile outputs; a slot's blocks take the tile in turn while it is in L1). A row's sums
 // run in the same order whatever its block, and the AVX-512, AVX2 and portable loops compute
 // the same sums, in their own order.
 // In torch the same takes a pair of small matmuls per adapter (lora_pool.LoraStep).
@@ -27,9 +27,9 @@ namespace {
 
 using radixserve::to_float;
 
-constexpr int64_t kTile = 256;
+constexpr int64_t kLoraTile = 256;
 // Rows of one slot that share each load of its weights.
-constexpr int kRows = 4;
+constexpr int kLoraRows = 4;
 
 // t[q][r] = sum_d a[r * in + d] * x[q][d] for r < width, q < Rows: each row of A read once
 // for the Rows rows of x.
@@ -69,12 +69,12 @@ void add_delta(O* out, const float* delta, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = static_cast<O>(to_float(out[j]) + delta[j]);
 }
 
-// out[q][j] += sum_r t[q][r] * bt[r * stride + j] for j in [0, len), len <= kTile, q < Rows,
+// out[q][j] += sum_r t[q][r] * bt[r * stride + j] for j in [0, len), len <= kLoraTile, q < Rows,
 // r over the ``used`` rows listed in ``rows``: each load of B serves the Rows rows.
 template <int Rows, typename W, typename O>
 void expand(const float* const* t, const int64_t* rows, int64_t used, const W* bt,
             int64_t stride, O* const* out, int64_t len) {
-  float delta[Rows][kTile];
+  float delta[Rows][kLoraTile];
   int64_t j = 0;
 #if defined(RADIXSERVE_AVX512)
   constexpr int64_t kStep = Rows == 1 ? 64 : 32;  // Rows x kStep / 16 accumulators
@@ -164,7 +164,7 @@ void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_sl
   const W* ap = a_slots.data_ptr<W>();
   const W* bp = b_slots.data_ptr<W>();
 
-  // The adapted rows in slot order, cut into blocks of at most kRows rows of one slot.
+  // The adapted rows in slot order, cut into blocks of at most kLoraRows rows of one slot.
   std::vector<int64_t> order;
   for (int64_t i = 0; i < rows; ++i) {
     if (slot_of[i] >= 0 && widths[slot_of[i]] > 0) order.push_back(i);
@@ -177,7 +177,7 @@ void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_sl
   for (int64_t k = 0; k < adapted; ++k) {
     const bool new_group = k == 0 || slot_of[order[k]] != slot_of[order[k - 1]];
     if (new_group) group_starts.push_back(static_cast<int64_t>(block_starts.size()));
-    if (new_group || k - block_starts.back() == kRows) block_starts.push_back(k);
+    if (new_group || k - block_starts.back() == kLoraRows) block_starts.push_back(k);
   }
   const int64_t blocks = static_cast<int64_t>(block_starts.size());
   const int64_t groups = static_cast<int64_t>(group_starts.size());
@@ -189,27 +189,27 @@ void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_sl
     for (int64_t block = begin; block < end; ++block) {
       const int64_t lo = block_starts[block], count = block_starts[block + 1] - lo;
       const int64_t s = slot_of[order[lo]];
-      const X* x_rows[kRows];
-      float* t_rows[kRows];
+      const X* x_rows[kLoraRows];
+      float* t_rows[kLoraRows];
       for (int64_t q = 0; q < count; ++q) {
         x_rows[q] = xp + order[lo + q] * x_stride;
         t_rows[q] = shrunk.data() + order[lo + q] * rank;
       }
       const W* a = ap + s * rank * in;
-      if (count == kRows) {
-        shrink<kRows>(a, widths[s], in, x_rows, t_rows);
+      if (count == kLoraRows) {
+        shrink<kLoraRows>(a, widths[s], in, x_rows, t_rows);
       } else {
         for (int64_t q = 0; q < count; ++q) shrink<1>(a, widths[s], in, x_rows + q, t_rows + q);
       }
     }
   });
 
-  const int64_t tiles = (outs + kTile - 1) / kTile;
+  const int64_t tiles = (outs + kLoraTile - 1) / kLoraTile;
   at::parallel_for(0, groups * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> used_rows(rank);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t group = item / tiles, first = (item % tiles) * kTile;
-      const int64_t len = std::min(kTile, outs - first);
+      const int64_t group = item / tiles, first = (item % tiles) * kLoraTile;
+      const int64_t len = std::min(kLoraTile, outs - first);
       const int64_t s = slot_of[order[block_starts[group_starts[group]]]];
       const W* bt = bp + s * rank * outs + first;
       // The rows of B^T with nonzero columns in this tile: the rest are not read.
@@ -221,14 +221,14 @@ void bgmv(const at::Tensor& x, const at::Tensor& a_slots, const at::Tensor& b_sl
       if (used == 0) continue;
       for (int64_t block = group_starts[group]; block < group_starts[group + 1]; ++block) {
         const int64_t lo = block_starts[block], count = block_starts[block + 1] - lo;
-        const float* t_rows[kRows];
-        X* out_rows[kRows];
+        const float* t_rows[kLoraRows];
+        X* out_rows[kLoraRows];
         for (int64_t q = 0; q < count; ++q) {
           t_rows[q] = shrunk.data() + order[lo + q] * rank;
           out_rows[q] = outp + order[lo + q] * out_stride + first;
         }
-        if (count == kRows) {
-          expand<kRows>(t_rows, used_rows.data(), used, bt, outs, out_rows, len);
+        if (count == kLoraRows) {
+          expand<kLoraRows>(t_rows, used_rows.data(), used, bt, outs, out_rows, len);
         } else {
           for (int64_t q = 0; q < count; ++q) {
             expand<1>(t_rows + q, used_rows.data(), used, bt, outs, out_rows + q, len);

@@ -55,7 +55,7 @@ using radixserve::load8;
 using radixserve::load16;
 #endif
 
-constexpr int64_t kBlock = 16;  // keys per block of scores
+constexpr int64_t kKeyBlock = 16;  // keys per block of scores
 
 // exp(x) over a block, vectorisable: Cephes' expf (range reduction by ln 2, degree-6
 // polynomial, ~1 ulp on the range that matters here). Inputs are <= 0 (scores minus their max).
@@ -122,8 +122,8 @@ inline __m512 lane_sums16(const __m512* v) {
 // registers) against the block's n keys, each key read and widened once for all G rows.
 template <int G, typename T>
 inline void score_keys_g(const float* q, const T* const* keys, int64_t n, int64_t D, float* s) {
-  __m512 dots[G][kBlock];
-  for (int64_t t = 0; t < kBlock; ++t) {
+  __m512 dots[G][kKeyBlock];
+  for (int64_t t = 0; t < kKeyBlock; ++t) {
     __m512 acc[G];
     for (int i = 0; i < G; ++i) acc[i] = _mm512_setzero_ps();
     if (t < n) {
@@ -135,10 +135,10 @@ inline void score_keys_g(const float* q, const T* const* keys, int64_t n, int64_
     }
     for (int i = 0; i < G; ++i) dots[i][t] = acc[i];
   }
-  for (int i = 0; i < G; ++i) _mm512_storeu_ps(s + i * kBlock, lane_sums16(dots[i]));
+  for (int i = 0; i < G; ++i) _mm512_storeu_ps(s + i * kKeyBlock, lane_sums16(dots[i]));
 }
 
-// acc[i] += sum over the block's n keys of p[i * kBlock + t] * values[t]: each value row read
+// acc[i] += sum over the block's n keys of p[i * kKeyBlock + t] * values[t]: each value row read
 // and widened once for all G rows, whose 16-wide output slices stay in registers.
 template <int G, typename T>
 inline void add_values_g(const float* p, const T* const* values, int64_t n, int64_t D,
@@ -149,7 +149,7 @@ inline void add_values_g(const float* p, const T* const* values, int64_t n, int6
     for (int64_t t = 0; t < n; ++t) {
       const __m512 value = load16(values[t] + c);
       for (int i = 0; i < G; ++i)
-        sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * kBlock + t]), value, sum[i]);
+        sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * kKeyBlock + t]), value, sum[i]);
     }
     for (int i = 0; i < G; ++i) _mm512_storeu_ps(acc + i * D + c, sum[i]);
   }
@@ -232,11 +232,11 @@ inline void score_keys8_g(const float* q, const T* const* keys, int64_t n, int64
     for (; t < m; ++t) dot_keys8<G, 1>(q, keys + run + t, D, dots + t);
     for (; t < 8; ++t)
       for (int i = 0; i < G; ++i) dots[i * 8 + t] = _mm256_setzero_ps();
-    for (int i = 0; i < G; ++i) _mm256_storeu_ps(s + i * kBlock + run, lane_sums8(dots + i * 8));
+    for (int i = 0; i < G; ++i) _mm256_storeu_ps(s + i * kKeyBlock + run, lane_sums8(dots + i * 8));
   }
 }
 
-// acc[i][c .. c + 8C) += sum over the block's n keys of p[i * kBlock + t] * values[t][c ..]:
+// acc[i][c .. c + 8C) += sum over the block's n keys of p[i * kKeyBlock + t] * values[t][c ..]:
 // C slices of each of the G rows' output in registers, each value slice widened once.
 template <int G, int C, typename T>
 inline void add_value_slices8(const float* p, const T* const* values, int64_t n, int64_t D,
@@ -248,7 +248,7 @@ inline void add_value_slices8(const float* p, const T* const* values, int64_t n,
     __m256 value[C];
     for (int k = 0; k < C; ++k) value[k] = load8(values[t] + c + 8 * k);
     for (int i = 0; i < G; ++i) {
-      const __m256 weight = _mm256_broadcast_ss(p + i * kBlock + t);
+      const __m256 weight = _mm256_broadcast_ss(p + i * kKeyBlock + t);
       for (int k = 0; k < C; ++k) sum[i][k] = _mm256_fmadd_ps(weight, value[k], sum[i][k]);
     }
   }
@@ -286,7 +286,7 @@ inline bool with_group(int64_t G, F&& f) {
 #endif
 
 // Scores of the G query rows `q` (float, pre-scaled, [G, D]) against the block's n keys:
-// s[i * kBlock + t].
+// s[i * kKeyBlock + t].
 template <typename T>
 inline void score_keys(const float* q, const T* const* keys, int64_t n, int64_t G, int64_t D,
                        float* s) {
@@ -302,7 +302,7 @@ inline void score_keys(const float* q, const T* const* keys, int64_t n, int64_t 
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), key[0]);
         for (int64_t c = 1; c < D / 16; ++c)
           acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + c * 16), key[c], acc);
-        s[i * kBlock + t] = _mm512_reduce_add_ps(acc);
+        s[i * kKeyBlock + t] = _mm512_reduce_add_ps(acc);
       }
     }
     return;
@@ -313,7 +313,7 @@ inline void score_keys(const float* q, const T* const* keys, int64_t n, int64_t 
     // Groups past 8 in runs of up to 8 rows: each run's accumulators must fit the registers.
     for (int64_t row = 0; row < G; row += 8)
       with_group(std::min<int64_t>(8, G - row), [&](auto g) {
-        score_keys8_g<decltype(g)::value>(q + row * D, keys, n, D, s + row * kBlock);
+        score_keys8_g<decltype(g)::value>(q + row * D, keys, n, D, s + row * kKeyBlock);
       });
     return;
   }
@@ -325,12 +325,12 @@ inline void score_keys(const float* q, const T* const* keys, int64_t n, int64_t 
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < D; ++d) dot += qi[d] * to_float(key[d]);
-      s[i * kBlock + t] = dot;
+      s[i * kKeyBlock + t] = dot;
     }
   }
 }
 
-// acc[i] += sum over the block's n keys of p[i * kBlock + t] * values[t], for the G heads.
+// acc[i] += sum over the block's n keys of p[i * kKeyBlock + t] * values[t], for the G heads.
 template <typename T>
 inline void add_values(const float* p, const T* const* values, int64_t n, int64_t G, int64_t D,
                        float* acc) {
@@ -343,7 +343,7 @@ inline void add_values(const float* p, const T* const* values, int64_t n, int64_
       for (int64_t c = 0; c < D; c += 16) {
         __m512 sum = _mm512_loadu_ps(acc + i * D + c);
         for (int64_t t = 0; t < n; ++t)
-          sum = _mm512_fmadd_ps(_mm512_set1_ps(p[i * kBlock + t]), load16(values[t] + c), sum);
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(p[i * kKeyBlock + t]), load16(values[t] + c), sum);
         _mm512_storeu_ps(acc + i * D + c, sum);
       }
     }
@@ -354,7 +354,7 @@ inline void add_values(const float* p, const T* const* values, int64_t n, int64_
   if (D % 8 == 0) {
     for (int64_t row = 0; row < G; row += 8)
       with_group(std::min<int64_t>(8, G - row), [&](auto g) {
-        add_values8_g<decltype(g)::value>(p + row * kBlock, values, n, D, acc + row * D);
+        add_values8_g<decltype(g)::value>(p + row * kKeyBlock, values, n, D, acc + row * D);
       });
     return;
   }
@@ -362,7 +362,7 @@ inline void add_values(const float* p, const T* const* values, int64_t n, int64_
   for (int64_t t = 0; t < n; ++t) {
     const T* value = values[t];
     for (int64_t i = 0; i < G; ++i) {
-      const float w = p[i * kBlock + t];
+      const float w = p[i * kKeyBlock + t];
       float* a = acc + i * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] += w * to_float(value[d]);
@@ -372,7 +372,7 @@ inline void add_values(const float* p, const T* const* values, int64_t n, int64_
 
 // One block's softmax step for one query head: scores s[lo..hi) become weights exp(s - new
 // max), the running sum and max absorb them; the block's other lanes (s[0..lo) and s[hi..n)
-// with n <= kBlock: keys this row must not see) get weight 0. Returns the factor the head's
+// with n <= kKeyBlock: keys this row must not see) get weight 0. Returns the factor the head's
 // output rescales by. A decode row takes lo = 0, hi = n: every key of the block.
 inline float softmax_block(float* s, int64_t lo, int64_t hi, int64_t n, float& run_max,
                            float& run_sum) {
@@ -389,7 +389,7 @@ inline float softmax_block(float* s, int64_t lo, int64_t hi, int64_t n, float& r
 #elif defined(RADIXSERVE_AVX2)
   (void)n;
   // The block's scores as two runs of 8; lanes outside [lo, hi) take no part in the maximum
-  // and get weight 0 (the scores' slots past n are in bounds: each row has kBlock of them).
+  // and get weight 0 (the scores' slots past n are in bounds: each row has kKeyBlock of them).
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i lane_hi = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
   const __m256i below = _mm256_set1_epi32(lo - 1), above = _mm256_set1_epi32(hi);
@@ -456,9 +456,9 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
     // Query rows of one item, [KV head][token][group member]: those of one KV head adjacent.
     const int64_t rows = heads_per_chunk * max_rows * G;
     std::vector<float> qf(rows * D), acc(rows * D), run_max(rows), run_sum(rows),
-        s(rows * kBlock), weighted(quantized ? rows * kBlock : 0), scales(kBlock);
-    std::vector<int64_t> row_at(kBlock), lo(rows), hi(rows);
-    std::vector<const KV*> key_rows(kBlock), value_rows(kBlock);
+        s(rows * kKeyBlock), weighted(quantized ? rows * kKeyBlock : 0), scales(kKeyBlock);
+    std::vector<int64_t> row_at(kKeyBlock), lo(rows), hi(rows);
+    std::vector<const KV*> key_rows(kKeyBlock), value_rows(kKeyBlock);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks;
       const int64_t h0 = (item % chunks) * heads_per_chunk;
@@ -487,8 +487,8 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
       std::fill(run_sum.begin(), run_sum.begin() + used, 0.f);
       std::fill(acc.begin(), acc.begin() + used * D, 0.f);
       const int32_t* pages = indices + indptr[b];
-      for (int64_t start = first; start < len; start += kBlock) {
-        const int64_t n = std::min(kBlock, len - start);
+      for (int64_t start = first; start < len; start += kKeyBlock) {
+        const int64_t n = std::min(kKeyBlock, len - start);
         // Row of each key: page `page` of the sequence, slot `slot` in it (no division per key).
         for (int64_t t = 0, page = start / P, slot = start % P; t < n; ++t) {
           row_at[t] = pages[page] * page_stride + slot * token_stride;
@@ -497,8 +497,8 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
         // The next block's keys and values, fetched while this one computes: pages lie at
         // random in the pool, so the hardware cannot guess the next one, and in a model's step
         // (every layer's KV, the weights streaming between) they come from memory.
-        const int64_t ahead = std::min(kBlock, len - start - kBlock);
-        for (int64_t t = 0, page = (start + kBlock) / P, slot = (start + kBlock) % P; t < ahead;
+        const int64_t ahead = std::min(kKeyBlock, len - start - kKeyBlock);
+        for (int64_t t = 0, page = (start + kKeyBlock) / P, slot = (start + kKeyBlock) % P; t < ahead;
              ++t) {
           const int64_t row = pages[page] * page_stride + slot * token_stride + h0 * row_len;
           for (int64_t byte = 0; byte < (h1 - h0) * row_len * int64_t(sizeof(KV)); byte += 64) {
@@ -507,17 +507,17 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
           }
           if (++slot == P) slot = 0, ++page;
         }
-        // Scores: s[row * kBlock + t] for query row `row` (head h, token j, group member i).
+        // Scores: s[row * kKeyBlock + t] for query row `row` (head h, token j, group member i).
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t t = 0; t < n; ++t) key_rows[t] = k + row_at[t] + h * row_len;
           const int64_t row0 = (h - h0) * per_head;
           for (int64_t r = row0; r < row0 + per_head; r += at_once)
             score_keys(qf.data() + r * D, key_rows.data(), n,
-                       std::min(at_once, row0 + per_head - r), D, s.data() + r * kBlock);
+                       std::min(at_once, row0 + per_head - r), D, s.data() + r * kKeyBlock);
           if constexpr (quantized) {
             for (int64_t t = 0; t < n; ++t) scales[t] = radixserve::row_scale(key_rows[t], D);
             for (int64_t i = row0; i < row0 + per_head; ++i)
-              for (int64_t t = 0; t < n; ++t) s[i * kBlock + t] *= scales[t];
+              for (int64_t t = 0; t < n; ++t) s[i * kKeyBlock + t] *= scales[t];
           }
         }
         for (int64_t row = 0; row < used; ++row) {
@@ -525,7 +525,7 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
           // before its window): its weights are 0 and its sums stay as they are.
           const int64_t a = std::max<int64_t>(lo[row] - start, 0);
           const int64_t z = std::min<int64_t>(hi[row] - start, n);
-          float* w = s.data() + row * kBlock;
+          float* w = s.data() + row * kKeyBlock;
           if (z <= a) {
             std::fill(w, w + n, 0.f);
             continue;
@@ -543,11 +543,11 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
             for (int64_t t = 0; t < n; ++t) scales[t] = radixserve::row_scale(value_rows[t], D);
             for (int64_t i = row0; i < row0 + per_head; ++i)
               for (int64_t t = 0; t < n; ++t)
-                weighted[i * kBlock + t] = s[i * kBlock + t] * scales[t];
+                weighted[i * kKeyBlock + t] = s[i * kKeyBlock + t] * scales[t];
             weights = weighted.data();
           }
           for (int64_t r = row0; r < row0 + per_head; r += at_once)
-            add_values(weights + r * kBlock, value_rows.data(), n,
+            add_values(weights + r * kKeyBlock, value_rows.data(), n,
                        std::min(at_once, row0 + per_head - r), D, acc.data() + r * D);
         }
       }

@@ -21,6 +21,8 @@
 
 #include "ops.h"
 
+// (pushed and popped: the kernels are compiled as one translation unit, cpu_kernels.py)
+#pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
@@ -162,3 +164,5 @@ RADIXSERVE_OPS_FRAGMENT(m) {
 }
 
 RADIXSERVE_OPS_IMPL(m) { m.impl("rope_store", &rope_store); }
+
+#pragma GCC pop_options
