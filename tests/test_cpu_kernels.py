@@ -4,6 +4,7 @@ take; and the engine's use of them."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 from types import SimpleNamespace
@@ -25,10 +26,12 @@ VARIANTS = list(cpu_kernels.VARIANTS)
 
 def load_variants() -> dict[str, object]:
     """Every build of the kernels, loaded side by side: variant -> its torch.ops namespace."""
-    assert cpu_kernels._ops() is not None, "the compiled kernels did not build here (see the log)"
-    for variant in VARIANTS:
-        if variant != "native":
-            torch.ops.load_library(str(cpu_kernels.build(variant)))
+    others = [variant for variant in VARIANTS if variant != "native"]
+    with concurrent.futures.ThreadPoolExecutor(len(others)) as pool:  # each compiles alone
+        builds = pool.map(cpu_kernels.build, others)
+        assert cpu_kernels._ops() is not None, "the compiled kernels did not build here (see the log)"
+        for library in list(builds):
+            torch.ops.load_library(str(library))
     return {variant: getattr(torch.ops, cpu_kernels.ops_namespace(variant)) for variant in VARIANTS}
 
 

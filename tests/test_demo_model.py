@@ -53,7 +53,8 @@ def test_existing_model_is_reused_and_a_damaged_one_rebuilt(model_dir: Path,
     (first / "tokenizer.json").unlink()
     assert build_demo_model(tmp_path) == first
     assert file_hashes(first) == expected
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
+    # no temp dirs left behind: only the builders' lock file beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{first.name}.lock", first.name]
 
 
 @pytest.mark.e2e
@@ -70,8 +71,36 @@ def test_concurrent_builders_agree_and_leave_no_temp_dirs(tmp_path: Path) -> Non
     paths = {out.strip() for out, _ in results}
     assert len(paths) == 1
     built = Path(paths.pop())
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]
+    # beside it only the builders' lock file
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{built.name}.lock", built.name]
     assert sorted(p.name for p in built.iterdir()) == sorted(MODEL_FILES)
+
+
+def test_concurrent_builders_take_turns_and_build_once(tmp_path: Path) -> None:
+    """Builders of one artefact at once: the first builds, the others wait for its turn to end
+    and find its result."""
+    import threading
+    import time
+
+    from engine.checkpoints.artifact_cache import build_once
+
+    writes = []
+
+    def write(staging: Path) -> None:
+        writes.append(staging)
+        time.sleep(0.3)
+        (staging / "artefact").write_text("built")
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        build_once(tmp_path / "thing", write, ["artefact"]))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results == [tmp_path / "thing"] * 3
+    assert len(writes) == 1
+    assert (tmp_path / "thing" / "artefact").read_text() == "built"
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

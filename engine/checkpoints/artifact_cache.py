@@ -2,8 +2,10 @@
 
 ``build_once(final, write, required)`` returns ``final`` when it already holds every required
 file, else has ``write`` fill a private temporary directory next to it and renames that into
-place in one step. Concurrent builders (parallel test processes, two servers started at once)
-each build privately, the first rename wins, and nobody ever sees a half-written directory. A
+place in one step. Concurrent builders on one machine (parallel test processes, two servers or
+replicas started at once) take turns on a lock file beside it, so the later ones find the
+first one's result instead of building it again; where the lock is not to be had they each
+build privately, the first rename wins, and nobody ever sees a half-written directory. A
 damaged directory (files deleted by hand) is moved aside and rebuilt; a builder that died
 mid-write leaves a temporary directory, swept an hour later.
 
@@ -13,12 +15,14 @@ Cache location: ``$RADIXSERVE_CACHE``, else ``$XDG_CACHE_HOME/radixserve``, else
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 STALE_TEMP_SECONDS = 3600
@@ -57,6 +61,33 @@ def build_once(final: Path, write: Callable[[Path], None], required: Sequence[st
         return final
     cache_dir = final.parent
     cache_dir.mkdir(parents=True, exist_ok=True)
+    with _turn(cache_dir / f".{final.name}.lock"):
+        return _build(final, write, required)
+
+
+@contextlib.contextmanager
+def _turn(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on ``lock_path`` (released with the process, should it die);
+    without one (a filesystem that refuses locks) go on unlocked."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _build(final: Path, write: Callable[[Path], None], required: Sequence[str]) -> Path:
+    if is_complete(final, required):
+        return final  # built by the builder whose turn came first
+    cache_dir = final.parent
     _sweep_stale_temps(cache_dir)
     if final.exists() and not is_complete(final, required):
         # Move it aside in one step, then rebuild. The second completeness check keeps us from
