@@ -7,18 +7,15 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from engine.worker import cpu_kernels, lora_pool
+from engine.worker import cpu_kernels
 from engine.worker.attention import TorchNativeBackend
 from engine.worker.cpu_kernels import ENV_SWITCH, paged_decode_op
 from engine.worker.kv_pool import KVPool
-from engine.worker.lora_pool import LoraPool
-from engine.worker.model.lora import LoraWeights, projection_shapes
 from tests.test_attention import make_pool, random_batch, reference_attention
 
 VARIANTS = list(cpu_kernels.VARIANTS)
@@ -219,36 +216,6 @@ def test_verify_rows_are_the_decode_rows_bit_for_bit(variants, variant, dtype, h
             assert torch.equal(got[row], one[0]) and torch.equal(lse[row], one_lse[0]), (b, j)
 
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, back to the weight's dtype, scale."""
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(weight.dtype)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("x_dtype,w_dtype", [
-    (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16), (torch.float16, torch.float16),
-])
-@pytest.mark.parametrize("rows,hidden", [(1, 256), (37, 576), (300, 100)])
-def test_rms_norm_matches_transformers_arithmetic(variants, variant, x_dtype, w_dtype, rows,
-                                                   hidden) -> None:
-    gen = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, hidden + 7, generator=gen) * 3)[:, :hidden].to(x_dtype)  # strided
-    weight = (1 + torch.randn(hidden, generator=gen) / 4).to(w_dtype)
-    got = variants[variant].rms_norm(x, weight, 1e-6)
-    want = torch_rms_norm(x, weight, 1e-6)
-    assert got.dtype == w_dtype and got.shape == (rows, hidden)
-    if w_dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
-    else:
-        # Sums taken in another order may round a normalised value to the neighbouring
-        # bf16/fp16 number: at most one unit in the last place, on few elements.
-        ulp = 2.0**-7 if w_dtype == torch.bfloat16 else 2.0**-10
-        diff = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
-        assert diff.max() <= 2 * ulp and (diff > 0).float().mean() < 0.01
-
-
 def test_kernel_refuses_what_it_cannot_read(variants) -> None:
     q, k, v, indptr, indices, seq_lens = random_case(8, 4, 32, 16, [20, 3], torch.float32)
     op = variants["native"].paged_decode
@@ -423,108 +390,6 @@ def test_switch_and_failed_build_leave_the_torch_path(monkeypatch, caplog) -> No
     assert "c++: not found" in caplog.text and "SDPA" in caplog.text
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_rms_norm_takes_the_op_on_cpu_rows_and_torch_elsewhere(variants, monkeypatch,
-                                                                      dtype) -> None:
-    """The model's ``rms_norm`` on 2-D rows calls the compiled op; with it unavailable (or on
-    3-D per-head inputs) the torch formulation gives the same values."""
-    from engine.worker.model import llama
-
-    calls = []
-    op = cpu_kernels.rms_norm_op()
-    monkeypatch.setattr(llama, "rms_norm_op", lambda: lambda *a: calls.append(1) or op(*a))
-    x = torch.randn(5, 64, dtype=torch.float32)
-    weight = (1 + torch.randn(64) / 4).to(dtype)
-    fused = llama.rms_norm(x, weight, 1e-5)
-    llama.rms_norm(x.view(5, 4, 16).to(dtype), weight[:16], 1e-5)  # per head: torch
-    assert len(calls) == 1
-    monkeypatch.setattr(llama, "rms_norm_op", lambda: None)
-    plain = llama.rms_norm(x, weight, 1e-5)
-    assert plain.dtype == fused.dtype == dtype
-    torch.testing.assert_close(fused.float(), plain.float(), rtol=2 ** -7, atol=1e-6)
-
-
-def rope_case(tokens: int, dtype: torch.dtype, heads: int = 8, kv_heads: int = 4,
-              head_dim: int = 64):
-    """A step's fused qkv rows (q and k strided views, as the model splits them) and its
-    cos / signed sin, as the model's RotaryEmbedding gives them."""
-    gen = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
-    angles = torch.arange(tokens).float()[:, None] * torch.rand(head_dim // 2, generator=gen)
-    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(dtype)
-    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None].to(dtype)
-    return qk, v, cos, signed_sin
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_rope_store_is_apply_rope_and_the_pool_write(variants, variant, dtype, tokens) -> None:
-    from engine.worker.attention.base import apply_rope
-
-    qk, v, cos, signed_sin = rope_case(tokens, dtype)
-    want_q, want_k = apply_rope(qk, cos, signed_sin).split([8, 4], dim=1)
-    k_slots = torch.zeros(1000, 4, 64, dtype=dtype)
-    v_slots = torch.zeros(1000, 4, 64, dtype=dtype)
-    slots = torch.randperm(1000)[:tokens]
-    q = variants[variant].rope_store(qk[:, :8], qk[:, 8:], v, cos, signed_sin, slots, k_slots,
-                                     v_slots)
-    assert q.is_contiguous() and q.shape == want_q.shape and q.dtype == dtype
-    # The same roundings as torch's ops (bit-identical on this CPU; at most one unit in the
-    # last place where torch's elementwise kernels round otherwise).
-    tight = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
-    torch.testing.assert_close(q, want_q, rtol=tight, atol=tight)
-    torch.testing.assert_close(k_slots[slots], want_k, rtol=tight, atol=tight)
-    assert torch.equal(v_slots[slots], v)
-    untouched = torch.ones(1000, dtype=torch.bool)
-    untouched[slots] = False
-    assert not k_slots[untouched].any() and not v_slots[untouched].any()
-
-
-def test_rope_store_refuses_slots_outside_the_pool(variants) -> None:
-    qk, v, cos, signed_sin = rope_case(3, torch.float32)
-    k_slots = torch.zeros(10, 4, 64)
-    with pytest.raises(RuntimeError, match="slot 10 is outside the pool of 10"):
-        variants["native"].rope_store(qk[:, :8], qk[:, 8:], v, cos, signed_sin,
-                                      torch.tensor([0, 10, 2]), k_slots, k_slots.clone())
-    with pytest.raises(RuntimeError, match="model's dtype"):
-        variants["native"].rope_store(qk[:, :8], qk[:, 8:], v, cos.bfloat16(), signed_sin,
-                                      torch.tensor([0, 1, 2]), k_slots, k_slots.clone())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_rotating_forward_is_apply_rope_then_forward(variants, dtype) -> None:
-    """The model's two ways into a layer's attention agree: q and k rotated by the model then
-    ``forward``, or rotated and stored by the backend in ``forward_rotating``."""
-    from engine.worker.attention.base import apply_rope
-
-    outs, pools = [], []
-    pool = make_pool(16, dtype=dtype)
-    before = pool.kv.clone()
-    for rotating in (True, False):
-        pool.kv.copy_(before)
-        attention = backend(pool, True)
-        assert attention._rope_store is not None
-        batch = random_batch(16, pool.num_pages, [(30, 1), (0, 7), (47, 1), (5, 3)])
-        qkv = torch.randn(batch.num_tokens, 12, 16, generator=torch.Generator().manual_seed(3))
-        qk, v = qkv[:, :10].to(dtype), qkv[:, 10:].to(dtype)
-        angles = torch.arange(batch.num_tokens).float()[:, None] * 0.1 * torch.arange(8)
-        cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(dtype)
-        signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None].to(dtype)
-        attention.plan(batch)
-        if rotating:
-            outs.append(attention.forward_rotating(0, qk, v, cos, signed_sin))
-        else:
-            q, k = apply_rope(qk, cos, signed_sin).split([8, 2], dim=1)
-            outs.append(attention.forward(0, q, k, v))
-        pools.append(pool.kv.clone())
-    assert not torch.equal(pools[0], before)  # this step's K and V went in
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pools[0], pools[1], rtol=1e-5, atol=1e-5)
-
-
 def test_decode_kernel_serves_only_where_it_is_vectorised(variants, monkeypatch) -> None:
     """The plain C++ build's decode kernel is no faster than gather + SDPA, so the engine
     takes it only from a build with AVX-512 or AVX2 loops (RMSNorm and rope_store, faster in
@@ -541,133 +406,3 @@ def test_decode_kernel_serves_only_where_it_is_vectorised(variants, monkeypatch)
     monkeypatch.setattr(cpu_kernels, "_ops", lambda: variants["portable"])
     assert cpu_kernels.paged_decode_op.__wrapped__() is None
     assert cpu_kernels.rms_norm_op() is variants["portable"].rms_norm
-
-
-def lora_case(x_dtype: torch.dtype, w_dtype: torch.dtype, seed: int = 0):
-    """Odd sizes (37 inputs, 301 outputs: a whole tile and a part), five slots of 24 rows in
-    use to 24, 0, 7, 16 and 24, and 15 rows mixing them with rows of the base model (-1): six
-    of slot 2, more than one block of rows sharing its weights. Slot 4's B is block-diagonal as
-    a fused projection's: rows 0-11 reach outputs 0-149, rows 12-22 the others, row 23 none."""
-    gen = torch.Generator().manual_seed(seed)
-    a_slots = torch.randn(5, 24, 37, generator=gen).to(w_dtype)
-    b_slots = torch.randn(5, 24, 301, generator=gen).to(w_dtype)
-    widths = torch.tensor([24, 0, 7, 16, 24])
-    spans = torch.tensor([0, 301]).repeat(5, 24, 1)
-    b_slots[4, :12, 150:] = 0
-    b_slots[4, 12:, :150] = 0
-    b_slots[4, 23] = 0
-    spans[4, :12] = torch.tensor([0, 150])
-    spans[4, 12:] = torch.tensor([150, 301])
-    spans[4, 23] = 0
-    row_slots = torch.tensor([2, -1, 0, 3, 2, 1, 4, -1, 0, 2, 3, 2, 2, 2, 0])
-    x = torch.randn(15, 37, generator=gen).to(x_dtype)
-    out = torch.randn(15, 301, generator=gen).to(x_dtype)
-    return x, a_slots, b_slots, row_slots, widths, spans, out
-
-
-def lora_reference(x, a_slots, b_slots, row_slots, widths, out) -> torch.Tensor:
-    """out + B[s] (A[s] x) per row (B held transposed), in float64, over each slot's rows in
-    use, every column of B read."""
-    want = out.double()
-    for i, slot in enumerate(row_slots.tolist()):
-        if slot >= 0:
-            width = int(widths[slot])
-            a, b = a_slots[slot, :width].double(), b_slots[slot, :width].double()
-            want[i] += b.t() @ (a @ x[i].double())
-    return want
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
-def test_lora_bgmv_matches_float64_reference(variants, variant, x_dtype, w_dtype) -> None:
-    x, a_slots, b_slots, row_slots, widths, spans, out = lora_case(x_dtype, w_dtype)
-    got = out.clone()
-    variants[variant].lora_bgmv(x, a_slots, b_slots, row_slots, widths, spans, got)
-    want = lora_reference(x, a_slots, b_slots, row_slots, widths, out)
-    # float32 sums, then one rounding to out's dtype
-    rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[x_dtype]
-    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-5 * want.abs().max().item())
-    untouched = (row_slots < 0) | (widths[row_slots.clamp_min(0)] == 0)
-    assert torch.equal(got[untouched], out[untouched])  # base-model rows and empty slots
-
-
-def test_lora_bgmv_builds_agree_and_rows_do_not_depend_on_their_neighbours(variants) -> None:
-    """A row's sums run in one order whether it shares its slot's weight loads with three
-    other rows or not."""
-    x, a_slots, b_slots, row_slots, widths, spans, out = lora_case(torch.float32, torch.bfloat16)
-    together = out.clone()
-    variants["native"].lora_bgmv(x, a_slots, b_slots, row_slots, widths, spans, together)
-    for i in range(len(x)):
-        alone = out[i : i + 1].clone()
-        variants["native"].lora_bgmv(x[i : i + 1], a_slots, b_slots, row_slots[i : i + 1],
-                                     widths, spans, alone)
-        assert torch.equal(alone[0], together[i])
-
-
-def test_lora_bgmv_refuses_what_it_cannot_read(variants) -> None:
-    x, a_slots, b_slots, row_slots, widths, spans, out = lora_case(torch.float32, torch.float32)
-    op = variants["native"].lora_bgmv
-    with pytest.raises(RuntimeError, match="row 2 names slot 5 of 5"):
-        op(x, a_slots, b_slots, torch.where(row_slots == 0, 5, row_slots), widths, spans, out)
-    with pytest.raises(RuntimeError, match="slot 0 has width 25 of at most 24"):
-        op(x, a_slots, b_slots, row_slots, widths + 1, spans, out)
-    with pytest.raises(RuntimeError, match=r"b_slots \[L, R, out\]"):
-        op(x, a_slots, b_slots.transpose(1, 2).contiguous(), row_slots, widths, spans,
-           out[:, :24])
-    with pytest.raises(RuntimeError, match="out .* of x's dtype"):
-        op(x, a_slots, b_slots, row_slots, widths, spans, out.bfloat16())
-    with pytest.raises(RuntimeError, match="row_slots int64"):
-        op(x, a_slots, b_slots, row_slots.int(), widths, spans, out)
-    with pytest.raises(RuntimeError, match=r"spans int64 \[L, R, 2\]"):
-        op(x, a_slots, b_slots, row_slots, widths, spans[:, :, 0], out)
-
-
-def random_adapter(config, rank: int, seed: int) -> LoraWeights:
-    """Every projection of every layer adapted, its parts' A stacked and B block-diagonal
-    (held transposed, as load_adapter holds it)."""
-    gen = torch.Generator().manual_seed(seed)
-    mats = {}
-    for layer in range(config.num_layers):
-        for name, (width, outs) in projection_shapes(config).items():
-            a = torch.randn(len(outs) * rank, width, generator=gen)
-            b = torch.block_diag(*[torch.randn(part, rank, generator=gen) for part in outs])
-            mats[(layer, name)] = (a, b.t().contiguous())
-    return LoraWeights(f"random{seed}", rank, str(seed), mats)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_step_takes_the_op_on_cpu_and_the_segmented_form_without(variants, monkeypatch,
-                                                                      dtype) -> None:
-    """The same updates through the op (slots in the model's dtype, bf16 or float32) and through
-    torch's segmented form (float32 slots), for a prefill chunk past the first rows."""
-    config = SimpleNamespace(num_layers=2, hidden_size=40, intermediate_size=72, num_heads=4,
-                             num_kv_heads=2, head_dim=10)
-    pools = [LoraPool(config, max_loras=3, max_rank=8, device=torch.device("cpu"), dtype=dtype)]
-    monkeypatch.setattr(lora_pool, "lora_bgmv_op", lambda: None)
-    pools.append(LoraPool(config, max_loras=3, max_rank=8, device=torch.device("cpu"),
-                          dtype=dtype))
-    assert pools[0].kernel is not None and pools[1].kernel is None
-    assert pools[0].dtype == dtype and pools[1].dtype == torch.float32
-    # adapters 1 and 2 of ranks 8 and 3, sequences under 1, none, 2 and 1
-    lora_ids, extend_lens = np.array([1, 0, 2, 1]), np.array([5, 2, 3, 1])
-    for pool in pools:
-        for lora_id, rank in ((1, 8), (2, 3)):
-            pool.add(lora_id, random_adapter(config, rank, lora_id))
-    steps = [pool.prepare(lora_ids, extend_lens) for pool in pools]
-    # q, k and v take outputs 0-39, 40-59 and 60-79; adapter 1's rank rows 0-7, 8-15 and 16-23
-    spans = pools[0].spans[(1, "qkv")][pools[0].resident[1], :24]
-    assert spans.unique_consecutive(dim=0).tolist() == [[0, 40], [40, 60], [60, 80]]
-    gen = torch.Generator().manual_seed(0)
-    for name, (width, outs) in projection_shapes(config).items():
-        x = torch.randn(7, width, generator=gen).to(dtype)
-        out = torch.randn(7, sum(outs), generator=gen).to(dtype)
-        got = [out.clone() for _ in steps]
-        for step, result in zip(steps, got, strict=True):
-            step.add_(1, name, x, result, start=4)
-        # rows 0 and 6: adapter 1; 1 and 2: the base model; 3 to 5: adapter 2
-        scale = (got[1] - out).abs().max().item()
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got[0], got[1], rtol=0, atol=tolerance * scale)
-        assert torch.equal(got[0][1:3], out[1:3])
-        assert not torch.equal(got[0][0], out[0]) and not torch.equal(got[0][6], out[6])

@@ -13,7 +13,8 @@ from engine.worker.attention.base import apply_rope
 from engine.worker.kv_pool import KVPool
 from engine.worker.kv_quant import dequantize, quantize, scales
 from tests.test_attention import SHAPES, random_batch, reference_attention
-from tests.test_cpu_kernels import TOLERANCE, VARIANTS, load_variants, reference, rope_case
+from tests.test_cpu_kernels import TOLERANCE, VARIANTS, load_variants, reference
+from tests.test_cpu_norm_rope import rope_case
 
 
 @pytest.fixture(scope="module")
