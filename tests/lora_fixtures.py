@@ -39,3 +39,18 @@ def peft_model(model_dir: str, adapter_dir: Path):
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def make_adapters(model_dir: str, root: Path) -> dict[str, str]:
+    """Every adapter of ``ADAPTERS`` for the model at ``model_dir``, saved under ``root``."""
+    return {name: str(make_adapter(model_dir, root / name, seed, **settings))
+            for seed, (name, settings) in enumerate(ADAPTERS.items())}
+
+
+def oracle_models(model_dir: str, adapters: dict[str, str]) -> dict:
+    """transformers + peft in fp32 under each adapter, and the base model under None."""
+    from transformers import AutoModelForCausalLM
+
+    models = {name: peft_model(model_dir, path) for name, path in adapters.items()}
+    models[None] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return models

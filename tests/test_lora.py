@@ -15,7 +15,7 @@ from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.sampling_params import SamplingParams
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.lora import load_adapter
-from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
+from tests.lora_fixtures import ADAPTERS, make_adapter, make_adapters, oracle_models, peft_model
 from tests.test_scheduler import GREEDY, Harness, hf_greedy, shared_prefix_prompts
 
 # peft looked up, not imported: every test process collects this module, and the import takes
@@ -32,17 +32,12 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("adapters")
-    return {name: str(make_adapter(model_dir, root / name, seed, **settings))
-            for seed, (name, settings) in enumerate(ADAPTERS.items())}
+    return make_adapters(model_dir, root)
 
 
 @pytest.fixture(scope="module")
 def oracles(model_dir, adapters):
-    from transformers import AutoModelForCausalLM
-
-    models = {name: peft_model(model_dir, path) for name, path in adapters.items()}
-    models[None] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return models
+    return oracle_models(model_dir, adapters)
 
 
 def lora_harness(model_dir: str, adapters: dict[str, str], **options) -> Harness:

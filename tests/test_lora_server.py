@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine.checkpoints.demo_model import build_demo_model
-from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
+from tests.lora_fixtures import make_adapters, peft_model
 from tests.server_process import API_KEY, AUTH, metric_values, serve_module
 from tests.test_scheduler import hf_greedy
 
@@ -24,8 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("peft
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, str]:
     root, model_dir = tmp_path_factory.mktemp("adapters"), str(build_demo_model())
-    return {name: str(make_adapter(model_dir, root / name, seed, **settings))
-            for seed, (name, settings) in enumerate(ADAPTERS.items())}
+    return make_adapters(model_dir, root)
 
 
 @pytest.fixture(scope="module")

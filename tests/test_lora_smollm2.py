@@ -14,7 +14,7 @@ import torch
 
 from engine.checkpoints.gguf import gguf_checkpoint
 from engine.checkpoints.model_source import default_gguf
-from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
+from tests.lora_fixtures import make_adapters, oracle_models
 from tests.test_lora import add, lora_harness
 from tests.test_scheduler import hf_greedy
 from tests.test_smollm2 import chat_prompts
@@ -39,8 +39,7 @@ def checkpoint() -> str:
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("smollm2-adapters")
-    return {name: str(make_adapter(checkpoint, root / name, seed, **settings))
-            for seed, (name, settings) in enumerate(ADAPTERS.items())}
+    return make_adapters(checkpoint, root)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +49,7 @@ def prompts(checkpoint) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def oracles(checkpoint, adapters) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    models = {name: peft_model(checkpoint, path) for name, path in adapters.items()}
-    models[None] = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    return models
+    return oracle_models(checkpoint, adapters)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from engine.worker.model.parallel import ShardPlan
 from engine.worker.runner import ModelRunner
 from engine.worker.tp_rank import follow
 from tests.conftest_models import one_torch_thread
-from tests.lora_fixtures import ADAPTERS, make_adapter, peft_model
+from tests.lora_fixtures import ADAPTERS, make_adapter, make_adapters, oracle_models, peft_model
 from tests.test_lora import add, update
 from tests.test_scheduler import Harness, hf_greedy, shared_prefix_prompts
 from tests.test_tp import ThreadRank, run_ranks
@@ -40,8 +40,7 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("adapters")
-    return {name: str(make_adapter(model_dir, root / name, seed, **settings))
-            for seed, (name, settings) in enumerate(ADAPTERS.items())}
+    return make_adapters(model_dir, root)
 
 
 def test_lora_with_tp_validates(model_dir, adapters):
@@ -144,7 +143,6 @@ def test_tp2_adapters_and_base_match_peft_and_updates_reach_every_rank(model_dir
     base model in flight together, in chunks with a preemption, give transformers + peft's
     greedy tokens; an adapter loaded at runtime serves its weights on both ranks and unloads
     from both; a load that fails on rank 1 alone fails for every rank."""
-    from transformers import AutoModelForCausalLM
 
     options = dict(dtype="float32", quantization="none", enable_lora=True,
                    lora_modules=[f"{n}={p}" for n, p in adapters.items()], num_pages=20,
@@ -189,8 +187,7 @@ def test_tp2_adapters_and_base_match_peft_and_updates_reach_every_rank(model_dir
         loaded[1] = set(runner.lora.adapters)
 
     outputs, replies = run_ranks(2, lambda tp: (rank0 if tp.rank == 0 else rank1)(tp))[0]
-    oracles = {name: peft_model(model_dir, path) for name, path in adapters.items()}
-    oracles[None] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    oracles = oracle_models(model_dir, adapters)
     for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
         assert outputs[f"r{i}"][0] == hf_greedy(oracles[name], prompt, 12), (i, name)
     assert outputs["gamma"][0] == hf_greedy(peft_model(model_dir, gamma), prompts[0], 12)
