@@ -71,9 +71,9 @@ class Harness:
         self.queued: deque = deque()
         self.ahead = 0
 
-    def add(self, rid: str, prompt, params: SamplingParams) -> None:
+    def add(self, rid: str, prompt, params: SamplingParams, namespace: str | None = None) -> None:
         self.sched.add_request(TokenizedRequest(rid=rid, prompt_ids=pack_ids(prompt), params=params,
-                                                reply_to=0))
+                                                reply_to=0, namespace=namespace))
 
     def step(self) -> bool:
         """Plan a step; run the oldest batch once the scheduler plans no further ahead (with

@@ -21,9 +21,12 @@ from engine.contracts.speculative import MIN_SUFFIX_MATCH, SpeculativeConfig
 from engine.server.metrics import FrontendState, Metrics
 from radix import OutOfPages
 from scheduler import speculation, suffix_index
+from scheduler.request import Status
+from scheduler.scheduler import Scheduler
 from scheduler.suffix import own_matches, vote
 from scheduler.suffix_index import SuffixIndex
 from tests.radix_sim import Sim
+from tests.test_scheduler import Harness
 from tests.test_speculation import assert_same_outputs, run, spec, workload
 
 DEPTH = 12  # max_depth in the index tests
@@ -322,6 +325,19 @@ def test_wrong_drafts_from_the_cache_roll_back_with_the_accounting_clean(model_d
     pages past the kept tokens return), and the outputs are those without drafts. (Draft rows
     taken as nearly free: each sequence's first verification drafts all 6.)"""
     monkeypatch.setattr(speculation.StepCosts, "share", lambda self, batch_size: 0.0)
+    accounting = Scheduler.check
+
+    def check_with_pages(sched: Scheduler) -> None:
+        """The accounting, and no running sequence with no step in flight holding a page past
+        its computed tokens and the next one (its sampled token's): a verification's rejected
+        drafts gave theirs back."""
+        accounting(sched)
+        for req in sched.requests.values():
+            for seq in req.live_seqs():
+                if seq.status is Status.RUNNING and seq.settled == seq.computed:
+                    assert len(seq.pages) <= sched.alloc.pages_for(seq.computed + 1), seq.req.rid
+
+    monkeypatch.setattr(Scheduler, "check", check_with_pages)
     rng = np.random.default_rng(11)
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     asks = {f"ask{i}": (rng.integers(3, 4000, 30).tolist(), greedy) for i in range(3)}
@@ -337,6 +353,40 @@ def test_wrong_drafts_from_the_cache_roll_back_with_the_accounting_clean(model_d
     assert all(h.outputs[rid] == alone.outputs[rid] for rid in asks)
     assert drafted >= 3 * 6 and 3 <= accepted < drafted / 2
     assert h.sched.speculator.suffix.index.num_runs > 0  # checked with the accounting
+
+
+def test_drafts_from_the_cache_stay_in_the_requests_namespace(model_dir, monkeypatch):
+    """Three prompts answered for requests without a cache_salt, then the same prompts under a
+    salt: those draft exactly what they draft on an engine that never saw the first answers
+    (their own tokens only). Another tenant's cached output proposed and accepted would show in
+    the step times it saves, a side channel between tenants, though outputs stay right. The
+    same prompts in the first namespace draft its cached answers. (Draft rows taken as nearly
+    free: how much is drafted follows acceptance alone, not the machine's timings.)"""
+    monkeypatch.setattr(speculation.StepCosts, "share", lambda self, batch_size: 0.0)
+    rng = np.random.default_rng(5)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    asks = {f"ask{i}": (rng.integers(3, 4000, int(rng.integers(20, 40))).tolist(), greedy)
+            for i in range(3)}
+    options = dict(page_size=4, num_pages=1024, speculative_config=suffix_spec(k=6))
+
+    def counts(h) -> tuple[int, int]:
+        return h.sched.speculator.drafted_tokens, h.sched.speculator.accepted_tokens
+
+    def again(h, namespace: str | None) -> tuple[int, int]:
+        before = counts(h)
+        for rid, (prompt, params) in asks.items():
+            h.add(f"{rid}-{namespace}", prompt, params, namespace=namespace)
+        h.run()
+        return tuple(b - a for a, b in zip(before, counts(h), strict=True))
+
+    h = run(model_dir, asks, **options)
+    salted = again(h, "tenant-b")
+    fresh = Harness(model_dir, **options)
+    assert again(fresh, "tenant-b") == salted
+    shared = again(h, None)
+    assert shared[1] >= 3 * 15 and shared[1] > 3 * salted[1]
+    for rid in asks:
+        assert h.outputs[f"{rid}-tenant-b"] == h.outputs[f"{rid}-None"] == h.outputs[rid]
 
 
 @pytest.mark.parametrize("options", [
