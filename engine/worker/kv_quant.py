@@ -94,7 +94,10 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     divisor = scale.float()
     values = torch.where(divisor > 0, wide / divisor, torch.zeros_like(wide))
     values = values.round_().clamp_(-QMAX, QMAX).to(torch.int8)
-    return torch.cat([values, scale.view(torch.int8)], dim=-1)
+    # flattened first: a step of no rows gives the scales a zero stride, which no dtype view
+    # takes
+    scale_bytes = scale.reshape(-1).view(torch.int8).view(*scale.shape[:-1], SCALE_BYTES)
+    return torch.cat([values, scale_bytes], dim=-1)
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

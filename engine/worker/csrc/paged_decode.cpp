@@ -660,6 +660,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
   }
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (B == 0) return {out, lse};  // no sequence: nothing to split among the threads
   switch (q.scalar_type()) {
     case at::kFloat:
       run<float>(q, k_pages, v_pages, out, lse, indptr, indices, seq_lens, start_ptr, rows_ptr,

@@ -375,6 +375,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == w.K,
               "quant_linear: x [M, ", w.K, "] with contiguous rows expected, got ", x.sizes());
   auto out = at::empty({x.size(0), w.N}, x.options());
+  // A step may bring no rows (the LM head of a step whose sequences are all mid-prefill):
+  // the work split below divides by the row count.
+  if (x.size(0) == 0) return out;
   switch (x.scalar_type()) {
     case at::kFloat:
       run<float>(x, w, two, out);

@@ -61,7 +61,7 @@ void dispatch_weight(const at::Tensor& x, const at::Tensor& weight, at::Tensor& 
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: rows [N, hidden] with contiguous "
+  TORCH_CHECK(x.dim() == 2 && (x.stride(1) == 1 || x.size(1) == 1), "rms_norm: rows [N, hidden] with contiguous "
               "rows expected");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
               "rms_norm: weight [hidden] expected");
