@@ -2,8 +2,9 @@
 one row, row counts around each tile width, odd widths and head sizes, in every build
 (tests/test_cpu_kernels.py). Hypothesis draws the shapes; each result is checked against the
 float64 or torch reference the kernel's own test file uses. A step of no rows is an ordinary
-step (the LM head of a step whose sequences are all mid-prefill): it must return empty, never
-divide by its row count."""
+step (the LM head of a step in which no sequence samples: a prompt's chunks mid-prefill, or the
+KV of a session turn's last token, which a session computes so that its next turn is a whole
+cache hit): it must return empty, never divide by its row count."""
 
 from __future__ import annotations
 
