@@ -6,6 +6,7 @@ sizes, the loader's choice of formats and its refusals."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -391,3 +392,22 @@ def test_refusals_name_the_way_out(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"int8 needs the compiled CPU kernels.*none"):
         loader._formats(quantized, "int8", torch.device("cpu"))
     assert loader._formats(quantized, "auto", torch.device("cpu")) == {}  # widened, logged
+
+
+def test_projections_of_partial_groups_stay_dense_and_say_so(tmp_path, monkeypatch, caplog):
+    """int8 and int4 for any checkpoint: the down projections of an MLP 100 wide (three groups
+    of 32 and four columns) stay in --dtype, named once in the log; the rest are quantized."""
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    model = str(write_checkpoint(tmp_path / "llama100", "llama", intermediate_size=100))
+    dense, _ = forward(model, quantization="none")
+    down = {name for name in projections(model) if "down_proj" in name}
+    for fmt, bound in (("int8", 0.06), ("int4", 0.4)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="radixserve.worker"):
+            got, runner = forward(model, quantization=fmt)
+        assert read_formats(quantized_file(model, fmt)) == dict.fromkeys(
+            projections(model) - down, fmt)
+        assert set(runner.weight_formats) == {fmt, "float32"}
+        assert relative_error(got, dense) < bound, fmt
+        said = [r.getMessage() for r in caplog.records if "stay in float32" in r.getMessage()]
+        assert len(said) == 1 and all(name in said[0] for name in down), said

@@ -8,8 +8,10 @@
            cache as ``quant-<format>-<key>/quantized.safetensors``
 
 Embeddings, norms and the LM head stay in --dtype under int8 and int4 (only a GGUF brings its
-own quantized embedding). ``<key>`` hashes the checkpoint's path and its weight files' names,
-sizes and modification times, so an edited checkpoint is quantized again.
+own quantized embedding), and so does a projection whose rows are not whole groups of 32 (the
+demo model's down projection reads 688 inputs), which the loader logs. ``<key>`` hashes the
+checkpoint's path and its weight files' names, sizes and modification times, so an edited
+checkpoint is quantized again.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from pathlib import Path
 
 from engine.checkpoints.artifact_cache import build_once, default_cache_dir
 from engine.checkpoints.model_source import weight_files
-from engine.checkpoints.quant_formats import FILE, quantize, write
+from engine.checkpoints.quant_formats import BLOCK, FILE, quantize, write
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-QUANTIZER_VERSION = 3
+QUANTIZER_VERSION = 4  # 4: projections of partial groups stay dense
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 
 
@@ -58,6 +60,10 @@ def _quantize(files: list[Path], fmt: str, directory: Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for name in reader.keys():
-                if LINEAR.fullmatch(name):
+                if LINEAR.fullmatch(name) and _whole_blocks(reader.get_slice(name).get_shape()):
                     packed[name] = quantize(reader.get_tensor(name), fmt)
     write(packed, directory / FILE)
+
+
+def _whole_blocks(shape: list[int]) -> bool:
+    return len(shape) == 2 and shape[1] % BLOCK == 0

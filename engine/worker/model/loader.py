@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from engine.checkpoints.model_source import weight_files
 from engine.checkpoints.quant_formats import read_formats
-from engine.checkpoints.quantized import quantized_file
+from engine.checkpoints.quantized import LINEAR, quantized_file
 from engine.worker.cpu_kernels import quant_ops
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.llama import LlamaForCausalLM
@@ -57,6 +57,12 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
     files = weight_files(model_dir) + ([quantized] if formats else [])
     model = LlamaForCausalLM(config, device, dtype, tp, formats)
     targets, sources = model.weight_targets(), model.weight_sources()
+    if quantization in ("int8", "int4"):
+        dense = sorted(name for name in targets if LINEAR.fullmatch(name))
+        if dense:
+            logger.info("--quantization %s: %d projections stay in %s, their rows not whole "
+                        "groups of 32 (%s)", quantization, len(dense), str(dtype).removeprefix(
+                            "torch."), ", ".join(dense))
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
