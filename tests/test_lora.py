@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.sampling_params import SamplingParams
+from engine.worker import lora_pool
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.lora import load_adapter
 from tests.lora_fixtures import ADAPTERS, make_adapter, make_adapters, oracle_models, peft_model
@@ -79,6 +80,31 @@ def test_adapters_and_base_in_one_batch_match_peft(model_dir, adapters, oracles)
     for i, name in enumerate(names):
         if name is not None:
             assert h.outputs[f"r{i}"][0] != hf_greedy(oracles[None], prompts[i], 12), name
+
+
+@pytest.mark.parametrize("form", ["torch", "op"])
+def test_every_row_adapted_out_of_slot_order_matches_peft(model_dir, adapters, oracles,
+                                                          monkeypatch, form):
+    """Four requests in flight, every one adapted, their rows alternating between the two
+    adapters' slots (no base-model row in any step): greedy tokens are transformers + peft's
+    under each one's adapter, through the compiled op and through the torch form that serves
+    without it (CUDA, RADIXSERVE_CPU_KERNELS=0, no compiler), which gathers rows in slot order
+    and must put each delta back on its own row."""
+    if form == "torch":
+        monkeypatch.setattr(lora_pool, "lora_bgmv_op", lambda: None)
+    h = lora_harness(model_dir, adapters, num_pages=256)
+    assert (h.worker.runner.lora.kernel is None) == (form == "torch")
+    steps = []  # each step's adapter ids, in row order
+    run_step = h.worker.step
+    h.worker.step = lambda msg: (steps.append(msg.step.lora_ids.tolist()), run_step(msg))[1]
+    prompts = shared_prefix_prompts(4, seed=8)
+    names = ["alpha", "beta"] * 2
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        add(h, f"r{i}", prompt, name)
+    h.run()
+    assert [1, 2, 1, 2] in steps and all(0 not in ids for ids in steps)
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        assert h.outputs[f"r{i}"][0] == hf_greedy(oracles[name], prompt, 12), (i, name)
 
 
 def test_a_prefix_cached_by_the_base_model_is_no_hit_for_an_adapter(model_dir, adapters,
@@ -195,6 +221,26 @@ def test_an_adapter_reloaded_with_new_weights_answers_with_them(model_dir, adapt
     bad = update(h, "delta", str(tmp_path / "nowhere"))
     assert bad.status == 400 and "adapter_config.json does not exist" in bad.error
     assert update(h, "delta", str(path)).error is None  # a failed load leaves the name free
+
+
+def test_a_name_still_loading_is_refused(model_dir, adapters):
+    """Two loads under one name at once (two clients, or one retrying): the second is refused
+    while the first is with the worker, and again once it is served; the name holds the first
+    one's weights."""
+    from engine.contracts.protocol import LoraUpdate, LoraUpdated
+
+    h = lora_harness(model_dir, {}, num_pages=64)
+    first = h.sched.update_lora(LoraUpdate(rid="u1", name="gamma", path=adapters["alpha"]))
+    assert isinstance(first, LoraUpdate)  # on its way to the worker
+    for rid in ("u2", "u3"):
+        second = h.sched.update_lora(LoraUpdate(rid=rid, name="gamma", path=adapters["beta"]))
+        assert isinstance(second, LoraUpdated) and second.status == 400, second
+        assert "already loaded" in second.error
+        if rid == "u2":
+            loaded = h.sched.adapters.updated(h.worker.update_lora(first))
+            assert loaded.error is None
+    assert [(a.name, a.rank) for a in h.sched.adapters.served.values()] == [("gamma", 4)]
+    assert list(h.worker.runner.lora.adapters) == [first.lora_id]
 
 
 def test_kv_events_name_the_adapter_of_each_block(model_dir, adapters):

@@ -149,3 +149,46 @@ def test_lora_step_takes_the_op_on_cpu_and_the_segmented_form_without(variants, 
         torch.testing.assert_close(got[0], got[1], rtol=0, atol=tolerance * scale)
         assert torch.equal(got[0][1:3], out[1:3])
         assert not torch.equal(got[0][0], out[0]) and not torch.equal(got[0][6], out[6])
+
+
+@pytest.mark.parametrize("lora_ids", [[2, 1, 2, 1], [3, 2, 1], [2, 2, 1, 1], [1, 1, 2, 3]],
+                         ids=["alternating", "reversed", "grouped", "in-slot-order"])
+def test_every_row_adapted_in_any_slot_order_gets_its_own_adapters_update(
+        variants, monkeypatch, lora_ids) -> None:
+    """Steps where no row runs the base model, their sequences in an order other than their
+    slots' (a step's adapters take slots in id order here; the segmented form gathers rows in
+    slot order and must add each delta back to its own row) and in slot order (where it adds
+    them in place): the torch form and the op both add each token's own adapter's update, as
+    a float64 reference computes it."""
+    config = SimpleNamespace(num_layers=1, hidden_size=40, intermediate_size=72, num_heads=4,
+                             num_kv_heads=2, head_dim=10)
+    lora_ids, extend_lens = np.array(lora_ids), np.arange(2, 2 + len(lora_ids))
+    adapters = {lora_id: random_adapter(config, rank, lora_id)
+                for lora_id, rank in ((1, 8), (2, 3), (3, 5))}
+    pools = {"op": LoraPool(config, max_loras=3, max_rank=8, device=torch.device("cpu"),
+                            dtype=torch.float32)}
+    monkeypatch.setattr(lora_pool, "lora_bgmv_op", lambda: None)
+    pools["torch"] = LoraPool(config, max_loras=3, max_rank=8, device=torch.device("cpu"),
+                              dtype=torch.float32)
+    steps = {}
+    for form, pool in pools.items():
+        for lora_id, weights in adapters.items():
+            pool.add(lora_id, weights)
+        steps[form] = pool.prepare(lora_ids, extend_lens)
+    assert pools["op"].kernel is not None and pools["torch"].kernel is None
+    used = sorted(set(lora_ids.tolist()))
+    assert dict(pools["torch"].resident) == {i: slot for slot, i in enumerate(used)}
+    token_ids = np.repeat(lora_ids, extend_lens)
+    gen = torch.Generator().manual_seed(1)
+    for name, (width, outs) in projection_shapes(config).items():
+        x = torch.randn(len(token_ids), width, generator=gen)
+        out = torch.randn(len(token_ids), sum(outs), generator=gen)
+        want = out.double()
+        for row, lora_id in enumerate(token_ids.tolist()):
+            a, bt = adapters[lora_id].mats[(0, name)]
+            want[row] += bt.double().t() @ (a.double() @ x[row].double())
+        for form, step in steps.items():
+            got = out.clone()
+            step.add_(0, name, x, got)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4,
+                                       msg=f"{form} {name}")
