@@ -53,3 +53,20 @@ def test_fork_on_a_full_pool_allocates_nothing_and_grow_plans_the_copy():
     mem.release(parent, cache=True)
     mem.check([])
     assert mem.alloc.num_pinned_pages == 0
+
+
+def test_the_check_counts_every_sequences_references():
+    """``check`` holds each page's refcount to the tree's references and the live sequences':
+    a page that no sequence and no node holds fails it, as do a sequence's pages left out."""
+    mem, req = make(num_pages=8)
+    seq = Seq(req, 0, list(range(6)))
+    mem.match(seq)
+    mem.take_match(seq, 6, StepWork())
+    mem.check([seq])
+    leaked = mem.alloc.alloc(1)
+    with pytest.raises(AssertionError, match="differ from their holders"):
+        mem.check([seq])
+    mem.alloc.decref(leaked)
+    with pytest.raises(AssertionError, match="differ from their holders"):
+        mem.check([])
+    mem.check([seq])

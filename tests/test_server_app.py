@@ -20,6 +20,7 @@ from engine.contracts.protocol import (
     pack_ids,
 )
 from engine.server.app import build_app
+from engine.server.options import ServeOptions
 from engine.server.service import Service
 
 INFO = ModelInfo(model="/models/tiny", architecture="LlamaForCausalLM", vocab_size=100,
@@ -36,6 +37,7 @@ class ScriptedClient:
         self.sessions: list[SessionOpen | SessionClose] = []
         self.pending = 0
         self.broken = False
+        self.requests: list[GenerateRequest] = []  # every request streamed, in order
 
     @property
     def num_pending(self) -> int:
@@ -44,6 +46,7 @@ class ScriptedClient:
     async def stream(self, req: GenerateRequest):
         if self.broken:
             raise RuntimeError("a bug")
+        self.requests.append(req)
         self.pending += 1
         try:
             for i, (text, token) in enumerate(zip("abc", (5, 6, 7), strict=True)):
@@ -94,6 +97,39 @@ def test_chunks_have_exactly_openais_keys(engine):
     assert set(whole) == {"id", "object", "created", "model", "choices", "usage"}
     assert whole["choices"] == [{"index": 0, "text": "abc", "logprobs": None,
                                  "finish_reason": "length"}]
+
+
+@pytest.mark.parametrize("salt_from_user", [False, True])
+def test_salts_and_users_key_the_cache_namespace(engine, salt_from_user):
+    """Requests share cached KV only within a namespace: the same cache_salt gives the same
+    one on every endpoint, another salt another, no salt the shared one (None). Under
+    --salt-from-user the user counts as well: each user's requests apart, with or without a
+    salt, and a salt never reaching into another user's; without it, the user changes
+    nothing."""
+    service = Service(engine, INFO, EngineConfig(model="/models/tiny"),
+                      ServeOptions(salt_from_user=salt_from_user))
+    client = TestClient(build_app(service))
+
+    def namespace(path: str, salt: str | None = None, user: str | None = None) -> str | None:
+        body = {"/v1/completions": {"prompt": "x"},
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+                "/generate": {"input_ids": [5, 6]}}[path]
+        extra = {"cache_salt": salt, "user": user}
+        body = {**body, **{k: v for k, v in extra.items() if v is not None}}
+        assert client.post(path, json=body).status_code == 200, (path, body)
+        return engine.requests[-1].namespace
+
+    paths = ["/v1/completions", "/v1/chat/completions", "/generate"]
+    assert {namespace(path) for path in paths} == {None}
+    salted = {namespace(path, "tenant-a") for path in paths}
+    assert len(salted) == 1 and None not in salted
+    assert namespace("/v1/completions", "tenant-b") not in salted | {None}
+    users = [namespace("/v1/chat/completions", salt, user)
+             for user in ("alice", "bob") for salt in (None, "tenant-a")]
+    if salt_from_user:
+        assert len(set(users) | salted | {None}) == 6
+    else:
+        assert users == [None, *salted] * 2
 
 
 def test_once_the_engine_died_health_and_requests_are_503(engine):
