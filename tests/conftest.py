@@ -35,3 +35,18 @@ def harness_model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("harness_model")
     return str(write_checkpoint(path, "llama", head_std=0.5, vocab_size=4096,
                                 max_position_embeddings=4096))
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory) -> str:
+    """A model that takes the default model's path: a GGUF whose projections, embedding and LM
+    head are Q4_1 blocks (SmolLM2-135M-Instruct's file holds Q4_1), served by the compiled
+    kernels under ``--quantization auto`` in the machine's default dtype, with a ChatML template
+    and a 4,096-token context. Tiny (2 layers, hidden 64, a byte-level vocabulary), so servers
+    start in seconds. Written once per session."""
+    from gguf import GGMLQuantizationType
+
+    from tests.test_gguf import write_gguf  # imports the gguf package: only when used
+
+    path = tmp_path_factory.mktemp("default_model") / "tiny-q4_1.gguf"
+    return str(write_gguf(path, GGMLQuantizationType.Q4_1, context=4096))

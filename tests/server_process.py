@@ -42,12 +42,15 @@ def children_of(pid: int) -> list[int]:
 class ServerProcess:
     """``radixserve serve`` on a free port, ready once it printed its URL. Its socket directory
     goes under ``tmp`` (TMPDIR), so a test can see it was removed. The demo model unless the
-    args name another ``--model``."""
+    args name another ``--model``; float32 unless the args name another ``--dtype`` or
+    ``machine_dtype`` leaves the machine's default (bf16 where the CPU has it), as a user's
+    server runs."""
 
-    def __init__(self, tmp: Path, *args: str, timeout: float = 300.0) -> None:
+    def __init__(self, tmp: Path, *args: str, timeout: float = 300.0,
+                 machine_dtype: bool = False) -> None:
         if "--model" not in args:
             args = ("--model", "demo", *args)
-        if "--dtype" not in args:
+        if "--dtype" not in args and not machine_dtype:
             args = ("--dtype", "float32", *args)  # outputs stay comparable run to run
         self.tmp = tmp
         self.port = free_port()
@@ -81,10 +84,10 @@ class ServerProcess:
         return code
 
 
-def serve_module(tmp: Path, *args: str) -> Iterator[ServerProcess]:
+def serve_module(tmp: Path, *args: str, machine_dtype: bool = False) -> Iterator[ServerProcess]:
     """A module fixture's server: started with ``args``, then stopped by SIGTERM at the end,
     which must exit 0 and leave no child process behind."""
-    srv = ServerProcess(tmp, *args)
+    srv = ServerProcess(tmp, *args, machine_dtype=machine_dtype)
     yield srv
     assert srv.stop() == 0
     assert [c for c in srv.children if Path(f"/proc/{c}").exists()] == []

@@ -38,10 +38,14 @@ def expect(fd: int, pattern: str, timeout: float = 300.0) -> str:
     return seen.decode(errors="replace")
 
 
-def test_two_turns_then_ctrl_d(tmp_path):
+@pytest.mark.parametrize("which", ["demo", "default"])
+def test_two_turns_then_ctrl_d(tmp_path, request, which):
+    """On the demo model, and on a GGUF the compiled kernels read in the machine's dtype (the
+    default model's path: its second turn once killed the server)."""
+    model = "demo" if which == "demo" else request.getfixturevalue("default_model")
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "chat", "--model", "demo", "--max-tokens", "6",
+        [sys.executable, "-m", "engine.cli", "chat", "--model", model, "--max-tokens", "6",
          "--temperature", "0"],
         stdin=slave,
         stdout=slave,

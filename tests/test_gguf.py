@@ -96,13 +96,13 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, qtype: gguf.GGMLQuantizationType, *, architecture: str = "llama",
-               weights: dict[str, np.ndarray] | None = None) -> Path:
+               weights: dict[str, np.ndarray] | None = None, context: int = CONTEXT) -> Path:
     """A Llama GGUF as llama.cpp writes one: 2-D tensors in ``qtype``, norms in F32."""
     weights = reference_weights() if weights is None else weights
     tokens, merges, types = byte_level_vocab()
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_block_count(LAYERS)
-    writer.add_context_length(CONTEXT)
+    writer.add_context_length(context)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
