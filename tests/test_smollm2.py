@@ -89,3 +89,31 @@ def test_it_knows_the_capital_of_france(checkpoint, dtype, quantization):
     h.run()
     answer = tokenizer.decode(h.outputs["q"][0], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_the_default_server_serves_a_sessions_turns(tmp_path):
+    """`radixserve serve` on the default model and no other flag, as the README starts it:
+    docs/usage.md's session flow over three turns, each a cache hit of the whole conversation
+    before it."""
+    import httpx
+
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess(tmp_path, "--model", str(GGUF), machine_dtype=True)
+    try:
+        session = httpx.post(f"{server.url}/v1/sessions", timeout=30).json()["id"]
+        history = 0
+        for turn, question in enumerate(["Hi!", *QUESTIONS[:2]]):
+            reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+                "session_id": session, "max_tokens": 8,
+                "messages": [{"role": "user", "content": question}]})
+            assert reply.status_code == 200, reply.text
+            usage = reply.json()["usage"]
+            if turn:
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= history
+            history = usage["prompt_tokens"] + usage["completion_tokens"]
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        assert server.stop() == 0
