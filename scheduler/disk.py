@@ -19,16 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from engine.contracts.disk_cache import DiskStore, block_hashes
+from engine.contracts.disk_blocks import DiskView, block_hashes
 from engine.contracts.protocol import DiskLoad, DiskSave, pack_ids
 from scheduler.loads import PendingLoads
 from scheduler.request import Seq
 
 
 class DiskTier:
-    def __init__(self, store: DiskStore, block_tokens: int, page_size: int,
-                 pending: PendingLoads) -> None:
+    """``ready``: the worker's store is set up (until then no lookups: nothing could be read;
+    saves are still offered, and the worker sets the store up again when it writes)."""
+
+    def __init__(self, store: DiskView, block_tokens: int, page_size: int,
+                 pending: PendingLoads, ready: bool = True) -> None:
         self.store = store
+        self.ready = ready
         self.block = block_tokens
         self.pages_per_block = block_tokens // page_size
         self.page_size = page_size
@@ -36,6 +40,11 @@ class DiskTier:
         self.saves: list[DiskSave] = []
         self.loads: list[DiskLoad] = []
         self.hit_tokens = self.blocks_saved = self.blocks_loaded = self.load_failures = 0
+
+    @property
+    def on(self) -> bool:
+        """Serving: the worker's store is set up and its directory there."""
+        return self.ready and self.store.enabled
 
     @property
     def busy(self) -> bool:
@@ -48,7 +57,7 @@ class DiskTier:
         ``cached`` on, as many as the directory holds one after another within ``limit``
         tokens; empty unless they reach past ``cached``."""
         first, last = cached // self.block, limit // self.block
-        if last * self.block <= cached or not self.store.enabled:
+        if last * self.block <= cached or not self.on:
             return []
         names = block_hashes(self.store.fingerprint, namespace, tokens[: last * self.block],
                              self.block, first)
@@ -91,6 +100,7 @@ class DiskTier:
         self.hit_tokens += arrived * self.block
 
     def stats(self) -> dict[str, int]:
-        return {"disk_block_tokens": self.block, "disk_hit_tokens": self.hit_tokens,
+        return {"disk_block_tokens": self.block, "disk_on": int(self.on),
+                "disk_hit_tokens": self.hit_tokens,
                 "disk_blocks_saved": self.blocks_saved, "disk_blocks_loaded": self.blocks_loaded,
                 "disk_load_failures": self.load_failures}

@@ -18,7 +18,7 @@ from collections import deque
 
 import numpy as np
 
-from engine.contracts.disk_cache import DiskStore
+from engine.contracts.disk_blocks import DiskView
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.lora import lora_namespace
 from engine.contracts.protocol import (
@@ -61,11 +61,11 @@ class Scheduler(Forking):
                      if info.num_host_cache_pages else None)
         self.tree = RadixTree(self.alloc, POLICIES[config.eviction_policy], host=self.host)
         # Loads into sequences' own pages (scheduler/loads.py), and the disk tier: the worker
-        # opened its store and named its directory.
+        # opened its store, named its directory and says whether it is set up.
         self.loads = PendingLoads()
-        self.disk = (DiskTier(DiskStore(config.disk_cache_dir, info.disk_fingerprint,
-                                        int(config.disk_cache_gb * 2**30)),
-                              info.disk_block_tokens, info.page_size, self.loads)
+        self.disk = (DiskTier(DiskView(config.disk_cache_dir, info.disk_fingerprint),
+                              info.disk_block_tokens, info.page_size, self.loads,
+                              info.disk_ready)
                      if info.disk_block_tokens else None)
         self.disk_io = BatchResult(batch_id=0)  # the worker's latest disk totals
         self.mem = SeqMemory(self.tree, info.num_host_pages, self.disk, self.loads,
@@ -327,6 +327,7 @@ class Scheduler(Forking):
             self.disk_io = result
             if result.disk_off:  # the worker found the directory gone: no more lookups
                 self.disk.store.turn_off("the model worker found its directory gone")
+            self.disk.ready = result.disk_ready
         for load_id, arrived in result.loads_ended:
             pending = self.mem.load_ended(load_id, arrived)
             if pending is None:

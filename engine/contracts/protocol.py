@@ -171,6 +171,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     host_transfer_seconds: float = 0.0  # worker time copying pages between host and device
     # the disk tier (engine/contracts/disk_cache.py); disk_block_tokens is 0 when it is off
     disk_block_tokens: int = 0
+    disk_on: int = 0  # 1 while it serves (set up, its directory there); replicas summed
     disk_hit_tokens: int = 0  # of hit_tokens, those loaded from disk
     disk_blocks_saved: int = 0  # blocks sent to be written (the worker skips those present)
     disk_blocks_loaded: int = 0
@@ -326,6 +327,7 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     disk_load_seconds: float = 0.0
     disk_rejected: int = 0
     disk_off: bool = False  # the disk tier's directory is gone: the scheduler stops using it
+    disk_ready: bool = True  # its store is set up (False: a full disk; tried again later)
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
@@ -348,6 +350,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     num_host_cache_pages: int = 0  # the prefix cache's host tier (after the swap pages)
     disk_fingerprint: str = ""  # the disk tier's directory for this model and layout, if on
     disk_block_tokens: int = 0
+    disk_ready: bool = False  # its store is set up (not after a full disk at start)
     lora_adapters: list[LoraAdapterInfo] = []  # loaded at start (--lora-modules)
     max_loras: int = 0  # adapters one step may use (0: LoRA is off)
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.contracts.disk_cache import block_hashes, block_tokens
+from engine.contracts.disk_blocks import block_hashes, block_tokens
 from engine.profiler.trace import ReplayRequest
 from radix import HostTier, Lease, OutOfPages, PageAllocator, RadixTree
 from radix.eviction import POLICIES

@@ -3,9 +3,10 @@
 Frontend-side counters and latency histograms are updated as requests run; scheduler-side
 gauges (running, waiting, KV pages, cache hits, preemptions, pinned sessions, speculative
 decoding's drafts by method, structured output's requests, forced tokens and mask time, the
-prefix cache's host tier: hits by tier, pages and bytes moved, transfer time) are read at
-scrape time from the last ``SchedulerStats`` the scheduler sent, so a scrape costs no IPC. The KV cache's dtype, token capacity and bytes come
-from the worker's ``ModelInfo`` (``kv_cache_info``, vLLM's ``cache_config_info`` in spirit).
+prefix cache's tiers: hits by tier, pages and bytes moved, transfer time, the disk tier on or
+off) are read at scrape time from the last ``SchedulerStats`` the scheduler sent, so a scrape
+costs no IPC. The KV cache's dtype, token capacity and bytes come from the worker's
+``ModelInfo`` (``kv_cache_info``, vLLM's ``cache_config_info`` in spirit).
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ def _tiers(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:
 
 
 def _disk_tier(s: SchedulerStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily(f"{PREFIX}_disk_cache_on", "1 while the disk tier serves (0: its "
+                            "directory could not be set up, a full disk, and is tried again "
+                            "later, or it is gone); engines summed.", value=s.disk_on)
     blocks = CounterMetricFamily(f"{PREFIX}_disk_cache_blocks", "Disk-tier blocks sent to be "
                                  "saved (save) and loaded (load).", labels=["direction"])
     blocks.add_metric(["save"], s.disk_blocks_saved)

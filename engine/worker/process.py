@@ -69,6 +69,7 @@ class Worker:
         if self.io is not None and self.io.store is not None:
             self.info.disk_fingerprint = self.io.store.fingerprint
             self.info.disk_block_tokens = self.io.block_tokens
+            self.info.disk_ready = self.io.store.ready
         from engine.worker.grammar import Grammars
 
         self.grammars = Grammars(c.model, mc.vocab_size, list(mc.eos_token_ids))
@@ -225,7 +226,7 @@ class Worker:
                 result.disk_bytes_read, result.disk_bytes_written = (store.bytes_read,
                                                                      store.bytes_written)
                 result.disk_load_seconds, result.disk_rejected = io.load_seconds, store.rejected
-                result.disk_off = not store.enabled
+                result.disk_off, result.disk_ready = not store.enabled, store.ready
         return result
 
     def _forward_all_ranks(self, batch_id: int, step):

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.contracts.disk_cache import DiskStore, block_tokens, fingerprint
+from engine.contracts.disk_blocks import block_tokens, fingerprint
+from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import DiskLoad, DiskSave, HostLoad, unpack_ids
 from engine.worker.kv_pool import KVPool
