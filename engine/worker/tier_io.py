@@ -15,6 +15,7 @@ the disk falls more than ``MAX_PENDING_BYTES`` behind.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.checkpoints.quantized import QUANTIZER_VERSION
 from engine.contracts.disk_blocks import block_tokens, fingerprint
 from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
@@ -39,6 +41,38 @@ logger = logging.getLogger("radixserve.worker")
 MAX_PENDING_BYTES = 256 << 20  # snapshots waiting to be written, at most
 FLUSH_SECONDS = 30.0  # how long shutting down waits for the saves still queued
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json")
+# A block's payload (the pool's pages) and the code computing it: raised when either changes,
+# which moves every store to a directory of its own (3: weight formats in the identity).
+KV_LAYOUT_VERSION = 3
+
+# Every EngineConfig option, by whether it changes a KV block's bytes (a test holds every option
+# to one of the two). These do; the identity holds each as the worker resolved it, under:
+IN_IDENTITY = {
+    "model": "weights", "quantization": "weight_formats", "dtype": "dtype",
+    "kv_cache_dtype": "kv_dtype", "page_size": "page_size", "tp_size": "tp_size",
+    "load_format": "load_format", "seed": "seed",
+}
+# These do not, for the reason given.
+NOT_IN_IDENTITY = {
+    **dict.fromkeys((
+        "num_pages", "kv_cache_gb", "mem_fraction", "num_host_pages", "host_cache_gb",
+        "cache_write_policy", "eviction_policy", "disk_cache_dir", "disk_cache_gb",
+        "max_pinned_tokens"), "how much is kept, and where"),
+    **dict.fromkeys((
+        "device", "attention_backend", "flashinfer_decode_backend", "enable_cuda_graph",
+        "cuda_graph_max_bs", "worker_threads", "max_running_requests", "max_prefill_tokens",
+        "chunked_prefill_size", "overlap_schedule", "speculative_config", "preemption_mode"),
+        "kernels and step shapes: KV differs by rounding at most, as batching already makes "
+        "it (the dtypes they run in are in the identity)"),
+    **dict.fromkeys(("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
+                    "an adapter's blocks hash apart by its content (lora_namespace)"),
+    **dict.fromkeys((
+        "served_model_name", "policy", "max_waiting_requests", "context_len", "max_sessions",
+        "session_ttl", "tokenizer_workers", "kv_events_endpoint", "kv_events_block_size",
+        "dp_size", "dp_policy", "dp_cache_threshold", "dp_balance_abs", "dp_balance_rel",
+        "nnodes", "node_rank", "dist_init_addr", "allow_special_tokens_in_content",
+        "log_level"), "names, scheduling, processes and logs: not what a token's KV is"),
+}
 
 
 def open_tier_io(c: EngineConfig, runner: ModelRunner) -> TierIO | None:
@@ -56,23 +90,51 @@ def open_tier_io(c: EngineConfig, runner: ModelRunner) -> TierIO | None:
 
 
 def identity(c: EngineConfig, runner: ModelRunner) -> dict:
-    """What KV bytes depend on: the model (its shapes and its checkpoint files' names, sizes
-    and modification times; random weights' seed), the dtypes, the page size and the
-    tensor-parallel layout."""
+    """Everything that changes a KV block's bytes, as this worker resolved it (the fingerprint
+    of the disk tier's directory): the code's KV layout, the model's shapes, its weights
+    (``checkpoint_identity``) and the format each is served in (``weight_formats``), random
+    weights' seed, the dtypes, the page size and the tensor-parallel split. Every option is
+    in ``IN_IDENTITY`` or ``NOT_IN_IDENTITY``."""
     mc = runner.config
-    path = os.path.realpath(c.model)
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(path, name) for name in os.listdir(path) if name.endswith(_WEIGHT_SUFFIXES))
-    stats = [(os.path.basename(file), os.stat(file)) for file in files]
-    weights = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
+    formats = weight_formats(runner.model)
     return {
-        "format": 2, "architecture": mc.architecture, "num_layers": mc.num_layers,
-        "num_kv_heads": runner.model.plan.num_kv_heads, "head_dim": mc.head_dim,
-        "vocab_size": mc.vocab_size, "weights": weights, "load_format": c.load_format,
+        "kv_layout": KV_LAYOUT_VERSION, "architecture": mc.architecture,
+        "num_layers": mc.num_layers, "num_kv_heads": runner.model.plan.num_kv_heads,
+        "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
+        "weights": checkpoint_identity(c.model), "load_format": c.load_format,
         "seed": c.seed if c.load_format == "dummy" else None,
+        "weight_formats": formats,
+        # int8 and int4 blocks are this engine's own quantization of the weights
+        "quantizer": QUANTIZER_VERSION if set(formats.values()) & {"int8", "int4"} else None,
         "dtype": str(runner.dtype), "kv_dtype": str(runner.kv_dtype), "page_size": c.page_size,
         "tp_size": c.tp_size,
     }
+
+
+def checkpoint_identity(model_dir: str) -> dict:
+    """A converted GGUF's content hash (engine/checkpoints/gguf.py hashes the whole file: a copy
+    converted anywhere is the same model) and its converter's version; any other checkpoint's
+    weight and config files by name, size and modification time."""
+    path = os.path.realpath(model_dir)
+    source = os.path.join(path, "source.json")
+    if os.path.isfile(source):
+        with open(source) as f:
+            converted = json.load(f)
+        return {"gguf_sha256": converted["sha256"],
+                "converter": converted["converter_version"]}
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, name) for name in os.listdir(path) if name.endswith(_WEIGHT_SUFFIXES))
+    return {"files": [[os.path.basename(file), st.st_size, st.st_mtime_ns]
+                      for file, st in ((file, os.stat(file)) for file in files)]}
+
+
+def weight_formats(model: torch.nn.Module) -> dict[str, str]:
+    """The block format each quantized weight is served in, by module and weight name: what
+    ``--quantization`` resolved to (under auto a GGUF's own blocks, unless the kernels that
+    read them are missing and they were widened); dense weights are ``--dtype``'s."""
+    return {f"{path}.{name}".lstrip("."): blocks.format
+            for path, module in model.named_modules()
+            for name, blocks in getattr(module, "quantized", {}).items()}
 
 
 class TierIO:
