@@ -62,6 +62,7 @@ def fields(struct: type[msgspec.Struct], *, without: type[msgspec.Struct] | None
      + fields(schemas.FunctionDefinition) + fields(schemas.ChatTool)),
     ("/generate", fields(schemas.GenerateBody) + fields(SamplingParams)),
     ("/v1/sessions", fields(schemas.SessionBody)),
+    ("/tokenize and /detokenize", fields(schemas.TokenizeBody) + fields(schemas.DetokenizeBody)),
 ])
 def test_every_request_field_has_a_line(title: str, names: list[str]) -> None:
     assert undocumented(names, section(title)) == []

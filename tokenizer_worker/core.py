@@ -23,12 +23,15 @@ from transformers import PreTrainedTokenizerBase
 from engine.contracts import structured
 from engine.contracts.protocol import (
     AbortRequest,
+    DetokenizeRequest,
     GenerateRequest,
     RequestOutput,
     SeqOutput,
     SessionClose,
     SessionOpen,
     TokenizedRequest,
+    TokenizeRequest,
+    TokenizerReply,
     TokenOutputs,
     pack_ids,
     unpack_ids,
@@ -143,6 +146,43 @@ class TokenizerWorker:
         return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
                                 reply_to=self.index, namespace=req.namespace,
                                 session_id=req.session_id, lora_name=req.lora_name)
+
+    def on_tokenize(self, msg: TokenizeRequest | DetokenizeRequest) -> TokenizerReply:
+        """``/tokenize`` and ``/detokenize``: ids exactly as a completion (text) or chat
+        request (messages) of the same prompt would get, or ids' text with special tokens
+        spelled out (vLLM's). Errors are the reply's, as ``on_request``'s are."""
+        try:
+            if isinstance(msg, DetokenizeRequest):
+                text = self.tokenizer.decode(unpack_ids(msg.token_ids).tolist(),
+                                             skip_special_tokens=False)
+                return TokenizerReply(rid=msg.rid, text=text)
+            ids = self._tokenize_call(msg)
+        except ValueError as exc:
+            return TokenizerReply(rid=msg.rid, error=str(exc), status=400)
+        except RecursionError:
+            return TokenizerReply(rid=msg.rid, error="the messages nest too deeply to render",
+                                  status=400)
+        except Exception:
+            logger.exception("tokenize call %s failed", msg.rid)
+            return TokenizerReply(rid=msg.rid, status=500, error="the server failed to "
+                                  "tokenize this request; its log has the details")
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if msg.return_token_strs else None
+        return TokenizerReply(rid=msg.rid, token_ids=pack_ids(ids), token_strs=strs)
+
+    def _tokenize_call(self, msg: TokenizeRequest) -> list[int]:
+        if msg.messages is not None:
+            self._check_chars(sum(map(_text_chars, msg.messages)), "the messages have")
+            ids = render_chat(self.tokenizer, msg.messages, msg.add_generation_prompt,
+                              special_in_content=self.special_in_content)
+            # The template writes its own BOS; more special tokens only when asked (vLLM's).
+            if msg.add_special_tokens:
+                ids = self.tokenizer.build_inputs_with_special_tokens(ids)
+            return ids
+        text = msg.text or ""
+        self._check_chars(len(text), "the prompt has")
+        if msg.add_special_tokens:
+            return encode_prompt(self.tokenizer, text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _session_prompt(self, session: ChatSession, req: GenerateRequest) -> list[int]:
         if req.messages is None:

@@ -26,6 +26,7 @@ import zmq
 from engine.contracts.engine_config import LaunchSpec, ReplicaEndpoints
 from engine.contracts.protocol import (
     AbortRequest,
+    DetokenizeRequest,
     GenerateRequest,
     LoraUpdate,
     LoraUpdated,
@@ -36,6 +37,7 @@ from engine.contracts.protocol import (
     SessionOpen,
     Shutdown,
     TokenizedRequest,
+    TokenizeRequest,
     TokenOutputs,
     decode,
     encode,
@@ -149,6 +151,8 @@ class TokenizerLoop:
                 self._dispatch(reply)
             else:
                 self.to_frontend.send(encode(reply))
+        elif isinstance(msg, TokenizeRequest | DetokenizeRequest):
+            self.to_frontend.send(encode(self.worker.on_tokenize(msg)))
         elif isinstance(msg, AbortRequest):
             self.worker.on_abort(msg)
             self._to_replica(self.dispatcher.finish(msg.rid), msg)

@@ -9,6 +9,7 @@ No Python-object serialisation crosses a socket. Token ids travel as packed int3
                                                           scheduler ──ForwardBatch──▶ worker
                                                           scheduler ◀──BatchResult/WorkerReady── worker
     frontend ──LoraUpdate──▶ tokenizer ──▶ scheduler ──▶ worker, and LoraUpdated all the way back
+    frontend ──TokenizeRequest/DetokenizeRequest──▶ tokenizer ──TokenizerReply──▶ frontend
     every child ──Ready/Fatal──▶ launcher
 """
 
@@ -106,6 +107,39 @@ class LoraUpdated(msgspec.Struct, tag=True, kw_only=True):
     error: str | None = None
     status: int = 200
     adapters: list[LoraAdapterInfo] = []
+
+
+class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True):
+    """Frontend → tokenizer (``/tokenize``): exactly one of ``text`` or chat ``messages`` to
+    token ids, the way a completion or chat request's prompt would be; answered by a
+    ``TokenizerReply``. Nothing reaches the scheduler."""
+
+    rid: str
+    text: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True  # text: BOS as a completion adds it; messages: on top
+    add_generation_prompt: bool = True  # messages: end with the assistant turn's opening
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, tag=True, kw_only=True):
+    """Frontend → tokenizer (``/detokenize``): token ids (checked against the vocabulary by
+    the frontend) to text; answered by a ``TokenizerReply``."""
+
+    rid: str
+    token_ids: bytes
+
+
+class TokenizerReply(msgspec.Struct, tag=True, kw_only=True):
+    """Tokenizer → frontend: a ``TokenizeRequest``'s ids (and each token's string, if asked)
+    or a ``DetokenizeRequest``'s text, or ``error`` with its status."""
+
+    rid: str
+    token_ids: bytes = b""
+    token_strs: list[str] | None = None
+    text: str = ""
+    error: str | None = None
+    status: int = 200
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -413,7 +447,7 @@ class DispatchStats(msgspec.Struct, tag=True):
 
 Message = (
     GenerateRequest | AbortRequest | TokenizedRequest | SessionOpen | SessionClose | LoraUpdate
-    | LoraUpdated | TokenOutputs
+    | LoraUpdated | TokenizeRequest | DetokenizeRequest | TokenizerReply | TokenOutputs
     | SchedulerStats | RequestOutput | ForwardBatch | BatchResult | WorkerReady | Ready | Fatal | Shutdown
     | ReplicaDown | DispatchStats
 )

@@ -20,6 +20,7 @@ import zmq.asyncio
 from engine.contracts.engine_config import Endpoints
 from engine.contracts.protocol import (
     AbortRequest,
+    DetokenizeRequest,
     GenerateRequest,
     LoraUpdate,
     LoraUpdated,
@@ -27,6 +28,8 @@ from engine.contracts.protocol import (
     SchedulerStats,
     SessionClose,
     SessionOpen,
+    TokenizeRequest,
+    TokenizerReply,
     decode,
     encode,
 )
@@ -49,6 +52,7 @@ class EngineClient:
         self._next = itertools.cycle(range(len(self.tokenizers)))
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._lora_updates: dict[str, asyncio.Future[LoraUpdated]] = {}
+        self._tokenize_calls: dict[str, asyncio.Future[TokenizerReply]] = {}
         self._receiver: asyncio.Task | None = None
         self.dead: str | None = None
         # The scheduler reports only once it has worked; until then its pool is whole and free.
@@ -67,8 +71,10 @@ class EngineClient:
             if isinstance(msg, SchedulerStats):
                 self.stats = msg
                 continue
-            if isinstance(msg, LoraUpdated):
-                waiting = self._lora_updates.pop(msg.rid, None)
+            if isinstance(msg, LoraUpdated | TokenizerReply):
+                calls = self._lora_updates if isinstance(msg, LoraUpdated) else \
+                    self._tokenize_calls
+                waiting = calls.pop(msg.rid, None)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(msg)
                 continue
@@ -100,6 +106,19 @@ class EngineClient:
         finally:
             self._lora_updates.pop(msg.rid, None)
 
+    async def tokenize(self, msg: TokenizeRequest | DetokenizeRequest) -> TokenizerReply:
+        """A prompt's ids, or ids' text, from a tokenizer worker (``/tokenize``,
+        ``/detokenize``)."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        answer = asyncio.get_running_loop().create_future()
+        self._tokenize_calls[msg.rid] = answer
+        try:
+            await self.tokenizers[self._route(None)].send(encode(msg))
+            return await answer
+        finally:
+            self._tokenize_calls.pop(msg.rid, None)
+
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until every sample has finished."""
         if self.dead is not None:
@@ -130,7 +149,7 @@ class EngineClient:
     def fail_all(self, reason: str) -> None:
         """Called on the event loop when the process group died."""
         self.dead = reason
-        for answer in self._lora_updates.values():
+        for answer in [*self._lora_updates.values(), *self._tokenize_calls.values()]:
             if not answer.done():
                 answer.set_exception(EngineDead(reason))
         for rid, queue in self._queues.items():

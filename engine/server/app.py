@@ -3,6 +3,7 @@
     POST /v1/completions  /v1/chat/completions  /generate   (SSE with "stream": true)
     GET  /v1/models  /health  /metrics  /openapi.json
     POST /v1/sessions   DELETE /v1/sessions/{id}
+    POST /tokenize  /detokenize   (vLLM's: a prompt or messages to ids, ids to text)
     POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (--enable-runtime-lora-updating)
 
 Every route checks the API key (except ``/health``, ``/openapi.json`` and, with
@@ -34,9 +35,11 @@ from engine.server.pipeline import Pipeline
 from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeBody,
     GenerateBody,
     LoadLoraAdapterBody,
     SessionBody,
+    TokenizeBody,
     UnloadLoraAdapterBody,
 )
 from engine.server.service import Service
@@ -183,6 +186,16 @@ def build_app(service: Service) -> Starlette:
     async def close_session(request: Request) -> Response:
         return json_response(await pipeline.close_session(request.path_params["session_id"]))
 
+    async def tokenize(request: Request) -> Response:
+        with pipeline.counted("tokenize"):
+            body = await read_body(request, pipeline, TokenizeBody)
+        return json_response(await pipeline.tokenize(body))
+
+    async def detokenize(request: Request) -> Response:
+        with pipeline.counted("detokenize"):
+            body = await read_body(request, pipeline, DetokenizeBody)
+        return json_response(await pipeline.detokenize(body))
+
     async def models(request: Request) -> Response:
         return json_response(service.models())
 
@@ -220,6 +233,8 @@ def build_app(service: Service) -> Starlette:
         route("/v1/chat/completions", "chat", lambda r: generation(r, ChatCompletionRequest),
               ["POST"]),
         route("/generate", "generate", lambda r: generation(r, GenerateBody), ["POST"]),
+        route("/tokenize", "tokenize", tokenize, ["POST"]),
+        route("/detokenize", "detokenize", detokenize, ["POST"]),
         route("/v1/models", "models", models, ["GET"]),
         route("/v1/sessions", "sessions", open_session, ["POST"]),
         route("/v1/sessions/{session_id}", "sessions", close_session, ["DELETE"]),

@@ -14,6 +14,8 @@ from engine.server.schemas import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeBody,
+    DetokenizeResponse,
     ErrorResponse,
     GenerateBody,
     GenerateResponse,
@@ -22,6 +24,8 @@ from engine.server.schemas import (
     SessionBody,
     SessionDeleted,
     SessionObject,
+    TokenizeBody,
+    TokenizeResponse,
     UnloadLoraAdapterBody,
 )
 
@@ -67,7 +71,8 @@ def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, A
     kinds = [CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest,
              ChatCompletionResponse, ChatCompletionChunk, GenerateBody, GenerateResponse,
              ModelList, SessionBody, SessionObject, SessionDeleted, ErrorResponse,
-             LoadLoraAdapterBody, UnloadLoraAdapterBody]
+             LoadLoraAdapterBody, UnloadLoraAdapterBody, TokenizeBody, TokenizeResponse,
+             DetokenizeBody, DetokenizeResponse]
     _, components = msgspec.json.schema_components(kinds, ref_template=_REF)
     text = {"200": {"description": "OK", "content": {"text/plain": {"schema": {
         "type": "string"}}}}}
@@ -88,6 +93,11 @@ def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, A
             "/generate": {"post": _operation(
                 "Native generation: token ids in, token ids out", GenerateResponse,
                 GenerateBody, GenerateResponse)},
+            "/tokenize": {"post": _operation(
+                "A prompt or chat messages to the token ids a completion or chat request "
+                "would run on", TokenizeResponse, TokenizeBody)},
+            "/detokenize": {"post": _operation("Token ids to text", DetokenizeResponse,
+                                               DetokenizeBody)},
             "/v1/models": {"get": _operation("The served model", ModelList)},
             "/v1/sessions": {"post": _operation(
                 "Open a multi-turn chat session", SessionObject, SessionBody)},

@@ -26,9 +26,13 @@ from engine.server.errors import APIError, from_validation
 from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeBody,
+    DetokenizeResponse,
     GenerateBody,
     SessionDeleted,
     SessionObject,
+    TokenizeBody,
+    TokenizeResponse,
 )
 from engine.server.service import Service
 
@@ -127,6 +131,14 @@ class Pipeline:
     async def close_session(self, session_id: str) -> SessionDeleted:
         with self.counted("sessions"):
             return await self.service.close_session(session_id)
+
+    async def tokenize(self, body: TokenizeBody) -> TokenizeResponse:
+        with self.counted("tokenize"):
+            return await self.service.tokenize(body)
+
+    async def detokenize(self, body: DetokenizeBody) -> DetokenizeResponse:
+        with self.counted("detokenize"):
+            return await self.service.detokenize(body)
 
     # ---------------------------------------------------------------- errors
     def failed(self, endpoint: str, where: str) -> APIError:

@@ -147,6 +147,26 @@ class UnloadLoraAdapterBody(_Body):
     lora_int_id: int | None = None
 
 
+class TokenizeBody(_Body):
+    """vLLM's ``/tokenize``: a ``prompt`` (as a completion tokenizes it) or chat ``messages``
+    (as a chat completion does). ``add_special_tokens`` defaults to true for a prompt and false
+    for messages (their template writes its own); ``add_generation_prompt`` is for messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Body):
+    """vLLM's ``/detokenize``: token ids to text."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
 # ------------------------------------------------------------------------------ responses
 class _Response(Struct):
     """What every response body and stream chunk starts with (then ``choices``, ``usage``)."""
@@ -329,6 +349,17 @@ class SessionDeleted(Struct):
     id: str
     deleted: bool = True
     object: str = "session"
+
+
+class TokenizeResponse(Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs: each token's vocabulary entry
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
 
 
 class ErrorBody(Struct):

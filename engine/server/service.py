@@ -24,13 +24,17 @@ import msgspec
 
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
+    DetokenizeRequest,
     GenerateRequest,
     LoraUpdate,
     ModelInfo,
     RequestOutput,
     SessionClose,
     SessionOpen,
+    TokenizeRequest,
+    TokenizerReply,
     pack_ids,
+    unpack_ids,
 )
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.server import sampling, tools
@@ -42,12 +46,16 @@ from engine.server.options import ServeOptions
 from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeBody,
+    DetokenizeResponse,
     GenerateBody,
     LoadLoraAdapterBody,
     ModelCard,
     ModelList,
     SessionDeleted,
     SessionObject,
+    TokenizeBody,
+    TokenizeResponse,
     UnloadLoraAdapterBody,
 )
 from engine.server.session_table import SessionTable
@@ -136,6 +144,56 @@ class Service(Shapes):
             raise APIError(answer.status, answer.error, param=param)
         done = "added" if loading else "removed"
         return f"Success: LoRA adapter '{body.lora_name}' {done} successfully."
+
+    # ------------------------------------------------------------ tokenizing
+    async def tokenize(self, body: TokenizeBody) -> TokenizeResponse:
+        """vLLM's ``/tokenize``: the ids a completion (``prompt``) or a chat completion
+        (``messages``, rendered by the same template) would run on."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt (text) or messages (chat)",
+                           param="prompt")
+        if body.messages is None and body.add_generation_prompt is not None:
+            raise APIError(400, "add_generation_prompt applies to messages, not to a prompt",
+                           param="add_generation_prompt")
+        if body.messages is not None:
+            sampling.check_messages(body.messages)
+        chat = body.messages is not None
+        msg = TokenizeRequest(
+            rid=new_request_id(), text=body.prompt, messages=body.messages,
+            add_special_tokens=not chat if body.add_special_tokens is None
+            else body.add_special_tokens,
+            add_generation_prompt=body.add_generation_prompt in (None, True),
+            return_token_strs=body.return_token_strs)
+        reply = await self._tokenizer_call(msg, "messages" if chat else "prompt")
+        ids = unpack_ids(reply.token_ids).tolist()
+        return TokenizeResponse(ids, len(ids), self.info.context_len, reply.token_strs)
+
+    async def detokenize(self, body: DetokenizeBody) -> DetokenizeResponse:
+        """vLLM's ``/detokenize``: ids of the model's vocabulary to text, special tokens
+        spelled out."""
+        self.check_model(body.model)
+        if body.tokens:
+            low, high = min(body.tokens), max(body.tokens)
+            if low < 0 or high >= self.info.vocab_size:
+                raise APIError(400, f"tokens must be ids in [0, {self.info.vocab_size:,}), the "
+                               f"model's vocabulary, got {low if low < 0 else high:,}",
+                               param="tokens")
+        reply = await self._tokenizer_call(
+            DetokenizeRequest(rid=new_request_id(), token_ids=pack_ids(body.tokens)), "tokens")
+        return DetokenizeResponse(reply.text)
+
+    async def _tokenizer_call(self, msg: TokenizeRequest | DetokenizeRequest,
+                              param: str) -> TokenizerReply:
+        self._check_alive()
+        try:
+            reply = await self.client.tokenize(msg)
+        except EngineDead as exc:
+            raise APIError(503, f"the engine stopped: {exc}") from None
+        if reply.error is not None:
+            raise APIError(reply.status, reply.error,
+                           param=param if reply.status == 400 else None)
+        return reply
 
     # -------------------------------------------------------------- sessions
     async def open_session(self) -> SessionObject:
