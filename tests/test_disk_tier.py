@@ -3,7 +3,9 @@ scheduler/disk.py, engine/worker/tier_io.py) through the real scheduler and work
 (tests/test_scheduler.py's harness: the accounting is checked after every step, the orphaned
 pages of loads included): KV written to disk and loaded back into fresh pages is the KV
 recompute gives, token for token against transformers in fp32, also when a new scheduler and
-worker (a restart) read the directory; faulty files are skipped and recomputed."""
+worker (a restart) read the directory; faulty files are skipped and recomputed; a directory
+gone, or a store that cannot be set up on a full disk, leaves the server serving without the
+tier (and ``/metrics`` saying so) until it can."""
 
 from __future__ import annotations
 
@@ -277,7 +279,54 @@ def test_the_scheduler_stops_using_a_directory_the_worker_found_gone(model_dir, 
     assert not h.worker.io.store.enabled
     h.add("c", prompts[2], GREEDY)
     h.run()
-    assert not h.sched.disk.store.enabled
+    assert not h.sched.disk.store.enabled and h.sched.stats()["disk_on"] == 0
     assert not h.sched.disk.saves and h.sched.disk.lookup(prompts[2], None, 0, 64) == []
+    for rid, prompt in zip("abc", prompts, strict=True):
+        assert h.outputs[rid][0] == hf_greedy(hf_model, prompt, 12)
+
+
+def disk_on_metric(h: Harness) -> bytes:
+    """The ``/metrics`` line that says whether the disk tier serves, from the scheduler's stats."""
+    from engine.contracts.protocol import SchedulerStats
+    from engine.server.metrics import FrontendState, Metrics
+
+    text = Metrics(lambda: SchedulerStats(**h.sched.stats()),
+                   lambda: FrontendState(0, 0, True)).render()
+    (line,) = [line for line in text.splitlines() if line.startswith(b"radixserve_disk_cache_on")]
+    return line
+
+
+def test_a_full_disk_at_start_serves_without_the_tier_until_it_can_be_set_up(
+        model_dir, hf_model, tmp_path, monkeypatch):  # noqa: F811
+    """The disk is full as the first server starts: its store's key cannot be written
+    (ENOSPC). The worker starts anyway and serves without the tier: no lookups, nothing
+    written, outputs unchanged, ``radixserve_disk_cache_on 0``. Once there is room (the
+    back-off made 0 here), the next save sets the store up and writes, and the tier is on."""
+    from engine.contracts import disk_cache
+
+    def full(directory):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_cache, "FULL_RETRY_SECONDS", (0.0, 0.0))
+    monkeypatch.setattr(disk_cache, "DirectoryKey", full)
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(3, 4000, 70).tolist() for _ in range(3)]
+    h = disk_harness(model_dir, tmp_path, num_pages=40)
+    assert not h.worker.info.disk_ready and not h.sched.disk.on
+    h.add("a", prompts[0], GREEDY)
+    h.run()
+    h.worker.io.wait(0)
+    assert h.sched.stats()["disk_on"] == 0 and disk_on_metric(h) == b"radixserve_disk_cache_on 0.0"
+    assert h.sched.disk.lookup(prompts[0], None, 0, 64) == [] and block_files(tmp_path) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(disk_cache, "FULL_RETRY_SECONDS", (0.0, 0.0))
+    h.add("b", prompts[1], GREEDY)
+    h.run()
+    close(h)  # its saves written: the first set the store up
+    h.add("c", prompts[2], GREEDY)
+    h.run()  # whose results say so
+    assert h.worker.io.store.ready and h.sched.disk.on
+    assert disk_on_metric(h) == b"radixserve_disk_cache_on 1.0"
+    assert len(block_files(tmp_path)) == (70 + 11) // 16  # b's, prompt and output
     for rid, prompt in zip("abc", prompts, strict=True):
         assert h.outputs[rid][0] == hf_greedy(hf_model, prompt, 12)
