@@ -98,3 +98,10 @@ def test_an_unknown_model_is_a_404(client):
         response = client.post(path, json={**body, "model": "nope"})
         assert response.status_code == 404
         assert response.json()["error"]["param"] == "model"
+
+
+def test_openapi_documents_both_routes(client):
+    spec = client.get("/openapi.json").json()
+    assert spec["paths"]["/tokenize"]["post"]["requestBody"]
+    assert "return_token_strs" in spec["components"]["schemas"]["TokenizeBody"]["properties"]
+    assert spec["components"]["schemas"]["DetokenizeBody"]["required"] == ["tokens"]
