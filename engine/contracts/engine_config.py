@@ -53,8 +53,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "later servers of the same model and layout (it survives restarts; several servers "
         "may share it)"))] | None = None
     disk_cache_gb: Annotated[float, Meta(ge=0, description=(
-        "GiB the disk tier may hold (every server's files together; the least recently used "
-        "go first); 0 is no limit but the disk's"))] = 0.0
+        "GiB the disk tier's directory may hold (every server's and model's files together; "
+        "the least recently used go first; the directory keeps the largest any server gives); "
+        "0 is no limit of this server's"))] = 0.0
     kv_cache_dtype: Annotated[
         Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"],
         Meta(description=(
