@@ -61,6 +61,7 @@ def test_a_prompt_survives_a_restart(tmp_path):
     assert after["text"] == before["text"]
     assert values["radixserve_prefix_cache_tier_hit_tokens_total{tier=disk}"] >= 1984
     assert values["radixserve_disk_cache_bytes_moved_total{direction=read}"] > 0
+    assert values["radixserve_disk_cache_on"] == 1
 
 
 def test_two_servers_share_a_directory_and_survive_its_removal(tmp_path):
