@@ -30,7 +30,7 @@ class DiskTier:
     saves are still offered, and the worker sets the store up again when it writes)."""
 
     def __init__(self, store: DiskView, block_tokens: int, page_size: int,
-                 pending: PendingLoads, ready: bool = True) -> None:
+                 pending: PendingLoads, ready: bool) -> None:
         self.store = store
         self.ready = ready
         self.block = block_tokens

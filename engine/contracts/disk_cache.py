@@ -164,7 +164,7 @@ class DiskStore(DiskView):
         self._key, self.ready = key, True
         self._wait = FULL_RETRY_SECONDS[0]
         if self._unset:
-            logger.warning("the disk cache (%s) is set up and on", self.dir)
+            logger.info("the disk cache (%s) is set up and on", self.dir)
             self._unset = False
         return True
 
@@ -204,7 +204,7 @@ class DiskStore(DiskView):
         with self._lock:
             self.bytes_written += _HEAD_BYTES + len(payload)
         if self._full:
-            logger.warning("the disk cache (%s) is writing again", self.dir)
+            logger.info("the disk cache (%s) is writing again", self.dir)
             self._full, self._wait = False, FULL_RETRY_SECONDS[0]
         return True
 
