@@ -1,6 +1,6 @@
 # radixserve: `make serve` runs the server (SmolLM2-135M-Instruct unless MODEL=dir|file.gguf|demo),
 # `make test` runs the tests (`make test-fast`: all but the e2e ones, which start processes, and
-# the slow transformers oracles).
+# the slow transformers oracles), `make mutants` the mutation check of the safety invariants.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -25,7 +25,7 @@ PYTEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=$$(mktemp -d /tmp/rs-tests.XX
 # docs/benchmarks.md "Worker threads")
 TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup test test-fast serve lint clean
+.PHONY: setup test test-fast mutants serve lint clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,11 @@ test: setup $(SMG_VENV)/.installed
 # the tests that start no process (no server, engine, CLI, smg or ranks) and run no slow oracle
 test-fast: setup
 	$(TEST_ENV) $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not e2e and not slow" $(PYTEST_ARGS)
+
+# the mutation check (scripts/mutants.py): each listed mutant of a safety invariant must fail the
+# fast tests named for it, on a copy of the tree
+mutants: setup
+	$(TEST_ENV) $(PY) scripts/mutants.py
 
 serve: setup
 	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
