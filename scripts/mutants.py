@@ -7,12 +7,14 @@ fail. A mutant they let through is a promise no test holds.
     python scripts/mutants.py --list       the mutants and the invariants they break
 
 The working tree's files (``git ls-files --cached --others --exclude-standard``: tracked and
-new ones, as they are now) are copied once into a temporary directory; the unmutated copy must pass every named test first (else a failure would
-prove nothing); then each mutant is applied there, its tests run (``pytest -x``, never the e2e
-or slow ones), and the file restored. The checkout itself is never touched, and the copy
-imports its own packages (``PYTHONPATH``), not the editable install's. Exits non-zero when a
-mutant survives, when its original snippet is not found exactly once (the code moved on: fix
-the mutant rather than let it rot) or when a named test does not run.
+new ones, as they are now) are copied into a temporary directory, once per job (``--jobs``,
+2 by default: mutants run two at a time); the unmutated copy must pass every named test first
+(else a failure would prove nothing); then each mutant is applied in a copy, its tests run
+(``pytest -x``, never the e2e or slow ones), and the file restored. The checkout itself is
+never touched, and each copy imports its own packages (``PYTHONPATH``), not the editable
+install's. Exits non-zero when a mutant survives, when its original snippet is not found
+exactly once (the code moved on: fix the mutant rather than let it rot) or when a named test
+does not run.
 
 No mutant touches engine/worker/csrc/: the compiled kernels are cached by their sources' hash
 (engine/worker/cpu_kernels.py), so the copy reuses this machine's build, which one C++ mutant
