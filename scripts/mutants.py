@@ -180,6 +180,11 @@ MUTANTS = (
            "engine/checkpoints/quantized.py",
            r"(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj", r"(self_attn\.[qkvo]|mlp\.(gate|up))_proj",
            ("tests/test_quant.py::test_int8_and_int4_hold_all_seven_projections_of_every_layer",)),
+    Mutant("quantized-partial-groups", "int8 and int4 keep a projection of partial groups dense "
+           "instead of refusing the model", "engine/checkpoints/quantized.py",
+           "if LINEAR.fullmatch(name) and _whole_blocks(reader.get_slice(name).get_shape()):",
+           "if LINEAR.fullmatch(name):",
+           ("tests/test_quant.py::test_projections_of_partial_groups_stay_dense_and_say_so",)),
     Mutant("int8-kv-rounding", "int8 KV rows round to the nearest step of their float16 scale",
            "engine/worker/kv_quant.py",
            "values = values.round_().clamp_(-QMAX, QMAX).to(torch.int8)",
