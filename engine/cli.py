@@ -20,8 +20,28 @@ SUBCOMMANDS = {
 }
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default unless it says one already (switches, which are
+    off unless given, excepted)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.nargs == 0
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: {'not set' if action.default is None else '%(default)s'})"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose --help gives defaults; subcommands' parsers are of this class."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixserve", description=(
+    parser = Parser(prog="radixserve", description=(
         "A prefix-caching LLM serving engine (paged KV, token-granular radix tree)."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in SUBCOMMANDS.items():

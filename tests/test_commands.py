@@ -30,3 +30,27 @@ def test_bench_reports_throughput_and_hits():
     assert lines["requests"].strip() == "12"
     assert "cached" in out.stdout and "output tok/s" in lines["throughput"]
     assert "MiB (--quantization auto)" in out.stdout  # the weights' format and bytes
+
+
+def _flags_without_a_default(parser) -> list[str]:
+    """Flags whose --help, as printed, does not say their default (switches, off unless given,
+    are exempt), in every subcommand below ``parser``."""
+    import argparse
+
+    formatter = parser._get_formatter()
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += [f"{name} {flag}" for flag in _flags_without_a_default(sub)]
+        elif (action.option_strings and action.help is not argparse.SUPPRESS
+              and action.nargs != 0 and "default" not in formatter._expand_help(action)):
+            missing.append(action.option_strings[-1])
+    return missing
+
+
+def test_every_flags_help_says_its_default():
+    """docs/api.md: every command's --help prints each flag's default."""
+    from engine.cli import build_parser
+
+    assert _flags_without_a_default(build_parser()) == []

@@ -21,11 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--workload", choices=KINDS, default="shared-prefix",
                         help="a synthetic workload with its default shape (radixserve workload "
-                             "gen KIND --help lists it; token ids within the model's vocabulary)")
+                             "gen KIND --help lists it; token ids within the model's vocabulary; "
+                             "default: shared-prefix)")
     source.add_argument("--trace", help="a JSONL trace (docs/profiler.md)")
-    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload")
+    parser.add_argument("--workload-seed", type=int, default=0,
+                        help="seed of the synthetic workload (default: 0)")
     parser.add_argument("--max-requests", type=int, default=None,
-                        help="use only the first N requests")
+                        help="use only the first N requests (default: all of them)")
     add_engine_arguments(parser)
 
 
