@@ -86,8 +86,9 @@ def test_completions_and_generate_take_vllms_structured_outputs(oai, model, serv
 
 @pytest.mark.parametrize("options,param,words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "objekt"}}}}, None, "Invalid type"),
-    ({"extra_body": {"structured_outputs": {"regex": "a(b"}}}, None, "unclosed group"),
+        "type": "objekt"}}}}, "response_format", "Invalid type"),
+    ({"extra_body": {"structured_outputs": {"regex": "a(b"}}}, "structured_outputs",
+     "unclosed group"),
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}},
      "structured_outputs", "exactly one of"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),

@@ -129,7 +129,6 @@ class TokenizerWorker:
                     return RequestOutput(rid=req.rid, finish_reason="error", status=404,
                                          error=f"session {req.session_id!r} does not exist")
                 ids = self._session_prompt(session, req)
-            self.check_constraint(req)
         except ValueError as exc:
             return RequestOutput(rid=req.rid, finish_reason="error", error=str(exc), status=400)
         except RecursionError:
@@ -141,6 +140,11 @@ class TokenizerWorker:
             return RequestOutput(rid=req.rid, finish_reason="error", status=500,
                                  error="the server failed to tokenize this request; its log "
                                        "has the details")
+        try:
+            self.check_constraint(req)
+        except ValueError as exc:
+            return RequestOutput(rid=req.rid, finish_reason="error", error=str(exc), status=400,
+                                 about_constraint=True)
         self.states[req.rid] = RequestState(req, np.asarray(ids, dtype=np.int32), session=session,
                                             echo_pending=req.echo)
         return TokenizedRequest(rid=req.rid, prompt_ids=pack_ids(ids), params=req.params,
@@ -321,6 +325,8 @@ class TokenizerWorker:
                 state.reply_text.append(emitted)
         if stopped:
             result.finish_reason = "stop"
+        if result.finish_reason == "stop":
+            result.stop_reason = sample.stop.matched
         if result.finish_reason is not None:
             sample.done = True
             state.finished += 1

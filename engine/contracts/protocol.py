@@ -237,8 +237,12 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     top_ids: bytes = b""
     top_logprobs: bytes = b""
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended the output (vLLM's name)
     error: str | None = None
     status: int = 200  # HTTP-like status of an error: 400 bad input, 503 overload, 500 bug
+    # a 400 about the request's output constraint (its structured output does not compile),
+    # not about its prompt: the door names the field the constraint came from
+    about_constraint: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_host: int | None = None  # of those, loaded from the host tier (if any)

@@ -76,6 +76,12 @@ def _common(req: SamplingFields, max_tokens: int, logprobs: int | None, info: Mo
     return _validated(params, info, names)
 
 
+def constraint_param(req: Any) -> str:
+    """The field a request's output constraint came in (``constraint_of``'s source)."""
+    return "response_format" if getattr(req, "response_format", None) is not None else \
+        "structured_outputs"
+
+
 def structured_outputs(value: Any, param: str = "structured_outputs") -> StructuredOutputs:
     """vLLM's ``structured_outputs`` object (``json`` may be the schema itself or its text)."""
     if not isinstance(value, dict):

@@ -250,7 +250,8 @@ class Service(Shapes):
                                                               params.max_tokens)]
         return self._call("cmpl", "completions", requests, params.n,
                           discard=sampling.echo_only(req),
-                          return_token_ids=req.return_token_ids, echo=req.echo)
+                          return_token_ids=req.return_token_ids, echo=req.echo,
+                          constraint_param=sampling.constraint_param(req))
 
     def chat_call(self, req: ChatCompletionRequest) -> Call:
         adapter = self.check_model(req.model)
@@ -266,7 +267,8 @@ class Service(Shapes):
                                   namespace=self._namespace(req.cache_salt, req.user),
                                   lora_name=adapter)
         return self._call("chatcmpl", "chat", [request], params.n, prompt_param="messages",
-                          tool_plan=plan)
+                          tool_plan=plan, constraint_param="tool_choice" if plan is not None
+                          and plan.constraint is not None else sampling.constraint_param(req))
 
     def generate_call(self, body: GenerateBody) -> Call:
         adapter = self.check_model(body.model)
@@ -283,7 +285,8 @@ class Service(Shapes):
                                   namespace=self._namespace(body.cache_salt),
                                   lora_name=adapter, **_prompt_fields(prompt))
         return self._call("gen", "generate", [request], params.n,
-                          prompt_param="input_ids" if body.input_ids is not None else "text")
+                          prompt_param="input_ids" if body.input_ids is not None else "text",
+                          constraint_param="sampling_params.structured_outputs")
 
     def _namespace(self, cache_salt: str | None, user: str | None = None) -> str | None:
         """The radix tree namespace of a request; requests in different namespaces never share
@@ -311,8 +314,10 @@ class Service(Shapes):
                 async for index, out in outputs:
                     if out.finish_reason == "error":
                         status = 503 if self.client.dead is not None else out.status
+                        param = call.constraint_param if out.about_constraint else \
+                            call.prompt_param
                         raise APIError(status, out.error or "the request failed",
-                                       param=call.prompt_param if status == 400 else None)
+                                       param=param if status == 400 else None)
                     choice, ids, tokens = call.choices.add(index, out)
                     call.timer.tokens(choice.index, len(ids), out.result_at)
                     yield choice, out, ids, tokens

@@ -56,6 +56,9 @@ class Call:
     # The field an engine-side 400 names: past the door's checks, every one is about the
     # prompt's tokens (too many for the context or the KV pool, none at all, bad messages).
     prompt_param: str = "prompt"
+    # The field a 400 about the output constraint names (it failed to compile): the field the
+    # request gave it in.
+    constraint_param: str = "structured_outputs"
     return_token_ids: bool = False  # completions: choices carry their output token ids
     echo: bool = False  # completions: each choice starts with its prompt (text and logprobs)
     tool_plan: tools.ToolPlan | None = None  # chat: how the output becomes tool calls
