@@ -17,7 +17,7 @@ from engine.contracts.engine_config import EngineConfig
 from engine.contracts.options import declared_options
 from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.structured import StructuredOutputs
-from engine.server import schemas
+from engine.server import anthropic_schemas, schemas
 from engine.server.app import build_app
 from engine.server.errors import ERROR_TYPES
 from engine.server.options import ServeOptions
@@ -63,13 +63,20 @@ def fields(struct: type[msgspec.Struct], *, without: type[msgspec.Struct] | None
     ("/generate", fields(schemas.GenerateBody) + fields(SamplingParams)),
     ("/v1/sessions", fields(schemas.SessionBody)),
     ("/tokenize and /detokenize", fields(schemas.TokenizeBody) + fields(schemas.DetokenizeBody)),
+    ("/v1/messages and /v1/messages/count_tokens",
+     [name for struct in (anthropic_schemas.MessagesRequest, anthropic_schemas.InputMessage,
+                          anthropic_schemas.TextBlock, anthropic_schemas.ToolUseBlock,
+                          anthropic_schemas.ToolResultBlock, anthropic_schemas.Tool,
+                          anthropic_schemas.ToolChoiceTool, anthropic_schemas.ToolChoiceAuto)
+      for name in fields(struct)]),
 ])
 def test_every_request_field_has_a_line(title: str, names: list[str]) -> None:
     assert undocumented(names, section(title)) == []
 
 
 def test_every_response_field_has_a_line() -> None:
-    responses = [value for value in vars(schemas).values()
+    responses = [value for module in (schemas, anthropic_schemas)
+                 for value in vars(module).values()
                  if isinstance(value, type) and issubclass(value, msgspec.Struct)
                  and not issubclass(value, schemas._Body)]
     names = sorted({name for struct in responses for name in struct.__struct_fields__})

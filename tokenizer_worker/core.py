@@ -177,7 +177,7 @@ class TokenizerWorker:
         if msg.messages is not None:
             self._check_chars(sum(map(_text_chars, msg.messages)), "the messages have")
             ids = render_chat(self.tokenizer, msg.messages, msg.add_generation_prompt,
-                              special_in_content=self.special_in_content)
+                              tools=msg.tools, special_in_content=self.special_in_content)
             # The template writes its own BOS; more special tokens only when asked (vLLM's).
             if msg.add_special_tokens:
                 ids = self.tokenizer.build_inputs_with_special_tokens(ids)

@@ -120,6 +120,7 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True):
     add_special_tokens: bool = True  # text: BOS as a completion adds it; messages: on top
     add_generation_prompt: bool = True  # messages: end with the assistant turn's opening
     return_token_strs: bool = False
+    tools: list[dict] | None = None  # messages: the tools the chat template renders
 
 
 class DetokenizeRequest(msgspec.Struct, tag=True, kw_only=True):

@@ -3,6 +3,7 @@
     POST /v1/completions  /v1/chat/completions  /generate   (SSE with "stream": true)
     GET  /v1/models  /health  /metrics  /openapi.json
     POST /v1/sessions   DELETE /v1/sessions/{id}
+    POST /v1/messages  /v1/messages/count_tokens   (Anthropic's: x-api-key, its error body)
     POST /tokenize  /detokenize   (vLLM's: a prompt or messages to ids, ids to text)
     POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (--enable-runtime-lora-updating)
 
@@ -19,16 +20,20 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from engine.server import anthropic
+from engine.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from engine.server.errors import APIError
 from engine.server.openapi import openapi_document
 from engine.server.pipeline import Pipeline
@@ -66,6 +71,23 @@ def error_response(exc: APIError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
     return Response(_encoder.encode(exc.body()), exc.status, headers=headers,
                     media_type="application/json")
+
+
+@dataclass(frozen=True)
+class Door:
+    """What differs between the HTTP APIs: how a request carries the key, and the error body."""
+
+    key: Callable[[Headers], str | None]
+    how: str  # the 401's advice
+    error: Callable[[APIError], Response]
+
+
+OPENAI = Door(lambda headers: Pipeline.bearer(headers.get("authorization")),
+              "send 'Authorization: Bearer <key>'", error_response)
+ANTHROPIC = Door(lambda headers: Pipeline.anthropic_key(headers.get("x-api-key"),
+                                                        headers.get("authorization")),
+                 "send 'x-api-key: <key>' (or 'Authorization: Bearer <key>')",
+                 lambda exc: json_response(anthropic.error_body(exc), exc.status))
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -132,9 +154,19 @@ async def _sse(first: Any, chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         yield b"data: [DONE]\n\n"
 
 
-async def stream_response(request: Request, chunks: AsyncIterator[Any]) -> Response:
+async def _framed(first: bytes, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Events an API frames itself, errors included (Anthropic's), the first one read."""
+    async with aclosing(events):
+        yield first
+        async for data in events:
+            yield data
+
+
+async def stream_response(request: Request, chunks: AsyncIterator[Any],
+                          frame: Callable[[Any, AsyncIterator[Any]], AsyncIterator[bytes]] = _sse
+                          ) -> Response:
     """Wait for the first chunk (so an engine refusal is still a plain error response), then
-    stream the rest as server-sent events."""
+    stream it and the rest as server-sent events (``frame``: OpenAI's ``data:`` lines)."""
     try:
         first = await unless_disconnected(request.receive, anext(chunks, None))
     except BaseException:
@@ -142,7 +174,7 @@ async def stream_response(request: Request, chunks: AsyncIterator[Any]) -> Respo
         raise
     if first is None:  # every stream yields at least its final chunk; this guards the shape
         raise APIError(500, "the request produced no output")
-    return EventStream(_sse(first, chunks))
+    return EventStream(frame(first, chunks))
 
 
 def build_app(service: Service) -> Starlette:
@@ -153,20 +185,19 @@ def build_app(service: Service) -> Starlette:
     open_paths = (OPEN_PATHS | {"/metrics"}) if service.options.metrics_open else OPEN_PATHS
 
     def route(path: str, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
-              methods: list[str]) -> Route:
+              methods: list[str], door: Door = OPENAI) -> Route:
         async def wrapped(request: Request) -> Response:
             try:
                 if path not in open_paths:
                     with pipeline.counted(endpoint):
-                        pipeline.authorize(pipeline.bearer(request.headers.get("authorization")),
-                                           "send 'Authorization: Bearer <key>'")
+                        pipeline.authorize(door.key(request.headers), door.how)
                 return await handler(request)
             except APIError as exc:
-                return error_response(exc)
+                return door.error(exc)
             except ClientGone:
                 return Response(status_code=499)
             except Exception:
-                return error_response(pipeline.failed(endpoint, f"{request.method} {path}"))
+                return door.error(pipeline.failed(endpoint, f"{request.method} {path}"))
 
         return Route(path, wrapped, methods=methods)
 
@@ -177,6 +208,19 @@ def build_app(service: Service) -> Starlette:
         if opened.streaming:
             return await stream_response(request, opened.stream())
         return json_response(await unless_disconnected(request.receive, opened.whole()))
+
+    async def messages(request: Request) -> Response:
+        with pipeline.counted("messages"):
+            body = await read_body(request, pipeline, MessagesRequest)
+        opened = pipeline.open_messages(body)
+        if opened.streaming:
+            return await stream_response(request, opened.stream(), _framed)
+        return json_response(await unless_disconnected(request.receive, opened.whole()))
+
+    async def count_tokens(request: Request) -> Response:
+        with pipeline.counted("messages"):
+            body = await read_body(request, pipeline, CountTokensRequest)
+        return json_response(await pipeline.count_message_tokens(body))
 
     async def open_session(request: Request) -> Response:
         with pipeline.counted("sessions"):
@@ -233,6 +277,8 @@ def build_app(service: Service) -> Starlette:
         route("/v1/chat/completions", "chat", lambda r: generation(r, ChatCompletionRequest),
               ["POST"]),
         route("/generate", "generate", lambda r: generation(r, GenerateBody), ["POST"]),
+        route("/v1/messages", "messages", messages, ["POST"], ANTHROPIC),
+        route("/v1/messages/count_tokens", "messages", count_tokens, ["POST"], ANTHROPIC),
         route("/tokenize", "tokenize", tokenize, ["POST"]),
         route("/detokenize", "detokenize", detokenize, ["POST"]),
         route("/v1/models", "models", models, ["GET"]),

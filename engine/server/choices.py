@@ -103,6 +103,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended it, if one did
     started: bool = False  # a stream has sent this choice's first chunk
 
 
@@ -147,6 +148,7 @@ class Choices:
         choice.tokens += tokens
         if out.finish_reason is not None:
             choice.finish_reason = out.finish_reason
+            choice.stop_reason = out.stop_reason
         return choice, ids, tokens
 
     def echoed(self, choice: Choice, text: str, tokens: list[TokenInfo]

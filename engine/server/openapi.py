@@ -7,6 +7,13 @@ from typing import Any
 
 import msgspec
 
+from engine.server.anthropic_schemas import (
+    AnthropicError,
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    TokenCount,
+)
 from engine.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -52,11 +59,11 @@ def _json(kind: type, stream: type | None = None) -> dict[str, Any]:
 
 
 def _operation(summary: str, response: type, body: type | None = None,
-               stream: type | None = None) -> dict[str, Any]:
+               stream: type | None = None, error: type = ErrorResponse) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": summary,
         "responses": {"200": {"description": "OK", "content": _json(response, stream)}} | {
-            status: {"description": text, "content": _json(ErrorResponse)}
+            status: {"description": text, "content": _json(error)}
             for status, text in _ERRORS.items()
         },
     }
@@ -72,7 +79,8 @@ def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, A
              ChatCompletionResponse, ChatCompletionChunk, GenerateBody, GenerateResponse,
              ModelList, SessionBody, SessionObject, SessionDeleted, ErrorResponse,
              LoadLoraAdapterBody, UnloadLoraAdapterBody, TokenizeBody, TokenizeResponse,
-             DetokenizeBody, DetokenizeResponse]
+             DetokenizeBody, DetokenizeResponse, MessagesRequest, Message, CountTokensRequest,
+             TokenCount, AnthropicError]
     _, components = msgspec.json.schema_components(kinds, ref_template=_REF)
     text = {"200": {"description": "OK", "content": {"text/plain": {"schema": {
         "type": "string"}}}}}
@@ -82,7 +90,9 @@ def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, A
                  "description": f"OpenAI-compatible serving of {model_name} with a "
                                 "token-granular prefix cache."},
         "components": {"schemas": components,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                           "x-api-key": {"type": "apiKey", "in": "header",
+                                                         "name": "x-api-key"}}},
         "security": [{"bearer": []}],
         "paths": {
             "/v1/completions": {"post": _operation(
@@ -93,6 +103,14 @@ def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, A
             "/generate": {"post": _operation(
                 "Native generation: token ids in, token ids out", GenerateResponse,
                 GenerateBody, GenerateResponse)},
+            "/v1/messages": {"post": _operation(
+                "Anthropic's Messages API (a stream is Anthropic's named events)", Message,
+                MessagesRequest, error=AnthropicError)
+                | {"security": [{"bearer": []}, {"x-api-key": []}]}},
+            "/v1/messages/count_tokens": {"post": _operation(
+                "Anthropic's: the prompt tokens of a message's body", TokenCount,
+                CountTokensRequest, error=AnthropicError)
+                | {"security": [{"bearer": []}, {"x-api-key": []}]}},
             "/tokenize": {"post": _operation(
                 "A prompt or chat messages to the token ids a completion or chat request "
                 "would run on", TokenizeResponse, TokenizeBody)},

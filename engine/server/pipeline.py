@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from engine.server import anthropic
+from engine.server.anthropic_schemas import CountTokensRequest, MessagesRequest, TokenCount
 from engine.server.errors import APIError, from_validation
 from engine.server.schemas import (
     ChatCompletionRequest,
@@ -73,6 +75,11 @@ class Pipeline:
         scheme, _, token = (header or "").partition(" ")
         return token.strip() if scheme.lower() == "bearer" else None
 
+    @staticmethod
+    def anthropic_key(x_api_key: str | None, authorization: str | None) -> str | None:
+        """Anthropic's door: the key as ``x-api-key`` (its SDK's), else as a bearer token."""
+        return x_api_key if x_api_key is not None else Pipeline.bearer(authorization)
+
     # ---------------------------------------------------------------- bodies
     def check_size(self, size: int) -> None:
         if size > self.max_request_bytes:
@@ -122,6 +129,31 @@ class Pipeline:
             call = service.generate_call(body)
         return Opened(lambda: service.generate_stream(call), lambda: service.generate(call),
                       body.stream)
+
+    def open_messages(self, body: MessagesRequest) -> Opened:
+        """Anthropic's Messages API: the chat call it means, answered in its shapes."""
+        service = self.service
+        with self.counted("messages"):
+            try:
+                call = service.chat_call(anthropic.to_chat(body), "messages", "msg")
+            except APIError as exc:
+                raise anthropic.renamed(exc) from None
+
+        async def whole() -> Any:
+            response = await service.chat(call)
+            choice = response.choices[0]
+            return anthropic.message(call, choice.message, choice.finish_reason)
+
+        return Opened(lambda: anthropic.events(call, service.chat_stream(call, True)), whole,
+                      body.stream)
+
+    async def count_message_tokens(self, body: CountTokensRequest) -> TokenCount:
+        with self.counted("messages"):
+            try:
+                count = await self.service.count_chat_tokens(anthropic.count_request(body))
+            except APIError as exc:
+                raise anthropic.renamed(exc) from None
+        return TokenCount(count)
 
     async def open_session(self, model: str | None = None) -> SessionObject:
         with self.counted("sessions"):

@@ -169,6 +169,17 @@ class Service(Shapes):
         ids = unpack_ids(reply.token_ids).tolist()
         return TokenizeResponse(ids, len(ids), self.info.context_len, reply.token_strs)
 
+    async def count_chat_tokens(self, req: ChatCompletionRequest) -> int:
+        """The prompt tokens a chat request of ``req``'s messages and tools runs on."""
+        self.check_model(req.model)
+        template_tools, _ = tools.resolve(req, self.options.tool_call_parser)
+        sampling.check_messages(req.messages)
+        sampling.check_messages(template_tools or [], "tools")
+        msg = TokenizeRequest(rid=new_request_id(), messages=req.messages, tools=template_tools,
+                              add_special_tokens=False)
+        reply = await self._tokenizer_call(msg, "messages")
+        return len(unpack_ids(reply.token_ids))
+
     async def detokenize(self, body: DetokenizeBody) -> DetokenizeResponse:
         """vLLM's ``/detokenize``: ids of the model's vocabulary to text, special tokens
         spelled out."""
@@ -253,7 +264,10 @@ class Service(Shapes):
                           return_token_ids=req.return_token_ids, echo=req.echo,
                           constraint_param=sampling.constraint_param(req))
 
-    def chat_call(self, req: ChatCompletionRequest) -> Call:
+    def chat_call(self, req: ChatCompletionRequest, endpoint: str = "chat",
+                  prefix: str = "chatcmpl") -> Call:
+        """A chat completion; the Messages and Responses APIs run as one too (``endpoint``:
+        their label in /metrics, ``prefix``: their ids')."""
         adapter = self.check_model(req.model)
         template_tools, plan = tools.resolve(req, self.options.tool_call_parser)
         params = sampling.chat_params(req, self.options.default_max_tokens, self.info,
@@ -266,7 +280,7 @@ class Service(Shapes):
                                   tools=template_tools, session_id=req.session_id,
                                   namespace=self._namespace(req.cache_salt, req.user),
                                   lora_name=adapter)
-        return self._call("chatcmpl", "chat", [request], params.n, prompt_param="messages",
+        return self._call(prefix, endpoint, [request], params.n, prompt_param="messages",
                           tool_plan=plan, constraint_param="tool_choice" if plan is not None
                           and plan.constraint is not None else sampling.constraint_param(req))
 
