@@ -46,11 +46,15 @@ def variants() -> dict[str, object]:
        seed=st.integers(0, 2**16))
 @example(variant="native", fmt="q4_1", digits=1, rows=0, outs=49, blocks=5,
          dtype=torch.bfloat16, seed=0)  # the default model's LM head in a step of no rows
+@example(variant="native", fmt="q6_k", digits=2, rows=0, outs=49, blocks=5,
+         dtype=torch.bfloat16, seed=0)  # a K-quant file's LM head in a step of no rows
+@example(variant="avx2", fmt="q4_k", digits=1, rows=9, outs=17, blocks=3,
+         dtype=torch.float32, seed=1)
 def test_quant_linear_at_any_row_count(variants, variant, fmt, digits, rows, outs, blocks, dtype,
                                        seed) -> None:
     ops = variants[variant]
     p = random_weight(fmt, outs, blocks * BLOCK, seed)
-    kernel = ops.quant_repack(p.qweight, p.scales.expand(outs, blocks).contiguous(), p.mins, p.bits)
+    kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
     x = torch.randn(rows, blocks * BLOCK, generator=torch.Generator().manual_seed(seed)).to(dtype)
     out = ops.quant_linear(x, *kernel, p.bits, outs, digits)
     assert out.shape == (rows, outs) and out.dtype == dtype
@@ -224,7 +228,7 @@ def test_dequantize_weight_at_any_row_count(variants, variant, fmt, rows, outs, 
     """An embedding lookup of no ids up to 40, through the quantized table."""
     ops = variants[variant]
     p = random_weight(fmt, outs, blocks * BLOCK, seed)
-    kernel = ops.quant_repack(p.qweight, p.scales.expand(outs, blocks).contiguous(), p.mins, p.bits)
+    kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
     ids = torch.randint(0, outs, (rows,), generator=torch.Generator().manual_seed(seed))
     got = ops.dequantize_weight(*kernel, p.bits, outs, ids, torch.float32)
     assert got.shape == (rows, blocks * BLOCK)

@@ -28,6 +28,7 @@ from engine.checkpoints.quant_formats import (
     from_gguf,
     quantize,
     read_formats,
+    scales_per_block,
 )
 from engine.checkpoints.quantized import quantized_file
 from engine.contracts.engine_config import EngineConfig
@@ -45,7 +46,8 @@ from tests.test_tp import ThreadRank, run_ranks
 # multiple of the interleaving, one block, an odd number of blocks.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576),
           (33, 96), (7, 32), (40, 160), (17, 224)]
-FORMATS = ["q8_0", "q4_0", "q4_1", "int8", "int4"]
+FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8", "int4"]
+K_QUANTS = {"Q4_K": 144, "Q6_K": 210}  # bytes of a 256-weight super-block
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,29 @@ def variants() -> dict[str, object]:
     return load_variants()
 
 
+def kquant_blocks(kind: str, rows: int, cols: int, seed: int,
+                  scales: tuple[float, float] = (2e-5, 3e-4)) -> np.ndarray:
+    """GGUF ``kind`` (Q4_K, Q6_K) blocks of a [rows, cols] weight (cols a multiple of 256),
+    made from their byte layout: any bytes are a valid block once its float16 scales are finite,
+    so random bytes with scales drawn from ``scales`` (about llama.cpp's for weights of 0.05)."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // 256, K_QUANTS[kind]), dtype=np.uint8)
+    offsets = (0, 2) if kind == "Q4_K" else (208,)  # d and dmin; d
+    for offset, factor in zip(offsets, (1, 8), strict=False):
+        d = (rng.uniform(*scales, (rows, cols // 256)) * factor).astype(np.float16)
+        data[..., offset:offset + 2] = d[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
 def random_weight(fmt: str, rows: int, cols: int, seed: int) -> PackedWeight:
-    """A weight in ``fmt`` with random blocks (GGUF's own quantizer for its formats)."""
+    """A weight in ``fmt`` with random blocks (GGUF's own quantizer for its formats, the
+    K-quants' byte layout for theirs, cut to ``cols``)."""
+    if fmt in ("q4_k", "q6_k"):
+        p = from_gguf(fmt.upper(), kquant_blocks(fmt.upper(), rows, -(-cols // 256) * 256, seed))
+        width = 8 // p.bits
+        return PackedWeight(p.format, p.qweight[:, : cols // width].contiguous(),
+                            p.scales[:, : cols // BLOCK * scales_per_block(fmt)].contiguous(),
+                            None if p.mins is None else p.mins[:, : cols // BLOCK].contiguous())
     generator = torch.Generator().manual_seed(seed)
     dense = torch.randn(rows, cols, generator=generator) * 0.05
     if fmt in ("int8", "int4"):
@@ -79,16 +102,21 @@ def emulated(x: torch.Tensor, p: PackedWeight, digits: int) -> torch.Tensor:
         xq = xq * 254 + torch.round(left * torch.where(amax > 0, 127 * 254 / amax, 0)).clamp(
             -127, 127)
         step = step / 254
-    dense = p.dequantize().view(rows, -1, BLOCK)
-    scales = p.scales.double().expand(rows, cols // BLOCK)[..., None]
+    halves = scales_per_block(p.format)  # scales per block: q6_k's, one for each 16 weights
+    scales = p.scales.double().expand(rows, cols // BLOCK * halves)
     if p.mins is not None:
-        mins = p.mins.double()[..., None]
-    else:  # q8_0 has none, q4_0's is -8 d
-        mins = torch.zeros_like(scales) if p.bits == 8 else -8 * scales
-    q = (dense - mins) / torch.where(scales == 0, 1, scales)
-    products = torch.einsum("mbe,nbe->mnb", xq, torch.round(q))
-    out = (products * scales[None, :, :, 0] * step[..., 0][:, None, :]).sum(-1)
-    out += torch.einsum("mb,nb->mn", xb.sum(-1), mins[..., 0].expand(rows, -1))
+        mins = p.mins.double()
+    else:  # q8_0 and q6_k have none, q4_0's is -8 d
+        mins = torch.zeros(rows, cols // BLOCK, dtype=torch.float64) if p.bits == 8 else (
+            -8 * scales)
+    per_scale = scales.repeat_interleave(BLOCK // halves, dim=1)
+    q = (p.dequantize() - mins.repeat_interleave(BLOCK, dim=1)) / torch.where(
+        per_scale == 0, 1, per_scale)
+    products = torch.einsum("mse,nse->mns", xq.reshape(x.shape[0], -1, BLOCK // halves),
+                            torch.round(q).view(rows, -1, BLOCK // halves))
+    steps = step[..., 0].repeat_interleave(halves, dim=1)
+    out = (products * scales[None] * steps[:, None, :]).sum(-1)
+    out += torch.einsum("mb,nb->mn", xb.sum(-1), mins)
     return out
 
 
@@ -101,7 +129,7 @@ def test_each_build_computes_what_the_format_and_the_activations_say(variants, f
     digit, 0.05% with two; bf16's own rounding of x and of the result 1%), for float32 and
     bf16 activations and 1 to 9 rows."""
     for index, (rows, cols) in enumerate(SHAPES):
-        if rows > 10_000 and fmt in ("q4_0", "q4_1", "int4"):
+        if rows > 10_000 and fmt in ("q4_0", "q4_1", "q4_k", "int4"):
             continue  # the LM head: 8-bit in the GGUF files served
         p = random_weight(fmt, rows, cols, seed=index)
         batch = 1 if rows > 10_000 else 1 + index % 9
@@ -111,8 +139,7 @@ def test_each_build_computes_what_the_format_and_the_activations_say(variants, f
         wants = {dtype: emulated(x.to(dtype).float(), p, digits)
                  for dtype in (torch.float32, torch.bfloat16)}
         for name, ops in variants.items():
-            kernel = ops.quant_repack(p.qweight, p.scales.expand(rows, cols // BLOCK), p.mins,
-                                      p.bits)
+            kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
             for dtype, want in wants.items():
                 out = ops.quant_linear(x.to(dtype), *kernel, p.bits, rows, digits)
                 assert out.dtype == dtype and out.shape == (batch, rows)
@@ -132,20 +159,35 @@ def test_dequantizing_rows_gives_the_formats_numbers(variants, fmt):
     p = random_weight(fmt, 40, 160, seed=7)
     rows = torch.tensor([39, 0, 17, 16, 17])
     for name, ops in variants.items():
-        kernel = ops.quant_repack(p.qweight, p.scales.expand(40, 5), p.mins, p.bits)
+        kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
         got = ops.dequantize_weight(*kernel, p.bits, 40, rows, torch.float32)
-        assert torch.equal(got.double(), p.dequantize()[rows].float().double()), name
+        assert torch.equal(got, p.dequantize()[rows].float()), name
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_blocks_keep_their_numbers(kind):
-    """A GGUF tensor's blocks, split into values, scales and minimums, stand for exactly what
-    the gguf package dequantizes them to."""
+    """A GGUF tensor's blocks, split into values, scales and minimums (Q5_0's and Q5_1's
+    widened to 8 bits), stand for exactly what the gguf package dequantizes them to."""
     dense = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
     blocks = gguf_quantize(dense, GGMLQuantizationType[kind])
     packed = from_gguf(kind, blocks)
+    assert packed.format == {"Q5_0": "q8_0", "Q5_1": "int8"}.get(kind, kind.lower())
     want = dequantize(blocks, GGMLQuantizationType[kind])
     assert np.array_equal(packed.dequantize().numpy(), want.astype(np.float64))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_blocks_keep_their_numbers(kind):
+    """A K-quant's super-blocks taken apart into blocks of 32 with float32 scales stand for
+    exactly the numbers the gguf package dequantizes them to (gguf computes in float32: its
+    rounding of Q4_K's d * q - dmin * m, one step, is float32's of the exact value), over scales
+    from subnormal to large float16 and every byte pattern."""
+    for scales in ((2e-5, 3e-4), (1e-7, 1e-5), (1.0, 1000.0)):
+        blocks = kquant_blocks(kind, 24, 512, seed=1, scales=scales)
+        packed = from_gguf(kind, blocks)
+        assert packed.scales.dtype == torch.float32
+        want = dequantize(blocks, GGMLQuantizationType[kind])
+        assert np.array_equal(packed.dequantize().float().numpy(), want), scales
 
 
 def test_int8_and_int4_quantize_to_the_nearest_steps():
@@ -213,9 +255,10 @@ def test_products_over_column_shards_add_up_to_the_whole(variants, fmt):
     for name, ops in variants.items():
         def product(cols: slice, p=p, ops=ops) -> torch.Tensor:
             blocks = slice(cols.start // BLOCK, cols.stop // BLOCK)
+            per_scale = BLOCK // scales_per_block(p.format)
             width = 8 // p.bits
             part = PackedWeight(p.format, p.qweight[:, cols.start // width: cols.stop // width],
-                                p.scales.expand(48, 6)[:, blocks],
+                                p.scales[:, cols.start // per_scale: cols.stop // per_scale],
                                 None if p.mins is None else p.mins[:, blocks])
             kernel = ops.quant_repack(part.qweight.contiguous(), part.scales, part.mins, p.bits)
             return ops.quant_linear(x[:, cols].contiguous(), *kernel, p.bits, 48,

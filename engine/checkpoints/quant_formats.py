@@ -3,17 +3,29 @@ a checkpoint's ``quantized.safetensors`` and read by the worker's kernels
 (engine/worker/csrc/quant_linear.cpp)::
 
     format  bits  per block of 32 weights along a row        w =           from
-    q8_0    8     32 int8 q, float16 scale d                 d * q         GGUF Q8_0
+    q8_0    8     32 int8 q, float16 scale d                 d * q         GGUF Q8_0; Q5_0
     q4_0    4     16 bytes of nibbles, float16 d             d * (q - 8)   GGUF Q4_0
     q4_1    4     16 bytes of nibbles, float16 d and m       d * q + m     GGUF Q4_1
-    int8    8     32 int8 q, float16 d and m                 d * q + m     --quantization int8
+    q4_k    4     16 bytes of nibbles, float32 d and m       d * q + m     GGUF Q4_K
+    q6_k    8     32 int8 q, float32 d for each 16           d * q         GGUF Q6_K
+    int8    8     32 int8 q, float16 d and m                 d * q + m     --quantization int8;
+                                                                           GGUF Q5_1
     int4    4     as q4_1 (a group's minimum and step)       d * q + m     --quantization int4
+
+Every GGUF type is kept losslessly. Q5_0's 5-bit values widen to Q8_0's int8 (q - 16, the same
+d) and Q5_1's to int8's (q with its d and m), which the 8-bit loops read unchanged. The
+K-quants' 256-weight super-blocks are taken apart into these blocks of 32: Q4_K's d is its
+super-block's float16 d times the block's 6-bit scale and m minus its dmin times the 6-bit
+minimum, Q6_K's d the super-block's d times each 16 weights' int8 scale, its values q - 32.
+Those products are exact in float32 (11 bits of d times 6 or 8 of a scale), not in float16, so
+these two formats hold float32 scales.
 
 A 4-bit block's byte j holds element j in its low nibble and element j + 16 in its high one
 (GGUF's order). Each weight is three arrays with one row per output feature, so fusing
 projections (q/k/v, gate/up) concatenates rows and tensor parallel takes rows, or columns in
-whole blocks: ``qweight`` (uint8 [N, K / 2] or int8 [N, K]), ``scales`` (float16 [N, K / 32])
-and, for q4_1, int8 and int4, ``mins`` (float16 [N, K / 32]).
+whole blocks: ``qweight`` (uint8 [N, K / 2] or int8 [N, K]), ``scales`` (float16 or, for q4_k
+and q6_k, float32 [N, K / 32]; q6_k's [N, K / 16]) and, for q4_1, q4_k, int8 and int4,
+``mins`` (the scales' dtype, [N, K / 32]).
 
 In the file, weight ``NAME`` is stored as ``NAME.qweight``, ``NAME.scales`` (and
 ``NAME.mins``), and the file's metadata ``formats`` maps every such ``NAME`` to its format.
@@ -29,11 +41,25 @@ import numpy as np
 import torch
 
 BLOCK = 32
-BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "int8": 8, "int4": 4}
-WITH_MINS = ("q4_1", "int8", "int4")
+BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q4_k": 4, "q6_k": 8, "int8": 8, "int4": 4}
+WITH_MINS = ("q4_1", "q4_k", "int8", "int4")
+FLOAT32_SCALES = ("q4_k", "q6_k")
+SCALES_PER_BLOCK = {"q6_k": 2}  # one scale for each 16 weights
 PARTS = ("qweight", "scales", "mins")
 FILE = "quantized.safetensors"
-GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q8_0", "Q5_1": "int8",
+              "Q4_K": "q4_k", "Q6_K": "q6_k"}
+# bytes of one GGUF block: (weights, bytes)
+_GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+                "Q5_1": (32, 24), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+
+
+def scale_dtype(fmt: str) -> torch.dtype:
+    return torch.float32 if fmt in FLOAT32_SCALES else torch.float16
+
+
+def scales_per_block(fmt: str) -> int:
+    return SCALES_PER_BLOCK.get(fmt, 1)
 
 
 @dataclass
@@ -62,34 +88,81 @@ class PackedWeight:
         """The float64 [N, K] matrix the blocks stand for (the tests' reference)."""
         rows, cols = self.shape
         if self.bits == 8:
-            q = self.qweight.to(torch.float64).view(rows, -1, BLOCK)
+            q = self.qweight.to(torch.float64)
         else:
             nibbles = self.qweight.view(rows, -1, BLOCK // 2).to(torch.int16)
             q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).to(torch.float64)
-        blocks = q.shape[1]
-        scales = self.scales.to(torch.float64).expand(rows, blocks)[..., None]
+        q = q.reshape(rows, cols)
+        width = BLOCK // scales_per_block(self.format)  # weights per scale
+        scales = self.scales.to(torch.float64).expand(rows, cols // width)
+        scales = scales.repeat_interleave(width, dim=1)
         if self.format == "q4_0":
-            return (scales * (q - 8)).reshape(rows, cols)
-        mins = 0.0 if self.mins is None else self.mins.to(torch.float64)[..., None]
-        return (scales * q + mins).reshape(rows, cols)
+            return scales * (q - 8)
+        if self.mins is None:
+            return scales * q
+        return scales * q + self.mins.to(torch.float64).repeat_interleave(BLOCK, dim=1)
 
 
 def from_gguf(kind: str, blocks: np.ndarray) -> PackedWeight:
-    """A GGUF tensor's raw blocks (uint8 [N, bytes per row]) of type ``kind`` (Q8_0, Q4_0,
-    Q4_1) as a ``PackedWeight``: the same numbers, split into the three arrays."""
+    """A GGUF tensor's raw blocks (uint8 [N, bytes per row]) of type ``kind`` (a key of
+    ``GGUF_TYPES``) as a ``PackedWeight`` of the same numbers (the module doc)."""
     rows = blocks.shape[0]
-    scale_bytes = 4 if kind == "Q4_1" else 2
-    per_block = scale_bytes + (BLOCK if kind == "Q8_0" else BLOCK // 2)
-    data = np.ascontiguousarray(blocks).reshape(rows, -1, per_block)
-    scales = np.ascontiguousarray(data[..., :2]).view(np.float16).reshape(rows, -1)
-    mins = (np.ascontiguousarray(data[..., 2:4]).view(np.float16).reshape(rows, -1)
-            if kind == "Q4_1" else None)
-    values = np.ascontiguousarray(data[..., scale_bytes:]).reshape(rows, -1)
-    if kind == "Q8_0":
-        values = values.view(np.int8)
-    return PackedWeight(GGUF_TYPES[kind], torch.from_numpy(values.copy()),
-                        torch.from_numpy(scales.copy()),
-                        None if mins is None else torch.from_numpy(mins.copy()))
+    data = np.ascontiguousarray(blocks).reshape(rows, -1, _GGUF_BLOCKS[kind][1])
+    if kind in ("Q8_0", "Q4_0", "Q4_1"):
+        values = data[..., 4 if kind == "Q4_1" else 2:]
+        if kind == "Q8_0":
+            values = values.view(np.int8)
+        return _packed(kind, values, _half(data, 0), _half(data, 2) if kind == "Q4_1" else None)
+    if kind in ("Q5_0", "Q5_1"):
+        start = 4 if kind == "Q5_1" else 2  # the fifth bits: 32 of them, little-endian
+        high = np.ascontiguousarray(data[..., start:start + 4]).view(np.uint32)
+        fifth = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1
+        q = _nibbles(data[..., start + 4:]) | (fifth.astype(np.uint8) << 4)
+        if kind == "Q5_0":
+            return _packed(kind, (q.astype(np.int8) - 16), _half(data, 0))
+        return _packed(kind, q.astype(np.int8), _half(data, 0), _half(data, 2))
+    if kind == "Q4_K":
+        packed = data[..., 4:16].astype(np.uint8)
+        low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+        sc = np.concatenate([low & 63, (rest & 15) | ((low >> 2) & 48)], axis=-1)
+        mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 2) & 48)], axis=-1)
+        # 4 runs of 64 weights: 32 bytes, the first 32 weights low, the next 32 high
+        q = data[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        q = (q & 15).reshape(rows, -1, BLOCK)
+        d = _half(data, 0).astype(np.float32)[..., None]
+        dmin = _half(data, 2).astype(np.float32)[..., None]
+        return _packed(kind, q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4),
+                       d * sc.astype(np.float32), -(dmin * mins.astype(np.float32)))
+    if kind == "Q6_K":
+        low = data[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        high = (data[..., 128:192].reshape(rows, -1, 2, 1, 32)
+                >> np.array([0, 2, 4, 6], np.uint8)[:, None])
+        q = ((low & 15).reshape(rows, -1, 256) | ((high & 3).reshape(rows, -1, 256) << 4))
+        sc = np.ascontiguousarray(data[..., 192:208]).view(np.int8).astype(np.float32)
+        return _packed(kind, q.astype(np.int8) - 32,
+                       _half(data, 208).astype(np.float32)[..., None] * sc)
+    raise ValueError(f"GGUF type {kind} has no block format here")
+
+
+def _half(data: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte ``start`` of every block: [N, blocks]."""
+    return np.ascontiguousarray(data[..., start:start + 2]).view(np.float16)[..., 0]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 values: the low nibbles, then the high ones."""
+    return np.concatenate([packed & 15, packed >> 4], axis=-1)
+
+
+def _packed(kind: str, values: np.ndarray, scales: np.ndarray,
+            mins: np.ndarray | None = None) -> PackedWeight:
+    rows = values.shape[0]
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array).reshape(rows, -1).copy())
+
+    return PackedWeight(GGUF_TYPES[kind], tensor(values), tensor(scales),
+                        None if mins is None else tensor(mins))
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> PackedWeight:

@@ -1,17 +1,21 @@
 // Linear layers over quantized weight blocks (engine/checkpoints/quant_formats.py holds the
 // formats): out[m, n] = sum_k x[m, k] * w[n, k], w held in blocks of 32 along k,
 //
-//   bits 8: w = d * q (+ m), q int8         (GGUF Q8_0; int8 with m)
-//   bits 4: w = d * q + m, q in 0..15       (GGUF Q4_1, int4; GGUF Q4_0 is m = -8 d)
+//   bits 8: w = d * q (+ m), q int8         (GGUF Q8_0, Q5_0, Q6_K; int8 and Q5_1 with m)
+//   bits 4: w = d * q + m, q in 0..15       (GGUF Q4_1, Q4_K, int4; GGUF Q4_0 is m = -8 d)
 //
-// with d and m float16 per block (8-bit weights may have no m). quant_repack lays a checkpoint's blocks out once for these
-// loops: kRows output rows interleaved, so that one vector holds the same 4 consecutive k of
-// kRows rows (a "k-quad"), and a block of 32 is 8 such vectors:
+// with d and m float16 per block, or float32 (Q4_K, Q6_K: a K-quant's super-block scale times
+// a block's small integer one, exact in float32 only), the scales' dtype saying which. 8-bit
+// weights may have no m, and may have two d per block, one for each 16 weights (Q6_K): their
+// halves' integer sums are then scaled apart. quant_repack lays a checkpoint's blocks out
+// once for these loops: kRows output rows interleaved, so that one vector holds the same 4
+// consecutive k of kRows rows (a "k-quad"), and a block of 32 is 8 such vectors:
 //
 //   qweight [groups, blocks, 8 k-quads x kRows x 4 values]  (4-bit: two k-quads' rows
 //            per byte: rows 0 .. kRows/2 - 1 in the low nibbles, the others in the high)
-//   scales, mins [groups, blocks, kRows] float16            (groups = ceil(N / kRows); the
-//            padding rows are zeros; mins empty for 8-bit weights without m)
+//   scales [groups, blocks, halves, kRows], mins [groups, blocks, kRows], float16 or float32
+//            (groups = ceil(N / kRows); the padding rows are zeros; mins empty for 8-bit
+//            weights without m)
 //
 // The activations are quantized per row and block of 32 (x = dx * qx, qx in -127..127, as
 // llama.cpp's Q8 activations), with ``digits`` 2 a second int8 digit, the rounding left by the
@@ -62,16 +66,28 @@ inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
 
 // The repacked weight of one call.
 struct Weights {
-  const uint8_t* q;        // [groups, blocks, group_bytes]
-  const c10::Half* scales;  // [groups, blocks, kRows]
-  const c10::Half* mins;    // [groups, blocks, kRows], or nullptr (8-bit without m)
+  const uint8_t* q;     // [groups, blocks, group_bytes]
+  const void* scales;   // [groups, blocks, halves, kRows] float16, or float32 when wide
+  const void* mins;     // [groups, blocks, kRows] as the scales, or nullptr (8-bit without m)
   int bits;
+  bool wide;            // float32 scales and mins
+  int halves;           // scales per block: 2 = one for each 16 weights (8-bit only)
   int64_t N, K, blocks, groups;
 
   const uint8_t* block(int64_t g, int64_t b) const {
     return q + (g * blocks + b) * group_bytes(bits);
   }
+  // Where block b's kRows minimums start, and its half h's scales.
   int64_t at(int64_t g, int64_t b) const { return (g * blocks + b) * kRows; }
+  int64_t scale_at(int64_t g, int64_t b, int64_t h) const {
+    return ((g * blocks + b) * halves + h) * kRows;
+  }
+  float scale(int64_t i) const { return number(scales, i); }
+  float min(int64_t i) const { return mins ? number(mins, i) : 0.f; }
+  float number(const void* p, int64_t i) const {
+    return wide ? static_cast<const float*>(p)[i]
+                : static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  }
 };
 
 // The integer q (offset removed) of element e of block b of row lane r in group g.
@@ -97,9 +113,16 @@ constexpr int32_t kDigit2 = 254;
 struct Activations {
   std::vector<int8_t> q, q2;
   std::vector<float> scale, sum;
-  std::vector<int32_t> excess;
+  std::vector<int32_t> excess, excess_low;  // excess_low: of the block's first 16 values
   int64_t K, blocks;
   bool two;  // the second digits are there
+
+  // The excess of half h of block ``at`` (Halves 2), or of the whole block.
+  template <int Halves>
+  int32_t excess_of(int64_t at, int h) const {
+    if (Halves == 1) return excess[at];
+    return h == 0 ? excess_low[at] : excess[at] - excess_low[at];
+  }
 };
 
 template <typename T>
@@ -113,6 +136,7 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
   a.scale.resize(M * a.blocks);
   a.sum.resize(M * a.blocks);
   a.excess.resize(M * a.blocks);
+  a.excess_low.resize(M * a.blocks);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     float values[kBlock];
     for (int64_t m = begin; m < end; ++m) {
@@ -127,27 +151,31 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
         }
         const float inverse = amax > 0.f ? 127.f / amax : 0.f, step = amax / 127.f;
         int8_t* qb = a.q.data() + m * K + b * kBlock;
-        int32_t qsum = 0;
+        int32_t qsum = 0, qlow = 0;
 #pragma omp simd reduction(+ : qsum)
         for (int64_t e = 0; e < kBlock; ++e) {
           qb[e] = static_cast<int8_t>(std::nearbyint(values[e] * inverse));
           qsum += qb[e];
         }
+        for (int64_t e = 0; e < kBlock / 2; ++e) qlow += qb[e];
         if (two) {
           int8_t* q2 = a.q2.data() + m * K + b * kBlock;
           const float inverse2 = inverse * kDigit2;
-          int32_t qsum2 = 0;
+          int32_t qsum2 = 0, qlow2 = 0;
           for (int64_t e = 0; e < kBlock; ++e) {
             const float left = std::fma(-static_cast<float>(qb[e]), step, values[e]);
             q2[e] = static_cast<int8_t>(
                 std::clamp(std::nearbyint(left * inverse2), -127.f, 127.f));
             qsum2 += q2[e];
+            if (e < kBlock / 2) qlow2 += q2[e];
           }
           qsum = qsum * kDigit2 + qsum2;
+          qlow = qlow * kDigit2 + qlow2;
         }
         a.scale[m * a.blocks + b] = two ? step / kDigit2 : step;
         a.sum[m * a.blocks + b] = sum;
         a.excess[m * a.blocks + b] = kOffset8 * qsum;
+        a.excess_low[m * a.blocks + b] = kOffset8 * qlow;
       }
     }
   });
@@ -155,11 +183,19 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
 }
 
 #if defined(RADIXSERVE_VNNI)
+// kRows scales or minimums from ``p`` (float16, or float32 when wide) at ``at``.
+inline __m512 load_lanes(const void* p, bool wide, int64_t at) {
+  if (wide) return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(p) + at)));
+}
+
 // Output rows [16 g, 16 g + 16) for activation rows m0 .. m0 + R.
-template <int R>
+template <int R, int Halves>
 void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m512* acc) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
+  constexpr int kHalfQuads = kQuads / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
     __m512i wv[kQuads];
@@ -172,63 +208,75 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
         wv[q] = _mm512_loadu_si512(data + q * 64);
       }
     }
-    const __m512 ws = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + w.at(g, b))));
-    const __m512 wm = w.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                   reinterpret_cast<const __m256i*>(w.mins + w.at(g, b))))
-                             : _mm512_setzero_ps();
     // Independent sums: a few rows' (or one row's several partial) vpdpbusd chains in flight
     // at once, since each waits for the previous one's result.
     constexpr int kChains = R >= 4 ? 1 : 4 / R;
-    __m512i dot[R][kChains];
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
-    }
-    __m512i dot2[R][kChains];
-    for (int q = 0; q < kQuads; ++q) {
+    for (int h = 0; h < Halves; ++h) {
+      __m512i dot[R][kChains];
       for (int r = 0; r < R; ++r) {
-        const int32_t* xq =
-            reinterpret_cast<const int32_t*>(a.q.data() + (m0 + r) * a.K + b * kBlock);
-        dot[r][q % kChains] =
-            _mm512_dpbusd_epi32(dot[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
+        for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
       }
-    }
-    if (a.two) {
-      for (int r = 0; r < R; ++r) {
-        for (int c = 0; c < kChains; ++c) dot2[r][c] = _mm512_setzero_si512();
-      }
-      for (int q = 0; q < kQuads; ++q) {
+      __m512i dot2[R][kChains];
+      for (int q = h * kHalfQuads; q < (h + 1) * kHalfQuads; ++q) {
         for (int r = 0; r < R; ++r) {
           const int32_t* xq =
-              reinterpret_cast<const int32_t*>(a.q2.data() + (m0 + r) * a.K + b * kBlock);
-          dot2[r][q % kChains] =
-              _mm512_dpbusd_epi32(dot2[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
+              reinterpret_cast<const int32_t*>(a.q.data() + (m0 + r) * a.K + b * kBlock);
+          dot[r][q % kChains] =
+              _mm512_dpbusd_epi32(dot[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
         }
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m512i sum = dot[r][0];
-      for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[r][c]);
       if (a.two) {
-        sum = _mm512_mullo_epi32(sum, _mm512_set1_epi32(kDigit2));
-        for (int c = 0; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot2[r][c]);
+        for (int r = 0; r < R; ++r) {
+          for (int c = 0; c < kChains; ++c) dot2[r][c] = _mm512_setzero_si512();
+        }
+        for (int q = h * kHalfQuads; q < (h + 1) * kHalfQuads; ++q) {
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xq =
+                reinterpret_cast<const int32_t*>(a.q2.data() + (m0 + r) * a.K + b * kBlock);
+            dot2[r][q % kChains] =
+                _mm512_dpbusd_epi32(dot2[r][q % kChains], wv[q], _mm512_set1_epi32(xq[q]));
+          }
+        }
       }
-      const int64_t at = (m0 + r) * a.blocks + b;
-      if (w.bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a.excess[at]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                               _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[at])), acc[r]);
-      if (w.mins) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.sum[at]), acc[r]);
+      const __m512 ws = load_lanes(w.scales, w.wide, w.scale_at(g, b, h));
+      for (int r = 0; r < R; ++r) {
+        __m512i sum = dot[r][0];
+        for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[r][c]);
+        if (a.two) {
+          sum = _mm512_mullo_epi32(sum, _mm512_set1_epi32(kDigit2));
+          for (int c = 0; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot2[r][c]);
+        }
+        const int64_t at = (m0 + r) * a.blocks + b;
+        if (w.bits == 8) {
+          sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a.excess_of<Halves>(at, h)));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                 _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[at])), acc[r]);
+      }
+    }
+    if (w.mins) {
+      const __m512 wm = load_lanes(w.mins, w.wide, w.at(g, b));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.sum[(m0 + r) * a.blocks + b]), acc[r]);
+      }
     }
   }
 }
 using Accumulator = __m512;
 inline void store_lanes(const __m512& v, float* out) { _mm512_storeu_ps(out, v); }
 #elif defined(RADIXSERVE_AVX2)
-template <int R>
+inline __m256 load_lanes(const void* p, bool wide, int64_t at) {
+  if (wide) return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+  return _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(p) + at)));
+}
+
+template <int R, int Halves>
 void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m256* acc) {
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i ones16 = _mm256_set1_epi16(1);
+  constexpr int kHalfQuads = kQuads / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
     __m256i wv[kQuads];
@@ -240,38 +288,38 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
         wv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + q * 32));
       }
     }
-    const __m256 ws = _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + w.at(g, b))));
-    const __m256 wm = w.mins ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                   reinterpret_cast<const __m128i*>(w.mins + w.at(g, b))))
-                             : _mm256_setzero_ps();
+    __m256 ws[Halves];
+    for (int h = 0; h < Halves; ++h) ws[h] = load_lanes(w.scales, w.wide, w.scale_at(g, b, h));
+    const __m256 wm = w.mins ? load_lanes(w.mins, w.wide, w.at(g, b)) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + m * a.K + b * kBlock);
-      __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();
       const int32_t* xq2 =
           a.two ? reinterpret_cast<const int32_t*>(a.q2.data() + m * a.K + b * kBlock) : nullptr;
-      for (int q = 0; q < kQuads; ++q) {
-        // int8 weights: |w| (vpmaddubsw's unsigned side) times x with w's sign, so that no
-        // pair sum overflows 16 bits; 4-bit weights are unsigned as stored.
-        const __m256i unsigned_w = w.bits == 4 ? wv[q] : _mm256_sign_epi8(wv[q], wv[q]);
-        const auto signed_x = [&](int32_t packed) {
-          const __m256i xv = _mm256_set1_epi32(packed);
-          return w.bits == 4 ? xv : _mm256_sign_epi8(xv, wv[q]);
-        };
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
-            _mm256_maddubs_epi16(unsigned_w, signed_x(xq[q])), ones16));
-        if (xq2) {
-          dot2 = _mm256_add_epi32(dot2, _mm256_madd_epi16(
-              _mm256_maddubs_epi16(unsigned_w, signed_x(xq2[q])), ones16));
-        }
-      }
-      if (a.two) {
-        dot = _mm256_add_epi32(_mm256_mullo_epi32(dot, _mm256_set1_epi32(kDigit2)), dot2);
-      }
       const int64_t at = m * a.blocks + b;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                               _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[at])), acc[r]);
+      for (int h = 0; h < Halves; ++h) {
+        __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();
+        for (int q = h * kHalfQuads; q < (h + 1) * kHalfQuads; ++q) {
+          // int8 weights: |w| (vpmaddubsw's unsigned side) times x with w's sign, so that no
+          // pair sum overflows 16 bits; 4-bit weights are unsigned as stored.
+          const __m256i unsigned_w = w.bits == 4 ? wv[q] : _mm256_sign_epi8(wv[q], wv[q]);
+          const auto signed_x = [&](int32_t packed) {
+            const __m256i xv = _mm256_set1_epi32(packed);
+            return w.bits == 4 ? xv : _mm256_sign_epi8(xv, wv[q]);
+          };
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
+              _mm256_maddubs_epi16(unsigned_w, signed_x(xq[q])), ones16));
+          if (xq2) {
+            dot2 = _mm256_add_epi32(dot2, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(unsigned_w, signed_x(xq2[q])), ones16));
+          }
+        }
+        if (a.two) {
+          dot = _mm256_add_epi32(_mm256_mullo_epi32(dot, _mm256_set1_epi32(kDigit2)), dot2);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(ws[h], _mm256_set1_ps(a.scale[at])), acc[r]);
+      }
       if (w.mins) acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.sum[at]), acc[r]);
     }
   }
@@ -282,22 +330,26 @@ inline void store_lanes(const __m256& v, float* out) { _mm256_storeu_ps(out, v);
 struct Accumulator {
   float lanes[kRows];
 };
-template <int R>
+template <int R, int Halves>
 void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, Accumulator* acc) {
   for (int r = 0; r < R; ++r) std::fill(acc[r].lanes, acc[r].lanes + kRows, 0.f);
+  constexpr int64_t kHalf = kBlock / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     for (int64_t lane = 0; lane < kRows; ++lane) {
-      const float d = static_cast<float>(w.scales[w.at(g, b) + lane]);
-      const float mn = w.mins ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
+      const float mn = w.min(w.at(g, b) + lane);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r, at = m * a.blocks + b;
         const int8_t* xq = a.q.data() + m * a.K + b * kBlock;
-        int32_t dot = 0;
-        for (int64_t e = 0; e < kBlock; ++e) {
-          const int32_t x = a.two ? xq[e] * kDigit2 + a.q2[m * a.K + b * kBlock + e] : xq[e];
-          dot += value_at(w, g, b, lane, e) * x;
+        for (int h = 0; h < Halves; ++h) {
+          const float d = w.scale(w.scale_at(g, b, h) + lane);
+          int32_t dot = 0;
+          for (int64_t e = h * kHalf; e < (h + 1) * kHalf; ++e) {
+            const int32_t x = a.two ? xq[e] * kDigit2 + a.q2[m * a.K + b * kBlock + e] : xq[e];
+            dot += value_at(w, g, b, lane, e) * x;
+          }
+          acc[r].lanes[lane] += static_cast<float>(dot) * d * a.scale[at];
         }
-        acc[r].lanes[lane] += static_cast<float>(dot) * d * a.scale[at] + mn * a.sum[at];
+        acc[r].lanes[lane] += mn * a.sum[at];
       }
     }
   }
@@ -308,7 +360,11 @@ inline void store_lanes(const Accumulator& v, float* out) { std::copy(v.lanes, v
 template <typename T, int R>
 void write_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, T* out) {
   Accumulator acc[R];
-  group_rows<R>(w, a, g, m0, acc);
+  if (w.halves == 2) {
+    group_rows<R, 2>(w, a, g, m0, acc);
+  } else {
+    group_rows<R, 1>(w, a, g, m0, acc);
+  }
   float lanes[kRows];
   const int64_t n0 = g * kRows, count = std::min(kRows, w.N - n0);
   for (int r = 0; r < R; ++r) {
@@ -327,17 +383,21 @@ Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::
   const int64_t groups = qweight.size(0), blocks = qweight.size(1);
   TORCH_CHECK(N > (groups - 1) * kRows && N <= groups * kRows, "quant_linear: N = ", N,
               " does not match ", groups, " row groups");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
-                  scales.numel() == groups * blocks * kRows,
+  const bool wide = scales.scalar_type() == at::kFloat;
+  const int64_t per_group = groups * blocks * kRows;
+  TORCH_CHECK(scales.is_contiguous() && (wide || scales.scalar_type() == at::kHalf) &&
+                  (scales.numel() == per_group || (bits == 8 && scales.numel() == 2 * per_group)),
               "quant_linear: scales from quant_repack expected");
-  Weights w{qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), nullptr,
-            static_cast<int>(bits), N, blocks * kBlock, blocks, groups};
+  Weights w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), nullptr, static_cast<int>(bits),
+            wide, static_cast<int>(scales.numel() / std::max<int64_t>(per_group, 1)), N,
+            blocks * kBlock, blocks, groups};
+  if (per_group == 0) w.halves = 1;
   TORCH_CHECK(bits == 8 || mins.numel() > 0, "quant_linear: 4-bit weights need mins");
   if (mins.numel() > 0) {
-    TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == at::kHalf &&
-                    mins.numel() == scales.numel(),
+    TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == scales.scalar_type() &&
+                    mins.numel() == per_group && w.halves == 1,
                 "quant_linear: mins from quant_repack expected");
-    w.mins = mins.data_ptr<c10::Half>();
+    w.mins = mins.data_ptr();
   }
   return w;
 }
@@ -394,10 +454,31 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
-// A checkpoint's blocks (quant_formats.py: qweight uint8 [N, K / 2] or int8 [N, K], scales
-// [N, K / 32] float16, or any stride along the blocks, mins the same or undefined) in the
-// interleaved layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d; an 8-bit one
-// keeps none.
+// Block b's scales (and half h's, Halves 2) and minimums of row n, from the checkpoint's
+// [N, blocks * halves] and [N, blocks] into the interleaved [groups, blocks, halves, kRows]
+// and [groups, blocks, kRows]; without source minimums a 4-bit weight (Q4_0) gets m = -8 d.
+template <typename S>
+void repack_scales(const S* scales, const S* mins, int64_t N, int64_t blocks, int64_t halves,
+                   S* out_scales, S* out_mins) {
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / kRows, lane = n % kRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t h = 0; h < halves; ++h) {
+        out_scales[((g * blocks + b) * halves + h) * kRows + lane] =
+            scales[(n * blocks + b) * halves + h];
+      }
+      if (out_mins) {
+        out_mins[(g * blocks + b) * kRows + lane] =
+            mins ? mins[n * blocks + b] : S(-8.f * static_cast<float>(scales[n * blocks + b]));
+      }
+    }
+  }
+}
+
+// A checkpoint's blocks (quant_formats.py: qweight uint8 [N, K / 2] or int8 [N, K]; scales
+// [N, K / 32] float16 or float32, or for 8-bit weights [N, K / 16], one for each 16 weights,
+// with any strides; mins [N, K / 32] in the scales' dtype, or undefined) in the interleaved
+// layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d; an 8-bit one keeps none.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qweight,
                                                             const at::Tensor& scales,
                                                             const c10::optional<at::Tensor>& mins,
@@ -408,36 +489,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qw
   const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits;
   TORCH_CHECK(K % kBlock == 0, "quant_repack: K = ", K, " is not a multiple of 32");
   const int64_t blocks = K / kBlock, groups = (N + kRows - 1) / kRows;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == N &&
-                  scales.size(1) == blocks, "quant_repack: scales [N, K / 32] float16");
+  const bool wide = scales.scalar_type() == at::kFloat;
+  TORCH_CHECK((wide || scales.scalar_type() == at::kHalf) && scales.dim() == 2 &&
+                  scales.size(0) == N &&
+                  (scales.size(1) == blocks || (bits == 8 && scales.size(1) == 2 * blocks)),
+              "quant_repack: scales [N, K / 32] (8-bit: or [N, K / 16]) float16 or float32");
+  const int64_t halves = blocks ? scales.size(1) / blocks : 1;
   const bool has_mins = mins.has_value() && mins->defined();
   auto opts = qweight.options();
   at::Tensor packed = at::zeros({groups, blocks, group_bytes(bits)}, opts.dtype(at::kByte));
-  at::Tensor out_scales = at::zeros({groups, blocks, kRows}, opts.dtype(at::kHalf));
+  at::Tensor out_scales = at::zeros({groups, blocks, halves, kRows}, scales.options());
   const bool keep_mins = bits == 4 || has_mins;
-  at::Tensor out_mins = at::zeros({keep_mins ? groups : 0, blocks, kRows}, opts.dtype(at::kHalf));
+  at::Tensor out_mins = at::zeros({keep_mins ? groups : 0, blocks, kRows}, scales.options());
   if (bits == 8 && kOffset8) packed.fill_(kOffset8);  // padding rows hold q = 0
   const uint8_t* src = static_cast<const uint8_t*>(qweight.data_ptr());
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  c10::Half* ds = out_scales.data_ptr<c10::Half>();
-  c10::Half* dm = keep_mins ? out_mins.data_ptr<c10::Half>() : nullptr;
-  const auto sa = scales.accessor<c10::Half, 2>();
   const int64_t half = kRows / 2;
+  const at::Tensor scale_rows = scales.contiguous();
   const at::Tensor mins_rows = has_mins ? mins->contiguous() : at::Tensor();
-  TORCH_CHECK(!has_mins || (mins_rows.scalar_type() == at::kHalf &&
+  TORCH_CHECK(!has_mins || (halves == 1 && mins_rows.scalar_type() == scales.scalar_type() &&
                             mins_rows.sizes() == scales.sizes()),
-              "quant_repack: mins [N, K / 32] float16");
-  const c10::Half* src_mins = has_mins ? mins_rows.data_ptr<c10::Half>() : nullptr;
+              "quant_repack: mins [N, K / 32] in the scales' dtype");
+  if (wide) {
+    repack_scales(scale_rows.data_ptr<float>(), has_mins ? mins_rows.data_ptr<float>() : nullptr,
+                  N, blocks, halves, out_scales.data_ptr<float>(),
+                  keep_mins ? out_mins.data_ptr<float>() : nullptr);
+  } else {
+    repack_scales(scale_rows.data_ptr<c10::Half>(),
+                  has_mins ? mins_rows.data_ptr<c10::Half>() : nullptr, N, blocks, halves,
+                  out_scales.data_ptr<c10::Half>(),
+                  keep_mins ? out_mins.data_ptr<c10::Half>() : nullptr);
+  }
   for (int64_t n = 0; n < N; ++n) {
     const int64_t g = n / kRows, lane = n % kRows;
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* block = dst + (g * blocks + b) * group_bytes(bits);
-      const int64_t at = (g * blocks + b) * kRows + lane;
-      ds[at] = sa[n][b];
-      if (dm) {
-        dm[at] = src_mins ? src_mins[n * blocks + b]
-                          : c10::Half(-8.f * static_cast<float>(sa[n][b]));
-      }
       for (int64_t e = 0; e < kBlock; ++e) {
         const int64_t quad = e / 4, byte = e % 4;
         if (bits == 8) {
@@ -461,9 +547,9 @@ void dequantize_rows(const Weights& w, const int64_t* rows, int64_t count, T* ou
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = rows[i], g = n / kRows, lane = n % kRows;
       for (int64_t b = 0; b < w.blocks; ++b) {
-        const float d = static_cast<float>(w.scales[w.at(g, b) + lane]);
-        const float mn = w.mins ? static_cast<float>(w.mins[w.at(g, b) + lane]) : 0.f;
+        const float mn = w.min(w.at(g, b) + lane);
         for (int64_t e = 0; e < kBlock; ++e) {
+          const float d = w.scale(w.scale_at(g, b, e * w.halves / kBlock) + lane);
           out[i * w.K + b * kBlock + e] =
               static_cast<T>(d * static_cast<float>(value_at(w, g, b, lane, e)) + mn);
         }

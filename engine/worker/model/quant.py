@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.checkpoints.quant_formats import BITS, BLOCK, WITH_MINS, PackedWeight
+from engine.checkpoints.quant_formats import (
+    BITS,
+    BLOCK,
+    WITH_MINS,
+    PackedWeight,
+    scale_dtype,
+    scales_per_block,
+)
 from engine.worker.cpu_kernels import quant_ops
 from engine.worker.model.parallel import Slice
 
@@ -38,13 +45,13 @@ class QuantizedLinear:
         bits = BITS[fmt]
         self.format, self.rows, self.bits = fmt, rows, bits
         self.digits = DIGITS[bits]
+        scales = dict(dtype=scale_dtype(fmt), device=device)
         self.packed: PackedWeight | None = PackedWeight(
             fmt,
             torch.empty(rows, cols * bits // 8,
                         dtype=torch.int8 if bits == 8 else torch.uint8, device=device),
-            torch.empty(rows, cols // BLOCK, dtype=torch.float16, device=device),
-            torch.empty(rows, cols // BLOCK, dtype=torch.float16, device=device)
-            if fmt in WITH_MINS else None)
+            torch.empty(rows, cols // BLOCK * scales_per_block(fmt), **scales),
+            torch.empty(rows, cols // BLOCK, **scales) if fmt in WITH_MINS else None)
         self.kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._all_rows = torch.arange(rows, device=device)
 
@@ -87,8 +94,11 @@ def part_sources(name: str, source: Slice, fmt: str) -> dict[str, Slice]:
         return {f"{name}.{part}": source for part in ("qweight", "scales", "mins")}
     per_byte = 8 // BITS[fmt]
     blocks = Slice(1, source.start // BLOCK, source.stop // BLOCK, source.full // BLOCK)
+    per_scale = BLOCK // scales_per_block(fmt)
     slices = {f"{name}.qweight": Slice(1, source.start // per_byte, source.stop // per_byte,
-                                       source.full // per_byte), f"{name}.scales": blocks}
+                                       source.full // per_byte),
+              f"{name}.scales": Slice(1, source.start // per_scale, source.stop // per_scale,
+                                      source.full // per_scale)}
     if fmt in WITH_MINS:
         slices[f"{name}.mins"] = blocks
     return slices
