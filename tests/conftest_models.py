@@ -2,7 +2,8 @@
 
 Each kind stresses a different part of the model code: GQA, an explicit head_dim that differs
 from hidden / heads, per-head q/k norms, qkv bias, sliding windows, scaled RoPE, tied
-embeddings, sharded safetensors. Weights are drawn with a fixed seed and a larger spread than
+embeddings, sharded safetensors, Gemma 3's norms, GELU, scaled embeddings, attention scale and
+RoPE per layer kind. Weights are drawn with a fixed seed and a larger spread than
 transformers' init (and non-trivial norm weights and biases) so logits are peaked and every
 weight matters.
 """
@@ -63,7 +64,17 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         "MistralForCausalLM",
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
     ),
+    # a sliding layer (window 8, RoPE base 10,000) then a full one (base 1,000,000); scores
+    # scaled by query_pre_attn_scalar 24, not head_dim 16; four (1 + w) norms a layer, q/k
+    # norms, GELU, embeddings times 8; tied
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24),
+    ),
 }
+# where the config class is not the architecture's name with Config for ForCausalLM
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 def write_checkpoint(
@@ -83,7 +94,8 @@ def write_checkpoint(
     """
     path = Path(path)
     architecture, fields = KINDS[kind]
-    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, _CONFIG_CLASSES.get(
+        architecture, architecture.replace("ForCausalLM", "Config")))
     config = config_cls(**{**_COMMON, **fields, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).eval()

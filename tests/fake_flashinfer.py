@@ -74,7 +74,8 @@ def determine_attention_backend(device, pos_encoding_mode, use_fp16_qk_reduction
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr,
-            kv_indptr, kv_indices, last_page_len, window_left: int) -> torch.Tensor:
+            kv_indptr, kv_indices, last_page_len, window_left: int,
+            sm_scale: float | None) -> torch.Tensor:
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kv_heads
     out = torch.empty_like(q)
@@ -88,7 +89,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_in
         rows = slice(qo_indptr[b], qo_indptr[b + 1])
         qb = q[rows].float()
         n = qb.shape[0]
-        scores = torch.einsum("thd,shd->hts", qb, k) * q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+        scores = torch.einsum("thd,shd->hts", qb, k) * scale
         q_pos = torch.arange(kv_len - n, kv_len)[:, None]
         k_pos = torch.arange(kv_len)[None, :]
         allowed = k_pos <= q_pos
@@ -107,10 +109,10 @@ class _Wrapper:
         self.planned = None
 
     def _plan(self, heads: int, kv_heads: int, head_dim: int, window_left: int,
-              q_data_type, kv_data_type) -> None:
+              q_data_type, kv_data_type, sm_scale: float | None) -> None:
         assert heads % kv_heads == 0
         self.planned = dict(head_dim=head_dim, window_left=window_left, q_dtype=q_data_type,
-                            kv_dtype=kv_data_type or q_data_type)
+                            kv_dtype=kv_data_type or q_data_type, sm_scale=sm_scale)
 
     def _check_q(self, q: torch.Tensor, paged_kv_cache) -> None:
         assert self.planned is not None, "run() before plan()"
@@ -146,7 +148,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, pos_encoding_mode="NONE", window_left=-1, q_data_type="float16",
-             kv_data_type=None) -> None:
+             kv_data_type=None, sm_scale=None) -> None:
         assert pos_encoding_mode == "NONE"
         if self.use_cuda_graph:
             if len(last_page_len) != len(self.last_page_len):
@@ -166,13 +168,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             self.indptr, self.indices = indptr.to(self.device), indices.to(self.device)
             self.last_page_len = last_page_len.to(self.device)
         self._plan(num_qo_heads, num_kv_heads, head_dim, window_left, q_data_type,
-                   kv_data_type)
+                   kv_data_type, sm_scale)
 
     def run(self, q, paged_kv_cache) -> torch.Tensor:
         self._check_q(q, paged_kv_cache)
         qo_indptr = torch.arange(len(self.indptr))
         return _attend(q, *paged_kv_cache, qo_indptr, self.indptr, self.indices,
-                       self.last_page_len, self.planned["window_left"])
+                       self.last_page_len, self.planned["window_left"],
+                       self.planned["sm_scale"])
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -184,16 +187,17 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False,
              pos_encoding_mode="NONE", window_left=-1, q_data_type="float16",
-             kv_data_type=None) -> None:
+             kv_data_type=None, sm_scale=None) -> None:
         assert causal and pos_encoding_mode == "NONE"
         self.tables = (qo_indptr.to(self.device), paged_kv_indptr.to(self.device),
                        paged_kv_indices.to(self.device), paged_kv_last_page_len.to(self.device))
         self._plan(num_qo_heads, num_kv_heads, head_dim_qk, window_left, q_data_type,
-                   kv_data_type)
+                   kv_data_type, sm_scale)
 
     def run(self, q, paged_kv_cache) -> torch.Tensor:
         self._check_q(q, paged_kv_cache)
-        return _attend(q, *paged_kv_cache, *self.tables, self.planned["window_left"])
+        return _attend(q, *paged_kv_cache, *self.tables, self.planned["window_left"],
+                       self.planned["sm_scale"])
 
 
 def module() -> types.ModuleType:

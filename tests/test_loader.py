@@ -14,8 +14,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.contracts.engine_config import EngineConfig
 from engine.worker.model.config import ModelConfig
-from engine.worker.model.llama import rope_inv_freq
 from engine.worker.model.loader import load_model
+from engine.worker.model.rope import rope_inv_freq
 from tests.conftest_models import write_checkpoint
 
 CPU, F32 = torch.device("cpu"), torch.float32

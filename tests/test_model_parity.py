@@ -143,10 +143,11 @@ def test_chunked_prefill_equals_one_shot(checkpoints, page_size: int) -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma3"])
 def test_mixed_batch_equals_each_sequence_alone(checkpoints, kind: str, page_size: int) -> None:
     """Extends, a fresh prefill and decodes of different lengths in one forward give each
-    sequence the logits it gets alone (mistral adds a sliding window to the masks)."""
+    sequence the logits it gets alone (mistral adds a sliding window to the masks, gemma3 a
+    window on one layer of two)."""
     runner = make_runner(checkpoints[kind], page_size)
     alloc = Pages(runner)
     # (cached tokens, new tokens)

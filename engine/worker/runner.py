@@ -113,7 +113,7 @@ class ModelRunner:
         self.attention = make_backend(
             config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
             num_kv_heads=self.model.plan.num_kv_heads, head_dim=self.config.head_dim,
-            sliding_windows=self.config.sliding_windows,
+            sliding_windows=self.config.sliding_windows, scale=self.config.attention_scale,
             decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch)
         self.attention_backend = self.attention.name
         self.staging = HostStaging(self.device)

@@ -62,7 +62,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype,
 def make_backend(name: str, pool: KVPool, *, decode_backend: str = "fa2",
                  graph_max_batch: int = 0, **shape) -> AttentionBackend:
     """The backend ``name`` resolves to, over ``pool``, of ``shape`` (``AttentionBackend``'s
-    num_heads, num_kv_heads, head_dim and sliding_windows); flashinfer's kernels are built and
+    num_heads, num_kv_heads, head_dim, sliding_windows and scale); flashinfer's kernels are built and
     warmed up here (``decode_backend``: its decode kernel on tensor cores; ``graph_max_batch``:
     the largest CUDA-graph batch its workspace must hold; see
     engine/worker/attention/flashinfer.py)."""

@@ -38,11 +38,13 @@ class AttentionBackend(ABC):
     supports_cuda_graph = False
 
     def __init__(self, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_windows: Sequence[int | None]) -> None:
+                 sliding_windows: Sequence[int | None], scale: float | None = None) -> None:
         self.pool = pool
         self.device = pool.device
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        # the scores' factor: 1 / sqrt(head_dim) unless the model says otherwise (Gemma 3's
+        # query_pre_attn_scalar)
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_windows = tuple(sliding_windows)
         self._out_slots: torch.Tensor | None = None
         self._staging = HostStaging(self.device)  # for plans the runner has not staged

@@ -296,9 +296,8 @@ class FlashInferBackend(AttentionBackend):
         indices, indptr, last_page_lens, qo_offsets = staged
         kv_indices = indices.on_device
         kv_indptr, last_page_len = indptr.pinned, last_page_lens.pinned
-        # sm_scale is left to FlashInfer's default, 1 / sqrt(head_dim), which is self.scale.
         common = dict(pos_encoding_mode="NONE", q_data_type=self.pool.dtype,
-                      kv_data_type=self.pool.kv_dtype)
+                      kv_data_type=self.pool.kv_dtype, sm_scale=self.scale)
         if graph or batch.is_decode:
             wrappers = self._graph_wrappers(batch.num_seqs) if graph else self._decode
             for window, wrapper in wrappers.items():

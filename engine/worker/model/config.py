@@ -3,7 +3,8 @@
 ``ModelConfig.from_dir`` accepts the config formats transformers has written over time: RoPE
 settings either as ``rope_parameters`` (transformers 5) or as top-level ``rope_theta`` plus
 ``rope_scaling`` (older checkpoints, ``type`` or ``rope_type``), and end-of-sequence ids from both
-``config.json`` and ``generation_config.json``.
+``config.json`` and ``generation_config.json``. What a family fixes whatever its config says (Qwen2's
+biases, Gemma 3's norms and embeddings) is engine/worker/model/architecture.py's.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.worker.model.architecture import ACTIVATIONS, FAMILIES, gemma_config, sliding_windows
+
 # architecture name -> model_type, for checkpoints whose config lacks "architectures"
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+SUPPORTED_ARCHITECTURES: dict[str, str] = {name: f.model_type for name, f in FAMILIES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -39,11 +37,18 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
     rope_theta: float
     rope_scaling: dict[str, Any] | None  # None for plain RoPE; else the normalised parameters
     sliding_windows: tuple[int | None, ...]  # per layer: attend to the last W positions only
     eos_token_ids: tuple[int, ...]
+    # the rest as architecture.py's Family describes them
+    activation: str  # the MLP's gate: "silu" or "gelu_tanh" (GELU's tanh approximation)
+    norm_offset: float  # a norm's stored weight w scales by norm_offset + w
+    sandwich_norms: bool  # norms on the attention's and the MLP's outputs too
+    embedding_scale: float | None  # embeddings times this, in the model's dtype
+    attention_scale: float  # the scores' factor: head_dim ** -0.5, or query_pre_attn_scalar's
+    sliding_rope_theta: float | None  # sliding layers' plain RoPE base, where it differs
 
     @property
     def num_params(self) -> int:
@@ -71,6 +76,11 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, *,
                   source: str = "config") -> ModelConfig:
         architecture = _architecture(raw, source)
+        family = FAMILIES[architecture]
+        _refuse_unsupported(raw, source)
+        sliding_rope_theta = None
+        if family.model_type == "gemma3_text":
+            raw, sliding_rope_theta = gemma_config(raw, source)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
@@ -78,14 +88,14 @@ class ModelConfig:
         if num_heads % num_kv_heads:
             raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple "
                              f"of num_key_value_heads ({num_kv_heads})")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only "
-                             "'silu')")
+        activation = raw.get(family.activation_key) or "silu"
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{source}: {family.activation_key} {activation!r} is not "
+                             f"supported; supported: {', '.join(ACTIVATIONS)}")
         num_layers = int(raw["num_hidden_layers"])
         max_context = int(raw.get("max_position_embeddings") or 2048)
         rope_theta, rope_scaling = _rope(raw, max_context, source)
         attention_bias = bool(raw.get("attention_bias", False))
-        qwen2 = architecture == "Qwen2ForCausalLM"
         eos = _ids(raw.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
         return cls(
             architecture=architecture,
@@ -99,15 +109,33 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_context_len=max_context,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias or qwen2,
-            o_bias=attention_bias and not qwen2,
+            qkv_bias=attention_bias or family.qkv_bias,
+            o_bias=attention_bias and not family.qkv_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=family.qk_norm,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            sliding_windows=_sliding_windows(raw, architecture, num_layers),
+            sliding_windows=sliding_windows(raw, architecture, num_layers),
             eos_token_ids=tuple(dict.fromkeys(eos)),
+            activation=ACTIVATIONS[activation],
+            norm_offset=family.norm_offset,
+            sandwich_norms=family.sandwich_norms,
+            embedding_scale=hidden**0.5 if family.scaled_embedding else None,
+            attention_scale=(float(raw["query_pre_attn_scalar"]) ** -0.5
+                             if raw.get("query_pre_attn_scalar") else head_dim**-0.5),
+            sliding_rope_theta=sliding_rope_theta,
         )
+
+
+def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:
+    """Config switches transformers honours and this engine does not, as sentences."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ValueError(f"{source}: {key} is {raw[key]}; radixserve does not cap logits "
+                             "with tanh (Gemma 3 checkpoints leave it null)")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention is set (an embedding model); "
+                         "radixserve serves causal language models only")
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
@@ -150,21 +178,3 @@ def _rope(raw: dict[str, Any], max_context: int, source: str
     params.pop("rope_theta", None)
     return theta, params
 
-
-def _sliding_windows(raw: dict[str, Any], architecture: str, num_layers: int
-                     ) -> tuple[int | None, ...]:
-    """Mirror transformers: Mistral windows every layer when ``sliding_window`` is set; Qwen2/3
-    window the layers that ``layer_types`` (or ``use_sliding_window`` + ``max_window_layers``)
-    mark as sliding; Llama never windows."""
-    window = raw.get("sliding_window")
-    if architecture == "LlamaForCausalLM" or not window:
-        return (None,) * num_layers
-    if architecture == "MistralForCausalLM":
-        return (int(window),) * num_layers
-    if not raw.get("use_sliding_window", False):
-        return (None,) * num_layers
-    layer_types = raw.get("layer_types") or [
-        "sliding_attention" if i >= int(raw.get("max_window_layers", 0)) else "full_attention"
-        for i in range(num_layers)
-    ]
-    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

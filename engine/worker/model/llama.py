@@ -1,9 +1,12 @@
-"""The Llama family in plain torch over a flat batch of tokens and paged KV.
+"""Every supported architecture in plain torch over a flat batch of tokens and paged KV.
 
 Covers LlamaForCausalLM (Llama 2/3, with llama3 / linear / yarn RoPE scaling),
-MistralForCausalLM (optional sliding window), Qwen2ForCausalLM (q/k/v bias) and
-Qwen3ForCausalLM (per-head q/k RMSNorm, explicit head_dim). The math follows transformers'
-implementations of the same checkpoints (the parity oracle); only the data layout differs:
+MistralForCausalLM (optional sliding window), Qwen2ForCausalLM (q/k/v bias),
+Qwen3ForCausalLM (per-head q/k RMSNorm, explicit head_dim) and Gemma3ForCausalLM (four norms a
+layer, GELU, scaled embeddings, sliding layers with their own RoPE), as the flags of
+``ModelConfig`` describe them (engine/worker/model/architecture.py). The math follows
+transformers' implementations of the same checkpoints (the parity oracle); only the data
+layout differs:
 
 - tokens of all sequences are one flat [T, hidden] batch, no padding;
 - q/k/v and gate/up projections are fused into one matmul each (the loader fills the slices);
@@ -21,7 +24,6 @@ slices ``weight_sources`` names: engine/worker/model/parallel.py).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import torch
@@ -34,6 +36,7 @@ from engine.worker.lora_pool import LoraStep
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.parallel import Collectives, ShardPlan, Slice, embed_vocab_parallel
 from engine.worker.model.quant import QuantizedLinear, part_sources
+from engine.worker.model.rope import RotaryEmbedding
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,79 +59,6 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if bias is None and residual.dtype == x.dtype:
         return residual.addmm_(x, weight.t())
     return residual.add_(F.linear(x, weight, bias))
-
-
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim / 2] (float32) and the cos/sin scale for the RoPE type."""
-    dim, theta = config.head_dim, config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    params = config.rope_scaling
-    if params is None:
-        return inv_freq, 1.0
-    rope_type, factor = params["rope_type"], params.get("factor")
-    if rope_type == "linear":
-        return inv_freq / factor, 1.0
-    if rope_type == "llama3":
-        old_context = params["original_max_position_embeddings"]
-        low, high = params["low_freq_factor"], params["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-        return torch.where(medium, smoothed, scaled), 1.0
-    return _yarn(inv_freq, params, dim, theta, config.max_context_len)
-
-
-def _yarn(inv_freq: torch.Tensor, params: dict, dim: int, theta: float, max_context: int
-          ) -> tuple[torch.Tensor, float]:
-    """YaRN: interpolate low frequencies, keep high ones, ramp between (arXiv:2309.00071)."""
-    old_context = params["original_max_position_embeddings"]
-    factor = params.get("factor") or max_context / old_context
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = (
-            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-        )
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = correction_dim(params.get("beta_fast") or 32)
-    high = correction_dim(params.get("beta_slow") or 1)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
-    return inv_freq, float(attention_factor)
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
-        super().__init__()
-        inv_freq, self.attention_scaling = rope_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, head_dim] for absolute positions [T], computed in float32:
-        sin's first half is negated so that ``apply_rope`` (engine/worker/attention/base.py) needs no
-        negation per layer."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos = freqs.cos() * self.attention_scaling
-        sin = freqs.sin() * self.attention_scaling
-        cos = torch.cat((cos, cos), dim=-1)[:, None, :]
-        sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
-        return cos.to(dtype), sin.to(dtype)
 
 
 class _Weights(nn.Module):
@@ -235,7 +165,11 @@ class DecoderLayer(_Weights):
         self.k_norm = self._new(c.head_dim) if c.qk_norm else None
         self._matrix("o", c.hidden_size, self.q_size, formats.get("o"))
         self.o_bias = self._new(c.hidden_size) if c.o_bias else None
-        self.post_norm = self._new(c.hidden_size)
+        self.mlp_norm = self._new(c.hidden_size)
+        # Gemma 3's norms of the attention's and the MLP's outputs
+        self.attn_out_norm = self._new(c.hidden_size) if c.sandwich_norms else None
+        self.mlp_out_norm = self._new(c.hidden_size) if c.sandwich_norms else None
+        self.gelu = c.activation == "gelu_tanh"
         self._matrix("gate_up", 2 * plan.intermediate_size, c.hidden_size, formats.get("gate_up"))
         self.gate_up_bias = self._new(2 * plan.intermediate_size) if c.mlp_bias else None
         self._matrix("down", c.hidden_size, plan.intermediate_size, formats.get("down"))
@@ -250,7 +184,6 @@ class DecoderLayer(_Weights):
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         targets = {
             prefix + "input_layernorm.weight": self.input_norm,
-            prefix + "post_attention_layernorm.weight": self.post_norm,
             **self._targets("qkv", attn + "q_proj.weight", slice(None, q)),
             **self._targets("qkv", attn + "k_proj.weight", slice(q, q + kv)),
             **self._targets("qkv", attn + "v_proj.weight", slice(q + kv, None)),
@@ -259,6 +192,12 @@ class DecoderLayer(_Weights):
             **self._targets("gate_up", mlp + "up_proj.weight", slice(inter, None)),
             **self._targets("down", mlp + "down_proj.weight"),
         }
+        if self.attn_out_norm is None:
+            targets[prefix + "post_attention_layernorm.weight"] = self.mlp_norm
+        else:  # Gemma's names: "post" is after the block, not after attention
+            targets[prefix + "post_attention_layernorm.weight"] = self.attn_out_norm
+            targets[prefix + "pre_feedforward_layernorm.weight"] = self.mlp_norm
+            targets[prefix + "post_feedforward_layernorm.weight"] = self.mlp_out_norm
         if self.qkv_bias is not None:
             targets[attn + "q_proj.bias"] = self.qkv_bias[:q]
             targets[attn + "k_proj.bias"] = self.qkv_bias[q : q + kv]
@@ -293,8 +232,8 @@ class DecoderLayer(_Weights):
                             rms_norm(k, self.k_norm, self.eps)), 1)
         # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
         out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
-        self._add_projection_(index, "o", hidden, out, self.o_bias, lora)
-        x = rms_norm(hidden, self.post_norm, self.eps)
+        self._add_projection_(index, "o", hidden, out, self.o_bias, lora, self.attn_out_norm)
+        x = rms_norm(hidden, self.mlp_norm, self.eps)
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
         chunk = self.mlp_chunk_tokens
@@ -304,23 +243,27 @@ class DecoderLayer(_Weights):
             if lora is not None:
                 lora.add_(index, "gate_up", x_rows, gate_up, k * chunk)
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)
-            self._add_projection_(index, "down", rows, act, self.down_bias, lora, k * chunk)
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)
+            self._add_projection_(index, "down", rows, act, self.down_bias, lora,
+                                  self.mlp_out_norm, k * chunk)
         return hidden
 
     def _add_projection_(self, index: int, name: str, residual: torch.Tensor, x: torch.Tensor,
-                         bias: torch.Tensor | None, lora: LoraStep | None, start: int = 0
-                         ) -> None:
+                         bias: torch.Tensor | None, lora: LoraStep | None,
+                         out_norm: torch.Tensor | None, start: int = 0) -> None:
         """residual += x @ W.T (+ bias) and the adapters' updates for the row-parallel
-        projections (o, down; ``x`` is tokens [start, start + len(x)) of the step): under
-        tensor parallel the ranks' partial products are summed first, each with its share of
-        the updates, ``B (A_r x_r)``, so that the sum holds every update once."""
-        if self.tp is not None:
-            partial = self._linear(name, x)
+        projections (o, down; ``x`` is tokens [start, start + len(x)) of the step), normalised
+        by ``out_norm`` first where the layer has one: under tensor parallel the ranks' partial
+        products are summed first, each with its share of the updates, ``B (A_r x_r)``, so
+        that the sum holds every update once."""
+        if self.tp is not None or out_norm is not None:
+            out = self._linear(name, x)
             if lora is not None:
-                lora.add_(index, name, x, partial, start)
-            partial = self.tp.all_reduce_(partial)
-            residual.add_(partial if bias is None else partial.add_(bias))
+                lora.add_(index, name, x, out, start)
+            if self.tp is not None:
+                out = self.tp.all_reduce_(out)
+            out = out if bias is None else out.add_(bias)
+            residual.add_(out if out_norm is None else rms_norm(out, out_norm, self.eps))
             return
         if name in self.packed or name in self.quantized:
             residual.add_(self._linear(name, x, bias))
@@ -362,6 +305,8 @@ class LlamaForCausalLM(_Weights):
         else:
             self._matrix("lm_head", rows, hidden, None if tp else formats.get("lm_head.weight"))
         self.rope = RotaryEmbedding(config, device)
+        self.sliding_rope = (RotaryEmbedding(config, device, sliding=True)
+                             if config.sliding_rope_theta is not None else None)
         real_rows = self.plan.vocab_stop - self.plan.vocab_start
         with torch.no_grad():  # the last rank's rows past the vocabulary: never loaded
             self.embed[real_rows:].zero_()
@@ -410,14 +355,11 @@ class LlamaForCausalLM(_Weights):
         """Float32 logits [len(logits_rows), vocab] for a flat batch of new tokens [T]; under
         tensor parallel on rank 0 only (None on the others). ``lora``: the step's LoRA
         adapters (engine/worker/lora_pool.py), None when every row runs the base model."""
-        if "embed" in self.quantized:
-            hidden = self.quantized["embed"].rows_dense(input_ids, torch.float32)
-        elif self.tp is None:
-            hidden = F.embedding(input_ids, self.embed).float()
-        else:
-            hidden = embed_vocab_parallel(input_ids, self.embed, self.plan, self.tp).float()
-        cos, sin = self.rope(positions, self.dtype)
+        hidden = self._embed(input_ids)
+        rotations = self.rope(positions, self.dtype)
+        sliding = self.sliding_rope(positions, self.dtype) if self.sliding_rope else rotations
         for index, layer in enumerate(self.layers):
+            cos, sin = sliding if self.config.sliding_windows[index] else rotations
             hidden = layer(index, hidden, cos, sin, attention, lora)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         if "lm_head" in self.quantized:
@@ -427,6 +369,22 @@ class LlamaForCausalLM(_Weights):
         if self.tp is None:
             return self._linear("lm_head", hidden).float()
         return self.tp.gather_vocab(F.linear(hidden, self.lm_head), self.config.vocab_size)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The float32 residual stream's first rows: the tokens' embeddings, times the
+        architecture's scale in the model's dtype as transformers does (Gemma's sqrt(hidden):
+        55.43 is 55.5 in bf16)."""
+        scale = self.config.embedding_scale
+        if "embed" in self.quantized:
+            rows = self.quantized["embed"].rows_dense(
+                input_ids, torch.float32 if scale is None else self.dtype)
+        elif self.tp is None:
+            rows = F.embedding(input_ids, self.embed)
+        else:
+            rows = embed_vocab_parallel(input_ids, self.embed, self.plan, self.tp)
+        if scale is not None:
+            rows = rows * torch.tensor(scale, dtype=rows.dtype)
+        return rows.float()
 
 
 def _layer_formats(formats: dict[str, str], prefix: str) -> dict[str, str]:

@@ -89,6 +89,8 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
                     if shape != expected:
                         raise ValueError(f"{file.name}: tensor {name!r} has shape {shape} but "
                                          f"config.json implies {expected}")
+                    if config.norm_offset and name.endswith("norm.weight"):
+                        tensor = tensor.float() + config.norm_offset  # Gemma's 1 + w, once
                     target.copy_(tensor)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded)
