@@ -1,17 +1,20 @@
-"""A GGUF file (llama.cpp's format) of the Llama family as an ordinary Hugging Face checkpoint.
+"""A GGUF file (llama.cpp's format) of a Llama, Qwen2, Qwen3 or Gemma 3 model as an ordinary
+Hugging Face checkpoint (what each architecture's metadata and tensors mean:
+engine/checkpoints/gguf_architectures.py).
 
 ``gguf_checkpoint(path)`` converts the file once and returns the cached directory, which the
 worker and the tokenizer worker then load like any checkpoint::
 
     <cache>/gguf-<key>/
-        config.json               LlamaForCausalLM, from the file's ``llama.*`` metadata
+        config.json               from the file's ``<general.architecture>.*`` metadata
         generation_config.json    bos / eos (and end-of-turn) ids from ``tokenizer.ggml.*``
         model.safetensors         every tensor dequantized (shards + index past 1 GiB)
         quantized.safetensors     the Q4_0, Q4_1 and Q8_0 tensors in their own blocks
                                   (engine/checkpoints/quant_formats.py), which
                                   ``--quantization auto`` serves without widening them
         tokenizer.json, tokenizer_config.json, chat_template.jinja
-                                  transformers' GGUF tokenizer converter, saved
+                                  transformers' GGUF tokenizer converter, saved (the
+                                  file's chat template; Gemma 3's turns if it has none)
         source.json               the GGUF it came from (name, sha256, tensor types); written
                                   last, so its presence means the directory is complete
 
@@ -21,7 +24,8 @@ more mantissa than 16 bits hold, so nothing narrower is exact); F16, BF16 and F3
 kept as stored. Any other tensor type is refused before anything is written, with its name.
 The quantized tensors are also kept as they are, split into values, scales and minimums.
 
-llama.cpp's converter stores each head's rows of the Q and K projections interleaved (row i of
+In Llama files, llama.cpp's converter stores each head's rows of the Q and K projections
+interleaved (row i of
 the first rotary half next to row i of the second) for its RoPE kernel; transformers and this
 engine rotate halves, so those rows are put back in order here. Row permutation commutes with
 block quantization (blocks run along a row), so dequantize-then-unpermute is exact.
@@ -48,6 +52,15 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoints.artifact_cache import build_once, default_cache_dir, write_json
+from engine.checkpoints.gguf_architectures import (
+    CHAT_TEMPLATES,
+    as_hf_rows,
+    as_hf_values,
+    check_architecture,
+    check_tensors,
+    hf_config,
+    hf_name,
+)
 from engine.checkpoints.quant_formats import FILE as QUANTIZED_FILE
 from engine.checkpoints.quant_formats import GGUF_TYPES, PackedWeight, from_gguf
 from engine.checkpoints.quant_formats import write as write_quantized
@@ -57,22 +70,6 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 SHARD_BYTES = 1 << 30
 REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "source.json")
 
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_MODEL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
@@ -137,115 +134,31 @@ class _Metadata:
         return value
 
 
-def _config(meta: _Metadata, tied: bool, vocab_size: int) -> tuple[dict, dict]:
-    """config.json and generation_config.json from the ``llama.*`` and tokenizer metadata."""
-    hidden = meta.integer("llama.embedding_length")
-    heads = meta.integer("llama.attention.head_count")
-    head_dim = meta.integer("llama.attention.key_length", hidden // heads)
-    rope_dim = meta.integer("llama.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise ValueError(
-            f"{meta.source.name} rotates {rope_dim} of each head's {head_dim} dimensions; "
-            "radixserve supports RoPE over whole heads only"
-        )
-    rope_scaling = None
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(meta.need("llama.rope.scaling.factor"))}
-    elif scaling != "none":
-        raise ValueError(
-            f"{meta.source.name} uses {scaling!r} RoPE scaling; the GGUF converter reads none "
-            "or linear only"
-        )
-    special = {
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-    }
-    special = {name: value for name, value in special.items() if value is not None}
-    # Chat models end a turn with an end-of-turn token that may differ from end-of-text.
-    eos = [special.get("eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
-    eos = list(dict.fromkeys(i for i in eos if i is not None))
-    generation = {**special, "eos_token_id": eos[0] if len(eos) == 1 else eos}
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "intermediate_size": meta.integer("llama.feed_forward_length"),
-        "num_hidden_layers": meta.integer("llama.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": meta.integer("llama.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": meta.integer("llama.context_length"),
-        "rms_norm_eps": _float32(meta.need("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32(meta.get("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": rope_scaling,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": tied,
-        "torch_dtype": "float32",
-        **generation,
-    }
-    return config, generation
-
-
-def _float32(value: float) -> float:
-    """A float32 from the file as the decimal it was written from (1e-05, not 9.9999997e-06)."""
-    return float(str(np.float32(value)))
-
-
-def _hf_name(gguf_name: str, source: Path) -> str:
-    if gguf_name in _MODEL_TENSORS:
-        return _MODEL_TENSORS[gguf_name]
-    match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
-    hint = (" (Llama 3.1 style RoPE frequency factors, which the GGUF converter does not read)"
-            if gguf_name == "rope_freqs.weight" else "")
-    raise ValueError(f"{source.name} has tensor {gguf_name!r}, which a Llama model does not{hint}")
-
-
-def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of each head's two rotary halves (see the module doc)."""
-    rows = weight.shape[0]
-    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
-
-
 def _dequantized(reader: Any, config: dict, source: Path) -> Iterator[tuple[str, Any]]:
     """(HF name, torch tensor) for every tensor of the file, in file order."""
     import torch
     from gguf.quants import dequantize
 
     stored_as = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         # a copy: F32 tensors come back as read-only views of the memory-mapped file
         values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        match = _LAYER_NAME.fullmatch(tensor.name)
-        if match and match.group(2) in heads:
-            values = _unpermute_rope_rows(values, heads[match.group(2)])
-        yield (_hf_name(tensor.name, source),
+        values = as_hf_values(tensor.name, values, config)
+        yield (hf_name(tensor.name, config, source.name),
                torch.from_numpy(values).to(stored_as.get(kind, torch.float32)))
 
 
 def _packed(reader: Any, config: dict, source: Path) -> dict[str, PackedWeight]:
     """HF name -> the file's own blocks, for every Q8_0, Q4_0 and Q4_1 tensor (rows in the
     order the dequantized tensors have)."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     packed = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         if kind not in GGUF_TYPES:
             continue
-        blocks = np.asarray(tensor.data)
-        match = _LAYER_NAME.fullmatch(tensor.name)
-        if match and match.group(2) in heads:
-            blocks = _unpermute_rope_rows(blocks, heads[match.group(2)])
-        packed[_hf_name(tensor.name, source)] = from_gguf(kind, blocks)
+        blocks = as_hf_rows(tensor.name, np.asarray(tensor.data), config)
+        packed[hf_name(tensor.name, config, source.name)] = from_gguf(kind, blocks)
     return packed
 
 
@@ -281,11 +194,7 @@ def _convert(path: Path, sha256: str, directory: Path) -> None:
     reader = GGUFReader(path)
     meta = _Metadata(reader, path)
     architecture = meta.get("general.architecture")
-    if architecture != "llama":
-        raise ValueError(
-            f"{path.name} holds a {architecture!r} model; radixserve reads GGUF files of the Llama "
-            "family (general.architecture 'llama') only"
-        )
+    check_architecture(architecture, path.name)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     unsupported = {name: kind for name, kind in types.items() if kind not in SUPPORTED_TYPES}
     if unsupported:
@@ -295,13 +204,13 @@ def _convert(path: Path, sha256: str, directory: Path) -> None:
             f"{path.name} stores tensors as {kinds} (e.g. {example}), which radixserve cannot "
             f"dequantize; supported GGUF tensor types: {', '.join(SUPPORTED_TYPES)}"
         )
-    for name in types:
-        _hf_name(name, path)  # an unknown tensor fails here, before any work
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise ValueError(f"{path.name} has no token_embd.weight tensor")
-    config, generation = _config(meta, tied="output.weight" not in types,
-                                 vocab_size=int(embedding.shape[1]))
+    config, generation = hf_config(meta, architecture, tied="output.weight" not in types,
+                                   vocab_size=int(embedding.shape[1]))
+    check_tensors({t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors},
+                  config, architecture, path.name)
 
     _write_weights(_dequantized(reader, config, path), directory)
     packed = _packed(reader, config, path)
@@ -309,18 +218,23 @@ def _convert(path: Path, sha256: str, directory: Path) -> None:
         write_quantized(packed, directory / QUANTIZED_FILE)
     write_json(directory / "config.json", config)
     write_json(directory / "generation_config.json", generation)
-    _write_tokenizer(path, directory, config["max_position_embeddings"])
+    _write_tokenizer(path, directory, config["max_position_embeddings"],
+                     CHAT_TEMPLATES.get(architecture))
     write_json(directory / "source.json", {
         "file": path.name, "sha256": sha256, "converter_version": CONVERTER_VERSION,
         "tensor_types": dict(sorted(Counter(types.values()).items())),
     })
 
 
-def _write_tokenizer(path: Path, directory: Path, context_len: int) -> None:
+def _write_tokenizer(path: Path, directory: Path, context_len: int,
+                     default_template: str | None) -> None:
     """transformers' GGUF tokenizer conversion (vocabulary, merges, pre-tokenizer, special
-    tokens, chat template), saved as tokenizer files."""
+    tokens, chat template), saved as tokenizer files; ``default_template`` where the file has
+    no chat template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.model_max_length = context_len
+    if not tokenizer.chat_template and default_template:
+        tokenizer.chat_template = default_template
     tokenizer.save_pretrained(str(directory))
