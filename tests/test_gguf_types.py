@@ -1,0 +1,194 @@
+"""GGUF tensor types past Q4_0, Q4_1 and Q8_0: Q5_0 and Q5_1 (the gguf package quantizes them)
+and the K-quants Q4_K and Q6_K (made from their byte layout, on a model whose rows are whole
+256-weight super-blocks, typed as llama.cpp's Q4_K_M mix types a model) convert to exactly what
+the gguf package dequantizes, decode like transformers loading the same file, and are served in
+their own blocks under ``--quantization auto``; the types radixserve does not read, and a file
+whose tensors disagree with its metadata, are refused with sentences."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import quantize
+from safetensors.torch import load_file
+
+from engine.checkpoints.gguf import gguf_checkpoint
+from engine.checkpoints.quant_formats import FILE, read_formats
+from engine.contracts.sampling_params import SamplingParams
+from tests.test_gguf import CHATML, VOCAB, byte_level_vocab, write_gguf
+from tests.test_quant import forward, kquant_blocks, relative_error
+from tests.test_scheduler import Harness, hf_greedy
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
+PROMPTS = [[5, 70, 71, 72, 9, 99, 12], [5, 70, 71, 72, 9, 200, 13, 14]]
+Q = gguf.GGMLQuantizationType
+
+
+def q4_k_m(name: str) -> str:
+    """llama.cpp's Q4_K_M choices, in small: Q6_K for the LM head and for the value and down
+    projections of the first layer, Q4_K elsewhere, and a Q8_0 tensor (its fallback for rows
+    that are no whole super-blocks) for the last layer's down projection."""
+    if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
+        return "Q6_K"
+    return "Q8_0" if name == "blk.1.ffn_down.weight" else "Q4_K"
+
+
+def shapes() -> dict[str, tuple[int, ...]]:
+    """GGUF name -> (rows, columns) of every tensor of the model, or (width,) for a norm."""
+    found = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,),
+             "output.weight": (VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        found |= {f"blk.{i}.{name}.weight": shape for name, shape in {
+            "attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "attn_q": (HEADS * HEAD_DIM, HIDDEN),
+            "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
+            "attn_output": (HIDDEN, HEADS * HEAD_DIM), "ffn_gate": (FFN, HIDDEN),
+            "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}.items()}
+    return found
+
+
+def write_model(path: Path, kind_of: Callable[[str], str] = q4_k_m, *, ffn: int = FFN,
+                layers: int = LAYERS) -> Path:
+    """A Llama GGUF of rows 256 and 512 wide, each matrix in ``kind_of(its name)``: random
+    bytes for the K-quants and the types radixserve refuses (valid blocks once their float16
+    scales are finite), the gguf package's quantizer for the others; norms in F32. ``ffn`` and
+    ``layers`` are what the metadata says."""
+    rng = np.random.default_rng(0)
+    tokens, merges, types = byte_level_vocab()
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_chat_template(CHATML)
+    for index, (name, shape) in enumerate(shapes().items()):
+        if len(shape) == 1:
+            writer.add_tensor(name, (1 + rng.normal(0, 0.1, shape)).astype(np.float32))
+            continue
+        kind = kind_of(name)
+        if kind in ("Q4_K", "Q6_K"):
+            data = kquant_blocks(kind, *shape, seed=index)
+        elif kind in ("F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+            data = quantize(rng.normal(0, 0.1, shape).astype(np.float32), Q[kind])
+        else:  # a type radixserve refuses: any bytes of its size
+            block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+            data = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
+        writer.add_tensor(name, data, raw_dtype=Q[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def greedy(directory: Path, oracle, **options) -> None:
+    """Greedy tokens of two prompts (the second a partial-page hit) equal the oracle's."""
+    h = Harness(str(directory), device="cpu", dtype="float32", page_size=4, num_pages=64,
+                **options)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        h.add(str(i), prompt, params)
+        h.run()
+    assert [h.outputs[str(i)][0] for i in range(2)] == [hf_greedy(oracle, p, 6) for p in PROMPTS]
+
+
+def transformers_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
+def test_q5_files_decode_like_transformers_dense_and_in_8_bit_blocks(tmp_path, kind):
+    """Q5_0 and Q5_1 (their weights' exactness: tests/test_gguf.py's per-type test) decode as
+    transformers does under --quantization none and, widened without loss to Q8_0's and
+    int8's 8-bit blocks, under auto (8-bit weights get two activation digits)."""
+    path = write_gguf(tmp_path / f"{kind}.gguf", Q[kind])
+    directory = gguf_checkpoint(path, tmp_path / "cache")
+    widened = {"Q5_0": "q8_0", "Q5_1": "int8"}[kind]
+    assert set(read_formats(directory / FILE).values()) == {widened}
+    oracle = transformers_model(path)
+    greedy(directory, oracle, quantization="none")
+    greedy(directory, oracle, quantization="auto")
+    dense, _ = forward(str(directory), quantization="none")
+    got, runner = forward(str(directory))
+    assert set(runner.weight_formats) == {widened, "float32"}
+    assert relative_error(got, dense) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def k_quants(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("k_quants")
+    path = write_model(root / "q4_k_m.gguf")
+    return path, gguf_checkpoint(path, root / "cache")
+
+
+def test_k_quants_convert_to_exactly_what_transformers_reads(k_quants):
+    """Every tensor bit for bit as transformers loads the file (the gguf package's
+    dequantization, Q/K rows in Hugging Face order), and greedy decoding like it."""
+    path, directory = k_quants
+    oracle = transformers_model(path)
+    ours = load_file(str(directory / "model.safetensors"))
+    theirs = oracle.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    greedy(directory, oracle, quantization="none")
+
+
+def test_k_quants_are_served_in_their_own_blocks(k_quants):
+    """--quantization auto keeps every K-quant tensor in blocks (a fused projection whose parts
+    mix types, the first layer's q/k/v, is read dense) and computes close to the dense model."""
+    _, directory = k_quants
+    formats = read_formats(directory / FILE)
+    assert formats["lm_head.weight"] == "q6_k" and formats["model.embed_tokens.weight"] == "q4_k"
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "q6_k"
+    assert formats["model.layers.1.mlp.down_proj.weight"] == "q8_0"
+    dense, _ = forward(str(directory), quantization="none")
+    got, runner = forward(str(directory))
+    assert set(runner.weight_formats) == {"q4_k", "q6_k", "q8_0", "float32"}
+    assert "lm_head" in runner.model.quantized and "embed" in runner.model.quantized
+    assert relative_error(got, dense) < 0.1
+
+
+def test_types_radixserve_does_not_read_are_named(tmp_path):
+    others = {"token_embd.weight": "Q2_K", "blk.0.attn_q.weight": "Q3_K",
+              "blk.0.ffn_up.weight": "Q5_K", "blk.1.ffn_gate.weight": "IQ4_XS"}
+    path = write_model(tmp_path / "mixed.gguf", lambda name: others.get(name, q4_k_m(name)))
+    with pytest.raises(ValueError, match=r"mixed\.gguf stores tensors as IQ4_XS, Q2_K, Q3_K, "
+                                         r"Q5_K \(e\.g\. token_embd\.weight\), which radixserve "
+                                         r"cannot read; supported GGUF tensor types: F32, F16, "
+                                         r"BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K"):
+        gguf_checkpoint(path, tmp_path / "cache")
+    # nothing half-written left behind (the builders' lock file is no artefact)
+    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_file_whose_tensors_disagree_with_its_metadata_is_refused(tmp_path):
+    path = write_model(tmp_path / "ffn.gguf", ffn=2 * FFN)
+    with pytest.raises(ValueError, match=r"ffn\.gguf: tensor blk\.0\.ffn_gate\.weight is "
+                                         r"512 x 256, but the file's metadata \(hidden size 256, "
+                                         r"4 heads and 2 KV heads of 64, feed-forward 1024\) "
+                                         r"implies 1024 x 256; the file does not agree with "
+                                         r"itself"):
+        gguf_checkpoint(path, tmp_path / "cache")
+    path = write_model(tmp_path / "layers.gguf", layers=1)
+    with pytest.raises(ValueError, match=r"layers\.gguf has tensor blk\.1\.attn_norm\.weight, "
+                                         r"but its metadata gives the model 1 layers"):
+        gguf_checkpoint(path, tmp_path / "cache")
