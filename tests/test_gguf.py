@@ -141,7 +141,8 @@ def expected_weights(qtype: gguf.GGMLQuantizationType) -> dict[str, np.ndarray]:
             for name, value in reference_weights().items()}
 
 
-QTYPES = [gguf.GGMLQuantizationType[name] for name in SUPPORTED_TYPES]
+# The K-quants need rows of 256 and a quantizer the gguf package lacks: tests/test_gguf_types.py
+QTYPES = [gguf.GGMLQuantizationType[name] for name in SUPPORTED_TYPES if not name.endswith("_K")]
 
 
 @pytest.fixture(scope="module")
@@ -234,16 +235,6 @@ def test_a_second_start_reuses_the_conversion_and_a_changed_file_does_not(
     changed = write_gguf(tmp_path / path.name, gguf.GGMLQuantizationType.Q8_0,
                          weights=reference_weights(seed=1))
     assert gguf_checkpoint(changed, cache) != directory
-
-
-def test_an_unsupported_tensor_type_is_named(tmp_path):
-    path = write_gguf(tmp_path / "q5.gguf", gguf.GGMLQuantizationType.Q5_0)
-    with pytest.raises(ValueError, match=r"q5\.gguf stores tensors as Q5_0 \(e\.g\. "
-                                         r"token_embd\.weight\).*supported GGUF tensor types: "
-                                         r"F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
-        gguf_checkpoint(path, tmp_path / "cache")
-    # nothing half-written left behind (the builders' lock file is no artefact)
-    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
 
 
 def test_a_directory_holding_one_gguf_names_it(tmp_path):

@@ -9,8 +9,8 @@ worker and the tokenizer worker then load like any checkpoint::
         config.json               from the file's ``<general.architecture>.*`` metadata
         generation_config.json    bos / eos (and end-of-turn) ids from ``tokenizer.ggml.*``
         model.safetensors         every tensor dequantized (shards + index past 1 GiB)
-        quantized.safetensors     the Q4_0, Q4_1 and Q8_0 tensors in their own blocks
-                                  (engine/checkpoints/quant_formats.py), which
+        quantized.safetensors     the quantized tensors in block formats that hold the same
+                                  numbers (engine/checkpoints/quant_formats.py), which
                                   ``--quantization auto`` serves without widening them
         tokenizer.json, tokenizer_config.json, chat_template.jinja
                                   transformers' GGUF tokenizer converter, saved (the
@@ -19,10 +19,12 @@ worker and the tokenizer worker then load like any checkpoint::
                                   last, so its presence means the directory is complete
 
 Tensors are read with the ``gguf`` package's reader and dequantized with ``gguf.quants``:
-Q4_0, Q4_1 and Q8_0 blocks become float32 (a block's f16 scale times a small integer needs
-more mantissa than 16 bits hold, so nothing narrower is exact); F16, BF16 and F32 tensors are
-kept as stored. Any other tensor type is refused before anything is written, with its name.
-The quantized tensors are also kept as they are, split into values, scales and minimums.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks become float32 (a block's f16 scale times a
+small integer needs more mantissa than 16 bits hold, so nothing narrower is exact); F16, BF16
+and F32 tensors are kept as stored. Any other tensor type (Q2_K, Q3_K, Q5_K, the IQ types) is
+refused before anything is written, with its name. The quantized tensors are also kept as
+they are, split into values, scales and minimums (Q5_0 and Q5_1 widened to 8 bits, the
+K-quants' super-blocks into blocks of 32 with float32 scales).
 
 In Llama files, llama.cpp's converter stores each head's rows of the Q and K projections
 interleaved (row i of
@@ -66,7 +68,7 @@ from engine.checkpoints.quant_formats import GGUF_TYPES, PackedWeight, from_gguf
 from engine.checkpoints.quant_formats import write as write_quantized
 
 CONVERTER_VERSION = 2
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 SHARD_BYTES = 1 << 30
 REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "source.json")
 
@@ -150,8 +152,8 @@ def _dequantized(reader: Any, config: dict, source: Path) -> Iterator[tuple[str,
 
 
 def _packed(reader: Any, config: dict, source: Path) -> dict[str, PackedWeight]:
-    """HF name -> the file's own blocks, for every Q8_0, Q4_0 and Q4_1 tensor (rows in the
-    order the dequantized tensors have)."""
+    """HF name -> the file's own blocks, for every quantized tensor (rows in the order the
+    dequantized tensors have)."""
     packed = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -202,7 +204,8 @@ def _convert(path: Path, sha256: str, directory: Path) -> None:
         example = next(iter(unsupported))
         raise ValueError(
             f"{path.name} stores tensors as {kinds} (e.g. {example}), which radixserve cannot "
-            f"dequantize; supported GGUF tensor types: {', '.join(SUPPORTED_TYPES)}"
+            f"read; supported GGUF tensor types: {', '.join(SUPPORTED_TYPES)} (a Q4_K_M, Q4_0 "
+            "or Q8_0 file of the same model reads)"
         )
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
