@@ -2,7 +2,7 @@
 are read by the compiled kernels (engine/worker/csrc/quant_linear.cpp).
 
 A decode step reads every weight once for a handful of rows, so its cost is the bytes read:
-4.5 to 8.5 bits a weight here against bf16's 16. The kernel quantizes the activations per block
+4.5 to 10 bits a weight here (quant_formats.py) against bf16's 16. The kernel quantizes the activations per block
 of 32 and multiplies integers. Every product runs there, whatever the batch, so a row's result
 never depends on the rows beside it (a verify row equals its decode row). A 512-row 4-bit
 product takes about oneDNN's bf16 GEMM's time; with two activation digits (8-bit weights) about
