@@ -231,7 +231,7 @@ class StepPlanner:
             width = len(seqs) if req.forked else max(req.params.n, req.params.beam_width)
             if num_running + width > self.config.max_running_requests or budget <= 0:
                 return req
-            if req.session_id in closing:
+            if req.session_id in closing or self.sessions.parents.get(req.session_id) in closing:
                 continue
             head = self._head(req)
             if head is not None and head in busy_heads and long_uncached(

@@ -106,7 +106,7 @@ class SchedulerLoop:
             elif isinstance(msg, AbortRequest):
                 self.aborts.append(msg)
             elif isinstance(msg, SessionOpen):
-                self.sched.sessions.open(msg.session_id, msg.ttl)
+                self.sched.sessions.open(msg.session_id, msg.ttl, msg.parent)
             elif isinstance(msg, SessionClose):
                 self.sched.sessions.close(msg.session_id)
             elif isinstance(msg, LoraUpdate):

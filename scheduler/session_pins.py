@@ -33,15 +33,19 @@ class SessionPins:
         self.tree = tree
         self.max_pinned_tokens = max_pinned_tokens
         self.ttls: dict[str, float] = {}  # open sessions
+        self.parents: dict[str, str] = {}  # a forked session's parent (its history's start)
         self.pins: dict[str, Pin] = {}  # oldest pin first (a re-pin moves to the end)
         self.pinned_tokens = 0
         self._expiries: list[tuple[float, str]] = []
 
-    def open(self, session_id: str, ttl: float) -> None:
+    def open(self, session_id: str, ttl: float, parent: str | None = None) -> None:
         self.ttls[session_id] = ttl
+        if parent is not None:
+            self.parents[session_id] = parent
 
     def close(self, session_id: str) -> None:
         self.ttls.pop(session_id, None)
+        self.parents.pop(session_id, None)
         self.unpin(session_id)
 
     def is_open(self, session_id: str) -> bool:

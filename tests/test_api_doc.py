@@ -17,7 +17,7 @@ from engine.contracts.engine_config import EngineConfig
 from engine.contracts.options import declared_options
 from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.structured import StructuredOutputs
-from engine.server import anthropic_schemas, schemas
+from engine.server import anthropic_schemas, responses_schemas, schemas
 from engine.server.app import build_app
 from engine.server.errors import ERROR_TYPES
 from engine.server.options import ServeOptions
@@ -69,13 +69,19 @@ def fields(struct: type[msgspec.Struct], *, without: type[msgspec.Struct] | None
                           anthropic_schemas.ToolResultBlock, anthropic_schemas.Tool,
                           anthropic_schemas.ToolChoiceTool, anthropic_schemas.ToolChoiceAuto)
       for name in fields(struct)]),
+    ("/v1/responses",
+     [name for struct in (responses_schemas.ResponsesRequest, responses_schemas.FunctionTool,
+                          responses_schemas.TextFormat, responses_schemas.MessageItem,
+                          responses_schemas.ContentPart, responses_schemas.FunctionCallItem,
+                          responses_schemas.FunctionCallOutputItem)
+      for name in fields(struct)]),
 ])
 def test_every_request_field_has_a_line(title: str, names: list[str]) -> None:
     assert undocumented(names, section(title)) == []
 
 
 def test_every_response_field_has_a_line() -> None:
-    responses = [value for module in (schemas, anthropic_schemas)
+    responses = [value for module in (schemas, anthropic_schemas, responses_schemas)
                  for value in vars(module).values()
                  if isinstance(value, type) and issubclass(value, msgspec.Struct)
                  and not issubclass(value, schemas._Body)]

@@ -72,10 +72,13 @@ class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
 
 
 class SessionOpen(msgspec.Struct, tag=True):
-    """Frontend → tokenizer → scheduler: open a multi-turn session (history held server-side)."""
+    """Frontend → tokenizer → scheduler: open a multi-turn session (history held server-side);
+    with ``parent``, its history starts as a copy of that session's (a stored response's
+    continuation, which lives where its parent does)."""
 
     session_id: str
     ttl: float
+    parent: str | None = None
 
 
 class SessionClose(msgspec.Struct, tag=True):

@@ -50,6 +50,7 @@ class EngineClient:
             sock.connect(address)
             self.tokenizers.append(sock)
         self._next = itertools.cycle(range(len(self.tokenizers)))
+        self._homes: dict[str, int] = {}  # a forked session's tokenizer worker (its parent's)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._lora_updates: dict[str, asyncio.Future[LoraUpdated]] = {}
         self._tokenize_calls: dict[str, asyncio.Future[TokenizerReply]] = {}
@@ -84,15 +85,21 @@ class EngineClient:
 
     def _route(self, session_id: str | None) -> int:
         if session_id is not None:
-            # A session's history lives in one tokenizer worker.
-            return hash(session_id) % len(self.tokenizers)
+            # A session's history lives in one tokenizer worker; a forked one's in its parent's.
+            home = self._homes.get(session_id)
+            return hash(session_id) % len(self.tokenizers) if home is None else home
         return next(self._next)
 
     async def send_session(self, msg: SessionOpen | SessionClose) -> None:
         """Open or close a session in the tokenizer worker (and scheduler) that owns it."""
         if self.dead is not None:
             raise EngineDead(self.dead)
-        await self.tokenizers[self._route(msg.session_id)].send(encode(msg))
+        if isinstance(msg, SessionOpen) and msg.parent is not None:
+            self._homes[msg.session_id] = self._route(msg.parent)
+        route = self._route(msg.session_id)
+        if isinstance(msg, SessionClose):
+            self._homes.pop(msg.session_id, None)
+        await self.tokenizers[route].send(encode(msg))
 
     async def update_lora(self, msg: LoraUpdate) -> LoraUpdated:
         """Load or unload a LoRA adapter in the engine; its answer once the worker has."""

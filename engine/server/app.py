@@ -4,6 +4,7 @@
     GET  /v1/models  /health  /metrics  /openapi.json
     POST /v1/sessions   DELETE /v1/sessions/{id}
     POST /v1/messages  /v1/messages/count_tokens   (Anthropic's: x-api-key, its error body)
+    POST /v1/responses   GET|DELETE /v1/responses/{id}   POST /v1/responses/{id}/cancel
     POST /tokenize  /detokenize   (vLLM's: a prompt or messages to ids, ids to text)
     POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (--enable-runtime-lora-updating)
 
@@ -37,6 +38,7 @@ from engine.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from engine.server.errors import APIError
 from engine.server.openapi import openapi_document
 from engine.server.pipeline import Pipeline
+from engine.server.responses_schemas import ResponsesRequest
 from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -222,6 +224,24 @@ def build_app(service: Service) -> Starlette:
             body = await read_body(request, pipeline, CountTokensRequest)
         return json_response(await pipeline.count_message_tokens(body))
 
+    async def create_response(request: Request) -> Response:
+        with pipeline.counted("responses"):
+            body = await read_body(request, pipeline, ResponsesRequest)
+        opened = await pipeline.open_response(body, OPENAI.key(request.headers))
+        if opened.streaming:
+            return await stream_response(request, opened.stream(), _framed)
+        return json_response(await unless_disconnected(request.receive, opened.whole()))
+
+    async def stored_response(request: Request) -> Response:
+        response_id, key = request.path_params["response_id"], OPENAI.key(request.headers)
+        if request.method == "DELETE":
+            return json_response(await pipeline.delete_response(response_id, key))
+        return json_response(pipeline.get_response(response_id, key))
+
+    async def cancel_response(request: Request) -> Response:
+        return json_response(pipeline.cancel_response(request.path_params["response_id"],
+                                                      OPENAI.key(request.headers)))
+
     async def open_session(request: Request) -> Response:
         with pipeline.counted("sessions"):
             body = await read_body(request, pipeline, SessionBody, empty_ok=True)
@@ -279,6 +299,9 @@ def build_app(service: Service) -> Starlette:
         route("/generate", "generate", lambda r: generation(r, GenerateBody), ["POST"]),
         route("/v1/messages", "messages", messages, ["POST"], ANTHROPIC),
         route("/v1/messages/count_tokens", "messages", count_tokens, ["POST"], ANTHROPIC),
+        route("/v1/responses", "responses", create_response, ["POST"]),
+        route("/v1/responses/{response_id}", "responses", stored_response, ["GET", "DELETE"]),
+        route("/v1/responses/{response_id}/cancel", "responses", cancel_response, ["POST"]),
         route("/tokenize", "tokenize", tokenize, ["POST"]),
         route("/detokenize", "detokenize", detokenize, ["POST"]),
         route("/v1/models", "models", models, ["GET"]),

@@ -14,6 +14,7 @@ from engine.server.anthropic_schemas import (
     MessagesRequest,
     TokenCount,
 )
+from engine.server.responses_schemas import ResponseDeleted, ResponseObject, ResponsesRequest
 from engine.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -72,6 +73,10 @@ def _operation(summary: str, response: type, body: type | None = None,
     return op
 
 
+_response_id = {"parameters": [{"name": "response_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]}
+
+
 def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, Any]:
     """The document; ``lora_updates``: with the LoRA load and unload routes
     (--enable-runtime-lora-updating)."""
@@ -80,7 +85,7 @@ def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, A
              ModelList, SessionBody, SessionObject, SessionDeleted, ErrorResponse,
              LoadLoraAdapterBody, UnloadLoraAdapterBody, TokenizeBody, TokenizeResponse,
              DetokenizeBody, DetokenizeResponse, MessagesRequest, Message, CountTokensRequest,
-             TokenCount, AnthropicError]
+             TokenCount, AnthropicError, ResponsesRequest, ResponseObject, ResponseDeleted]
     _, components = msgspec.json.schema_components(kinds, ref_template=_REF)
     text = {"200": {"description": "OK", "content": {"text/plain": {"schema": {
         "type": "string"}}}}}
@@ -111,6 +116,15 @@ def openapi_document(model_name: str, lora_updates: bool = False) -> dict[str, A
                 "Anthropic's: the prompt tokens of a message's body", TokenCount,
                 CountTokensRequest, error=AnthropicError)
                 | {"security": [{"bearer": []}, {"x-api-key": []}]}},
+            "/v1/responses": {"post": _operation(
+                "OpenAI's Responses API (stored: a session turn; a stream is its named "
+                "events)", ResponseObject, ResponsesRequest)},
+            "/v1/responses/{response_id}": {
+                "get": {**_operation("A stored response", ResponseObject), **_response_id},
+                "delete": {**_operation("Forget a stored response and unpin its KV",
+                                        ResponseDeleted), **_response_id}},
+            "/v1/responses/{response_id}/cancel": {"post": {**_operation(
+                "Stop a stored response still running", ResponseObject), **_response_id}},
             "/tokenize": {"post": _operation(
                 "A prompt or chat messages to the token ids a completion or chat request "
                 "would run on", TokenizeResponse, TokenizeBody)},

@@ -16,15 +16,22 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 
-from engine.server import anthropic
+from engine.server import anthropic, responses
 from engine.server.anthropic_schemas import CountTokensRequest, MessagesRequest, TokenCount
 from engine.server.errors import APIError, from_validation
+from engine.server.response_store import StoredResponse, owner_of
+from engine.server.responses_schemas import (
+    OutputFunctionCall,
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+)
 from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -154,6 +161,99 @@ class Pipeline:
             except APIError as exc:
                 raise anthropic.renamed(exc) from None
         return TokenCount(count)
+
+    async def open_response(self, body: ResponsesRequest, key: str | None) -> Opened:
+        """OpenAI's Responses API: the chat call it means, as a turn of a session forked from
+        the previous response's when it continues one, of a new session when it is stored."""
+        service, store, owner = self.service, self.service.stored, owner_of(key)
+        with self.counted("responses"):
+            previous = None if body.previous_response_id is None else store.get(
+                body.previous_response_id, owner, "previous_response_id")
+            if previous is not None and previous.response.status not in ("completed",
+                                                                           "incomplete"):
+                raise APIError(400, f"response {body.previous_response_id!r} is "
+                               f"{previous.response.status}; only a finished response can be "
+                               "continued", param="previous_response_id")
+            earlier = set() if previous is None else {
+                item.call_id for item in previous.response.output
+                if isinstance(item, OutputFunctionCall)}
+            messages = responses.input_messages(body, earlier)
+            session_id = None
+            if body.store or previous is not None:
+                service.check_model(body.model)
+                session_id = (await service.open_session(
+                    previous.session_id if previous is not None else None)).id
+            try:
+                call = service.chat_call(responses.to_chat(body, messages, session_id),
+                                         "responses", "resp")
+            except APIError as exc:
+                if session_id is not None:
+                    await service.close_session(session_id)
+                raise responses.renamed(exc) from None
+        response = responses.new_response(body, call.model, call.created,
+                                          call.id.replace("-", "_", 1))
+        stored = None
+        if body.store:
+            stored = StoredResponse(response, owner, session_id or "")
+            store.put(stored)
+        assembly = responses.Assembly(response, stored)
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            run = responses.run(call, service.chat_stream(call, False), assembly)
+            try:
+                async with aclosing(run):
+                    async for event in run:
+                        yield event
+            finally:
+                if response.status == "in_progress":
+                    response.status = "failed"
+                if not body.store and session_id is not None:
+                    await service.close_session(session_id)
+
+        async def stream() -> AsyncIterator[bytes]:
+            started = False
+            try:
+                async for event in events():
+                    started = True
+                    yield responses.sse(event)
+            except APIError as exc:
+                if not started:
+                    raise
+                error = exc.body().error
+                yield responses.sse({"type": "error", "code": error.code, "message":
+                                     error.message, "param": error.param,
+                                     "sequence_number": assembly.sequence})
+
+        async def whole() -> ResponseObject:
+            async for _ in events():
+                pass
+            return response
+
+        return Opened(stream, whole, body.stream)
+
+    def get_response(self, response_id: str, key: str | None) -> ResponseObject:
+        with self.counted("responses"):
+            return self.service.stored.get(response_id, owner_of(key)).response
+
+    async def delete_response(self, response_id: str, key: str | None) -> ResponseDeleted:
+        """Forget a stored response and unpin its KV (one still running stops first)."""
+        with self.counted("responses"):
+            stored = self.service.stored.get(response_id, owner_of(key))
+            stored.cancelled = True
+            self.service.stored.remove(response_id)
+            if stored.session_id in self.service.sessions.sessions:
+                await self.service.close_session(stored.session_id)
+            return ResponseDeleted(response_id)
+
+    def cancel_response(self, response_id: str, key: str | None) -> ResponseObject:
+        """Stop a stored response still running (at its next output); a finished one is
+        answered as it is."""
+        with self.counted("responses"):
+            stored = self.service.stored.get(response_id, owner_of(key))
+            if stored.response.status == "in_progress":
+                stored.cancelled = True
+                stored.response.status = "cancelled"
+            return stored.response
 
     async def open_session(self, model: str | None = None) -> SessionObject:
         with self.counted("sessions"):

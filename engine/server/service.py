@@ -43,6 +43,7 @@ from engine.server.dp_monitor import DispatchMonitor
 from engine.server.errors import APIError
 from engine.server.metrics import FrontendState, Metrics
 from engine.server.options import ServeOptions
+from engine.server.response_store import ResponseStore
 from engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,6 +78,7 @@ class Service(Shapes):
         self.shutting_down = False  # set on SIGTERM: new requests get 503, running ones finish
         self.door_failure: str | None = None  # why a front door (ZMQ) stopped receiving
         self.sessions = SessionTable(config.max_sessions, config.session_ttl)
+        self.stored = ResponseStore()  # /v1/responses' stored responses, each a session's
         if dispatch is None:
             self.metrics = Metrics(lambda: client.stats, self._frontend_state, info)
         else:  # data parallel: the replicas' stats summed, and each replica's own
@@ -207,12 +209,14 @@ class Service(Shapes):
         return reply
 
     # -------------------------------------------------------------- sessions
-    async def open_session(self) -> SessionObject:
+    async def open_session(self, parent: str | None = None) -> SessionObject:
+        """A new session; with ``parent``, its history starts as a copy of that session's."""
         self._check_alive()
         session, reclaimed = self.sessions.open()
         if reclaimed is not None:
+            self.stored.forget_session(reclaimed)
             await self.client.send_session(SessionClose(reclaimed))
-        await self._send_session(SessionOpen(session.id, self.config.session_ttl))
+        await self._send_session(SessionOpen(session.id, self.config.session_ttl, parent))
         return SessionObject(session.id, int(session.created), self.config.session_ttl)
 
     async def close_session(self, session_id: str) -> SessionDeleted:
