@@ -224,7 +224,7 @@ def _drain(recv: Callable[[int], object]) -> Iterator:
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
-    tokenizer = load_tokenizer(spec.config.model)
+    tokenizer = load_tokenizer(spec.config.model, spec.config.chat_template)
     tokenizer.model_max_length = 1 << 30  # the scheduler checks lengths against the context
     # The launcher resolved the context (--context-len, else the model's) into the config.
     worker = TokenizerWorker(tokenizer, spec.index, context_len=spec.config.context_len,

@@ -4,7 +4,8 @@
                 (``make setup`` installs it); without that package, the demo model, with a
                 one-line notice
     demo        the random-weight demo model (engine.checkpoints.demo_model): tests, offline machines
-    FILE.gguf   a Llama-family GGUF, converted once into a cached directory (engine.checkpoints.gguf)
+    FILE.gguf   a GGUF of Llama, Qwen2, Qwen3 or Gemma 3, converted once into a cached directory
+                (engine.checkpoints.gguf)
     DIR         a Hugging Face checkpoint directory, or a directory holding one .gguf file and
                 no config.json
 

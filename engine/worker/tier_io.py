@@ -71,7 +71,8 @@ NOT_IN_IDENTITY = {
         "session_ttl", "tokenizer_workers", "kv_events_endpoint", "kv_events_block_size",
         "dp_size", "dp_policy", "dp_cache_threshold", "dp_balance_abs", "dp_balance_rel",
         "nnodes", "node_rank", "dist_init_addr", "allow_special_tokens_in_content",
-        "log_level"), "names, scheduling, processes and logs: not what a token's KV is"),
+        "chat_template", "log_level"),
+        "names, prompts' rendering, scheduling, processes and logs: not what a token's KV is"),
 }
 
 
