@@ -199,7 +199,9 @@ class TokenizerWorker:
 
     def on_session(self, msg: SessionOpen | SessionClose) -> None:
         if isinstance(msg, SessionOpen):
-            self.sessions[msg.session_id] = ChatSession()
+            parent = self.sessions.get(msg.parent) if msg.parent is not None else None
+            self.sessions[msg.session_id] = ChatSession() if parent is None else ChatSession(
+                list(parent.token_ids), list(parent.messages))
         else:
             self.sessions.pop(msg.session_id, None)
 

@@ -184,9 +184,12 @@ class Dispatcher:
         return routed.replica
 
     # --------------------------------------------------------------- sessions
-    def open_session(self, session_id: str, ttl: float) -> int:
-        """Bind a new session to the least-loaded replica (it has no prompt yet)."""
-        replica = self._pick([], 0)
+    def open_session(self, session_id: str, ttl: float, parent: str | None = None) -> int:
+        """Bind a new session to the least-loaded replica (it has no prompt yet), or a fork to
+        its parent's (which holds its history's KV)."""
+        home = self.sessions.get(parent) if parent is not None else None
+        replica = home.replica if home is not None and self.replicas[home.replica].alive \
+            else self._pick([], 0)
         self.sessions[session_id] = Session(replica, ttl)
         return replica
 
@@ -245,7 +248,7 @@ class OneReplica:
     def finish(self, rid: str) -> int:
         return 0
 
-    def open_session(self, session_id: str, ttl: float) -> int:
+    def open_session(self, session_id: str, ttl: float, parent: str | None = None) -> int:
         return 0
 
     def close_session(self, session_id: str) -> int:

@@ -159,7 +159,8 @@ class TokenizerLoop:
         elif isinstance(msg, SessionOpen):
             self.worker.on_session(msg)
             try:
-                self._to_replica(self.dispatcher.open_session(msg.session_id, msg.ttl), msg)
+                self._to_replica(self.dispatcher.open_session(msg.session_id, msg.ttl,
+                                                              msg.parent), msg)
             except NoReplica:
                 pass  # its first turn gets the error
         elif isinstance(msg, SessionClose):
