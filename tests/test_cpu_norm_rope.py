@@ -69,10 +69,11 @@ def test_model_rms_norm_takes_the_op_on_cpu_rows_and_torch_elsewhere(variants, m
 
 
 def rope_case(tokens: int, dtype: torch.dtype, heads: int = 8, kv_heads: int = 4,
-              head_dim: int = 64):
+              head_dim: int = 64, seed: int | None = None):
     """A step's fused qkv rows (q and k strided views, as the model splits them) and its
-    cos / signed sin, as the model's RotaryEmbedding gives them."""
-    gen = torch.Generator().manual_seed(tokens)
+    cos / signed sin, as the model's RotaryEmbedding gives them (drawn from ``seed``, else
+    from ``tokens``)."""
+    gen = torch.Generator().manual_seed(tokens if seed is None else seed)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)

@@ -24,7 +24,7 @@ from tests.test_cpu_kernels import (
     reference,
     verify_reference,
 )
-from tests.test_cpu_norm_rope import torch_rms_norm
+from tests.test_cpu_norm_rope import rope_case, torch_rms_norm
 from tests.test_lora_kernel import lora_reference
 from tests.test_quant import FORMATS, emulated, random_weight
 
@@ -163,13 +163,8 @@ def test_rms_norm_at_any_row_count(variants, variant, rows, hidden, dtype, seed)
        seed=st.integers(0, 2**16))
 def test_rope_store_at_any_row_count(variants, variant, tokens, heads, dtype, int8, seed) -> None:
     num_heads, kv_heads, head_dim = heads
+    qk, v, cos, signed_sin = rope_case(tokens, dtype, num_heads, kv_heads, head_dim, seed)
     gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(tokens, (num_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    qk = qkv[:, : (num_heads + kv_heads) * head_dim].view(tokens, num_heads + kv_heads, head_dim)
-    v = qkv[:, (num_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
-    angles = torch.arange(tokens).float()[:, None] * torch.rand(head_dim // 2, generator=gen)
-    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(dtype)
-    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None].to(dtype)
     width = head_dim + 2 if int8 else head_dim
     pool_dtype = torch.int8 if int8 else dtype
     k_slots = torch.zeros(64, kv_heads, width, dtype=pool_dtype)
