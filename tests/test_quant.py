@@ -35,7 +35,13 @@ from engine.contracts.engine_config import EngineConfig
 from engine.contracts.step import BatchInput
 from engine.worker.model import loader
 from engine.worker.model.parallel import Slice
-from engine.worker.model.quant import DIGITS, QuantizedLinear, part_sources
+from engine.worker.model.quant import (
+    DIGITS,
+    MixedQuantizedLinear,
+    QuantizedLinear,
+    part_sources,
+    quantized_linear,
+)
 from engine.worker.runner import ModelRunner
 from tests.conftest_models import write_checkpoint
 from tests.test_cpu_kernels import load_variants
@@ -243,6 +249,44 @@ def test_a_layer_gives_8_bit_weights_two_activation_digits_and_4_bit_ones_one(fm
     other = emulated(x, p, 1 if p.bits == 8 else 2)
     err = ((layer(x).double() - want).norm() / want.norm()).item()
     assert err < 1e-5 < ((other - want).norm() / want.norm()).item() / 10, (fmt, err)
+
+
+def test_a_fused_projection_of_mixed_formats_keeps_each_part_in_its_blocks():
+    """q/k/v parts in q4_k, q4_k and q6_k (Q4_K_M's mix), and q8_0, q6_k, q8_0 (three runs):
+    each run of one format is one block layer, loaded through the fused rows of its parts, and
+    the product is each part's own, side by side: bit for bit what the part's layer alone
+    gives, the emulation's to float32's rounding; the bias added once, the bytes by format."""
+    rows, cols = (64, 32, 32), 256
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(11))
+    bias = torch.randn(sum(rows), generator=torch.Generator().manual_seed(12))
+    for formats, runs in ((("q4_k", "q4_k", "q6_k"), ["q4_k", "q6_k"]),
+                          (("q8_0", "q6_k", "q8_0"), ["q8_0", "q6_k", "q8_0"])):
+        weights = [random_weight(fmt, n, cols, seed=20 + i)
+                   for i, (fmt, n) in enumerate(zip(formats, rows, strict=True))]
+        fused = quantized_linear(formats, rows, cols, torch.device("cpu"))
+        assert isinstance(fused, MixedQuantizedLinear)
+        assert [run.format for run in fused.runs] == runs
+        alone = []
+        for start, p in zip((0, 64, 96), weights, strict=True):
+            for part, tensor in fused.parts(slice(start, start + p.shape[0])).items():
+                tensor.copy_(getattr(p, part))
+            layer = QuantizedLinear(p.format, p.shape[0], cols, torch.device("cpu"))
+            for part, tensor in layer.parts().items():
+                tensor.copy_(getattr(p, part))
+            layer.repack()
+            alone.append(layer)
+        fused.repack()
+        out = fused(x, bias)
+        assert torch.equal(out, torch.cat([layer(x) for layer in alone], dim=1) + bias)
+        want = torch.cat([emulated(x, p, DIGITS[p.bits]) for p in weights], dim=1)
+        err = (((out - bias).double() - want).norm() / want.norm()).item()
+        assert err < 1e-5, (formats, err)
+        held: dict[str, int] = {}
+        for layer in alone:
+            held[layer.format] = held.get(layer.format, 0) + layer.nbytes
+        assert fused.bytes_by_format() == held
+    assert isinstance(quantized_linear(("q4_k",) * 3, rows, cols, torch.device("cpu")),
+                      QuantizedLinear)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

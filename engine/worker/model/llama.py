@@ -25,6 +25,7 @@ slices ``weight_sources`` names: engine/worker/model/parallel.py).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,12 @@ from engine.worker.cpu_kernels import rms_norm_op
 from engine.worker.lora_pool import LoraStep
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.parallel import Collectives, ShardPlan, Slice, embed_vocab_parallel
-from engine.worker.model.quant import QuantizedLinear, part_sources
+from engine.worker.model.quant import (
+    MixedQuantizedLinear,
+    QuantizedLinear,
+    part_sources,
+    quantized_linear,
+)
 from engine.worker.model.rope import RotaryEmbedding
 
 
@@ -76,18 +82,21 @@ class _Weights(nn.Module):
         super().__init__()
         self._factory = dict(device=device, dtype=dtype)
         self.packed: dict[str, torch.Tensor] = {}
-        self.quantized: dict[str, QuantizedLinear] = {}
+        self.quantized: dict[str, QuantizedLinear | MixedQuantizedLinear] = {}
 
     def _new(self, *shape: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(shape, **self._factory), requires_grad=False)
 
-    def _matrix(self, name: str, rows: int, cols: int, fmt: str | None) -> None:
-        """Weight ``name`` [rows, cols]: a dense parameter, or (``fmt``) quantized blocks
-        (engine/worker/model/quant.py), with an empty parameter in its place."""
-        if fmt is None:
-            setattr(self, name, self._new(rows, cols))
+    def _matrix(self, name: str, rows: Sequence[int], cols: int,
+                formats: Sequence[str] | None) -> None:
+        """Weight ``name``, its parts of ``rows`` rows each stacked (q/k/v, gate/up; one part
+        elsewhere) into [sum(rows), cols]: a dense parameter, or (``formats``, each part's)
+        quantized blocks (engine/worker/model/quant.py), with an empty parameter in its
+        place."""
+        if formats is None:
+            setattr(self, name, self._new(sum(rows), cols))
             return
-        self.quantized[name] = QuantizedLinear(fmt, rows, cols, self._factory["device"])
+        self.quantized[name] = quantized_linear(formats, rows, cols, self._factory["device"])
         setattr(self, name, self._new(0))
 
     def _targets(self, name: str, checkpoint_name: str, rows: slice = slice(None)
@@ -122,7 +131,7 @@ class _Weights(nn.Module):
                 found[str(tensor.dtype).removeprefix("torch.")] += (tensor.numel()
                                                                    * tensor.element_size())
             for quantized in set(module.quantized.values()):
-                found[quantized.format] += quantized.nbytes
+                found.update(quantized.bytes_by_format())
         return {name: size for name, size in found.items() if size}
 
     def _prepack(self, keep: tuple[torch.Tensor, ...] = ()) -> None:
@@ -149,7 +158,7 @@ class DecoderLayer(_Weights):
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  plan: ShardPlan, tp: Collectives | None = None,
-                 formats: dict[str, str] | None = None) -> None:
+                 formats: dict[str, tuple[str, ...]] | None = None) -> None:
         super().__init__(device, dtype)
         formats = formats or {}
         c = config
@@ -159,20 +168,22 @@ class DecoderLayer(_Weights):
         self.head_dim, self.intermediate_size = c.head_dim, plan.intermediate_size
         qkv_rows = self.q_size + 2 * self.kv_size
         self.input_norm = self._new(c.hidden_size)
-        self._matrix("qkv", qkv_rows, c.hidden_size, formats.get("qkv"))
+        self._matrix("qkv", (self.q_size, self.kv_size, self.kv_size), c.hidden_size,
+                     formats.get("qkv"))
         self.qkv_bias = self._new(qkv_rows) if c.qkv_bias else None
         self.q_norm = self._new(c.head_dim) if c.qk_norm else None
         self.k_norm = self._new(c.head_dim) if c.qk_norm else None
-        self._matrix("o", c.hidden_size, self.q_size, formats.get("o"))
+        self._matrix("o", (c.hidden_size,), self.q_size, formats.get("o"))
         self.o_bias = self._new(c.hidden_size) if c.o_bias else None
         self.mlp_norm = self._new(c.hidden_size)
         # Gemma 3's norms of the attention's and the MLP's outputs
         self.attn_out_norm = self._new(c.hidden_size) if c.sandwich_norms else None
         self.mlp_out_norm = self._new(c.hidden_size) if c.sandwich_norms else None
         self.gelu = c.activation == "gelu_tanh"
-        self._matrix("gate_up", 2 * plan.intermediate_size, c.hidden_size, formats.get("gate_up"))
+        self._matrix("gate_up", (plan.intermediate_size,) * 2, c.hidden_size,
+                     formats.get("gate_up"))
         self.gate_up_bias = self._new(2 * plan.intermediate_size) if c.mlp_bias else None
-        self._matrix("down", c.hidden_size, plan.intermediate_size, formats.get("down"))
+        self._matrix("down", (c.hidden_size,), plan.intermediate_size, formats.get("down"))
         self.down_bias = self._new(c.hidden_size) if c.mlp_bias else None
         # On CPU, glibc serves allocations over 32 MiB with fresh mmaps, whose page faults cost
         # more than the GEMM that fills them; on GPU the bound just caps activation memory.
@@ -283,15 +294,16 @@ class LlamaForCausalLM(_Weights):
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  tp: Collectives | None = None, formats: dict[str, str] | None = None) -> None:
         """``formats``: checkpoint weight name -> the block format it is held in (the rest are
-        dense in ``dtype``). Fused projections are quantized when all their parts share one
-        format; embeddings and the LM head only without tensor parallel."""
+        dense in ``dtype``). Fused projections are quantized when all their parts are, in
+        one format or several (one block layer for each); embeddings and the LM head only
+        without tensor parallel."""
         super().__init__(device, dtype)
         self.config, self.tp, self.dtype = config, tp, dtype
         self.formats = formats = dict(formats or {})
         self.plan = ShardPlan.for_rank(config, tp.rank if tp else 0, tp.size if tp else 1)
         rows, hidden = self.plan.vocab_rows, config.hidden_size
-        self._matrix("embed", rows, hidden,
-                     None if tp else formats.get("model.embed_tokens.weight"))
+        self._matrix("embed", (rows,), hidden,
+                     None if tp else _part_formats(formats, ("model.embed_tokens",)))
         self.layers = nn.ModuleList(
             DecoderLayer(config, device, dtype, self.plan, tp,
                          _layer_formats(formats, f"model.layers.{i}."))
@@ -303,7 +315,8 @@ class LlamaForCausalLM(_Weights):
             if "embed" in self.quantized:
                 self.quantized["lm_head"] = self.quantized["embed"]
         else:
-            self._matrix("lm_head", rows, hidden, None if tp else formats.get("lm_head.weight"))
+            self._matrix("lm_head", (rows,), hidden,
+                         None if tp else _part_formats(formats, ("lm_head",)))
         self.rope = RotaryEmbedding(config, device)
         self.sliding_rope = (RotaryEmbedding(config, device, sliding=True)
                              if config.sliding_rope_theta is not None else None)
@@ -387,17 +400,24 @@ class LlamaForCausalLM(_Weights):
         return rows.float()
 
 
-def _layer_formats(formats: dict[str, str], prefix: str) -> dict[str, str]:
-    """Layer ``prefix``'s weights (qkv, o, gate_up, down) -> format, for those whose
-    checkpoint parts all share one (a GGUF may mix formats inside a fused projection, which is
-    then read dense)."""
+def _layer_formats(formats: dict[str, str], prefix: str) -> dict[str, tuple[str, ...]]:
+    """Layer ``prefix``'s weights (qkv, o, gate_up, down) -> each checkpoint part's format,
+    for those whose parts are all held in blocks (a GGUF may mix formats inside a fused
+    projection: Q4_K_M's Q6_K values beside Q4_K queries and keys)."""
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     groups = {"qkv": (attn + "q_proj", attn + "k_proj", attn + "v_proj"),
               "o": (attn + "o_proj",), "gate_up": (mlp + "gate_proj", mlp + "up_proj"),
               "down": (mlp + "down_proj",)}
     chosen = {}
     for name, parts in groups.items():
-        found = {formats.get(part + ".weight") for part in parts}
-        if len(found) == 1 and None not in found:
-            chosen[name] = found.pop()
+        found = _part_formats(formats, parts)
+        if found is not None:
+            chosen[name] = found
     return chosen
+
+
+def _part_formats(formats: dict[str, str], parts: Sequence[str]) -> tuple[str, ...] | None:
+    """The block format of each of ``parts`` (checkpoint weights, without ".weight"), or None
+    when any of them is dense."""
+    found = tuple(formats.get(part + ".weight") for part in parts)
+    return None if None in found else found

@@ -71,8 +71,8 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
                     target = targets.get(name)
                     if target is None:
                         # skipped: a dense weight held quantized, and quantized parts of one
-                        # held dense (a fused projection of mixed formats, tensor parallel's
-                        # embeddings), which the dense file holds too
+                        # held dense (tensor parallel's embeddings, a fused projection with a
+                        # dense part), which the dense file holds too
                         if name.endswith(_IGNORED_SUFFIXES) or (
                             name == "lm_head.weight" and config.tie_word_embeddings
                         ) or f"{name}.qweight" in targets or file == quantized:

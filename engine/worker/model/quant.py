@@ -11,6 +11,8 @@ product takes about oneDNN's bf16 GEMM's time; with two activation digits (8-bit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.checkpoints.quant_formats import (
@@ -60,6 +62,9 @@ class QuantizedLinear:
         held = self.kernel if self.kernel is not None else self.packed.parts().values()
         return sum(t.numel() * t.element_size() for t in held)
 
+    def bytes_by_format(self) -> dict[str, int]:
+        return {self.format: self.nbytes}
+
     def parts(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Each part's rows ``rows``: the loader's targets for one checkpoint tensor."""
         return {part: tensor[rows] for part, tensor in self.packed.parts().items()}
@@ -84,6 +89,73 @@ class QuantizedLinear:
         out = self.ops.quant_linear(x.contiguous(), *self.kernel, self.bits, self.rows,
                                     self.digits)
         return out if bias is None else out.add_(bias)
+
+
+class MixedQuantizedLinear:
+    """A fused projection (q/k/v, gate/up) whose parts a checkpoint holds in different formats
+    (a Q4_K_M GGUF's Q4_K queries and keys beside Q6_K values): one ``QuantizedLinear`` for
+    each run of consecutive parts that share a format, all over the same input, their outputs
+    side by side in the fused order. Each output row is the kernel's alone, so the result is
+    what each part's blocks give by themselves::
+
+        rows  [0, q)     [q, q + kv)   [q + kv, q + 2 kv)
+        part  q          k             v
+        run   q4_k ------------------  q6_k
+    """
+
+    def __init__(self, formats: Sequence[str], rows: Sequence[int], cols: int,
+                 device: torch.device) -> None:
+        runs: list[tuple[str, int]] = []
+        for fmt, part_rows in zip(formats, rows, strict=True):
+            if runs and runs[-1][0] == fmt:
+                runs[-1] = (fmt, runs[-1][1] + part_rows)
+            else:
+                runs.append((fmt, part_rows))
+        self.runs = [QuantizedLinear(fmt, run_rows, cols, device) for fmt, run_rows in runs]
+        self.starts = [0]
+        for run in self.runs:
+            self.starts.append(self.starts[-1] + run.rows)
+        self.rows = self.starts[-1]
+        # what tier_io's fingerprint records for this weight
+        self.format = "+".join(fmt for fmt, _ in runs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(run.nbytes for run in self.runs)
+
+    def bytes_by_format(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for run in self.runs:
+            found[run.format] = found.get(run.format, 0) + run.nbytes
+        return found
+
+    def parts(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """Each part's rows ``rows`` of the fused matrix, which lie in one run (a checkpoint
+        tensor's)."""
+        start, stop, _ = rows.indices(self.rows)
+        for run, first, end in zip(self.runs, self.starts, self.starts[1:], strict=False):
+            if first <= start and stop <= end:
+                return run.parts(slice(start - first, stop - first))
+        raise ValueError(f"rows {start}:{stop} span more than one format of {self.format}")
+
+    def repack(self) -> None:
+        for run in self.runs:
+            run.repack()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias), in x's dtype: the runs' products, concatenated."""
+        x = x.contiguous()
+        out = torch.cat([run(x) for run in self.runs], dim=1)
+        return out if bias is None else out.add_(bias)
+
+
+def quantized_linear(formats: Sequence[str], rows: Sequence[int], cols: int,
+                     device: torch.device) -> QuantizedLinear | MixedQuantizedLinear:
+    """A weight of parts ``rows`` rows each (stacked, ``cols`` wide) in ``formats`` (one per
+    part): one block layer where the parts share a format, else one per run of them."""
+    if len(set(formats)) == 1:
+        return QuantizedLinear(formats[0], sum(rows), cols, device)
+    return MixedQuantizedLinear(formats, rows, cols, device)
 
 
 def part_sources(name: str, source: Slice, fmt: str) -> dict[str, Slice]:
