@@ -22,7 +22,8 @@ from engine.checkpoints.quant_formats import FILE, read_formats
 from engine.contracts.sampling_params import SamplingParams
 from engine.worker.model.quant import QuantizedLinear
 from tests.test_gguf import CHATML, VOCAB, byte_level_vocab, write_gguf
-from tests.test_quant import forward, kquant_blocks, relative_error
+from tests.test_quant import kquant_blocks
+from tests.test_quant_models import forward, relative_error
 from tests.test_scheduler import Harness, hf_greedy
 from tests.test_tp import run_ranks
 
