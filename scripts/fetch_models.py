@@ -17,7 +17,6 @@ architecture and block type themselves.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoints.artifact_cache import default_cache_dir  # noqa: E402
+from engine.checkpoints.gguf import file_sha256  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,6 @@ MODELS = {
         "Gemma 3 270M (base) Q4_K_M (gemma3: Q8_0, Q5_0, Q4_K, Q6_K)"),
 }
 GGUF_MAGIC = b"GGUF"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _part_number(member: str) -> int:
@@ -119,7 +111,7 @@ def check(model: Model, path: Path) -> str | None:
     with path.open("rb") as f:
         if f.read(4) != GGUF_MAGIC:
             return "not a GGUF file"
-    digest = sha256_of(path)
+    digest = file_sha256(path)
     if digest != model.sha256:
         return f"sha256 {digest}, expected {model.sha256}"
     return None

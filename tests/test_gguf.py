@@ -95,11 +95,25 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def add_tokenizer(writer: gguf.GGUFWriter, vocabulary: tuple[list[str], list[str], list[int]],
+                  bos: str, eos: str, chat_template: str | None) -> None:
+    """A GPT-2 style tokenizer's metadata (``vocabulary``: tokens, merges, token types)."""
+    tokens, merges, types = vocabulary
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index(bos))
+    writer.add_eos_token_id(tokens.index(eos))
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
 def write_gguf(path: Path, qtype: gguf.GGMLQuantizationType, *, architecture: str = "llama",
                weights: dict[str, np.ndarray] | None = None, context: int = CONTEXT) -> Path:
     """A Llama GGUF as llama.cpp writes one: 2-D tensors in ``qtype``, norms in F32."""
     weights = reference_weights() if weights is None else weights
-    tokens, merges, types = byte_level_vocab()
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_block_count(LAYERS)
     writer.add_context_length(context)
@@ -110,14 +124,7 @@ def write_gguf(path: Path, qtype: gguf.GGMLQuantizationType, *, architecture: st
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(EPS)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_chat_template(CHATML)
+    add_tokenizer(writer, byte_level_vocab(), "<|im_start|>", "<|im_end|>", CHATML)
     for name, value in weights.items():
         if "q_proj" in name:
             value = llama_cpp_permute(value, HEADS)

@@ -27,6 +27,7 @@ from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
 from engine.worker.model.config import ModelConfig
 from tests.conftest_models import one_torch_thread
+from tests.test_gguf import add_tokenizer
 from tests.test_model_parity import Pages, make_runner, prefill
 from tests.test_scheduler import Harness, hf_greedy
 
@@ -115,7 +116,6 @@ def write_gguf(path: Path, architecture: str, qtype=gguf.GGMLQuantizationType.F3
     (``claimed``: the general.architecture written instead)."""
     weights = reference_weights(architecture) if weights is None else weights
     _, _, fields = MODELS[architecture]
-    tokens, merges, types = vocabulary()
     writer = gguf.GGUFWriter(path, claimed or architecture)
     writer.add_block_count(fields["num_hidden_layers"])
     writer.add_context_length(256)
@@ -132,15 +132,7 @@ def write_gguf(path: Path, architecture: str, qtype=gguf.GGMLQuantizationType.F3
     if "head_dim" in fields:
         writer.add_key_length(fields["head_dim"])
         writer.add_value_length(fields["head_dim"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<bos>"))
-    writer.add_eos_token_id(tokens.index("<eos>"))
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    add_tokenizer(writer, vocabulary(), "<bos>", "<eos>", chat_template)
     for name, value in weights.items():
         if architecture == "gemma3" and name.endswith("norm.weight"):
             value = value + np.float32(1.0)  # llama.cpp's converter stores 1 + w

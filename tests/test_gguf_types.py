@@ -21,7 +21,7 @@ from engine.checkpoints.gguf import gguf_checkpoint
 from engine.checkpoints.quant_formats import FILE, read_formats
 from engine.contracts.sampling_params import SamplingParams
 from engine.worker.model.quant import QuantizedLinear
-from tests.test_gguf import CHATML, VOCAB, byte_level_vocab, write_gguf
+from tests.test_gguf import CHATML, VOCAB, add_tokenizer, byte_level_vocab, write_gguf
 from tests.test_quant import kquant_blocks
 from tests.test_quant_models import forward, relative_error
 from tests.test_scheduler import Harness, hf_greedy
@@ -61,7 +61,6 @@ def write_model(path: Path, kind_of: Callable[[str], str] = q4_k_m, *, ffn: int 
     scales are finite), the gguf package's quantizer for the others; norms in F32. ``ffn`` and
     ``layers`` are what the metadata says."""
     rng = np.random.default_rng(0)
-    tokens, merges, types = byte_level_vocab()
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(layers)
     writer.add_context_length(256)
@@ -71,14 +70,7 @@ def write_model(path: Path, kind_of: Callable[[str], str] = q4_k_m, *, ffn: int 
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_chat_template(CHATML)
+    add_tokenizer(writer, byte_level_vocab(), "<|im_start|>", "<|im_end|>", CHATML)
     for index, (name, shape) in enumerate(shapes().items()):
         if len(shape) == 1:
             writer.add_tensor(name, (1 + rng.normal(0, 0.1, shape)).astype(np.float32))

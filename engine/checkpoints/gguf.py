@@ -94,7 +94,7 @@ def gguf_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Pa
     """The checkpoint directory converted from the GGUF file ``path``, converting it if needed."""
     path = Path(path)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    sha256 = _file_sha256(path)
+    sha256 = file_sha256(path)
     key = hashlib.sha256(
         f"{sha256}\0{CONVERTER_VERSION}\0{version('transformers')}".encode()
     ).hexdigest()[:16]
@@ -102,7 +102,8 @@ def gguf_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Pa
     return build_once(final, lambda staging: _convert(path, sha256, staging), REQUIRED_FILES)
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, as hex, read in 1 MiB pieces."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
