@@ -1,5 +1,6 @@
 """scripts/gpu_phase.py on CPU: the dry run walks every step of both phases in order with
-budgets inside the phase's, and a step past its budget is killed with what it printed kept in
+budgets inside the phase's and writes nothing, budgets scale, the wheels step is skipped
+without wheels, and a step past its budget is killed with what it printed kept in
 the phase's JSON summary."""
 
 from __future__ import annotations
@@ -13,21 +14,48 @@ from scripts import gpu_phase
 
 
 @pytest.mark.parametrize("phase", [1, 2])
-def test_dry_run_walks_every_step_in_order(phase: int, tmp_path, capsys) -> None:
-    assert gpu_phase.main([str(phase), "--dry-run", "--out", str(tmp_path)]) == 0
+def test_dry_run_walks_every_step_in_order_and_writes_nothing(phase: int, tmp_path,
+                                                              capsys) -> None:
+    out = tmp_path / "out"
+    assert gpu_phase.main([str(phase), "--dry-run", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    steps = gpu_phase.phase_steps(phase, tmp_path)
+    steps = gpu_phase.phase_steps(phase, out)
     total = sum(step.budget_s for step in steps)
     assert total <= gpu_phase.PHASE_BUDGET_S <= 480
     assert f"budgets adding to {total} of {gpu_phase.PHASE_BUDGET_S} s" in printed
     positions = [printed.index(f"=== {i}/{len(steps)} {step.name}")
                  for i, step in enumerate(steps, 1)]
     assert positions == sorted(positions)
-    summary = json.loads((tmp_path / f"phase{phase}.json").read_text())
-    assert summary["dry_run"] and summary["status"] == "passed"
-    assert [s["name"] for s in summary["steps"]] == [step.name for step in steps]
-    assert all(s["status"].startswith("dry run") for s in summary["steps"])
-    assert (tmp_path / f"phase{phase}.log").read_text().count("===") == 2 * len(steps)
+    assert printed.count(": dry run") == len(steps)
+    assert not out.exists()
+
+
+def test_budget_scale_stretches_every_budget(tmp_path, capsys) -> None:
+    steps = gpu_phase.phase_steps(1, tmp_path)
+    assert gpu_phase.main(["1", "--dry-run", "--budget-scale", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert f"budgets adding to {sum(3 * s.budget_s for s in steps)} of " \
+           f"{3 * gpu_phase.PHASE_BUDGET_S} s" in printed
+    assert f"{3 * steps[2].budget_s:>3} s  {steps[2].name}" in printed
+    with pytest.raises(SystemExit):
+        gpu_phase.main(["1", "--dry-run", "--budget-scale", "0"])
+
+
+def test_without_wheels_the_installed_packages_are_used(tmp_path, monkeypatch) -> None:
+    """A GPU machine with network installs FlashInfer with pip install -e '.[gpu]': the
+    install step is skipped when ./wheels holds none, and the phase goes on."""
+    monkeypatch.setattr(gpu_phase, "REPO", tmp_path)
+    install = gpu_phase.install_wheels()
+    assert install.skip_if == tmp_path and not any(a.endswith(".whl") for a in install.argv)
+    ran = []
+    monkeypatch.setattr(gpu_phase, "phase_steps", lambda phase, out: [
+        install, gpu_phase.Step("next", 10, (sys.executable, "-c", "print('ran')"))])
+    monkeypatch.setattr(gpu_phase.Phase, "execute",
+                        lambda self, step: ran.append(step.name) or {"status": "ok"})
+    assert gpu_phase.main(["1", "--out", str(tmp_path / "out")]) == 0
+    assert ran == ["next"]
+    summary = json.loads((tmp_path / "out" / "phase1.json").read_text())
+    assert summary["steps"][0]["status"].startswith("skipped: wheels/ holds none")
 
 
 @pytest.mark.e2e

@@ -171,3 +171,24 @@ def test_profiler_never_imports_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_tokenizer_from_a_gguf_file_or_a_sentence(tmp_path, default_model, capsys):
+    """--tokenizer takes a .gguf as --model does (its tokenizer, converted once); a folder with
+    no tokenizer is refused with a sentence, not a traceback."""
+    trace = tmp_path / "chat.jsonl"
+    args = ["workload", "gen", "multi-turn", "--seed", "4", *SMALL_MULTI_TURN]
+    assert main([*args, "--tokenizer", default_model, "--out", str(trace)]) == 0
+    assert all(r.messages for r in read_trace(trace))
+    assert main(["profile", str(trace), "--tokenizer", default_model, "--out",
+                 str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for command in (["profile", str(trace)], [*args, "--out", str(tmp_path / "x.jsonl")]):
+        assert main([*command, "--tokenizer", str(empty)]) == 2
+        err = capsys.readouterr().err
+        assert f"--tokenizer {empty} holds no tokenizer" in err and "Traceback" not in err
+    assert main(["profile", str(trace), "--tokenizer", str(tmp_path / "missing")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err

@@ -173,8 +173,10 @@ def test_refusals_name_the_way_out(tmp_path, monkeypatch):
     directory = gguf_checkpoint(write_gguf(tmp_path / "q.gguf", GGMLQuantizationType.Q4_1),
                                 tmp_path / "cache")
     quantized = directory / "quantized.safetensors"
-    with pytest.raises(ValueError, match=r"q4_1 blocks .* on cuda with --quantization none"):
-        loader._formats(quantized, "auto", torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"int8 keeps .*\(q4_1\).* on cuda with "
+                                         r"--quantization auto or none"):
+        loader._formats(quantized, "int8", torch.device("cuda"))
+    assert loader._formats(quantized, "auto", torch.device("cuda")) == {}  # widened, logged
     # tensor parallel over 2 ranks would cut the MLP's 96 columns into 48 and 48
     with pytest.raises(ValueError, match=r"64 x 48 .* not whole blocks .*--tp-size.*none"):
         run_ranks(2, lambda tp: forward(str(directory), tp))

@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per hash id in a block-hash trace (default: the format's "
                              "own, " + ", ".join(f"{f} {n}" for f, n in BLOCK_TOKENS.items())
                              + ")")
-    parser.add_argument("--tokenizer", metavar="DIR",
-                        help="Hugging Face tokenizer directory, for traces with text prompts")
+    parser.add_argument("--tokenizer", metavar="DIR|FILE.gguf",
+                        help="the tokenizer of traces with text prompts: a Hugging Face "
+                             "directory or a .gguf file (default: none)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--cache-tokens", type=int, default=None,
                       help=f"KV cache size in tokens (default {DEFAULT_CACHE_TOKENS:,})")
@@ -330,7 +331,10 @@ def run(args: argparse.Namespace) -> int:
         trace = read_trace(args.trace) if args.url else None
     except (OSError, TraceError, ValueError) as exc:
         return _fail(str(exc))
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    try:
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    except ValueError as exc:
+        return _fail(str(exc))
     profile = None
     if trace is None or tokenizer is not None or not needs_tokenizer(trace):
         try:

@@ -208,11 +208,26 @@ def needs_tokenizer(requests: Iterable[TraceRequest]) -> bool:
     return any(r.prompt_token_ids is None for r in requests)
 
 
-def load_tokenizer(directory: str | Path) -> Any:
-    """A Hugging Face tokenizer from a local directory (``tokenizer.json`` and its config)."""
-    from transformers import AutoTokenizer  # deferred: heavy, and unneeded for token-id traces
+def load_tokenizer(source: str | Path) -> Any:
+    """The tokenizer ``--tokenizer`` names, as ``--model`` takes a model: a Hugging Face
+    directory (``tokenizer.json`` and its config), a .gguf file (its tokenizer, converted once
+    into the same cached directory the server loads), or a directory holding one .gguf. A
+    sentence (``ValueError``) when it holds no tokenizer."""
+    # deferred: heavy, and unneeded for token-id traces
+    from engine.checkpoints.gguf import find_gguf, gguf_checkpoint
+    from engine.contracts.tokenizer import load_tokenizer as load_model_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"--tokenizer {source}: no such file or directory")
+    gguf = find_gguf(path)
+    directory = gguf_checkpoint(gguf) if gguf is not None else path
+    try:
+        return load_model_tokenizer(str(directory))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--tokenizer {source} holds no tokenizer that transformers can load "
+                         "(a directory with tokenizer.json and tokenizer_config.json, or a "
+                         f".gguf file): {str(exc).splitlines()[0]}") from exc
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],

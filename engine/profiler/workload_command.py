@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
         sub.add_argument("--out", type=Path, required=True, metavar="FILE",
                          help="trace file to write")
-        sub.add_argument("--tokenizer", metavar="DIR", help="write text (prompt / messages) "
-                         "through this Hugging Face tokenizer instead of token ids")
+        sub.add_argument("--tokenizer", metavar="DIR|FILE.gguf", help="write text (prompt / "
+                         "messages) through this tokenizer (a Hugging Face directory or a .gguf "
+                         "file) instead of token ids (default: token ids)")
         sub.add_argument("--format", choices=("radixserve", "mooncake"), default="radixserve",
                          help="radixserve's JSONL (token ids or text) or Mooncake's hash_ids "
                               "of fixed-size token blocks (default radixserve)")
@@ -88,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         print("radixserve workload: --format mooncake hashes token ids: drop --tokenizer",
               file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     try:
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         if args.format == "mooncake":
             lines = iter_mooncake(args.kind, params, args.seed, args.vocab_size,
                                   args.block_tokens)

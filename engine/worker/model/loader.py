@@ -114,9 +114,14 @@ def _formats(quantized: Path | None, quantization: str, device: torch.device
     formats = read_formats(quantized)
     kinds = ", ".join(sorted(set(formats.values())))
     if device.type != "cpu":
-        raise ValueError(f"this checkpoint's weights are {kinds} blocks (--quantization "
-                         f"{quantization}), which radixserve computes on CPU only; serve them on "
-                         f"{device.type} with --quantization none (widened to --dtype at load)")
+        if quantization != "auto":
+            raise ValueError(f"--quantization {quantization} keeps the weights in blocks "
+                             f"({kinds}), which radixserve computes on CPU only; serve them on "
+                             f"{device.type} with --quantization auto or none (widened to "
+                             "--dtype at load)")
+        logger.warning("the checkpoint's %s weights are widened to the model's dtype: their "
+                       "blocks are computed on CPU only", kinds)
+        return {}
     if quant_ops() is None:
         if quantization != "auto":
             raise RuntimeError(f"--quantization {quantization} needs the compiled CPU kernels, "
