@@ -255,3 +255,23 @@ def test_the_default_model_file_is_what_users_download(default_model):
 
     kinds = {t.tensor_type.name for t in GGUFReader(default_model).tensors if len(t.shape) == 2}
     assert kinds == {"Q4_1"} and Path(default_model).suffix == ".gguf"
+
+
+def test_the_session_example_of_docs_usage_runs_as_written(server):
+    """docs/usage.md's "Sessions" commands, run by bash against this server (its port and API
+    key put in): both turns answer, the second from the cache of the first."""
+    text = (Path(__file__).parents[1] / "docs" / "usage.md").read_text()
+    section = text[text.index("## Sessions"):]
+    script = section[section.index("```bash\n") + 8:section.index("```\n", 8)]
+    script = (script.replace("localhost:30000", server.url.removeprefix("http://"))
+              .replace("curl -s", f"curl -s -H 'Authorization: Bearer {API_KEY}'"))
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    decoder, replies, at = json.JSONDecoder(), [], 0
+    while at < len(result.stdout.rstrip()):
+        reply, at = decoder.raw_decode(result.stdout, at)
+        replies.append(reply)
+    first, second = (r["usage"] for r in replies[:2])
+    assert second["prompt_tokens_details"]["cached_tokens"] >= (
+        first["prompt_tokens"] + first["completion_tokens"])
