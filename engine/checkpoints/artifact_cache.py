@@ -41,6 +41,30 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+def update_json(path: Path, change: Callable[[dict], None]) -> None:
+    """Apply ``change`` to the JSON object in ``path`` (empty if missing or unreadable) and write
+    it back in one rename, one process at a time (a lock file beside it): small records several
+    processes add to, such as the linear forms timed for each CPU beside a converted checkpoint.
+    """
+    with _turn(path.with_name(f".{path.name}.lock")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        change(data)
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        os.close(fd)
+        try:
+            write_json(Path(staging), data)
+            os.chmod(staging, 0o644)
+            os.rename(staging, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+
+
 def is_complete(directory: Path, required: Sequence[str]) -> bool:
     return all((directory / name).is_file() for name in required)
 
