@@ -42,7 +42,7 @@ def candidates(rows: int, cols: int) -> dict[str, Callable[[torch.Tensor], torch
     # as served (int8's activations in two int8 digits), and int4 with two digits too
     for fmt, digits in (("int4", 1), ("int4", 2), ("int8", 2)):
         p = quantize(weight, fmt)
-        kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
+        kernel = ops.quant_repack(*p.repack_args())
         name = f"ours {fmt}" + (", 2 digits" if fmt == "int4" and digits == 2 else "")
         found[name] = lambda x, k=kernel, bits=p.bits, d=digits: ops.quant_linear(x, *k, bits,
                                                                                   rows, d)

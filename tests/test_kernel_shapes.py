@@ -54,7 +54,7 @@ def test_quant_linear_at_any_row_count(variants, variant, fmt, digits, rows, out
                                        seed) -> None:
     ops = variants[variant]
     p = random_weight(fmt, outs, blocks * BLOCK, seed)
-    kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
+    kernel = ops.quant_repack(*p.repack_args())
     x = torch.randn(rows, blocks * BLOCK, generator=torch.Generator().manual_seed(seed)).to(dtype)
     out = ops.quant_linear(x, *kernel, p.bits, outs, digits)
     assert out.shape == (rows, outs) and out.dtype == dtype
@@ -223,7 +223,7 @@ def test_dequantize_weight_at_any_row_count(variants, variant, fmt, rows, outs, 
     """An embedding lookup of no ids up to 40, through the quantized table."""
     ops = variants[variant]
     p = random_weight(fmt, outs, blocks * BLOCK, seed)
-    kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
+    kernel = ops.quant_repack(*p.repack_args())
     ids = torch.randint(0, outs, (rows,), generator=torch.Generator().manual_seed(seed))
     got = ops.dequantize_weight(*kernel, p.bits, outs, ids, torch.float32)
     assert got.shape == (rows, blocks * BLOCK)

@@ -61,10 +61,7 @@ def random_weight(fmt: str, rows: int, cols: int, seed: int) -> PackedWeight:
     K-quants' byte layout for theirs, cut to ``cols``)."""
     if fmt in ("q4_k", "q6_k"):
         p = from_gguf(fmt.upper(), kquant_blocks(fmt.upper(), rows, -(-cols // 256) * 256, seed))
-        width = 8 // p.bits
-        return PackedWeight(p.format, p.qweight[:, : cols // width].contiguous(),
-                            p.scales[:, : cols // BLOCK * scales_per_block(fmt)].contiguous(),
-                            None if p.mins is None else p.mins[:, : cols // BLOCK].contiguous())
+        return p.columns(0, cols)
     generator = torch.Generator().manual_seed(seed)
     dense = torch.randn(rows, cols, generator=generator) * 0.05
     if fmt in ("int8", "int4"):
@@ -90,9 +87,9 @@ def emulated(x: torch.Tensor, p: PackedWeight, digits: int) -> torch.Tensor:
             -127, 127)
         step = step / 254
     halves = scales_per_block(p.format)  # scales per block: q6_k's, one for each 16 weights
-    scales = p.scales.double().expand(rows, cols // BLOCK * halves)
+    scales = p.block_scales().expand(rows, cols // BLOCK * halves)
     if p.mins is not None:
-        mins = p.mins.double()
+        mins = p.block_mins()
     else:  # q8_0 and q6_k have none, q4_0's is -8 d
         mins = torch.zeros(rows, cols // BLOCK, dtype=torch.float64) if p.bits == 8 else (
             -8 * scales)
@@ -126,7 +123,7 @@ def test_each_build_computes_what_the_format_and_the_activations_say(variants, f
         wants = {dtype: emulated(x.to(dtype).float(), p, digits)
                  for dtype in (torch.float32, torch.bfloat16)}
         for name, ops in variants.items():
-            kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
+            kernel = ops.quant_repack(*p.repack_args())
             for dtype, want in wants.items():
                 out = ops.quant_linear(x.to(dtype), *kernel, p.bits, rows, digits)
                 assert out.dtype == dtype and out.shape == (batch, rows)
@@ -146,7 +143,7 @@ def test_dequantizing_rows_gives_the_formats_numbers(variants, fmt):
     p = random_weight(fmt, 40, 160, seed=7)
     rows = torch.tensor([39, 0, 17, 16, 17])
     for name, ops in variants.items():
-        kernel = ops.quant_repack(p.qweight, p.scales, p.mins, p.bits)
+        kernel = ops.quant_repack(*p.repack_args())
         got = ops.dequantize_weight(*kernel, p.bits, 40, rows, torch.float32)
         assert torch.equal(got, p.dequantize()[rows].float()), name
 
@@ -164,17 +161,26 @@ def test_gguf_blocks_keep_their_numbers(kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_k_quant_blocks_keep_their_numbers(kind):
-    """A K-quant's super-blocks taken apart into blocks of 32 with float32 scales stand for
-    exactly the numbers the gguf package dequantizes them to (gguf computes in float32: its
-    rounding of Q4_K's d * q - dmin * m, one step, is float32's of the exact value), over scales
-    from subnormal to large float16 and every byte pattern."""
+def test_k_quant_blocks_keep_their_numbers(variants, kind):
+    """A K-quant's super-blocks taken apart into blocks of 32, each with its integer scale
+    (and minimum) and its super-block's float16 D (and -Dmin), stand for exactly the numbers
+    the gguf package dequantizes them to (gguf computes in float32: its rounding of Q4_K's
+    d * q - dmin * m, one step, is float32's of the exact value), over scales from subnormal
+    to large float16 and every byte pattern; the kernel's dequantization, which forms D * sc
+    in float32, gives them too, in every build."""
     for scales in ((2e-5, 3e-4), (1e-7, 1e-5), (1.0, 1000.0)):
         blocks = kquant_blocks(kind, 24, 512, seed=1, scales=scales)
         packed = from_gguf(kind, blocks)
-        assert packed.scales.dtype == torch.float32
+        assert packed.scales.dtype == (torch.uint8 if kind == "Q4_K" else torch.int8)
+        assert packed.super_scales.dtype == torch.float16
+        assert packed.super_scales.shape == (24, 512 // BLOCK)
         want = dequantize(blocks, GGMLQuantizationType[kind])
         assert np.array_equal(packed.dequantize().float().numpy(), want), scales
+        for name, ops in variants.items():
+            kernel = ops.quant_repack(*packed.repack_args())
+            got = ops.dequantize_weight(*kernel, packed.bits, 24, torch.arange(24),
+                                        torch.float32)
+            assert np.array_equal(got.numpy(), want), (name, scales)
 
 
 def test_int8_and_int4_quantize_to_the_nearest_steps():
@@ -275,23 +281,41 @@ def test_products_over_column_shards_add_up_to_the_whole(variants, fmt):
     """Tensor parallel's row-parallel projections: the kernel over each rank's whole blocks of
     the columns sums to the kernel over all of them (activations are quantized per block, so
     the shards see the same integers), up to float32's rounding."""
-    p = random_weight(fmt, 48, 192, seed=3)
-    x = torch.randn(5, 192, generator=torch.Generator().manual_seed(4))
+    p = random_weight(fmt, 48, 768, seed=3)
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
     for name, ops in variants.items():
         def product(cols: slice, p=p, ops=ops) -> torch.Tensor:
-            blocks = slice(cols.start // BLOCK, cols.stop // BLOCK)
-            per_scale = BLOCK // scales_per_block(p.format)
-            width = 8 // p.bits
-            part = PackedWeight(p.format, p.qweight[:, cols.start // width: cols.stop // width],
-                                p.scales[:, cols.start // per_scale: cols.stop // per_scale],
-                                None if p.mins is None else p.mins[:, blocks])
-            kernel = ops.quant_repack(part.qweight.contiguous(), part.scales, part.mins, p.bits)
+            kernel = ops.quant_repack(*p.columns(cols.start, cols.stop).repack_args())
             return ops.quant_linear(x[:, cols].contiguous(), *kernel, p.bits, 48,
                                     DIGITS[p.bits])
 
-        whole = product(slice(0, 192))
-        shards = product(slice(0, 64)) + product(slice(64, 192))
-        torch.testing.assert_close(shards, whole, rtol=1e-5, atol=1e-5, msg=name)
+        whole = product(slice(0, 768))
+        # shares on the K-quants' super-blocks of 256, and inside them (each block its own D)
+        for cut in (256, 64, 416):
+            shards = product(slice(0, cut)) + product(slice(cut, 768))
+            torch.testing.assert_close(shards, whole, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("fmt, bits", [("q4_k", 4.625), ("q6_k", 8.5625)])
+def test_k_quants_keep_one_float16_a_super_block(variants, fmt, bits):
+    """The kernel's layout of a K-quant holds its integer sub-block scales and one float16 D
+    (and Dmin) per super-block of 256: Q4_K 4.625 bits a weight (the file's 4.5 with its 6-bit
+    scales in bytes), Q6_K 8.5625 (its values in bytes); a column share that starts inside a
+    super-block keeps a D per block, and computes the same."""
+    p = random_weight(fmt, 64, 1024, seed=5)
+    layer = QuantizedLinear(fmt, 64, 1024, torch.device("cpu"))
+    for part, tensor in layer.parts().items():
+        tensor.copy_(getattr(p, part))
+    layer.repack()
+    assert layer.nbytes * 8 / (64 * 1024) == bits
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(6))
+    for name, ops in variants.items():
+        share = p.columns(160, 1024)
+        kernel = ops.quant_repack(*share.repack_args())
+        assert kernel[3].shape[1] == 1024 // BLOCK - 5, name  # one D per block
+        out = ops.quant_linear(x[:, 160:].contiguous(), *kernel, p.bits, 64, DIGITS[p.bits])
+        want = emulated(x[:, 160:], share, DIGITS[p.bits])
+        assert ((out.double() - want).norm() / want.norm()).item() < 1e-5, name
 
 
 def test_a_tensor_parallel_split_keeps_whole_blocks():
@@ -305,3 +329,12 @@ def test_a_tensor_parallel_split_keeps_whole_blocks():
         "w.mins": Slice(1, 2, 4, 4)}
     assert part_sources("w", Slice(1, 64, 128, 128), "q8_0") == {
         "w.qweight": Slice(1, 64, 128, 128), "w.scales": Slice(1, 2, 4, 4)}
+    # a K-quant's super-block scales sit beside each block, so a share need not be whole
+    # super-blocks of 256
+    assert part_sources("w", Slice(1, 160, 512, 512), "q4_k") == {
+        "w.qweight": Slice(1, 80, 256, 256), "w.scales": Slice(1, 5, 16, 16),
+        "w.mins": Slice(1, 5, 16, 16), "w.super_scales": Slice(1, 5, 16, 16),
+        "w.super_mins": Slice(1, 5, 16, 16)}
+    assert part_sources("w", Slice(1, 160, 512, 512), "q6_k") == {
+        "w.qweight": Slice(1, 160, 512, 512), "w.scales": Slice(1, 10, 32, 32),
+        "w.super_scales": Slice(1, 5, 16, 16)}

@@ -6,29 +6,34 @@ a checkpoint's ``quantized.safetensors`` and read by the worker's kernels
     q8_0    8     32 int8 q, float16 scale d                 d * q         GGUF Q8_0; Q5_0
     q4_0    4     16 bytes of nibbles, float16 d             d * (q - 8)   GGUF Q4_0
     q4_1    4     16 bytes of nibbles, float16 d and m       d * q + m     GGUF Q4_1
-    q4_k    4     16 bytes of nibbles, float32 d and m       d * q + m     GGUF Q4_K
-    q6_k    8     32 int8 q, float32 d for each 16           d * q         GGUF Q6_K
+    q4_k    4     16 bytes of nibbles, uint8 sc and mn,      D * sc * q    GGUF Q4_K
+                  float16 D and -Dmin of its super-block     - Dmin * mn
+    q6_k    8     32 int8 q, int8 sc for each 16, float16    D * sc * q    GGUF Q6_K
+                  D of its super-block
     int8    8     32 int8 q, float16 d and m                 d * q + m     --quantization int8;
                                                                            GGUF Q5_1
     int4    4     as q4_1 (a group's minimum and step)       d * q + m     --quantization int4
 
 Every GGUF type is kept losslessly. Q5_0's 5-bit values widen to Q8_0's int8 (q - 16, the same
 d) and Q5_1's to int8's (q with its d and m), which the 8-bit loops read unchanged. The
-K-quants' 256-weight super-blocks are taken apart into these blocks of 32: Q4_K's d is its
-super-block's float16 d times the block's 6-bit scale and m minus its dmin times the 6-bit
-minimum, Q6_K's d the super-block's d times each 16 weights' int8 scale, its values q - 32.
-Those products are exact in float32 (11 bits of d times 6 or 8 of a scale), not in float16, so
-these two formats hold float32 scales.
+K-quants keep their two levels of scales: a 256-weight super-block's float16 D (and Q4_K's
+Dmin) over 6-bit sub-block scales sc and minimums mn (Q4_K, one each per 32 weights) or int8
+scales (Q6_K, one per 16; its values q - 32). The kernel multiplies D * sc in float32, which
+holds it exactly (11 bits of D times 6 or 8 of sc; float16 holds few of these products), so
+the numbers are those of the GGUF file.
 
 A 4-bit block's byte j holds element j in its low nibble and element j + 16 in its high one
-(GGUF's order). Each weight is three arrays with one row per output feature, so fusing
+(GGUF's order). Each weight is a few arrays with one row per output feature, so fusing
 projections (q/k/v, gate/up) concatenates rows and tensor parallel takes rows, or columns in
-whole blocks: ``qweight`` (uint8 [N, K / 2] or int8 [N, K]), ``scales`` (float16 or, for q4_k
-and q6_k, float32 [N, K / 32]; q6_k's [N, K / 16]) and, for q4_1, q4_k, int8 and int4,
-``mins`` (the scales' dtype, [N, K / 32]).
+whole blocks: ``qweight`` (uint8 [N, K / 2] or int8 [N, K]), ``scales`` (float16 [N, K / 32];
+q4_k's uint8, q6_k's int8 [N, K / 16]), for q4_1, q4_k, int8 and int4 ``mins`` (the scales'
+dtype, [N, K / 32]; q4_k's uint8), and for the K-quants their super-block's float16 D beside
+each block, ``super_scales`` [N, K / 32], and q4_k's -Dmin, ``super_mins`` [N, K / 32] (one
+value a block, so that a tensor-parallel column share need not be whole super-blocks; the
+kernel's layout holds one a super-block).
 
-In the file, weight ``NAME`` is stored as ``NAME.qweight``, ``NAME.scales`` (and
-``NAME.mins``), and the file's metadata ``formats`` maps every such ``NAME`` to its format.
+In the file, weight ``NAME`` is stored as ``NAME.<part>`` for each of its parts, and the
+file's metadata ``formats`` maps every such ``NAME`` to its format.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ import torch
 BLOCK = 32
 BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q4_k": 4, "q6_k": 8, "int8": 8, "int4": 4}
 WITH_MINS = ("q4_1", "q4_k", "int8", "int4")
-FLOAT32_SCALES = ("q4_k", "q6_k")
+# the K-quants' sub-block scales (and Q4_K's minimums): small integers under super_scales
+# (and super_mins), one float16 a block
+INTEGER_SCALES = {"q4_k": torch.uint8, "q6_k": torch.int8}
 SCALES_PER_BLOCK = {"q6_k": 2}  # one scale for each 16 weights
-PARTS = ("qweight", "scales", "mins")
+PARTS = ("qweight", "scales", "mins", "super_scales", "super_mins")
 FILE = "quantized.safetensors"
 GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q8_0", "Q5_1": "int8",
               "Q4_K": "q4_k", "Q6_K": "q6_k"}
@@ -55,7 +62,20 @@ _GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (3
 
 
 def scale_dtype(fmt: str) -> torch.dtype:
-    return torch.float32 if fmt in FLOAT32_SCALES else torch.float16
+    return INTEGER_SCALES.get(fmt, torch.float16)
+
+
+def weights_per_column(fmt: str) -> dict[str, int]:
+    """Each part of a weight in ``fmt`` -> how many of a row's weights one of its columns
+    stands for (a column share of the weight in whole blocks is these shares of its parts)."""
+    found = {"qweight": 8 // BITS[fmt], "scales": BLOCK // scales_per_block(fmt)}
+    if fmt in WITH_MINS:
+        found["mins"] = BLOCK
+    if fmt in INTEGER_SCALES:
+        found["super_scales"] = BLOCK
+        if fmt in WITH_MINS:
+            found["super_mins"] = BLOCK
+    return found
 
 
 def scales_per_block(fmt: str) -> int:
@@ -70,6 +90,23 @@ class PackedWeight:
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, fmt: str, rows: int, cols: int, device: torch.device) -> PackedWeight:
+        """Uninitialized parts of an [rows, cols] weight in ``fmt`` (a loader's targets)."""
+        bits, blocks = BITS[fmt], cols // BLOCK
+        small = dict(dtype=scale_dtype(fmt), device=device)
+        supers = dict(dtype=torch.float16, device=device)
+        return cls(
+            fmt,
+            torch.empty(rows, cols * bits // 8,
+                        dtype=torch.int8 if bits == 8 else torch.uint8, device=device),
+            torch.empty(rows, blocks * scales_per_block(fmt), **small),
+            torch.empty(rows, blocks, **small) if fmt in WITH_MINS else None,
+            torch.empty(rows, blocks, **supers) if fmt in INTEGER_SCALES else None,
+            torch.empty(rows, blocks, **supers) if fmt == "q4_k" else None)
 
     @property
     def bits(self) -> int:
@@ -81,8 +118,35 @@ class PackedWeight:
         return rows, width * 8 // self.bits
 
     def parts(self) -> dict[str, torch.Tensor]:
-        found = {"qweight": self.qweight, "scales": self.scales, "mins": self.mins}
+        found = {part: getattr(self, part) for part in PARTS}
         return {part: tensor for part, tensor in found.items() if tensor is not None}
+
+    def columns(self, start: int, stop: int) -> PackedWeight:
+        """Columns [start, stop) of the weight (whole blocks), as a weight of its own."""
+        cut = {part: getattr(self, part)[:, start // width: stop // width].contiguous()
+               for part, width in weights_per_column(self.format).items()}
+        return PackedWeight(self.format, **cut)
+
+    def repack_args(self) -> tuple:
+        """The kernel's ``quant_repack`` arguments (csrc/quant_linear.cpp)."""
+        return (self.qweight, self.scales, self.mins, self.super_scales, self.super_mins,
+                self.bits)
+
+    def block_scales(self) -> torch.Tensor:
+        """Each block's (q6_k: each 16 weights') scale d in float64 [N, K / 32 * halves]:
+        the K-quants' D * sc, exact."""
+        scales = self.scales.to(torch.float64)
+        if self.super_scales is None:
+            return scales
+        halves = scales_per_block(self.format)
+        return self.super_scales.to(torch.float64).repeat_interleave(halves, dim=1) * scales
+
+    def block_mins(self) -> torch.Tensor | None:
+        """Each block's minimum m in float64 [N, K / 32] (q4_k's -Dmin * mn), or None."""
+        if self.mins is None:
+            return None
+        mins = self.mins.to(torch.float64)
+        return mins if self.super_mins is None else self.super_mins.to(torch.float64) * mins
 
     def dequantize(self) -> torch.Tensor:
         """The float64 [N, K] matrix the blocks stand for (the tests' reference)."""
@@ -94,13 +158,14 @@ class PackedWeight:
             q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).to(torch.float64)
         q = q.reshape(rows, cols)
         width = BLOCK // scales_per_block(self.format)  # weights per scale
-        scales = self.scales.to(torch.float64).expand(rows, cols // width)
+        scales = self.block_scales().expand(rows, cols // width)
         scales = scales.repeat_interleave(width, dim=1)
         if self.format == "q4_0":
             return scales * (q - 8)
-        if self.mins is None:
+        mins = self.block_mins()
+        if mins is None:
             return scales * q
-        return scales * q + self.mins.to(torch.float64).repeat_interleave(BLOCK, dim=1)
+        return scales * q + mins.repeat_interleave(BLOCK, dim=1)
 
 
 def from_gguf(kind: str, blocks: np.ndarray) -> PackedWeight:
@@ -129,18 +194,18 @@ def from_gguf(kind: str, blocks: np.ndarray) -> PackedWeight:
         # 4 runs of 64 weights: 32 bytes, the first 32 weights low, the next 32 high
         q = data[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
         q = (q & 15).reshape(rows, -1, BLOCK)
-        d = _half(data, 0).astype(np.float32)[..., None]
-        dmin = _half(data, 2).astype(np.float32)[..., None]
-        return _packed(kind, q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4),
-                       d * sc.astype(np.float32), -(dmin * mins.astype(np.float32)))
+        per_block = (*sc.shape[:2], 8)  # the super-block's D and -Dmin beside its 8 blocks
+        return _packed(kind, q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4), sc, mins,
+                       np.broadcast_to(_half(data, 0)[..., None], per_block),
+                       np.broadcast_to(-_half(data, 2)[..., None], per_block))
     if kind == "Q6_K":
         low = data[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
         high = (data[..., 128:192].reshape(rows, -1, 2, 1, 32)
                 >> np.array([0, 2, 4, 6], np.uint8)[:, None])
         q = ((low & 15).reshape(rows, -1, 256) | ((high & 3).reshape(rows, -1, 256) << 4))
-        sc = np.ascontiguousarray(data[..., 192:208]).view(np.int8).astype(np.float32)
-        return _packed(kind, q.astype(np.int8) - 32,
-                       _half(data, 208).astype(np.float32)[..., None] * sc)
+        sc = np.ascontiguousarray(data[..., 192:208]).view(np.int8)
+        return _packed(kind, q.astype(np.int8) - 32, sc, None,
+                       np.broadcast_to(_half(data, 208)[..., None], (*sc.shape[:2], 8)))
     raise ValueError(f"GGUF type {kind} has no block format here")
 
 
@@ -154,15 +219,17 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 15, packed >> 4], axis=-1)
 
 
-def _packed(kind: str, values: np.ndarray, scales: np.ndarray,
-            mins: np.ndarray | None = None) -> PackedWeight:
-    rows = values.shape[0]
+def _packed(kind: str, *parts: np.ndarray | None) -> PackedWeight:
+    """``parts`` (values, scales and any of mins, super_scales, super_mins) as tensors
+    [N, ...]."""
+    rows = parts[0].shape[0]
 
-    def tensor(array: np.ndarray) -> torch.Tensor:
+    def tensor(array: np.ndarray | None) -> torch.Tensor | None:
+        if array is None:
+            return None
         return torch.from_numpy(np.ascontiguousarray(array).reshape(rows, -1).copy())
 
-    return PackedWeight(GGUF_TYPES[kind], tensor(values), tensor(scales),
-                        None if mins is None else tensor(mins))
+    return PackedWeight(GGUF_TYPES[kind], *(tensor(part) for part in parts))
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> PackedWeight:

@@ -4,16 +4,23 @@
 //   bits 8: w = d * q (+ m), q int8         (GGUF Q8_0, Q5_0, Q6_K; int8 and Q5_1 with m)
 //   bits 4: w = d * q + m, q in 0..15       (GGUF Q4_1, Q4_K, int4; GGUF Q4_0 is m = -8 d)
 //
-// with d and m float16 per block, or float32 (Q4_K, Q6_K: a K-quant's super-block scale times
-// a block's small integer one, exact in float32 only), the scales' dtype saying which. 8-bit
-// weights may have no m, and may have two d per block, one for each 16 weights (Q6_K): their
-// halves' integer sums are then scaled apart. quant_repack lays a checkpoint's blocks out
-// once for these loops: kRows output rows interleaved, so that one vector holds the same 4
-// consecutive k of kRows rows (a "k-quad"), and a block of 32 is 8 such vectors:
+// with d and m float16 per block, or for the K-quants two levels: d = D * sc and m = Dmin' * mn,
+// sc and mn a block's small integers (Q4_K: uint8 6-bit sc and mn per 32; Q6_K: int8 sc per 16)
+// and D, Dmin' (= -Dmin) their 256-weight super-block's float16, the scales' dtype saying which.
+// The loops form D * sc in float32, which holds it exactly (11 bits times at most 8), so the
+// weights are the file's numbers while a Q4_K block costs 2 bytes of scales, not 8 as float32
+// d and m. 8-bit weights may have no m, and may have two d per block, one for each 16 weights
+// (Q6_K): their halves' integer sums are then scaled apart. quant_repack lays a checkpoint's
+// blocks out once for these loops: kRows output rows interleaved, so that one vector holds the
+// same 4 consecutive k of kRows rows (a "k-quad"), and a block of 32 is 8 such vectors:
 //
 //   qweight [groups, blocks, 8 k-quads x kRows x 4 values]  (4-bit: two k-quads' rows
 //            per byte: rows 0 .. kRows/2 - 1 in the low nibbles, the others in the high)
-//   scales [groups, blocks, halves, kRows], mins [groups, blocks, kRows], float16 or float32
+//   scales [groups, blocks, halves, kRows], mins [groups, blocks, kRows]: float16, or the
+//            K-quants' uint8 (Q4_K) or int8 (Q6_K) sc and mn
+//   supers [groups, supers, parts, kRows] float16: the K-quants' D (and Dmin', parts 2) of
+//            each super-block of 8 blocks, or of each block where a tensor-parallel share of
+//            the columns starts inside a super-block (supers = blocks); empty otherwise
 //            (groups = ceil(N / kRows); the padding rows are zeros; mins empty for 8-bit
 //            weights without m)
 //
@@ -64,15 +71,21 @@ constexpr int kOffset8 = 128;
 
 inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
 
+// How a weight's scales and minimums are held: float16, or a K-quant's small integers under
+// its super-block's float16.
+enum class Scales { kHalf, kUnsigned, kSigned };
+
 // The repacked weight of one call.
 struct Weights {
   const uint8_t* q;     // [groups, blocks, group_bytes]
-  const void* scales;   // [groups, blocks, halves, kRows] float16, or float32 when wide
+  const void* scales;   // [groups, blocks, halves, kRows]
   const void* mins;     // [groups, blocks, kRows] as the scales, or nullptr (8-bit without m)
+  const c10::Half* supers;  // [groups, super_count, super_parts, kRows], or nullptr
   int bits;
-  bool wide;            // float32 scales and mins
+  Scales kind;
   int halves;           // scales per block: 2 = one for each 16 weights (8-bit only)
   int64_t N, K, blocks, groups;
+  int64_t super_count = 0, per_super = 1, super_parts = 1;
 
   const uint8_t* block(int64_t g, int64_t b) const {
     return q + (g * blocks + b) * group_bytes(bits);
@@ -82,11 +95,26 @@ struct Weights {
   int64_t scale_at(int64_t g, int64_t b, int64_t h) const {
     return ((g * blocks + b) * halves + h) * kRows;
   }
-  float scale(int64_t i) const { return number(scales, i); }
-  float min(int64_t i) const { return mins ? number(mins, i) : 0.f; }
+  // Block b's super-block D (part 0) or Dmin' (part 1), kRows of them.
+  const c10::Half* super(int64_t g, int64_t b, int part) const {
+    return supers + ((g * super_count + b / per_super) * super_parts + part) * kRows;
+  }
   float number(const void* p, int64_t i) const {
-    return wide ? static_cast<const float*>(p)[i]
-                : static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+    switch (kind) {
+      case Scales::kUnsigned: return static_cast<const uint8_t*>(p)[i];
+      case Scales::kSigned: return static_cast<const int8_t*>(p)[i];
+      default: return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+    }
+  }
+  // Lane r's scale of half h of block b, and its minimum (exact products in float32).
+  float scale(int64_t g, int64_t b, int64_t h, int64_t r) const {
+    const float d = number(scales, scale_at(g, b, h) + r);
+    return kind == Scales::kHalf ? d : static_cast<float>(super(g, b, 0)[r]) * d;
+  }
+  float min(int64_t g, int64_t b, int64_t r) const {
+    if (!mins) return 0.f;
+    const float m = number(mins, at(g, b) + r);
+    return kind == Scales::kHalf ? m : static_cast<float>(super(g, b, 1)[r]) * m;
   }
 };
 
@@ -183,11 +211,19 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
 }
 
 #if defined(RADIXSERVE_VNNI)
-// kRows scales or minimums from ``p`` (float16, or float32 when wide) at ``at``.
-inline __m512 load_lanes(const void* p, bool wide, int64_t at) {
-  if (wide) return _mm512_loadu_ps(static_cast<const float*>(p) + at);
-  return _mm512_cvtph_ps(_mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(p) + at)));
+inline __m512 load_halves(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// kRows scales or minimums of ``w`` at ``at`` (times the super-block's part ``part``).
+inline __m512 load_lanes(const Weights& w, const void* p, int64_t at, int64_t g, int64_t b,
+                         int part) {
+  if (w.kind == Scales::kHalf) return load_halves(static_cast<const c10::Half*>(p) + at);
+  const __m128i small = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      static_cast<const uint8_t*>(p) + at));
+  const __m512i wide = w.kind == Scales::kUnsigned ? _mm512_cvtepu8_epi32(small)
+                                                   : _mm512_cvtepi8_epi32(small);
+  return _mm512_mul_ps(load_halves(w.super(g, b, part)), _mm512_cvtepi32_ps(wide));
 }
 
 // Output rows [16 g, 16 g + 16) for activation rows m0 .. m0 + R.
@@ -238,7 +274,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
           }
         }
       }
-      const __m512 ws = load_lanes(w.scales, w.wide, w.scale_at(g, b, h));
+      const __m512 ws = load_lanes(w, w.scales, w.scale_at(g, b, h), g, b, 0);
       for (int r = 0; r < R; ++r) {
         __m512i sum = dot[r][0];
         for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[r][c]);
@@ -255,7 +291,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
       }
     }
     if (w.mins) {
-      const __m512 wm = load_lanes(w.mins, w.wide, w.at(g, b));
+      const __m512 wm = load_lanes(w, w.mins, w.at(g, b), g, b, 1);
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.sum[(m0 + r) * a.blocks + b]), acc[r]);
       }
@@ -265,10 +301,18 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
 using Accumulator = __m512;
 inline void store_lanes(const __m512& v, float* out) { _mm512_storeu_ps(out, v); }
 #elif defined(RADIXSERVE_AVX2)
-inline __m256 load_lanes(const void* p, bool wide, int64_t at) {
-  if (wide) return _mm256_loadu_ps(static_cast<const float*>(p) + at);
-  return _mm256_cvtph_ps(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(p) + at)));
+inline __m256 load_halves(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 load_lanes(const Weights& w, const void* p, int64_t at, int64_t g, int64_t b,
+                         int part) {
+  if (w.kind == Scales::kHalf) return load_halves(static_cast<const c10::Half*>(p) + at);
+  const __m128i small = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+      static_cast<const uint8_t*>(p) + at));
+  const __m256i wide = w.kind == Scales::kUnsigned ? _mm256_cvtepu8_epi32(small)
+                                                   : _mm256_cvtepi8_epi32(small);
+  return _mm256_mul_ps(load_halves(w.super(g, b, part)), _mm256_cvtepi32_ps(wide));
 }
 
 template <int R, int Halves>
@@ -289,8 +333,8 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
       }
     }
     __m256 ws[Halves];
-    for (int h = 0; h < Halves; ++h) ws[h] = load_lanes(w.scales, w.wide, w.scale_at(g, b, h));
-    const __m256 wm = w.mins ? load_lanes(w.mins, w.wide, w.at(g, b)) : _mm256_setzero_ps();
+    for (int h = 0; h < Halves; ++h) ws[h] = load_lanes(w, w.scales, w.scale_at(g, b, h), g, b, 0);
+    const __m256 wm = w.mins ? load_lanes(w, w.mins, w.at(g, b), g, b, 1) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + m * a.K + b * kBlock);
@@ -336,12 +380,12 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, A
   constexpr int64_t kHalf = kBlock / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     for (int64_t lane = 0; lane < kRows; ++lane) {
-      const float mn = w.min(w.at(g, b) + lane);
+      const float mn = w.min(g, b, lane);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r, at = m * a.blocks + b;
         const int8_t* xq = a.q.data() + m * a.K + b * kBlock;
         for (int h = 0; h < Halves; ++h) {
-          const float d = w.scale(w.scale_at(g, b, h) + lane);
+          const float d = w.scale(g, b, h, lane);
           int32_t dot = 0;
           for (int64_t e = h * kHalf; e < (h + 1) * kHalf; ++e) {
             const int32_t x = a.two ? xq[e] * kDigit2 + a.q2[m * a.K + b * kBlock + e] : xq[e];
@@ -374,8 +418,18 @@ void write_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, T
   }
 }
 
+Scales scales_kind(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf: return Scales::kHalf;
+    case at::kByte: return Scales::kUnsigned;
+    case at::kChar: return Scales::kSigned;
+    default:
+      TORCH_CHECK(false, "quant_linear: scales float16, uint8 or int8 expected, got ", dtype);
+  }
+}
+
 Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
-                 int64_t bits, int64_t N) {
+                 const at::Tensor& supers, int64_t bits, int64_t N) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous() &&
                   qweight.scalar_type() == at::kByte && qweight.size(2) == group_bytes(bits),
@@ -383,13 +437,14 @@ Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::
   const int64_t groups = qweight.size(0), blocks = qweight.size(1);
   TORCH_CHECK(N > (groups - 1) * kRows && N <= groups * kRows, "quant_linear: N = ", N,
               " does not match ", groups, " row groups");
-  const bool wide = scales.scalar_type() == at::kFloat;
+  const Scales kind = scales_kind(scales.scalar_type());
   const int64_t per_group = groups * blocks * kRows;
-  TORCH_CHECK(scales.is_contiguous() && (wide || scales.scalar_type() == at::kHalf) &&
+  TORCH_CHECK(scales.is_contiguous() &&
                   (scales.numel() == per_group || (bits == 8 && scales.numel() == 2 * per_group)),
               "quant_linear: scales from quant_repack expected");
-  Weights w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), nullptr, static_cast<int>(bits),
-            wide, static_cast<int>(scales.numel() / std::max<int64_t>(per_group, 1)), N,
+  Weights w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), nullptr, nullptr,
+            static_cast<int>(bits), kind,
+            static_cast<int>(scales.numel() / std::max<int64_t>(per_group, 1)), N,
             blocks * kBlock, blocks, groups};
   if (per_group == 0) w.halves = 1;
   TORCH_CHECK(bits == 8 || mins.numel() > 0, "quant_linear: 4-bit weights need mins");
@@ -398,6 +453,19 @@ Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::
                     mins.numel() == per_group && w.halves == 1,
                 "quant_linear: mins from quant_repack expected");
     w.mins = mins.data_ptr();
+  }
+  if (kind != Scales::kHalf) {
+    w.super_parts = w.mins ? 2 : 1;
+    TORCH_CHECK(supers.scalar_type() == at::kHalf && supers.is_contiguous() &&
+                    supers.dim() == 4 && supers.size(0) == groups &&
+                    supers.size(2) == w.super_parts && supers.size(3) == kRows &&
+                    (supers.size(1) == blocks || supers.size(1) == (blocks + 7) / 8),
+                "quant_linear: supers from quant_repack expected");
+    w.super_count = supers.size(1);
+    w.per_super = w.super_count == blocks ? 1 : 8;
+    w.supers = static_cast<const c10::Half*>(supers.data_ptr());
+  } else {
+    TORCH_CHECK(supers.numel() == 0, "quant_linear: float16 scales take no supers");
   }
   return w;
 }
@@ -428,8 +496,9 @@ void run(const at::Tensor& x, const Weights& w, bool two, at::Tensor& out) {
 // x [M, K] (float32, bf16 or fp16) @ the repacked weight's [N, K].T -> [M, N] in x's dtype,
 // the activations quantized in ``digits`` (1 or 2) int8 digits.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits, int64_t N, int64_t digits) {
-  const Weights w = describe(qweight, scales, mins, bits, N);
+                        const at::Tensor& mins, const at::Tensor& supers, int64_t bits, int64_t N,
+                        int64_t digits) {
+  const Weights w = describe(qweight, scales, mins, supers, bits, N);
   TORCH_CHECK(digits == 1 || digits == 2, "quant_linear: digits must be 1 or 2, got ", digits);
   const bool two = digits == 2;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == w.K,
@@ -475,32 +544,79 @@ void repack_scales(const S* scales, const S* mins, int64_t N, int64_t blocks, in
   }
 }
 
+// A K-quant's super-block D (and Dmin'), one per block in the checkpoint ([N, blocks] float16
+// each), as [groups, supers, parts, kRows]: one per 8 blocks where every aligned run of 8 shares
+// its values (a whole tensor's blocks, or a column share starting on a super-block), else one
+// per block.
+at::Tensor repack_supers(const at::Tensor& super_scales, const at::Tensor& super_mins,
+                         int64_t N, int64_t blocks, int64_t groups) {
+  std::vector<at::Tensor> parts{super_scales.contiguous()};
+  if (super_mins.defined()) parts.push_back(super_mins.contiguous());
+  for (const at::Tensor& part : parts) {
+    TORCH_CHECK(part.scalar_type() == at::kHalf && part.dim() == 2 && part.size(0) == N &&
+                    part.size(1) == blocks,
+                "quant_repack: super_scales and super_mins [N, K / 32] float16");
+  }
+  bool shared = true;
+  for (const at::Tensor& part : parts) {
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(part.data_ptr());
+    for (int64_t i = 0; shared && i < N * blocks; ++i) shared = v[i] == v[i - i % blocks % 8];
+  }
+  const int64_t per = shared ? 8 : 1, count = (blocks + per - 1) / per;
+  const int64_t n_parts = static_cast<int64_t>(parts.size());
+  at::Tensor out = at::zeros({groups, count, n_parts, kRows}, super_scales.options());
+  c10::Half* dst = out.data_ptr<c10::Half>();
+  for (int64_t p = 0; p < n_parts; ++p) {
+    const c10::Half* src = parts[p].data_ptr<c10::Half>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t s = 0; s < count; ++s) {
+        dst[((n / kRows * count + s) * n_parts + p) * kRows + n % kRows] =
+            src[n * blocks + s * per];
+      }
+    }
+  }
+  return out;
+}
+
 // A checkpoint's blocks (quant_formats.py: qweight uint8 [N, K / 2] or int8 [N, K]; scales
-// [N, K / 32] float16 or float32, or for 8-bit weights [N, K / 16], one for each 16 weights,
-// with any strides; mins [N, K / 32] in the scales' dtype, or undefined) in the interleaved
-// layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d; an 8-bit one keeps none.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qweight,
-                                                            const at::Tensor& scales,
-                                                            const c10::optional<at::Tensor>& mins,
-                                                            int64_t bits) {
+// [N, K / 32] float16, or the K-quants' uint8 (Q4_K) or int8 (Q6_K: [N, K / 16], one for each
+// 16 weights, as any 8-bit weight may have), with any strides; mins [N, K / 32] in the scales'
+// dtype, or undefined; for the K-quants super_scales (and Q4_K's super_mins) [N, K / 32]
+// float16) in the interleaved layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d;
+// an 8-bit one keeps none.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_repack(
+    const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+    const c10::optional<at::Tensor>& super_scales, const c10::optional<at::Tensor>& super_mins,
+    int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_repack: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1,
               "quant_repack: qweight [N, bytes] contiguous");
   const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits;
   TORCH_CHECK(K % kBlock == 0, "quant_repack: K = ", K, " is not a multiple of 32");
   const int64_t blocks = K / kBlock, groups = (N + kRows - 1) / kRows;
-  const bool wide = scales.scalar_type() == at::kFloat;
-  TORCH_CHECK((wide || scales.scalar_type() == at::kHalf) && scales.dim() == 2 &&
-                  scales.size(0) == N &&
+  const Scales kind = scales_kind(scales.scalar_type());
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N &&
                   (scales.size(1) == blocks || (bits == 8 && scales.size(1) == 2 * blocks)),
-              "quant_repack: scales [N, K / 32] (8-bit: or [N, K / 16]) float16 or float32");
+              "quant_repack: scales [N, K / 32] (8-bit: or [N, K / 16])");
   const int64_t halves = blocks ? scales.size(1) / blocks : 1;
   const bool has_mins = mins.has_value() && mins->defined();
+  const bool has_supers = super_scales.has_value() && super_scales->defined();
+  const bool has_super_mins = super_mins.has_value() && super_mins->defined();
+  TORCH_CHECK(has_supers == (kind != Scales::kHalf) && (!has_super_mins || has_mins) &&
+                  has_super_mins == (kind != Scales::kHalf && has_mins),
+              "quant_repack: integer scales (and minimums) come with super_scales (and "
+              "super_mins), float16 ones without");
+  TORCH_CHECK(kind == Scales::kHalf || bits == 8 || has_mins,
+              "quant_repack: 4-bit weights with integer scales need mins");
   auto opts = qweight.options();
   at::Tensor packed = at::zeros({groups, blocks, group_bytes(bits)}, opts.dtype(at::kByte));
   at::Tensor out_scales = at::zeros({groups, blocks, halves, kRows}, scales.options());
   const bool keep_mins = bits == 4 || has_mins;
   at::Tensor out_mins = at::zeros({keep_mins ? groups : 0, blocks, kRows}, scales.options());
+  at::Tensor out_supers =
+      has_supers ? repack_supers(*super_scales, has_super_mins ? *super_mins : at::Tensor(), N,
+                                 blocks, groups)
+                 : at::zeros({0}, opts.dtype(at::kHalf));
   if (bits == 8 && kOffset8) packed.fill_(kOffset8);  // padding rows hold q = 0
   const uint8_t* src = static_cast<const uint8_t*>(qweight.data_ptr());
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -510,15 +626,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qw
   TORCH_CHECK(!has_mins || (halves == 1 && mins_rows.scalar_type() == scales.scalar_type() &&
                             mins_rows.sizes() == scales.sizes()),
               "quant_repack: mins [N, K / 32] in the scales' dtype");
-  if (wide) {
-    repack_scales(scale_rows.data_ptr<float>(), has_mins ? mins_rows.data_ptr<float>() : nullptr,
-                  N, blocks, halves, out_scales.data_ptr<float>(),
-                  keep_mins ? out_mins.data_ptr<float>() : nullptr);
-  } else {
-    repack_scales(scale_rows.data_ptr<c10::Half>(),
-                  has_mins ? mins_rows.data_ptr<c10::Half>() : nullptr, N, blocks, halves,
-                  out_scales.data_ptr<c10::Half>(),
-                  keep_mins ? out_mins.data_ptr<c10::Half>() : nullptr);
+  switch (kind) {
+    case Scales::kHalf:
+      repack_scales(scale_rows.data_ptr<c10::Half>(),
+                    has_mins ? mins_rows.data_ptr<c10::Half>() : nullptr, N, blocks, halves,
+                    out_scales.data_ptr<c10::Half>(),
+                    keep_mins ? out_mins.data_ptr<c10::Half>() : nullptr);
+      break;
+    case Scales::kUnsigned:
+      repack_scales(scale_rows.data_ptr<uint8_t>(),
+                    has_mins ? mins_rows.data_ptr<uint8_t>() : nullptr, N, blocks, halves,
+                    out_scales.data_ptr<uint8_t>(),
+                    keep_mins ? out_mins.data_ptr<uint8_t>() : nullptr);
+      break;
+    case Scales::kSigned:
+      repack_scales(scale_rows.data_ptr<int8_t>(),
+                    has_mins ? mins_rows.data_ptr<int8_t>() : nullptr, N, blocks, halves,
+                    out_scales.data_ptr<int8_t>(),
+                    keep_mins ? out_mins.data_ptr<int8_t>() : nullptr);
+      break;
   }
   for (int64_t n = 0; n < N; ++n) {
     const int64_t g = n / kRows, lane = n % kRows;
@@ -538,7 +664,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_repack(const at::Tensor& qw
       }
     }
   }
-  return {packed, out_scales, out_mins};
+  return {packed, out_scales, out_mins, out_supers};
 }
 
 template <typename T>
@@ -547,9 +673,9 @@ void dequantize_rows(const Weights& w, const int64_t* rows, int64_t count, T* ou
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = rows[i], g = n / kRows, lane = n % kRows;
       for (int64_t b = 0; b < w.blocks; ++b) {
-        const float mn = w.min(w.at(g, b) + lane);
+        const float mn = w.min(g, b, lane);
         for (int64_t e = 0; e < kBlock; ++e) {
-          const float d = w.scale(w.scale_at(g, b, e * w.halves / kBlock) + lane);
+          const float d = w.scale(g, b, e * w.halves / kBlock, lane);
           out[i * w.K + b * kBlock + e] =
               static_cast<T>(d * static_cast<float>(value_at(w, g, b, lane, e)) + mn);
         }
@@ -560,9 +686,9 @@ void dequantize_rows(const Weights& w, const int64_t* rows, int64_t count, T* ou
 
 // Rows ``rows`` (int64) of the dense matrix the repacked blocks stand for, in ``dtype``.
 at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scales,
-                             const at::Tensor& mins, int64_t bits, int64_t N,
-                             const at::Tensor& rows, at::ScalarType dtype) {
-  const Weights w = describe(qweight, scales, mins, bits, N);
+                             const at::Tensor& mins, const at::Tensor& supers, int64_t bits,
+                             int64_t N, const at::Tensor& rows, at::ScalarType dtype) {
+  const Weights w = describe(qweight, scales, mins, supers, bits, N);
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "dequantize_weight: rows int64 [count]");
   const int64_t count = rows.size(0);
@@ -600,12 +726,12 @@ std::string quant_linear_isa() {
 }  // namespace
 
 RADIXSERVE_OPS_FRAGMENT(m) {
-  m.def("quant_repack(Tensor qweight, Tensor scales, Tensor? mins, int bits) -> "
-        "(Tensor, Tensor, Tensor)");
-  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int bits, int N, "
-        "int digits) -> Tensor");
-  m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor mins, int bits, int N, "
-        "Tensor rows, ScalarType dtype) -> Tensor");
+  m.def("quant_repack(Tensor qweight, Tensor scales, Tensor? mins, Tensor? super_scales, "
+        "Tensor? super_mins, int bits) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, Tensor supers, "
+        "int bits, int N, int digits) -> Tensor");
+  m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor mins, Tensor supers, int bits, "
+        "int N, Tensor rows, ScalarType dtype) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 
