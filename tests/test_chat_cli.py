@@ -14,6 +14,9 @@ import time
 
 import pytest
 
+from engine.cli import main
+from engine.runtime.launcher import free_port
+
 pytestmark = pytest.mark.e2e
 
 STATS = re.compile(
@@ -43,10 +46,11 @@ def test_two_turns_then_ctrl_d(tmp_path, request, which):
     """On the demo model, and on a GGUF the compiled kernels read in the machine's dtype (the
     default model's path: its second turn once killed the server)."""
     model = "demo" if which == "demo" else request.getfixturevalue("default_model")
+    port = free_port()
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "chat", "--model", model, "--max-tokens", "6",
-         "--temperature", "0"],
+         "--temperature", "0", "--port", str(port)],
         stdin=slave,
         stdout=slave,
         stderr=slave,
@@ -56,6 +60,7 @@ def test_two_turns_then_ctrl_d(tmp_path, request, which):
     try:
         banner = expect(master, "you> ")
         assert "chatting with" in banner and "session sess-" in banner
+        assert f"at http://127.0.0.1:{port} " in banner  # --port: the server it started
         os.write(master, b"Hello there!\n")
         first = STATS.search(expect(master, "you> ", 120))
         os.write(master, b"Tell me more.\n")
@@ -70,3 +75,11 @@ def test_two_turns_then_ctrl_d(tmp_path, request, which):
             proc.kill()
         os.close(master)
     assert list(tmp_path.glob("radixserve-*")) == []  # its server removed its socket directory
+
+
+def test_port_and_model_are_for_the_server_it_starts(capsys):
+    for extra in (["--port", "30001"], ["--model", "demo"]):
+        assert main(["chat", "--url", "http://127.0.0.1:1", *extra]) == 2
+        assert "with --url, give neither" in capsys.readouterr().err
+    assert main(["chat", "--port", "70000"]) == 2
+    assert "--port 70000 is not a port" in capsys.readouterr().err

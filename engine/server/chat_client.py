@@ -29,8 +29,8 @@ class LocalServer:
     url: str
 
     @classmethod
-    def start(cls, model: str | None) -> LocalServer:
-        port = free_port()
+    def start(cls, model: str | None, port: int | None = None) -> LocalServer:
+        port = free_port() if port is None else port
         command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
                    "--log-level", "error", *(["--model", model] if model else [])]
         log = tempfile.TemporaryFile("w+")
