@@ -174,11 +174,16 @@ def test_metrics_show_the_kv_caches_dtype_capacity_and_bytes() -> None:
     from engine.server.metrics import FrontendState, Metrics
 
     info = msgspec.structs.replace(INFO, kv_cache_dtype="int8", kv_cache_bytes=32 * 3000,
-                                   weight_bytes={"q4_1": 70_000_000, "bfloat16": 60_000})
+                                   weight_bytes={"q4_1": 70_000_000, "bfloat16": 60_000},
+                                   linear_forms={"q4_1 960x576 bfloat16": {"1-2": "blocks",
+                                                                           "257+": "widened"}})
     stats = SchedulerStats(kv_pages_total=64)
     text = Metrics(lambda: stats, lambda: FrontendState(0, 0, True), info).render().decode()
     assert 'radixserve_model_weight_bytes{format="q4_1"} 7e+07' in text
     assert 'radixserve_model_weight_bytes{format="bfloat16"} 60000.0' in text
+    assert ('radixserve_linear_form_info{form="widened",rows="257+",'
+            'weight="q4_1 960x576 bfloat16"} 1.0') in text
+    assert 'form="blocks",rows="1-2"' in text
     assert ('radixserve_kv_cache_info{attention_backend="torch",kv_cache_dtype="int8",'
             'page_size="16"} 1.0') in text
     assert "radixserve_kv_cache_capacity_tokens 1024.0" in text

@@ -71,6 +71,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "tensors, embedding included; other checkpoints dense), none (every weight widened to --dtype), int8 or int4 (per "
         "group of 32, a step and a minimum each): the decoder's projections quantized once at "
         "load and cached; CPU only"))] = "auto"
+    linear_form: Annotated[Literal["auto", "blocks", "widened"], Meta(description=(
+        "how products over quantized weights run: auto (for each weight and row count, the "
+        "faster of the two timed at load on this CPU and cached beside the checkpoint), "
+        "blocks (the block kernel at every row count: each row's result independent of the "
+        "batch) or widened (the weight widened to bf16 into a scratch for oneDNN's GEMM, AMX "
+        "where the CPU has it)"))] = "auto"
     # LoRA adapters (engine/contracts/lora.py, engine/worker/lora_pool.py)
     enable_lora: Annotated[bool, Meta(description=(
         "serve LoRA adapters of the base model: a request names one as its `model`; each "

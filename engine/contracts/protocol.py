@@ -389,6 +389,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     # the weights' bytes by format (a dtype's name, or a block format: q4_1, int8, ...); rank
     # 0's share under tensor parallel
     weight_bytes: dict[str, int] = {}
+    # quantized weights' product forms: "format NxK dtype" -> rows ("17-64") -> blocks or
+    # widened (engine/worker/model/linear_forms.py); rank 0's under tensor parallel
+    linear_forms: dict[str, dict[str, str]] = {}
     num_host_cache_pages: int = 0  # the prefix cache's host tier (after the swap pages)
     disk_fingerprint: str = ""  # the disk tier's directory for this model and layout, if on
     disk_block_tokens: int = 0

@@ -109,6 +109,14 @@ def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
     for name, size in info.weight_bytes.items():
         weights.add_metric([name], float(size))
     yield weights
+    forms = GaugeMetricFamily(f"{PREFIX}_linear_form_info", "How products over quantized "
+                              "weights run (value 1), by weight (format, shape, activations' "
+                              "dtype) and row count: blocks or widened (--linear-form).",
+                              labels=["weight", "rows", "form"])
+    for weight, choices in info.linear_forms.items():
+        for rows, form in choices.items():
+            forms.add_metric([weight, rows, form], 1.0)
+    yield forms
 
 
 def _tiers(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:

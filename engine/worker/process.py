@@ -58,6 +58,7 @@ class Worker:
             attention_backend=self.runner.attention_backend,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             kv_cache_bytes=self.runner.kv_cache_bytes, weight_bytes=self.runner.weight_formats,
+            linear_forms=self.runner.model.linear_forms,
             num_host_cache_pages=self.runner.num_host_cache_pages,
         )
         if self.runner.lora is not None:

@@ -127,7 +127,8 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(c.model)
         self.model = load_model(c.model, device=self.device, dtype=self.dtype,
                                 config=self.config, tp=self.tp, load_format=c.load_format,
-                                seed=c.seed, quantization=c.quantization)
+                                seed=c.seed, quantization=c.quantization,
+                                linear_form=c.linear_form)
         self._flops_per_token = 2 * self.config.num_params
         self.model.prepack()
         # Bytes of this rank's weights by format (a decode step reads nearly all of them).

@@ -11,7 +11,8 @@
 //   scales [groups, blocks, halves, rows], mins [groups, blocks, rows] or empty: float16 or
 //            float32 d and m, or a K-quant's uint8 (Q4_K) / int8 (Q6_K) small integers, then
 //   supers [groups, super-blocks, parts, rows] float16: their super-block's D (and Dmin'),
-//            d = D * sc and m = Dmin' * mn formed in float32 (exact)
+//            d = D * sc and m = Dmin' * mn formed in float32 (exact); a super-block is 8
+//            blocks, or one where there are as many super-blocks as blocks
 //
 // Every shape is checked against that layout, so a weight laid out otherwise is refused with
 // an error instead of widened wrongly (linear_forms.py then keeps it in blocks).
@@ -33,7 +34,7 @@ struct Layout {
   const void* scales;
   const void* mins;              // or nullptr
   const c10::Half* supers;       // or nullptr
-  int64_t N, blocks, groups, rows, halves, group_bytes, super_count, super_parts;
+  int64_t N, blocks, groups, rows, halves, group_bytes, super_count, per_super, super_parts;
   int bits;
   Kind kind;
 
@@ -49,7 +50,7 @@ struct Layout {
   // weights without super-blocks.
   float super(int64_t g, int64_t b, int part, int64_t r) const {
     if (!supers) return 1.f;
-    const int64_t s = b / (blocks / super_count);
+    const int64_t s = b / per_super;
     return static_cast<float>(supers[((g * super_count + s) * super_parts + part) * rows + r]);
   }
 };
@@ -163,15 +164,16 @@ void widen_weight(at::TensorList blocks_of, int64_t bits, int64_t N, at::Tensor 
   const bool has_supers = supers.defined() && supers.numel() > 0;
   TORCH_CHECK(small == has_supers, "widen_weight: integer scales need super-block ones, and "
               "only they");
-  int64_t super_count = 1, super_parts = 1;
+  int64_t super_count = 1, per_super = 1, super_parts = 1;
   if (has_supers) {
     super_count = supers.size(1);
     super_parts = supers.size(2);
     TORCH_CHECK(supers.dim() == 4 && supers.is_contiguous() &&
                     supers.scalar_type() == at::kHalf && supers.size(0) == groups &&
-                    super_count > 0 && blocks % super_count == 0 &&
+                    (super_count == blocks || super_count == (blocks + 7) / 8) &&
                     super_parts == (has_mins ? 2 : 1) && supers.size(3) == rows,
                 "widen_weight: supers [groups, super-blocks, parts, rows] float16 expected");
+    per_super = super_count == blocks ? 1 : 8;
   }
   const int64_t K = blocks * kBlock;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.stride(1) == 1 &&
@@ -181,7 +183,8 @@ void widen_weight(at::TensorList blocks_of, int64_t bits, int64_t N, at::Tensor 
   const widen::Layout w{qweight.data_ptr<uint8_t>(), scales.data_ptr(),
                         has_mins ? mins.data_ptr() : nullptr,
                         has_supers ? supers.data_ptr<c10::Half>() : nullptr,
-                        N, blocks, groups, rows, halves, group_bytes, super_count, super_parts,
+                        N, blocks, groups, rows, halves, group_bytes, super_count, per_super,
+                        super_parts,
                         static_cast<int>(bits), kind};
   switch (out.scalar_type()) {
     case at::kFloat:

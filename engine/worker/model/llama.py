@@ -300,6 +300,8 @@ class LlamaForCausalLM(_Weights):
         super().__init__(device, dtype)
         self.config, self.tp, self.dtype = config, tp, dtype
         self.formats = formats = dict(formats or {})
+        # weight signature -> the form of each row-count bucket (loader: linear_forms.py)
+        self.linear_forms: dict[str, dict[str, str]] = {}
         self.plan = ShardPlan.for_rank(config, tp.rank if tp else 0, tp.size if tp else 1)
         rows, hidden = self.plan.vocab_rows, config.hidden_size
         self._matrix("embed", (rows,), hidden,

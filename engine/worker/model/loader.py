@@ -24,6 +24,7 @@ from engine.checkpoints.quant_formats import read_formats
 from engine.checkpoints.quantized import LINEAR, quantized_file
 from engine.worker.cpu_kernels import quant_ops
 from engine.worker.model.config import ModelConfig
+from engine.worker.model.linear_forms import choose_forms
 from engine.worker.model.llama import LlamaForCausalLM
 from engine.worker.model.parallel import Collectives, Slice
 
@@ -36,11 +37,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
                config: ModelConfig | None = None, tp: Collectives | None = None,
                load_format: str = "auto", seed: int = 0,
-               quantization: str = "none") -> LlamaForCausalLM:
+               quantization: str = "none", linear_form: str = "auto") -> LlamaForCausalLM:
     """Build the model (``tp``: this rank's share of it) for ``model_dir``'s config on
     ``device`` and fill every weight: from the checkpoint's files, or (``load_format`` "dummy")
     with random values drawn on the device from ``seed``, which needs only config.json.
-    ``quantization`` (engine/checkpoints/quantized.py) says which weights stay in blocks."""
+    ``quantization`` (engine/checkpoints/quantized.py) says which weights stay in blocks,
+    ``linear_form`` how their products run (engine/worker/model/linear_forms.py)."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
     if load_format == "dummy":
@@ -103,6 +105,8 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
     for module in model.modules():  # the blocks as the kernel reads them, once loaded
         for blocks in set(getattr(module, "quantized", {}).values()):
             blocks.repack()
+    if formats:
+        model.linear_forms = choose_forms(model, linear_form, dtype, quantized.parent)
     return model
 
 

@@ -3,10 +3,10 @@ are read by the compiled kernels (engine/worker/csrc/quant_linear.cpp).
 
 A decode step reads every weight once for a handful of rows, so its cost is the bytes read:
 4.5 to 10 bits a weight here (quant_formats.py) against bf16's 16. The kernel quantizes the activations per block
-of 32 and multiplies integers. Every product runs there, whatever the batch, so a row's result
-never depends on the rows beside it (a verify row equals its decode row). A 512-row 4-bit
-product takes about oneDNN's bf16 GEMM's time; with two activation digits (8-bit weights) about
-1.5x (docs/benchmarks.md, "Quantized weights"). Nothing dense is kept.
+of 32 and multiplies integers. A prefill chunk's rows may instead take the weight widened into a
+reused scratch and oneDNN's bf16 GEMM (AMX tiles where the CPU has them), where that is timed
+faster at load (engine/worker/model/linear_forms.py, which says what that costs a row's
+independence of its batch). Nothing dense is kept.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 from engine.checkpoints.quant_formats import (
     BITS,
     BLOCK,
-    WITH_MINS,
+    PARTS,
     PackedWeight,
-    scale_dtype,
-    scales_per_block,
+    weights_per_column,
 )
 from engine.worker.cpu_kernels import quant_ops
+from engine.worker.model.linear_forms import MEASURED_ROWS, Scratch, bucket, product
 from engine.worker.model.parallel import Slice
 
 # int8 digits of the activations against each weight width: against 8-bit weights one digit's
@@ -45,16 +45,14 @@ class QuantizedLinear:
             raise RuntimeError(f"{fmt} weights need the compiled CPU kernels, which are not "
                                "available here (see the log); use --quantization none")
         bits = BITS[fmt]
-        self.format, self.rows, self.bits = fmt, rows, bits
+        self.format, self.rows, self.cols, self.bits = fmt, rows, cols, bits
         self.digits = DIGITS[bits]
-        scales = dict(dtype=scale_dtype(fmt), device=device)
-        self.packed: PackedWeight | None = PackedWeight(
-            fmt,
-            torch.empty(rows, cols * bits // 8,
-                        dtype=torch.int8 if bits == 8 else torch.uint8, device=device),
-            torch.empty(rows, cols // BLOCK * scales_per_block(fmt), **scales),
-            torch.empty(rows, cols // BLOCK, **scales) if fmt in WITH_MINS else None)
-        self.kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the form of each row-count bucket and the widened form's buffer (linear_forms.py)
+        self.forms: tuple[str, ...] = ("blocks",) * len(MEASURED_ROWS)
+        self.scratch: Scratch | None = None
+        self.packed: PackedWeight | None = PackedWeight.empty(fmt, rows, cols, device)
+        # values, scales, minimums, super-block scales (csrc/quant_linear.cpp)
+        self.kernel: tuple[torch.Tensor, ...] | None = None
         self._all_rows = torch.arange(rows, device=device)
 
     @property
@@ -71,9 +69,7 @@ class QuantizedLinear:
 
     def repack(self) -> None:
         """The loaded blocks in the kernel's layout (csrc/quant_linear.cpp), once."""
-        p = self.packed
-        rows, cols = p.shape
-        self.kernel = tuple(self.ops.quant_repack(p.qweight, p.scales, p.mins, p.bits))
+        self.kernel = tuple(self.ops.quant_repack(*self.packed.repack_args()))
         self.packed = None
 
     def rows_dense(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -85,9 +81,8 @@ class QuantizedLinear:
         return self.rows_dense(self._all_rows, dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ bias), in x's dtype."""
-        out = self.ops.quant_linear(x.contiguous(), *self.kernel, self.bits, self.rows,
-                                    self.digits)
+        """x @ W.T (+ bias), in x's dtype, in the form chosen for x's row count."""
+        out = product(self, x.contiguous(), self.forms[bucket(x.shape[0])])
         return out if bias is None else out.add_(bias)
 
 
@@ -163,14 +158,7 @@ def part_sources(name: str, source: Slice, fmt: str) -> dict[str, Slice]:
     A column slice keeps whole blocks: its width is this rank's share, which the layer checked
     to be whole blocks, so every rank's start is too."""
     if source.dim == 0:
-        return {f"{name}.{part}": source for part in ("qweight", "scales", "mins")}
-    per_byte = 8 // BITS[fmt]
-    blocks = Slice(1, source.start // BLOCK, source.stop // BLOCK, source.full // BLOCK)
-    per_scale = BLOCK // scales_per_block(fmt)
-    slices = {f"{name}.qweight": Slice(1, source.start // per_byte, source.stop // per_byte,
-                                       source.full // per_byte),
-              f"{name}.scales": Slice(1, source.start // per_scale, source.stop // per_scale,
-                                      source.full // per_scale)}
-    if fmt in WITH_MINS:
-        slices[f"{name}.mins"] = blocks
-    return slices
+        return {f"{name}.{part}": source for part in PARTS}
+    return {f"{name}.{part}": Slice(1, source.start // width, source.stop // width,
+                                    source.full // width)
+            for part, width in weights_per_column(fmt).items()}
