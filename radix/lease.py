@@ -64,7 +64,7 @@ class Lease:
     ``match`` is what the cache held when the lease began (``length`` tokens of it); the lock
     sits on ``match.node`` until ``commit`` moves it onto a longer path the holder cached."""
 
-    __slots__ = ("tree", "match", "namespace", "_node", "_locked")
+    __slots__ = ("tree", "match", "namespace", "_node", "_locked", "swa_from")
 
     def __init__(self, tree: RadixTree, tokens: TokenIds, namespace: Hashable = None,
                  max_len: int | None = None, *, count: bool = True) -> None:
@@ -77,6 +77,9 @@ class Lease:
         self._node: Node = self.match.node
         tree._lock(self._node)
         self._locked = True
+        # With sliding-window layers: the first page of the table on which this holder holds
+        # the sliding KV (``acquire``, ``slide``)
+        self.swa_from = 0
 
     @property
     def length(self) -> int:
@@ -123,6 +126,13 @@ class Lease:
         if self.match.partial_len:
             copy = PageCopy(self.match.partial_page, fresh[0], self.match.partial_len)
             alloc.incref([copy.src])
+        if tree.sliding is not None:
+            # The matched pages the holder's first query sees, and the copy's source, are
+            # live (the match ended where they are, and the lock keeps them).
+            self.swa_from = tree.sliding.window_start(self.match.length)
+            tree.sliding.incref(full[self.swa_from :])
+            if copy is not None:
+                tree.sliding.incref([copy.src])
         return full.tolist() + fresh, copy
 
     def acquire_unloaded(self, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
@@ -184,13 +194,28 @@ class Lease:
         table.extend(fresh)
         return copy
 
-    def commit(self, table: Sequence[int] | np.ndarray, tokens: TokenIds) -> int:
+    def slide(self, table: Sequence[int], position: int, retain_end: int | None = None) -> None:
+        """Sliding-window layers: the holder's next query is at ``position``, so it lets go of
+        the sliding KV of its pages before that query's window; with ``retain_end``, not of
+        the window a cache keeps where ``retain_end`` tokens end (a prompt not yet committed
+        to its end). Only ever moves forward."""
+        sliding = self.tree.sliding
+        start = sliding.window_start(position)
+        if retain_end is not None:
+            start = min(start, sliding.keep_from(retain_end))
+        if start > self.swa_from:
+            sliding.decref(table[self.swa_from : start])
+            self.swa_from = start
+
+    def commit(self, table: Sequence[int] | np.ndarray, tokens: TokenIds, *,
+               keep: bool = False) -> int:
         """Cache ``tokens`` mid-life (a prefilled chunk): their KV sits in ``table`` from
         position 0, and they begin with the tokens this lease matched. A locked lease then moves
         its lock onto the longer path (locking it before letting the shorter one go), so what it
         committed stays cached for others to hit until it is released. The table keeps its
-        references. Returns how many of ``tokens`` were cached already."""
-        cached, node = self.tree._insert(tokens, table, self.namespace)
+        references. ``keep``: the tree keeps the sliding-window layers' last window of
+        ``tokens`` (a whole prompt's). Returns how many of ``tokens`` were cached already."""
+        cached, node = self.tree._insert(tokens, table, self.namespace, keep=keep)
         if self._locked and node.end > self._node.end:
             self.tree._lock(node)
             self.tree._unlock(self._node)
@@ -206,10 +231,13 @@ class Lease:
         child = Lease.__new__(Lease)
         child.tree, child.match, child.namespace = self.tree, self.match, self.namespace
         child._node, child._locked = self._node, self._locked
+        child.swa_from = self.swa_from
         if self._locked:
             self.tree._lock(self._node)
         child_table = list(table)
         self.tree.allocator.incref(child_table)
+        if self.tree.sliding is not None:
+            self.tree.sliding.incref(child_table[self.swa_from :])
         return child, child_table
 
     def unlock(self) -> None:
@@ -221,11 +249,14 @@ class Lease:
     def release(self, table: Sequence[int] | np.ndarray,
                 tokens: TokenIds | None = None) -> int:
         """End the lease: with ``tokens``, first cache them (their KV sits in ``table``, from
-        position 0); then unlock and drop the table's references. Returns how many of
-        ``tokens`` were cached already."""
+        position 0, and the sliding-window layers' last window of them stays where it is
+        live); then unlock and drop the table's references. Returns how many of ``tokens``
+        were cached already."""
         cached = 0
         if tokens is not None and len(tokens):
-            cached, _ = self.tree._insert(tokens, table, self.namespace)
+            cached, _ = self.tree._insert(tokens, table, self.namespace, keep=True)
         self.unlock()
+        if self.tree.sliding is not None:
+            self.tree.sliding.decref(table[self.swa_from :])
         self.tree.allocator.decref(table)
         return cached

@@ -28,10 +28,14 @@ class Node:
     pages, the pool the model reads) and ``host_pages`` (the host tier, radix/host.py), each
     listing the page indices ``start // P .. (end - 1) // P`` or empty where the node is not in
     that tier; a node is in at least one. A node on the device has its parent on the device too
-    (the root counts as everywhere), so a path is device pages first, then host pages."""
+    (the root counts as everywhere), so a path is device pages first, then host pages.
+
+    With sliding-window layers (radix/sliding.py), ``swa_pages`` lists beside each of ``pages``
+    the sliding page whose KV the node keeps for it, or -1 where it keeps none; empty without
+    them."""
 
     __slots__ = ("key", "start", "num_tokens", "pages", "host_pages", "parent", "children",
-                 "lock_ref", "eviction_key", "evicted", "hits")
+                 "lock_ref", "eviction_key", "evicted", "hits", "swa_pages")
 
     def __init__(self, key: bytes, start: int, pages: array, parent: Node | None,
                  host_pages: array | None = None) -> None:
@@ -46,6 +50,7 @@ class Node:
         self.eviction_key = 0  # see radix/eviction.py
         self.evicted = False  # unlinked from the tree
         self.hits = 0  # matches that reached it (the host tier's write_through_selective)
+        self.swa_pages = array("q")
 
     @property
     def end(self) -> int:

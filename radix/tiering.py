@@ -155,6 +155,8 @@ class Tiering:
             want = num_pages - freed
             while len(pages) < want and (node := self._pop(self._leaves)) is not None:
                 pages += node.pages
+                if node.swa_pages:
+                    self._drop_kept(node, evictable=True)  # its windows go first
                 parent = node.parent
                 if node.host_pages or (keep and self._write_down(node)):
                     self._moved(node, DEVICE, stored=False)

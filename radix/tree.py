@@ -57,7 +57,9 @@ from radix.eviction import EvictionKey, lru
 from radix.host import HostTier  # noqa: TC001 (the constructor's annotation)
 from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
+from radix.sliding import SlidingKV  # noqa: TC001 (the constructor's annotation)
 from radix.tiering import Tiering, _device_leaf, _host_candidate, _LeafHeap
+from radix.windows import Windows, _keeps_sliding, check_sliding
 
 TokenIds = Sequence[int] | np.ndarray
 
@@ -76,9 +78,12 @@ def _common_tokens(key: bytes, query: bytes, offset: int, limit: int) -> int:
     return int(np.argmax(a != b))
 
 
-class RadixTree(Tiering):
+class RadixTree(Tiering, Windows):
     """Longest-prefix matching at token granularity over paged KV, evicting unlocked leaves in
     ``eviction_key`` order (radix/eviction.py; LRU by default).
+
+    ``sliding``: the sliding-window layers' pages (radix/sliding.py, radix/windows.py): a match
+    then ends where a window of their KV is live, and inserts keep the window at their end.
 
     ``namespace`` (tenant, LoRA, cache salt) selects a separate tree: different namespaces never
     share pages. A namespace whose nodes were all evicted is forgotten (clients may send a new
@@ -86,12 +91,17 @@ class RadixTree(Tiering):
     """
 
     def __init__(self, allocator: PageAllocator, eviction_key: EvictionKey = lru,
-                 host: HostTier | None = None) -> None:
+                 host: HostTier | None = None, sliding: SlidingKV | None = None) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         if host is not None and host.allocator.page_size != self.page_size:
             raise ValueError("the host tier's pages must hold as many tokens as the device's")
+        if host is not None and sliding is not None:
+            raise ValueError("the host tier does not hold sliding-window layers' KV apart "
+                             "from the full layers' yet: serve such a model without it")
         self.host = host
+        self.sliding = sliding
+        self._swa_nodes = _LeafHeap(_keeps_sliding)
         self.stats = CacheStats()
         self._roots: dict[Hashable, Node] = {}
         self._roots_limit = 64  # sweep empty roots when there are this many
@@ -130,6 +140,8 @@ class RadixTree(Tiering):
         query = _as_key(tokens)
         total = len(query) // 4
         limit = total if max_len is None else max(0, min(total, max_len))
+        if self.sliding is not None:
+            return self._sliding_limit(root, query, limit)
         return self._walk(root, query, limit, collect=False, split=False)[1]
 
     def evict(self, num_pages: int) -> int:
@@ -165,7 +177,10 @@ class RadixTree(Tiering):
         query = _as_key(tokens)
         total = len(query) // 4
         limit = total if max_len is None else max(0, min(total, max_len))
-        node, length, pages = self._walk(self._root(namespace), query, limit, collect=True)
+        root = self._root(namespace)
+        if self.sliding is not None:
+            limit = self._sliding_limit(root, query, limit)
+        node, length, pages = self._walk(root, query, limit, collect=True)
         self._touch(node, used=True)
         host_length = length - self._device_end(node)
         if count:
@@ -176,13 +191,14 @@ class RadixTree(Tiering):
         return PrefixMatch(length, pages, node, self.page_size, host_length)
 
     def _insert(self, tokens: TokenIds, pages: Sequence[int] | np.ndarray,
-                namespace: Hashable = None) -> tuple[int, Node]:
+                namespace: Hashable = None, *, keep: bool = False) -> tuple[int, Node]:
         """Cache ``tokens`` whose KV sits in ``pages`` (position-aligned, from position 0).
 
         Returns how many leading tokens were already cached, and the node that ends at the last
         of ``tokens`` (the one to lock to pin them). The tree keeps its own pages for the cached
         tokens and takes references only on the pages of the new suffix. The caller keeps its
-        own references either way.
+        own references either way. With sliding-window layers, ``keep``: the path keeps the
+        sliding KV of the window that ends with ``tokens`` (where it is still live).
         """
         query = _as_key(tokens)
         total = len(query) // 4
@@ -196,8 +212,11 @@ class RadixTree(Tiering):
             new_pages = page_array(pages[cached // self.page_size : needed])
             self.allocator.incref(new_pages, evictable=True)
             leaf = Node(query[4 * cached :], cached, new_pages, node)
+            if self.sliding is not None:
+                leaf.swa_pages = array("q", [-1]) * len(new_pages)
             node.children[query[4 * cached : 4 * cached + 4]] = leaf
-            if cached % self.page_size and node.pages[-1] != new_pages[0]:
+            if (cached % self.page_size and node.pages[-1] != new_pages[0]
+                    and self._swap_kept(node, new_pages[0])):
                 # The leaf's first page holds the parent's slots of that page too: let the parent
                 # use it and drop its own copy, so a chain of turns costs no extra page per turn.
                 evictable = node.lock_ref == 0
@@ -211,6 +230,8 @@ class RadixTree(Tiering):
                 listener.inserted(leaf, query, cached, namespace)
             if self.host is not None and self.host.policy == "write_through":
                 self._write_down(leaf)
+        if keep and self.sliding is not None:
+            self._keep_window(node, total)
         self._touch(node, used=False)
         self._push(self._leaves, node)
         return cached, node
@@ -220,13 +241,17 @@ class RadixTree(Tiering):
         ``write_through_selective``, then copy down what matches made hot on it)."""
         locked = node
         newly_locked, newly_locked_host = array("q"), array("q")
+        newly_locked_swa = array("q")
         while node.parent is not None:
             if node.lock_ref == 0:
                 newly_locked += node.pages
                 newly_locked_host += node.host_pages
+                newly_locked_swa += node.swa_pages
             node.lock_ref += 1
             node = node.parent
         self.allocator.set_evictable(newly_locked, False, distinct=self._distinct_paths)
+        if newly_locked_swa:
+            self._set_kept_evictable(newly_locked_swa, False)
         if newly_locked_host:
             self.host.allocator.set_evictable(newly_locked_host, False,
                                               distinct=self._distinct_paths)
@@ -236,6 +261,7 @@ class RadixTree(Tiering):
 
     def _unlock(self, node: Node) -> None:
         newly_unlocked, newly_unlocked_host = array("q"), array("q")
+        newly_unlocked_swa = array("q")
         deepest_on_device = None
         while node.parent is not None:
             if node.lock_ref <= 0:
@@ -244,11 +270,15 @@ class RadixTree(Tiering):
             if node.lock_ref == 0:
                 newly_unlocked += node.pages
                 newly_unlocked_host += node.host_pages
+                newly_unlocked_swa += node.swa_pages
                 self._push(self._host_leaves, node)
+                self._push(self._swa_nodes, node)
                 if deepest_on_device is None and node.pages:
                     deepest_on_device = node
             node = node.parent
         self.allocator.set_evictable(newly_unlocked, True, distinct=self._distinct_paths)
+        if newly_unlocked_swa:
+            self._set_kept_evictable(newly_unlocked_swa, True)
         if newly_unlocked_host:
             self.host.allocator.set_evictable(newly_unlocked_host, True,
                                               distinct=self._distinct_paths)
@@ -258,7 +288,8 @@ class RadixTree(Tiering):
             self._push(self._leaves, deepest_on_device)
 
     def _alloc_pages(self, n: int) -> list[int]:
-        """Allocate ``n`` pages, evicting unlocked leaves when free pages run short."""
+        """Allocate ``n`` pages, evicting unlocked leaves when free pages run short; with
+        sliding-window layers, each with a sliding page (``Windows._alloc_sliding``)."""
         short = n - self.allocator.num_free_pages
         if short > 0:
             self.evict(short)
@@ -267,6 +298,8 @@ class RadixTree(Tiering):
                 f"asked for {n} pages: {self.allocator.num_free_pages} free and nothing more "
                 f"evictable ({self.allocator.num_pinned_pages} pinned by running requests)"
             )
+        if self.sliding is not None:
+            return self._alloc_sliding(n)
         return self.allocator.alloc(n)
 
     # -------------------------------------------------------------- internals
@@ -282,10 +315,11 @@ class RadixTree(Tiering):
         return root
 
     def _walk(self, node: Node, query: bytes, limit: int, collect: bool,
-              split: bool = True) -> tuple[Node, int, array]:
+              split: bool = True, swa: array | None = None) -> tuple[Node, int, array]:
         """The deepest node matching ``query`` (split where the match ends inside it), the
         match's length and, with ``collect``, the device pages of its device part (a
-        host-only node's first page index is its own, so the pages stop before it)."""
+        host-only node's first page index is its own, so the pages stop before it). ``swa``
+        (an empty array) receives the sliding pages the path keeps at each page index."""
         page_size = self.page_size
         pages = array("q")
         pos = 0
@@ -294,6 +328,10 @@ class RadixTree(Tiering):
             if child is None:
                 break
             matched = _common_tokens(child.key, query, 4 * pos, min(child.num_tokens, limit - pos))
+            if swa is not None:
+                first = pos // page_size
+                del swa[first:]  # as for pages: the deeper node's keep of a shared page wins
+                swa += child.swa_pages[: (pos + matched - 1) // page_size - first + 1]
             if collect:
                 first = pos // page_size
                 del pages[first:]  # the deeper node's copy of a shared boundary page wins
@@ -321,6 +359,9 @@ class RadixTree(Tiering):
         upper.eviction_key = node.eviction_key
         upper.hits = node.hits
         lower_pages, lower_host = node.pages[lower_start:], node.host_pages[lower_start:]
+        if node.swa_pages:
+            upper.swa_pages = node.swa_pages[:upper_end]
+            node.swa_pages = node.swa_pages[lower_start:]
         if split_pos % page_size:
             # The page holding the split point now has two holders, in each tier.
             evictable = node.lock_ref == 0
@@ -328,6 +369,8 @@ class RadixTree(Tiering):
                 self.allocator.incref(lower_pages[:1], evictable=evictable)
             if lower_host:
                 self.host.allocator.incref(lower_host[:1], evictable=evictable)
+            if node.swa_pages and node.swa_pages[0] >= 0:
+                self.sliding.allocator.incref(node.swa_pages[:1], evictable=evictable)
         node.parent.children[node.key[:4]] = upper
         node.key = node.key[4 * at :]
         node.start = split_pos
@@ -337,6 +380,7 @@ class RadixTree(Tiering):
         upper.children[node.key[:4]] = node
         self._num_nodes += 1
         self._push(self._host_leaves, upper)
+        self._push(self._swa_nodes, upper)
         return upper
 
     def _touch(self, node: Node, used: bool) -> None:
@@ -357,11 +401,15 @@ class RadixTree(Tiering):
                 yield node
             stack.extend(node.children.values())
 
-    def check(self, external_refs: np.ndarray | None = None) -> None:
+    def check(self, external_refs: np.ndarray | None = None,
+              external_swa_refs: np.ndarray | None = None) -> None:
         """Assert the accounting invariant from scratch, in each tier (radix/accounting.py).
 
         ``external_refs[p]``, when given, is how many references running sequences hold on
         device page ``p``; then every page's refcount must equal its tree holders plus those
-        exactly. Host pages have no holders but nodes."""
-        check_tree(list(self.iter_nodes()), self._num_nodes, self.allocator, self.host,
-                   external_refs)
+        exactly. Host pages have no holders but nodes. With sliding-window layers, the same
+        over their pages (``external_swa_refs``, by sliding page: radix/windows.py)."""
+        nodes = list(self.iter_nodes())
+        check_tree(nodes, self._num_nodes, self.allocator, self.host, external_refs)
+        if self.sliding is not None:
+            check_sliding(nodes, self.sliding, self.allocator, external_swa_refs)

@@ -2,7 +2,10 @@
 scheduler does (admit: match, lock, allocate, copy-on-write of a partial page; commit a
 prefix mid-life; grow; fork; release), and keeps a shadow of slot contents, on the device and,
 with a host tier, in host memory: the tier's planned moves run as the worker runs them
-(write-downs, then loads, then the step's copy), after each operation."""
+(write-downs, then loads, then the step's copy), after each operation. With a sliding window
+(``window``), the sliding-window layers' pages too (radix/sliding.py): each written slot's
+sliding KV, copied with its page, and checked wherever a holder, a node's kept window or a
+match relies on it."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from radix import HostTier, Lease, Node, PageAllocator, PageCopy, PrefixMatch, RadixTree
+from radix.sliding import SlidingKV
+from radix.tree import _as_key
 
 
 @dataclass
@@ -26,13 +31,16 @@ class SimSeq:
 
 class Sim:
     def __init__(self, num_pages: int, page_size: int, host_pages: int = 0,
-                 policy: str = "write_back") -> None:
+                 policy: str = "write_back", window: int = 0, sliding_pages: int = 0) -> None:
         self.alloc = PageAllocator(num_pages, page_size)
         self.host = HostTier(host_pages, page_size, policy) if host_pages else None
-        self.tree = RadixTree(self.alloc, host=self.host)
+        self.sliding = (SlidingKV(sliding_pages, num_pages, page_size, window) if window
+                        else None)
+        self.tree = RadixTree(self.alloc, host=self.host, sliding=self.sliding)
         self.page_size = page_size
         # shadow[slot] = (token id, position) the slot's KV was computed for; -1 = never written
         self.shadow = np.full((num_pages * page_size, 2), -1, dtype=np.int64)
+        self.swa_shadow = np.full((sliding_pages * page_size, 2), -1, dtype=np.int64)
         self.host_shadow = np.full((host_pages * page_size, 2), -1, dtype=np.int64)
         self.running: list[SimSeq] = []
         self.moved = [0, 0]  # pages written down, loaded
@@ -50,6 +58,15 @@ class Sim:
         for pos in range(on_device, match.length):
             got = tuple(self.host_shadow[self._host_slot(match.node, pos)])
             assert got == (tokens[pos], pos), f"host slot for position {pos} holds {got}"
+        if self.sliding is not None:  # the window before the first computed token is live
+            for pos in range(max(0, match.length + 1 - self.sliding.window), match.length):
+                got = tuple(self.swa_shadow[self.swa_slot(match.pages, pos)])
+                assert got == (tokens[pos], pos), f"sliding slot for position {pos} holds {got}"
+
+    def swa_slot(self, pages: list[int], pos: int) -> int:
+        sliding = int(self.sliding.of[pages[pos // self.page_size]])
+        assert sliding >= 0, f"the sliding KV of position {pos} is gone"
+        return sliding * self.page_size + pos % self.page_size
 
     def _host_slot(self, node: Node, pos: int) -> int:
         """The host slot of ``pos`` on the path to ``node``: the deepest node covering it."""
@@ -81,11 +98,23 @@ class Sim:
         self.shadow[base_dst : base_dst + copy.num_slots] = (
             self.shadow[base_src : base_src + copy.num_slots]
         )
+        if self.sliding is not None:
+            src, dst = (int(self.sliding.of[p]) * self.page_size for p in (copy.src, copy.dst))
+            self.swa_shadow[dst : dst + copy.num_slots] = (
+                self.swa_shadow[src : src + copy.num_slots])
+            self.sliding.decref([copy.src])
         self.alloc.decref([copy.src])
 
     def _write(self, seq: SimSeq, start: int) -> None:
         for pos in range(start, len(seq.tokens)):
             self.shadow[self.slot(seq.pages, pos)] = (seq.tokens[pos], pos)
+            if self.sliding is not None:
+                self.swa_shadow[self.swa_slot(seq.pages, pos)] = (seq.tokens[pos], pos)
+
+    def slide(self, seq: SimSeq, retain_end: int | None = None) -> None:
+        """``seq``'s next query is at its end: the sliding KV before that window goes (but
+        the window ending at ``retain_end``, a prompt not committed whole yet)."""
+        seq.lease.slide(seq.pages, len(seq.tokens), retain_end)
 
     def admit(self, tokens: list[int], namespace=None) -> SimSeq:
         """Lease at most len - 1 tokens, acquire the table, run the copy, write the rest."""
@@ -132,9 +161,10 @@ class Sim:
         self.running.append(seq)
         return seq
 
-    def commit(self, seq: SimSeq, upto: int) -> int:
-        """Cache ``seq``'s first ``upto`` tokens mid-life (a prefilled chunk)."""
-        cached = seq.lease.commit(seq.pages, seq.tokens[:upto])
+    def commit(self, seq: SimSeq, upto: int, keep: bool = False) -> int:
+        """Cache ``seq``'s first ``upto`` tokens mid-life (a prefilled chunk; ``keep``: a
+        whole prompt, whose last window the tree keeps)."""
+        cached = seq.lease.commit(seq.pages, seq.tokens[:upto], keep=keep)
         self.run_moves()
         if seq.lease.locked:
             seq.locked_len = max(seq.locked_len, upto)
@@ -181,9 +211,19 @@ class Sim:
             np.add.at(refs, seq.pages, 1)
         return refs
 
+    def external_swa_refs(self, others: list[tuple[Lease, list[int]]] = ()) -> np.ndarray | None:
+        """References on each sliding page: every holder's window (``others``: leases that
+        hold pages outside ``running``)."""
+        if self.sliding is None:
+            return None
+        refs = np.zeros(self.sliding.allocator.num_pages, dtype=np.int64)
+        for lease, pages in [(seq.lease, seq.pages) for seq in self.running] + list(others):
+            np.add.at(refs, self.sliding.live(pages[lease.swa_from :]), 1)
+        return refs
+
     def check(self) -> None:
         """The accounting invariant, and what every holder and node relies on."""
-        self.tree.check(self.external_refs())
+        self.tree.check(self.external_refs(), self.external_swa_refs())
         self.check_holders()
         self.check_nodes()
 
@@ -201,6 +241,12 @@ class Sim:
                     bad = np.flatnonzero((shadow[slots] != expected).any(axis=1))
                     assert bad.size == 0, (f"{node!r}: {tier} slot of position "
                                            f"{positions[bad[0]]} holds {shadow[slots[bad[0]]]}")
+            if node.swa_pages:  # what it keeps of a window holds its tokens
+                kept = np.asarray(node.swa_pages)[index]
+                slots = kept * size + positions % size
+                bad = np.flatnonzero((kept >= 0)
+                                     & (self.swa_shadow[slots] != expected).any(axis=1))
+                assert bad.size == 0, f"{node!r}: a kept sliding slot holds another token"
 
     def check_holders(self) -> None:
         """Every running sequence's table holds its own tokens' KV, and its locked path is
@@ -209,6 +255,20 @@ class Sim:
             for pos, token in enumerate(seq.tokens):
                 got = tuple(self.shadow[self.slot(seq.pages, pos)])
                 assert got == (token, pos), f"a table's slot for position {pos} holds {got}"
+                if self.sliding is not None and pos >= min(
+                        seq.lease.swa_from * self.page_size,
+                        len(seq.tokens) + 1 - self.sliding.window):  # what its next query sees
+                    got = tuple(self.swa_shadow[self.swa_slot(seq.pages, pos)])
+                    assert got == (token, pos), f"a window's slot for position {pos} holds {got}"
             locked = seq.tokens[: seq.locked_len]
-            assert self.tree.peek_prefix(locked, seq.namespace) == len(locked), (
+            assert self.cached_len(locked, seq.namespace) == len(locked), (
                 f"a locked path of {len(locked)} tokens lost its tail")
+
+    def cached_len(self, tokens: list[int], namespace=None) -> int:
+        """Tokens of ``tokens`` whose full KV the tree holds (a match may stop short of it
+        where the sliding window's KV is gone)."""
+        root = self.tree._roots.get(namespace)
+        if root is None:
+            return 0
+        return self.tree._walk(root, _as_key(tokens), len(tokens), collect=False,
+                               split=False)[1]

@@ -1,0 +1,164 @@
+"""The radix tree's side of sliding-window layers (``RadixTree`` inherits ``Windows``): where a
+match may end, which windows the tree keeps, and evicting them (radix/sliding.py has the pages).
+
+A match of ``m`` tokens is usable only when the sliding KV of positions
+``[m + 1 - W, m)`` is live (the first computed token, at ``m``, attends to them), so a match
+ends at the last such point at or before where the tokens stop matching, token-granular::
+
+    positions   0 ................................... e-W ...... e
+    full KV     [ every page cached ................................ ]
+    sliding KV  [ -1  -1  -1  -1  -1  -1  -1  -1  -1 ][ kept window  ]
+    match       may end at e - 1 (a resend) or e (a next turn); nowhere before e - W + 1
+                but at 0 (or inside a first window still live from position 0)
+
+Nodes keep a window's pages where an insert asked for it (``keep``: the end of a prompt, of a
+finished or preempted sequence). Their kept pages are evictable while the node is unlocked,
+least recently used first, before any full page: a tree short of sliding pages drops the
+windows of nodes nobody holds, leaving their full KV cached (a later window may still make a
+longer match through them). A locked node's windows stay: a holder that matched through them
+has not taken its own references yet.
+
+Every method is private to the tree and its lease (radix/lease.py).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from radix.pages import OutOfPages
+
+if TYPE_CHECKING:
+    from radix.node import Node
+    from radix.pages import PageAllocator
+    from radix.sliding import SlidingKV
+
+
+def _keeps_sliding(node: Node) -> bool:
+    """A candidate for sliding eviction: linked and keeping some window's page."""
+    return (node.parent is not None and not node.evicted and bool(node.swa_pages)
+            and max(node.swa_pages) >= 0)
+
+
+def usable_length(kept: array, length: int, page_size: int, window: int) -> int:
+    """The longest match at most ``length`` tokens long whose last window is live, given the
+    sliding page each page index of the path keeps (``kept``, -1: none)."""
+    if length == 0:
+        return 0
+    live = np.flatnonzero(np.frombuffer(kept, dtype=np.int64) >= 0) if kept else np.empty(0)
+    if not len(live):
+        return 0
+    breaks = np.flatnonzero(np.diff(live) != 1)
+    starts = np.concatenate(([live[0]], live[breaks + 1]))
+    ends = np.concatenate((live[breaks], [live[-1]]))
+    # The longest match a run of live pages allows ends at its last page (or at ``length``),
+    # and is usable when its window starts inside the run (or the run starts at page 0).
+    lengths = np.minimum(length, (ends + 1) * page_size)
+    usable = (starts == 0) | (np.maximum(lengths + 1 - window, 0) // page_size >= starts)
+    good = np.flatnonzero(usable)
+    return int(lengths[good[-1]]) if len(good) else 0
+
+
+class Windows:
+    """Sliding-window layers in the tree (see the module)."""
+
+    sliding: SlidingKV | None
+
+    def _sliding_limit(self, root: Node, query: bytes, limit: int) -> int:
+        """How far a match of ``query`` (at most ``limit`` tokens) may reach."""
+        kept = array("q")
+        length = self._walk(root, query, limit, collect=False, split=False, swa=kept)[1]
+        return usable_length(kept, length, self.page_size, self.sliding.window)
+
+    def _keep_window(self, node: Node, end: int) -> None:
+        """The path to ``node`` (ending at ``end``) keeps the live sliding KV of its pages from
+        ``keep_from(end)`` on."""
+        sliding, page_size = self.sliding, self.page_size
+        first = sliding.keep_from(end)
+        while node.parent is not None and (node.end - 1) // page_size >= first:
+            lo = max(first - node.start // page_size, 0)
+            have = np.frombuffer(node.swa_pages, dtype=np.int64)[lo:]
+            live = sliding.live(node.pages[lo:])
+            take = np.flatnonzero((have < 0) & (live >= 0))
+            if len(take):
+                sliding.allocator.incref(live[take], evictable=node.lock_ref == 0)
+                for i in take.tolist():
+                    node.swa_pages[lo + i] = int(live[i])
+                self._push(self._swa_nodes, node)
+            node = node.parent
+
+    def _swap_kept(self, node: Node, page: int) -> bool:
+        """An insert gives ``node`` (a parent whose last page a new child shares) the child's
+        ``page`` in place of its own: its kept window moves to that page's sliding KV, or, when
+        that is gone, the node keeps its own page (True: the swap goes ahead)."""
+        if self.sliding is None or not node.swa_pages or node.swa_pages[-1] < 0:
+            return True
+        moved = int(self.sliding.of[page])
+        if moved < 0:
+            return False
+        evictable = node.lock_ref == 0
+        self.sliding.allocator.incref([moved], evictable=evictable)
+        self.sliding.drop([node.swa_pages[-1]], evictable=evictable)
+        node.swa_pages[-1] = moved
+        return True
+
+    def _set_kept_evictable(self, kept: array, evictable: bool) -> None:
+        """A node's kept pages (un)lock with it."""
+        index = np.frombuffer(kept, dtype=np.int64)
+        self.sliding.allocator.set_evictable(index[index >= 0], evictable)
+
+    def _alloc_sliding(self, n: int) -> list[int]:
+        """``n`` full pages (free: ``_alloc_pages`` made sure), each with a fresh sliding page,
+        evicting unlocked nodes' windows when sliding pages run short."""
+        sliding = self.sliding.allocator
+        short = n - sliding.num_free_pages
+        if short > 0:
+            self._evict_sliding(short)
+        if n > sliding.num_free_pages:
+            raise OutOfPages(
+                f"asked for {n} sliding-window pages: {sliding.num_free_pages} free and nothing "
+                f"more evictable ({sliding.num_pinned_pages} held by running requests)")
+        pages = self.allocator.alloc(n)
+        self.sliding.attach(pages)
+        return pages
+
+    def _evict_sliding(self, num_pages: int) -> int:
+        """Drop unlocked nodes' kept windows, least recently used first, until ``num_pages``
+        sliding pages are free or none is left; their full KV stays cached."""
+        freed = 0
+        while freed < num_pages and (node := self._pop(self._swa_nodes)) is not None:
+            freed += self._drop_kept(node, evictable=True)
+        return freed
+
+    def _drop_kept(self, node: Node, evictable: bool) -> int:
+        """``node`` lets every window page it keeps go (evicted, or its window evicted)."""
+        kept = np.frombuffer(node.swa_pages, dtype=np.int64)
+        dropped = kept[kept >= 0].copy()
+        node.swa_pages = array("q", [-1]) * len(node.swa_pages)
+        return self.sliding.drop(dropped, evictable=evictable)
+
+
+def check_sliding(nodes: list[Node], sliding: SlidingKV, full: PageAllocator,
+                  external_refs: np.ndarray | None) -> None:
+    """``RadixTree.check`` for the sliding pages: each node keeps, beside each of its full
+    pages, nothing or that page's sliding KV; every sliding page's count is its keepers plus
+    what holders hold (``external_refs``, by sliding page), unlocked keepers' references
+    exactly its evictable ones."""
+    from radix.accounting import _check_tier
+
+    alloc = sliding.allocator
+    kept = np.zeros(alloc.num_pages, dtype=np.int64)
+    unlocked = np.zeros(alloc.num_pages, dtype=np.int64)
+    for node in nodes:
+        assert len(node.swa_pages) == len(node.pages), f"{node!r} keeps a misaligned window"
+        swa = np.frombuffer(node.swa_pages, dtype=np.int64)
+        mine = swa >= 0
+        assert (sliding.live(node.pages)[mine] == swa[mine]).all(), (
+            f"{node!r} keeps sliding pages that are not its pages' sliding KV")
+        np.add.at(kept, swa[mine], 1)
+        if node.lock_ref == 0:
+            np.add.at(unlocked, swa[mine], 1)
+    _check_tier(alloc, kept, unlocked, external_refs)
+    sliding.check(full)

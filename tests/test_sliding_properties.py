@@ -1,0 +1,178 @@
+"""The radix machine of tests/test_radix_properties.py over a tree with sliding-window layers
+(radix/sliding.py, radix/windows.py): the same operations, plus holders sliding their window
+forward and prompts committed with their last window kept, at page sizes 1, 4 and 16 and
+windows of 2 to 12 positions, with sliding pools from tight to roomy.
+
+After every step, besides the radix machine's checks: both pools' accounting (every sliding
+page's count equal to the windows holders hold plus the nodes' kept pages, evictable exactly
+where no holder or locked node needs it, the two maps each other's inverse), every holder's
+window holding its tokens' sliding KV, every node's kept pages holding its tokens, and every
+match ending where the window before it is live. Then the match rule itself against a direct
+reading of it, and a kept window surviving sliding eviction while a holder locks it.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import initialize, invariant, precondition, rule
+
+import radix.pages
+from radix import Lease, OutOfPages, PageAllocator, RadixTree
+from radix.sliding import SlidingKV
+from radix.windows import usable_length
+from tests.radix_sim import Sim
+from tests.test_radix_properties import RadixMachine
+
+
+class SlidingRadixMachine(RadixMachine):
+    @initialize(page_size=st.sampled_from([1, 16, 4]), num_pages=st.integers(4, 48),
+                vector_min=st.sampled_from([radix.pages.VECTOR_MIN_PAGES, 1, 10**9]),
+                window=st.integers(2, 12), sliding_share=st.sampled_from([0.3, 0.6, 1.0]))
+    def setup(self, page_size: int, num_pages: int, vector_min: int, window: int,
+              sliding_share: float) -> None:
+        scale = 16 // page_size
+        num_pages *= scale
+        self.sim = Sim(num_pages, page_size, window=window,
+                       sliding_pages=max(1, int(sliding_share * num_pages)))
+        self.external = []
+        self.pins = []
+        self.later = []
+        self.saved_vector_min = radix.pages.VECTOR_MIN_PAGES
+        radix.pages.VECTOR_MIN_PAGES = vector_min
+
+    @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000), upto=st.integers(0, 40), keep=st.booleans())
+    def commit(self, index: int, upto: int, keep: bool) -> None:
+        """A prefilled chunk cached mid-life, or a whole prompt with its window kept."""
+        seq = self.sim.running[index % len(self.sim.running)]
+        upto = min(upto, len(seq.tokens))
+        assert self.sim.commit(seq, upto, keep) <= upto
+        assert self.sim.cached_len(seq.tokens[:upto], seq.namespace) == upto
+
+    @rule(prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1,
+                           max_size=3))
+    def admit_together(self, prompts: list[list[int]]) -> None:
+        """Admitted as one when both pools hold what they count: then every acquire works."""
+        leases = [self.sim.match(tokens) for tokens in prompts]
+        need = sum(lease.pages_to_acquire(len(tokens))
+                   for lease, tokens in zip(leases, prompts, strict=True))
+        if need > min(self.sim.tree.num_available_pages,
+                      self.sim.sliding.num_available_pages):
+            for lease in leases:
+                lease.unlock()
+            return
+        for lease, tokens in zip(leases, prompts, strict=True):
+            self.sim.take(lease, tokens)
+
+    @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000))
+    def slide(self, index: int) -> None:
+        """A holder's next query is at its end: what its window left behind goes."""
+        seq = self.sim.running[index % len(self.sim.running)]
+        self.sim.slide(seq)
+        sliding = self.sim.sliding
+        assert seq.lease.swa_from == sliding.window_start(len(seq.tokens))
+        # a holder's window: the pages of its last W positions, at most one more than W needs
+        assert len(seq.pages) - seq.lease.swa_from <= -(-sliding.window // sliding.page_size) + 1
+
+    @rule(n=st.integers(1, 6))
+    def alloc_external(self, n: int) -> None:
+        """Fresh pages take a sliding page each: either pool may be the one that runs out."""
+        holder = Lease(self.sim.tree, [], count=False)
+        try:
+            self.external.append((holder, holder.alloc_pages(n)))
+        except OutOfPages:
+            assert min(self.sim.tree.num_available_pages,
+                       self.sim.sliding.num_available_pages) < n
+            holder.release([])
+
+    @rule(num_pages=st.integers(0, 20))
+    def evict_windows(self, num_pages: int) -> None:
+        """Sliding eviction drops unlocked nodes' windows only, never a full page."""
+        full_free = self.sim.alloc.num_free_pages
+        freed = self.sim.tree._evict_sliding(num_pages)
+        assert self.sim.alloc.num_free_pages == full_free
+        if freed < num_pages:
+            assert self.sim.sliding.allocator.num_evictable_pages == 0
+
+    @invariant()
+    def accounting(self) -> None:
+        refs = self.sim.external_refs()
+        for _, pages in self.external:
+            for p in pages:
+                refs[p] += 1
+        self.sim.tree.check(refs, self.sim.external_swa_refs(self.external))
+        self.sim.check_holders()
+        self.sim.check_nodes()
+
+
+TestSlidingRadixMachine = SlidingRadixMachine.TestCase
+TestSlidingRadixMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(live=st.lists(st.booleans(), max_size=30), page_size=st.sampled_from([1, 3, 16]),
+       window=st.integers(2, 40), cut=st.integers(0, 40))
+def test_a_match_ends_at_the_last_point_whose_window_is_live(live, page_size, window, cut):
+    """``usable_length`` against a direct reading of the rule: a match of m tokens needs the
+    sliding KV of positions [m + 1 - W, m)."""
+    length = min(cut, len(live) * page_size)
+    kept = array("q", [7 if x else -1 for x in live])
+
+    def usable(m: int) -> bool:
+        return all(live[p // page_size] for p in range(max(0, m + 1 - window), m))
+
+    expected = max(m for m in range(length + 1) if usable(m))
+    assert usable_length(kept, length, page_size, window) == expected
+
+
+def test_a_resend_and_a_next_turn_hit_in_full_and_a_locked_window_survives():
+    for page_size in (1, 4, 16):
+        sim = Sim(64, page_size, window=10, sliding_pages=40)
+        prompt = list(range(50, 90))
+        seq = sim.admit(prompt)
+        sim.slide(seq, retain_end=len(prompt))  # as the scheduler: the prompt's window stays
+        sim.commit(seq, len(prompt), keep=True)  # until the tree keeps it
+        sim.grow(seq, [1, 2, 3])
+        sim.slide(seq)
+        sim.finish(seq)
+        sim.check()
+        resend = sim.match(prompt)
+        assert resend.length == len(prompt) - 1  # the window before the last token is kept
+        turn = Lease(sim.tree, prompt + [1, 2, 3, 9])
+        assert turn.length == len(prompt) + 3  # its whole history: the window at its end
+        turn.unlock()
+        sim.tree._evict_sliding(1000)  # the resend's lease locks its window
+        again = sim.take(resend, prompt)
+        sim.check()
+        sim.finish(again)
+        sim.tree._evict_sliding(1000)
+        sim.check()
+        assert sim.match(prompt).length == 0  # its window gone, nothing before it is usable
+        sim.tree.reset()
+        assert sim.sliding.allocator.num_free_pages == 40
+        assert sim.alloc.num_free_pages == 64
+
+
+def test_sliding_pages_run_out_apart_from_full_ones():
+    """A holder asking for more sliding pages than exist gets OutOfPages, having changed
+    nothing; the full pool's pages stay free."""
+    alloc = PageAllocator(32, 4)
+    tree = RadixTree(alloc, sliding=SlidingKV(3, 32, 4, 8))
+    lease = Lease(tree, list(range(20)))
+    try:
+        lease.acquire(20)
+    except OutOfPages as exc:
+        assert "sliding-window pages" in str(exc)
+    else:
+        raise AssertionError("five pages fit a sliding pool of three")
+    lease.release([])
+    assert alloc.num_free_pages == 32
+    tree.check(np.zeros(32, np.int64), np.zeros(3, np.int64))
