@@ -109,6 +109,8 @@ class CacheStats:
     host_hit_tokens: int = 0  # of hit_tokens, those found only in host memory
     pages_written: int = 0  # device pages copied down to the host tier
     pages_loaded: int = 0  # host pages loaded back onto the device
+    # sliding-window layers (radix/sliding.py): kept windows' pages evicted
+    sliding_evicted_pages: int = 0
 
     @property
     def hit_rate(self) -> float:

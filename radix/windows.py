@@ -130,6 +130,7 @@ class Windows:
         freed = 0
         while freed < num_pages and (node := self._pop(self._swa_nodes)) is not None:
             freed += self._drop_kept(node, evictable=True)
+        self.stats.sliding_evicted_pages += freed
         return freed
 
     def _drop_kept(self, node: Node, evictable: bool) -> int:

@@ -8,12 +8,16 @@ import msgspec
 from engine.contracts.protocol import ForwardBatch, RowSampling, pack_ids
 from engine.contracts.sampling_params import SEED_LIMIT
 from engine.contracts.step import StepBuilder
+from radix.sliding import SlidingKV
 from scheduler.kv import StepWork
 from scheduler.planner import Entry
 
 
 def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: int,
-                released_grammars: list[str] | None = None) -> ForwardBatch:
+                released_grammars: list[str] | None = None,
+                sliding: SlidingKV | None = None) -> ForwardBatch:
+    """The step's message; with ``sliding``, its sliding-window layers' pages beside the full
+    layers' (read from the pages' state now: what the step reads is held until it ran)."""
     builder = StepBuilder(page_size)
     sampling: list[RowSampling] = []
     prompt_rows: list[int] = []
@@ -24,7 +28,7 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: 
         start = seq.computed
         new_ids = seq.tokens[start : start + entry.extend - len(entry.drafts)] + entry.drafts
         builder.add(seq.pages, start, new_ids, entry.samples, num_drafts=len(entry.drafts),
-                    lora_id=seq.req.lora_id)
+                    lora_id=seq.req.lora_id, model_drafts=entry.model_drafts)
         if entry.samples:
             sampling.extend(sampling_rows(entry))
         req = seq.req
@@ -38,6 +42,9 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: 
             top_n = max(top_n, req.params.prompt_logprobs)
         offset += entry.extend
     step = builder.finish(work.copies, work.swap_out, work.swap_in)
+    if sliding is not None and step.num_seqs:
+        step.swa_page_indices, step.swa_out_slots, step.swa_copies = sliding.step_tables(
+            step.page_indices, step.out_slots, step.copies)
     return ForwardBatch(batch_id=batch_id, step=step, sampling=sampling,
                         released_grammars=released_grammars or [],
                         prompt_rows=pack_ids(prompt_rows), prompt_targets=pack_ids(prompt_targets),

@@ -10,17 +10,44 @@ sequence pins (locks) the tree path it matched at admission, and each prefilled 
 commits, until it is released or swapped out. Copies and swaps are only *planned* here: they
 go into the next batch, and the worker runs them before that batch's forward, so a page freed
 in this step can be reused by this step's writes.
+
+With sliding-window layers (radix/sliding.py), a sequence also holds the sliding KV of its
+pages from ``lease.swa_from`` on and of its copy sources; before each step it lets go of what
+its next query no longer sees (``Lease.slide``), keeping the window where its prompt ends
+until that window is committed to the tree::
+
+    positions   0 ........ computed+1-W ........ computed | new tokens
+    full pages  [ held ...................................................... ]
+    sliding     [ gone (or kept by the tree) ][ held: the window ............ ]
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.contracts.protocol import HostLoad, pack_ids
+from engine.contracts.protocol import HostLoad, ModelInfo, pack_ids
 from radix import Lease, PageCopy, RadixTree
+from radix.sliding import SlidingKV
 from scheduler.disk import DiskTier
 from scheduler.loads import Pending, PendingLoads
 from scheduler.request import Seq
+
+
+def sliding_pages(info: ModelInfo) -> SlidingKV | None:
+    """The sliding-window layers' pages the worker made, if it made them."""
+    if not info.num_sliding_pages:
+        return None
+    return SlidingKV(info.num_sliding_pages, info.num_pages, info.page_size, info.sliding_window)
+
+
+def sliding_stats(tree: RadixTree) -> dict[str, int]:
+    """The sliding-window layers' pages for /metrics (none without them)."""
+    if tree.sliding is None:
+        return {}
+    alloc = tree.sliding.allocator
+    return {"sliding_pages_total": alloc.num_pages, "sliding_pages_used": alloc.num_pinned_pages,
+            "sliding_pages_cached": alloc.num_evictable_pages,
+            "sliding_evicted_pages": tree.stats.sliding_evicted_pages}
 
 
 class StepWork:
@@ -43,6 +70,7 @@ class SeqMemory:
         # (one worker: under tensor parallel every rank must copy its share in the step)
         self.host_loads_aside = host_loads_aside and tree.host is not None
         self.alloc = tree.allocator
+        self.sliding = tree.sliding
         self.page_size = tree.page_size
         self.host_free = list(range(num_host_pages - 1, -1, -1))
         self.num_host_pages = num_host_pages
@@ -128,7 +156,7 @@ class SeqMemory:
         """Cache ``seq``'s first ``upto`` tokens, whose batch came back (a prefilled chunk):
         waiting requests that share them hit them from the next step on, long before ``seq``
         finishes, and its lock holds them until then."""
-        seq.lease.commit(seq.pages, seq.tokens[:upto])
+        seq.lease.commit(seq.pages, seq.tokens[:upto], keep=upto >= seq.req.prompt_len)
         self._save(seq, upto)
 
     def _save(self, seq: Seq, upto: int) -> None:
@@ -146,6 +174,10 @@ class SeqMemory:
     def grow(self, seq: Seq, upto: int, work: StepWork) -> None:
         """Make ``seq``'s table cover ``upto`` tokens, first giving a fork its own copy of the
         partial page it still shares (raises OutOfPages, changing nothing)."""
+        if self.sliding is not None:
+            prompt_end = seq.req.prompt_len
+            seq.lease.slide(seq.pages, seq.computed,
+                            prompt_end if seq.settled < prompt_end else None)
         copy = seq.lease.grow(seq.pages, upto,
                               unshare_at=seq.computed if seq.copy_last_page else None)
         if copy is not None:
@@ -183,6 +215,8 @@ class SeqMemory:
             if copy.dst in index and copy.src in seq.pending_refs:
                 seq.pages[index[copy.dst]] = copy.src
                 seq.pending_refs.remove(copy.src)
+                if self.sliding is not None:
+                    self.sliding.decref([copy.dst])
                 self.alloc.decref([copy.dst])
                 seq.copy_last_page = True
             else:
@@ -191,6 +225,8 @@ class SeqMemory:
 
     def copies_done(self, seq: Seq) -> None:
         if seq.pending_refs:
+            if self.sliding is not None:
+                self.sliding.decref(seq.pending_refs)
             self.alloc.decref(seq.pending_refs)
             seq.pending_refs = []
 
@@ -254,6 +290,19 @@ class SeqMemory:
         seq.host_pages = []
 
     # -------------------------------------------------------------- checking
+    def _sliding_refs(self, seqs: list[Seq]) -> np.ndarray | None:
+        """References running sequences hold on each sliding page: their windows' and their
+        copy sources'."""
+        if self.sliding is None:
+            return None
+        refs = np.zeros(self.sliding.allocator.num_pages, dtype=np.int64)
+        for seq in seqs:
+            if seq.lease is not None and seq.pages:
+                held = self.sliding.live(seq.pages[seq.lease.swa_from :] + seq.pending_refs)
+                assert (held >= 0).all(), f"sequence {seq.req.rid} lost its window's KV"
+                np.add.at(refs, held, 1)
+        return refs
+
     def check(self, seqs: list[Seq]) -> None:
         """The accounting invariant with every running sequence's references accounted for."""
         refs = np.zeros(self.alloc.num_pages, dtype=np.int64)
@@ -262,6 +311,6 @@ class SeqMemory:
             np.add.at(refs, seq.pending_refs, 1)
         for pages in self.loads.orphans.values():
             np.add.at(refs, pages, 1)
-        self.tree.check(refs)
+        self.tree.check(refs, self._sliding_refs(seqs))
         held = sum(len(s.host_pages) for s in seqs)
         assert held + len(self.host_free) == self.num_host_pages, "host pages leaked"

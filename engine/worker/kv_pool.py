@@ -20,6 +20,12 @@ values kept as their bytes (uint8: engine/worker/kv_quant.py says why). ``dtype`
 model's: what attention computes in and what ``write`` is given; ``layer`` hands out the stored
 form, which ``kv_quant.decode`` turns back into values.
 
+Sliding-window layers with pages of their own (``num_sliding_pages``: radix/sliding.py says who
+holds them) keep their KV in a second tensor, ``swa`` [sliding layers, 2, num_sliding_pages,
+page_size, num_kv_heads, row]; ``kv`` then holds the other layers only. ``layer``, ``slots`` and
+``write`` take the model's layer index either way; a step's sliding layers write and read the
+sliding pages its ``swa_*`` arrays name (``copy_sliding`` for its copies).
+
 The device pool starts zeroed: attention kernels may read (and mask) slots no token was ever
 written to, and zeros keep those reads finite.
 
@@ -43,8 +49,14 @@ from engine.worker.staging import to_device, to_device_many
 class KVPool:
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 num_host_pages: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                 num_host_pages: int = 0, kv_dtype: torch.dtype | None = None,
+                 sliding_layers: tuple[bool, ...] = (), num_sliding_pages: int = 0) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_sliding_pages = num_sliding_pages
+        # per layer: whether its KV is in ``swa`` (only with sliding pages of their own)
+        self.sliding_layers = (tuple(sliding_layers) if num_sliding_pages
+                               else (False,) * num_layers)
+        num_sliding = sum(self.sliding_layers)
         self.num_host_pages = num_host_pages
         self.device = torch.device(device)
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
@@ -56,13 +68,22 @@ class KVPool:
         row = row_width(head_dim, self.kv_dtype)
         page = (page_size, num_kv_heads, row)
         stored = storage_dtype(self.kv_dtype)
-        self.kv = _zeros((num_layers, 2, num_pages, *page), stored, self.device)
-        self.host = _zeros((num_layers, 2, num_host_pages, *page), stored, torch.device("cpu"),
+        num_full = num_layers - num_sliding
+        self.kv = _zeros((num_full, 2, num_pages, *page), stored, self.device)
+        self.swa = _zeros((num_sliding, 2, num_sliding_pages, *page), stored, self.device)
+        self.host = _zeros((num_full, 2, num_host_pages, *page), stored, torch.device("cpu"),
                            pin=self.device.type == "cuda" and num_host_pages > 0)
         # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, row].
-        self._all_slots = self.kv.view(num_layers, 2, -1, num_kv_heads, row)
-        # Per layer, (K, V) slot-major views [num_pages * page_size, heads, row] for token writes.
-        self._slot_views = [(k_slots, v_slots) for k_slots, v_slots in self._all_slots]
+        self._all_slots = self.kv.view(num_full, 2, num_pages * page_size, num_kv_heads, row)
+        self._swa_slots = self.swa.view(num_sliding, 2, num_sliding_pages * page_size,
+                                        num_kv_heads, row)
+        # Per layer: its tensor's index and (K, V) slot-major views [pages * page_size, heads,
+        # row] for token writes.
+        full, sliding = iter(range(num_full)), iter(range(num_sliding))
+        self._where = [(self.swa, next(sliding)) if s else (self.kv, next(full))
+                       for s in self.sliding_layers]
+        self._slot_views = [tuple((self._swa_slots if s else self._all_slots)[i])
+                            for s, (_, i) in zip(self.sliding_layers, self._where, strict=True)]
         # CUDA swaps: a flat pinned buffer and the event after the last copy that used it.
         self._staging = torch.empty(0, dtype=stored)
         self._staging_used = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -78,7 +99,8 @@ class KVPool:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, row], in the
         stored form (fp8 as uint8: ``kv_quant.decode``, or ``.view(kv_dtype)``)."""
-        return self.kv[layer, 0], self.kv[layer, 1]
+        pages, index = self._where[layer]
+        return pages[index, 0], pages[index, 1]
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer by slot, each [num_pages * page_size, num_kv_heads, row]:
@@ -97,15 +119,11 @@ class KVPool:
     def copy_pages(self, copies: np.ndarray) -> None:
         """For each (src_page, dst_page, num_slots): copy the first num_slots slots of src into
         dst, in every layer (copy-on-write of a partially matched page)."""
-        if len(copies) == 0:
-            return
-        copies = np.asarray(copies, dtype=np.int64)
-        counts = copies[:, 2]
-        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        src = np.repeat(copies[:, 0] * self.page_size, counts) + offsets
-        dst = np.repeat(copies[:, 1] * self.page_size, counts) + offsets
-        src_t, dst_t = to_device_many([src, dst], self.device)  # queued, not waited for
-        self._all_slots.index_copy_(2, dst_t, self._all_slots.index_select(2, src_t))
+        _copy_slots(self._all_slots, copies, self.page_size)
+
+    def copy_sliding(self, copies: np.ndarray) -> None:
+        """``copy_pages`` for the sliding layers' pages (a step's ``swa_copies``)."""
+        _copy_slots(self._swa_slots, copies, self.page_size)
 
     def swap_out(self, pairs: np.ndarray) -> None:
         """Copy whole device pages to host pages, (device_page, host_page) per row.
@@ -161,6 +179,20 @@ class KVPool:
         return self._staging[:numel].view(shape)
 
 
+def _copy_slots(all_slots: torch.Tensor, copies: np.ndarray, page_size: int) -> None:
+    """(src_page, dst_page, num_slots) copies over every layer of ``all_slots`` [layers, 2,
+    slots, heads, row]."""
+    if len(copies) == 0:
+        return
+    copies = np.asarray(copies, dtype=np.int64)
+    counts = copies[:, 2]
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    src = np.repeat(copies[:, 0] * page_size, counts) + offsets
+    dst = np.repeat(copies[:, 1] * page_size, counts) + offsets
+    src_t, dst_t = to_device_many([src, dst], all_slots.device)  # queued, not waited for
+    all_slots.index_copy_(2, dst_t, all_slots.index_select(2, src_t))
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            pin: bool = False) -> torch.Tensor:
     if device.type != "cpu" or pin or 0 in shape:
@@ -169,3 +201,19 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     # costs neither start-up time nor resident memory until pages are written.
     raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
+
+
+def sliding_layers(windows: tuple[int | None, ...], ratio: float) -> tuple[tuple[bool, ...], int]:
+    """Which layers keep their KV in sliding pages of their own under ``--sliding-kv-ratio
+    ratio`` (none at 0), and the window they share (ValueError with a sentence when the model
+    has no sliding layers or windows of several sizes)."""
+    if not ratio:
+        return (False,) * len(windows), 0
+    sizes = {w for w in windows if w is not None}
+    if not sizes:
+        raise ValueError("--sliding-kv-ratio needs a model with sliding-window layers; this "
+                         "one attends to its whole context in every layer")
+    if len(sizes) > 1:
+        raise ValueError(f"--sliding-kv-ratio needs one window for every sliding layer; this "
+                         f"model's are {sorted(sizes)}")
+    return tuple(w is not None for w in windows), sizes.pop()
