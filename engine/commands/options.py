@@ -30,13 +30,14 @@ def add_declared_arguments(parser: argparse.ArgumentParser, title: str,
             shown = f"${option.env}, else {option.default}"
         help_text = f"{option.help} (default: {shown})" if "default:" not in option.help \
             else option.help
+        flags = (option.flag, *option.aliases)
         if option.kind is bool:
-            group.add_argument(option.flag, action="store_true", default=default, help=help_text)
+            group.add_argument(*flags, action="store_true", default=default, help=help_text)
         elif option.kind is list:
-            group.add_argument(option.flag, nargs="+", default=default, help=help_text,
+            group.add_argument(*flags, nargs="+", default=default, help=help_text,
                                metavar=option.name.upper().removesuffix("S"))
         else:
-            group.add_argument(option.flag, type=option.kind, default=default,
+            group.add_argument(*flags, type=option.kind, default=default,
                                choices=option.choices, help=help_text,
                                metavar=None if option.choices else option.name.upper())
 

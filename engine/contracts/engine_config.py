@@ -107,6 +107,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "until verified token-identical on a GPU)"))] = False
     cuda_graph_max_bs: Annotated[int, Meta(ge=1, description=(
         "largest decode batch run as a CUDA graph (larger ones run eagerly)"))] = 256
+    deterministic: Annotated[bool, Meta(extra={"aliases": ["--enable-deterministic-inference"]},
+                                        description=(
+        "batch-invariant CPU kernels: a row's logits are the same bits whether its prefix came "
+        "from the cache (device, host or disk tier) or was computed, whatever the chunk size, "
+        "the page size and the rows beside it in a step; prefill attention runs the decode "
+        "kernel (slower: docs/benchmarks.md), quantized products the block kernel. CPU only; "
+        "SGLang's --enable-deterministic-inference is the same flag"))] = False
     load_format: Annotated[Literal["auto", "dummy"], Meta(description=(
         "auto reads the checkpoint's weights; dummy fills random weights from config.json "
         "alone, for benchmarks"))] = "auto"
@@ -249,6 +256,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              "(run one radixserve serve per engine behind a gateway to use it)")
         self._validate_tp()
         self._validate_lora()
+        self._validate_deterministic()
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
 
@@ -256,6 +264,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         parse_lora_modules(self.lora_modules)
+
+    def _validate_deterministic(self) -> None:
+        if not self.deterministic:
+            return
+        refused = {"--device cuda": self.device is not None and self.device.startswith("cuda"),
+                   "--attention-backend flashinfer": self.attention_backend == "flashinfer",
+                   "--linear-form widened": self.linear_form == "widened",
+                   "--kv-cache-dtype fp8_e4m3 or fp8_e5m2": self.kv_cache_dtype.startswith("fp8"),
+                   "--tp-size > 1": self.tp_size > 1}
+        for name, given in refused.items():
+            if given:
+                raise ValueError(f"--deterministic runs on the compiled CPU kernels and cannot "
+                                 f"be combined with {name}")
 
     def _validate_disk(self) -> None:
         if self.disk_cache_dir is None:

@@ -8,7 +8,8 @@ From that one declaration come the command-line flags (engine/commands/options.p
 choices, default and help), the checks of a value (``check_declared``: bounds and choices, as
 sentences that name the flag) and the wire format (msgspec enforces the same bounds when a
 child decodes its config). ``Meta(extra={"env": NAME})`` makes an environment variable the
-flag's default. Rules that tie several options together stay in the Struct's ``validate``.
+flag's default; ``Meta(extra={"aliases": [...]})`` names other flags that set it. Rules that
+tie several options together stay in the Struct's ``validate``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Option:
     minimum: float | None = None  # inclusive
     maximum: float | None = None  # inclusive
     env: str | None = None  # environment variable that supplies the default
+    aliases: tuple[str, ...] = ()  # other flags that set it (another engine's name)
 
     @property
     def flag(self) -> str:
@@ -66,7 +68,7 @@ def declared_options(struct: type[msgspec.Struct]) -> list[Option]:
             name=field.name, kind=base, help=described.get("description", ""),
             default=None if field.required else field.default, optional=optional,
             choices=choices, minimum=getattr(kind, "ge", None), maximum=getattr(kind, "le", None),
-            env=described.get("env")))
+            env=described.get("env"), aliases=tuple(described.get("aliases", ()))))
     return options
 
 

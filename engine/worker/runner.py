@@ -93,7 +93,8 @@ class ModelRunner:
     (the weights); ``page_size``, ``num_pages`` / ``kv_cache_gb`` / ``mem_fraction``,
     ``num_host_pages``, ``host_cache_gb``, ``kv_cache_dtype`` (the pool); ``attention_backend``, ``flashinfer_decode_backend`` (the
     attention); ``enable_cuda_graph``, ``cuda_graph_max_bs`` (decode graphs); ``enable_lora``,
-    ``lora_modules``, ``max_loras``, ``max_lora_rank`` (the adapters' pool). Its defaults
+    ``lora_modules``, ``max_loras``, ``max_lora_rank`` (the adapters' pool); ``deterministic``
+    (batch-invariant attention and products). Its defaults
     are the config's: the runner declares none of its own.
     """
 
@@ -114,7 +115,8 @@ class ModelRunner:
             config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
             num_kv_heads=self.model.plan.num_kv_heads, head_dim=self.config.head_dim,
             sliding_windows=self.config.sliding_windows, scale=self.config.attention_scale,
-            decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch)
+            decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch,
+            deterministic=config.deterministic)
         self.attention_backend = self.attention.name
         self.staging = HostStaging(self.device)
         self.transfer_seconds = 0.0  # the last forward's swaps, write-downs and loads
@@ -128,9 +130,11 @@ class ModelRunner:
         self.model = load_model(c.model, device=self.device, dtype=self.dtype,
                                 config=self.config, tp=self.tp, load_format=c.load_format,
                                 seed=c.seed, quantization=c.quantization,
-                                linear_form=c.linear_form)
+                                linear_form="blocks" if c.deterministic else c.linear_form)
         self._flops_per_token = 2 * self.config.num_params
         self.model.prepack()
+        if c.deterministic:
+            self.model.pin_row_order()
         # Bytes of this rank's weights by format (a decode step reads nearly all of them).
         self.weight_formats = self.model.weight_bytes()
         self.weight_bytes = sum(self.weight_formats.values())

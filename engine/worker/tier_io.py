@@ -51,6 +51,9 @@ IN_IDENTITY = {
     "model": "weights", "quantization": "weight_formats", "dtype": "dtype",
     "kv_cache_dtype": "kv_dtype", "page_size": "page_size", "tp_size": "tp_size",
     "load_format": "load_format", "seed": "seed",
+    # the batch-invariant kernels' KV is the same bits however it was batched; a fast server's
+    # differs from it by rounding, which would break a deterministic server's hits
+    "deterministic": "deterministic",
 }
 # These do not, for the reason given.
 NOT_IN_IDENTITY = {
@@ -109,7 +112,7 @@ def identity(c: EngineConfig, runner: ModelRunner) -> dict:
         # int8 and int4 blocks are this engine's own quantization of the weights
         "quantizer": QUANTIZER_VERSION if set(formats.values()) & {"int8", "int4"} else None,
         "dtype": str(runner.dtype), "kv_dtype": str(runner.kv_dtype), "page_size": c.page_size,
-        "tp_size": c.tp_size,
+        "tp_size": c.tp_size, "deterministic": c.deterministic,
     }
 
 

@@ -60,13 +60,21 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype,
 
 
 def make_backend(name: str, pool: KVPool, *, decode_backend: str = "fa2",
-                 graph_max_batch: int = 0, **shape) -> AttentionBackend:
+                 graph_max_batch: int = 0, deterministic: bool = False,
+                 **shape) -> AttentionBackend:
     """The backend ``name`` resolves to, over ``pool``, of ``shape`` (``AttentionBackend``'s
     num_heads, num_kv_heads, head_dim, sliding_windows and scale); flashinfer's kernels are built and
     warmed up here (``decode_backend``: its decode kernel on tensor cores; ``graph_max_batch``:
     the largest CUDA-graph batch its workspace must hold; see
-    engine/worker/attention/flashinfer.py)."""
+    engine/worker/attention/flashinfer.py). ``deterministic``: the torch backend's
+    batch-invariant plan, which needs the compiled CPU kernel (ValueError elsewhere)."""
     resolved = resolve_backend(name, pool.device, pool.dtype, shape["head_dim"], pool.kv_dtype)
+    if deterministic:
+        backend = TorchNativeBackend(pool, deterministic=True, **shape)
+        if not backend.deterministic:
+            raise ValueError("--deterministic needs the compiled CPU attention kernel, which "
+                             "this device, KV dtype or build does not have (the log says why)")
+        return backend
     if resolved == "torch":
         return TorchNativeBackend(pool, **shape)
     try:

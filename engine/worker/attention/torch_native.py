@@ -18,6 +18,13 @@ A step's sequences split into groups, each served by one call per layer:
   positions, sliding window where the layer has one); when no sequence of the group has
   cached tokens, SDPA's built-in causal mask instead.
 
+Deterministic steps (``--deterministic``) are one group: every sequence's new rows, prefill
+and extend rows as well as decodes, through the compiled kernel, without the cascade. The kernel
+sums each row's keys in blocks of 16 aligned to position 0 (csrc/paged_decode.cpp), so a row's
+output is the same bits whatever the step around it: a prefill row equals the decode of that
+token, a chunk boundary or a cached prefix changes nothing, nor does the page size. Slower
+than SDPA for long prefills (docs/benchmarks.md).
+
 Gathering whole pages keeps indices few; the mask hides the unused tail of the last page.
 Padded query rows get the position of their sequence's last token so no row is fully masked.
 """
@@ -81,15 +88,22 @@ def _padded_pages(batch: BatchInput, seqs: np.ndarray) -> tuple[np.ndarray, np.n
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, *args, compiled: bool = True, **kwargs) -> None:
-        """``compiled``: decode through the compiled CPU kernel where it is available."""
+    def __init__(self, *args, compiled: bool = True, deterministic: bool = False,
+                 **kwargs) -> None:
+        """``compiled``: decode through the compiled CPU kernel where it is available.
+        ``deterministic``: every row of every step through that kernel, in one group and
+        without the cascade, so a row's result never depends on the step it is in (below)."""
         super().__init__(*args, **kwargs)
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
         # The compiled ops read and write pages in the model's dtype or int8 rows; an fp8
         # pool's steps take the torch paths, which decode the pages a step gathers.
         on_cpu = compiled and self.device.type == "cpu" and self.pool.kv_dtype not in FP8_DTYPES
-        self._paged_decode = paged_decode_op(self.pool.quantized) if on_cpu else None
+        # Deterministic steps take the kernel in every build (its plain C++ loops too): only
+        # the kernel fixes each row's order of sums.
+        self._paged_decode = (paged_decode_op(self.pool.quantized or deterministic)
+                              if on_cpu else None)
         self._rope_store = rope_store_op() if on_cpu else None
+        self.deterministic = deterministic and self._paged_decode is not None
 
     def forward_rotating(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                          cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -107,6 +121,9 @@ class TorchNativeBackend(AttentionBackend):
         # other, which is what DecodeGraphs(capture=False) runs on CPU.
         # With the compiled kernel, decodes and short extends (a verify of draft tokens: its
         # last token and the drafts) attend in one kernel call; without it, decodes alone.
+        if self.deterministic:
+            self._groups = [self._plan_paged(batch, np.arange(batch.num_seqs), True)]
+            return
         short = PAGED_MAX_EXTEND if self._paged_decode is not None else 1
         paged = batch.extend_lens <= short
         groups = [np.nonzero(paged)[0]]
@@ -195,12 +212,14 @@ class TorchNativeBackend(AttentionBackend):
         rows = (np.repeat(last - extend, extend)
                 + np.arange(int(extend.sum())) - np.repeat(np.cumsum(extend) - extend, extend))
         cascade = None
-        if multi:
+        # Deterministic plans take no cascade: its merge would sum a shared prefix's part in
+        # another order than the row's own decode.
+        if multi and not self.deterministic:
             # The kernel's cascade attends one query row a sequence: a verify group whose
             # shared prefix would pay for it takes the extend path's cascade instead.
             if self._paged_cascade(batch, seqs, paged[:3]) is not None:
                 return None
-        else:
+        elif not self.deterministic:
             cascade = self._paged_cascade(batch, seqs, paged)
         return _Group(rows=None if whole else torch.from_numpy(rows),
                       pad_index=None, page_table=paged[1], num_seqs=len(seqs),

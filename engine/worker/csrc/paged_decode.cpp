@@ -2,7 +2,7 @@
 // key of their sequence up to their own (or the last `window` of them) without gathering the
 // pages into a dense copy first. A decode step has one query row per sequence; a step that
 // verifies draft tokens (scheduler/speculation.py) gives a sequence several, its last tokens,
-// causal among themselves. Built by engine/worker/cpu_kernels.py; registered as
+// causal among themselves, as does a prefill chunk under --deterministic. Built by engine/worker/cpu_kernels.py; registered as
 // torch.ops.radixserve.paged_decode.
 //
 //   q        [T, H, D]                    the step's queries: one per sequence (T = B), or
@@ -19,13 +19,15 @@
 // Returns the output [T, H, D] and the log-sum-exp of each row's scaled scores, float32
 // [T, H], which merges it with an attention over other keys (engine/worker/attention/cascade.py).
 //
-// Work item = a sequence and a run of its KV heads (all of them unless a small batch must be
-// split further to keep every thread busy); the H / KVH query heads sharing a KV head, of all
-// the sequence's query rows, read each key once. A row's keys past its own position (a later
-// draft's) and before its window take weight 0 in the blocks they share with its other keys;
-// its sums are otherwise taken in the order a one-row decode of that token takes them, so
-// without a sliding window a verify row's output is that decode's, bit for bit. Keys go in blocks of 16 with an online softmax (running max and sum in
-// float32); scores, weights and sums are float32 whatever the KV dtype. int8 keys and values
+// Work item = a tile of up to 32 of a sequence's query rows and a run of its KV heads (all of
+// them unless a small batch must be split further to keep every thread busy); the H / KVH query
+// heads sharing a KV head, of all the tile's rows, read each key once. Keys go in blocks of 16
+// that start at multiples of 16; a row's keys past its own position (a later draft's or
+// prefill token's) and before its window or start take weight 0 in the blocks they share with
+// its other keys, so each row's sums are taken in the order a one-row decode of that token
+// takes them: a prefill, extend or verify row's output is that decode's, bit for bit, whatever
+// the tile, the page size and the rows beside it (--deterministic runs every row here). Keys
+// go with an online softmax (running max and sum in float32); scores, weights and sums are float32 whatever the KV dtype. int8 keys and values
 // are widened in registers and their scales folded into the block's scores (score = scale_k *
 // q.k) and weights (p * scale_v): no page is ever dequantized into memory. The loops run on
 // 16-wide registers on CPUs with AVX-512 (head sizes that are multiples of 16, up to 256), on
@@ -56,6 +58,9 @@ using radixserve::load16;
 #endif
 
 constexpr int64_t kKeyBlock = 16;  // keys per block of scores
+// Query rows of one sequence per work item: a prefill's rows spread over the threads, and
+// each tile reads only the keys up to its last row's (a causal prefill's later keys unread).
+constexpr int64_t kRowTile = 32;
 
 // exp(x) over a block, vectorisable: Cephes' expf (range reduction by ln 2, degree-6
 // polynomial, ~1 ulp on the range that matters here). Inputs are <= 0 (scores minus their max).
@@ -436,6 +441,12 @@ inline int64_t rows_at_once(int64_t G) { return G <= 8 ? G * (8 / G) : G; }
 // q_indptr[b] .. q_indptr[b + 1]: its last n_b tokens, row j at position len - n_b + j, which
 // sees the keys up to its own (causal within the sequence's new tokens). ``max_rows``: the
 // largest n_b.
+//
+// Every row's keys go in blocks that start at multiples of kKeyBlock, whatever the row's first
+// key (its window's, or the cascade's start), and a block's keys the row must not see take
+// weight 0: so a row's sums are taken in one order whichever rows share its work item, whether
+// it is a decode, a verify or a prefill row, whatever the page size. A sequence's rows are
+// split into tiles of kRowTile rows, each tile a work item reading keys up to its last row's.
 template <typename T, typename KV>
 void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int32_t* indptr,
             const int32_t* indices, const int32_t* seq_lens, const int32_t* starts,
@@ -446,49 +457,61 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
   const int64_t row_len = quantized ? D + radixserve::kScaleBytes : D;  // a head's row
   const int64_t G = H / KVH;
   const int64_t at_once = rows_at_once(G);
-  // A work item is a sequence's keys for a run of its KV heads: all of them when there are
-  // enough sequences to keep every thread busy (a token's heads are adjacent in its page, so
+  // Tiles: (sequence, its first query row in the tile).
+  std::vector<int64_t> tile_seq, tile_row;
+  tile_seq.reserve(B), tile_row.reserve(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = q_indptr != nullptr ? q_indptr[b + 1] - q_indptr[b] : 1;
+    for (int64_t j = 0; j < nq; j += kRowTile) tile_seq.push_back(b), tile_row.push_back(j);
+  }
+  const int64_t tiles = static_cast<int64_t>(tile_seq.size());
+  // A work item is a tile's keys for a run of its KV heads: all of them when there are
+  // enough tiles to keep every thread busy (a token's heads are adjacent in its page, so
   // one item reads each page front to back), fewer when a small batch must be split further.
   const int64_t threads = at::get_num_threads();
-  const int64_t chunks = std::min(KVH, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+  const int64_t chunks = std::min(KVH, std::max<int64_t>(1, (2 * threads + tiles - 1) / tiles));
   const int64_t heads_per_chunk = (KVH + chunks - 1) / chunks;
-  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     // Query rows of one item, [KV head][token][group member]: those of one KV head adjacent.
-    const int64_t rows = heads_per_chunk * max_rows * G;
+    const int64_t rows = heads_per_chunk * std::min(max_rows, kRowTile) * G;
     std::vector<float> qf(rows * D), acc(rows * D), run_max(rows), run_sum(rows),
         s(rows * kKeyBlock), weighted(quantized ? rows * kKeyBlock : 0), scales(kKeyBlock);
     std::vector<int64_t> row_at(kKeyBlock), lo(rows), hi(rows);
     std::vector<const KV*> key_rows(kKeyBlock), value_rows(kKeyBlock);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / chunks;
+      const int64_t b = tile_seq[item / chunks];
       const int64_t h0 = (item % chunks) * heads_per_chunk;
       const int64_t h1 = std::min(KVH, h0 + heads_per_chunk);
       const int64_t len = seq_lens[b];
       const int64_t q0 = q_indptr != nullptr ? q_indptr[b] : b;
-      const int64_t nq = q_indptr != nullptr ? q_indptr[b + 1] - q0 : 1;
+      const int64_t nq_all = q_indptr != nullptr ? q_indptr[b + 1] - q0 : 1;
+      const int64_t j0 = tile_row[item / chunks];
+      const int64_t nq = std::min(kRowTile, nq_all - j0);  // this tile's rows: j0 + j
       const int64_t per_head = nq * G;  // query rows sharing one KV head
       const int64_t used = (h1 - h0) * per_head;
       const int64_t from = starts != nullptr ? starts[b] : 0;
-      // Row j's keys: [lo_j, len - nq + j], the window's last keys at most; the first block
-      // starts at the earliest row's first key (row 0's), as a decode of row 0 would.
+      // Row j's keys: [lo_j, last_j], the window's last keys at most.
+      const int64_t keys_end = len - nq_all + j0 + nq;  // past the tile's last row's key
+      int64_t first = keys_end;
       for (int64_t j = 0; j < nq; ++j) {
-        const int64_t last = len - nq + j;
+        const int64_t last = len - nq_all + j0 + j;
         const int64_t first_j = std::max<int64_t>(window > 0 ? last + 1 - window : 0, from);
+        first = std::min(first, first_j);
         for (int64_t hh = 0; hh < h1 - h0; ++hh)
           for (int64_t i = 0; i < G; ++i) {
             const int64_t row = hh * per_head + j * G + i;
             lo[row] = first_j, hi[row] = last + 1;
-            const T* qr = q + ((q0 + j) * H + (h0 + hh) * G + i) * D;
+            const T* qr = q + ((q0 + j0 + j) * H + (h0 + hh) * G + i) * D;
             for (int64_t d = 0; d < D; ++d) qf[row * D + d] = to_float(qr[d]) * scale;
           }
       }
-      const int64_t first = lo[0];
+      first -= first % kKeyBlock;
       std::fill(run_max.begin(), run_max.begin() + used, -3.0e38f);
       std::fill(run_sum.begin(), run_sum.begin() + used, 0.f);
       std::fill(acc.begin(), acc.begin() + used * D, 0.f);
       const int32_t* pages = indices + indptr[b];
-      for (int64_t start = first; start < len; start += kKeyBlock) {
-        const int64_t n = std::min(kKeyBlock, len - start);
+      for (int64_t start = first; start < keys_end; start += kKeyBlock) {
+        const int64_t n = std::min(kKeyBlock, keys_end - start);
         // Row of each key: page `page` of the sequence, slot `slot` in it (no division per key).
         for (int64_t t = 0, page = start / P, slot = start % P; t < n; ++t) {
           row_at[t] = pages[page] * page_stride + slot * token_stride;
@@ -497,7 +520,7 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
         // The next block's keys and values, fetched while this one computes: pages lie at
         // random in the pool, so the hardware cannot guess the next one, and in a model's step
         // (every layer's KV, the weights streaming between) they come from memory.
-        const int64_t ahead = std::min(kKeyBlock, len - start - kKeyBlock);
+        const int64_t ahead = std::min(kKeyBlock, keys_end - start - kKeyBlock);
         for (int64_t t = 0, page = (start + kKeyBlock) / P, slot = (start + kKeyBlock) % P; t < ahead;
              ++t) {
           const int64_t row = pages[page] * page_stride + slot * token_stride + h0 * row_len;
@@ -553,7 +576,7 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
       }
       for (int64_t row = 0; row < used; ++row) {
         const int64_t hh = row / per_head, j = row % per_head / G, i = row % G;
-        const int64_t at = (q0 + j) * H + (h0 + hh) * G + i;
+        const int64_t at = (q0 + j0 + j) * H + (h0 + hh) * G + i;
         const float inv = 1.f / run_sum[row];
         T* o = out + at * D;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[row * D + d] * inv);

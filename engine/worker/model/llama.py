@@ -58,6 +58,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
 
 
+# Rows of each dense product call under ``pin_row_order``: a decode step of up to 16 sequences
+# takes one call.
+DENSE_ROW_TILE = 16
+
+
+def _in_row_tiles(product, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``product`` of ``x`` [rows, ...] in calls of exactly ``tile`` rows, the last padded with
+    zeros: a row's result then comes from one shape of call whatever the rows around it."""
+    rows = x.shape[0]
+    padded = x.new_zeros(-(-rows // tile) * tile, *x.shape[1:])
+    padded[:rows] = x
+    return torch.cat([product(part) for part in padded.split(tile)])[:rows]
+
+
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """residual += x @ weight.T (+ bias), in place: one GEMM accumulating into the residual
@@ -77,6 +91,8 @@ class _Weights(nn.Module):
     unless something else reads it (a tied embedding)."""
 
     _LINEARS: tuple[str, ...] = ()
+    # Dense products in calls of exactly this many rows (0: one call): ``pin_row_order``.
+    row_tile = 0
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -114,6 +130,8 @@ class _Weights(nn.Module):
         quantized = self.quantized.get(name)
         if quantized is not None:
             return quantized(x, bias)
+        if self.row_tile and x.shape[0] not in (0, self.row_tile):
+            return _in_row_tiles(lambda rows: self._linear(name, rows, bias), x, self.row_tile)
         packed = self.packed.get(name)
         if packed is None:
             return F.linear(x, getattr(self, name), bias)
@@ -276,7 +294,7 @@ class DecoderLayer(_Weights):
             out = out if bias is None else out.add_(bias)
             residual.add_(out if out_norm is None else rms_norm(out, out_norm, self.eps))
             return
-        if name in self.packed or name in self.quantized:
+        if name in self.packed or name in self.quantized or self.row_tile:
             residual.add_(self._linear(name, x, bias))
         else:
             add_linear_(residual, x, getattr(self, name), bias)
@@ -336,6 +354,17 @@ class LlamaForCausalLM(_Weights):
         self._prepack(keep=(self.embed,))
         for layer in self.layers:
             layer._prepack()
+
+    def pin_row_order(self) -> None:
+        """Make every dense product compute a row the same way whatever the rows beside it
+        (``--deterministic``): oneDNN and MKL pick their kernels, and with them each row's
+        order of sums, by the row count (fp32: one row differs from two; bf16: 33 rows and more
+        differ from 32), so dense products run in calls of exactly ``DENSE_ROW_TILE`` rows, the
+        last padded. Products over quantized blocks need nothing: the block kernel computes
+        each row alone (the loader pins it for every row count)."""
+        for module in self.modules():
+            if isinstance(module, _Weights):
+                module.row_tile = DENSE_ROW_TILE
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the tensor (or slice of a fused one) it is copied into."""
