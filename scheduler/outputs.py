@@ -25,6 +25,9 @@ class SampledRows:
                 -1, result.top_n)
         self.forced = _forced_tokens(result, len(self.tokens))
         self.grammar_ended = set(unpack_ids(result.grammar_ended).tolist())
+        # the draft model's drafts, for the entries that asked for them (engine/worker/draft.py)
+        self.draft_counts = unpack_ids(result.draft_counts)
+        self.draft_ids = unpack_ids(result.draft_ids)
 
     def after(self, row: int) -> list[int]:
         """Row ``row``'s sample followed by the tokens its grammar forced."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from engine.contracts.sampling_params import SamplingParams
 from radix import Lease
+from scheduler.draft_model import ModelDrafts
 
 
 class Status(enum.Enum):
@@ -57,6 +58,7 @@ class Seq:
     draft_pause: int = 0
     draft_backoff: int = 4
     draft_probe: bool = False
+    model_drafts: ModelDrafts = field(default_factory=ModelDrafts)  # the draft model's record
     # a load into its own pages in flight (scheduler/loads.py; -1: none); the disk tier's
     # blocks found to load at admission, and the tokens whose blocks were sent to be saved
     load_id: int = -1

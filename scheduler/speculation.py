@@ -142,7 +142,12 @@ class Speculator:
         self.config = config
         self.method = config.method
         self.suffix: SuffixProposer | None = None
-        if config.method == "suffix":
+        self.model = None  # the draft model's policy (method "draft_model")
+        if config.method == "draft_model":
+            from scheduler.draft_model import DraftModelPolicy  # it imports this module
+
+            self.model = DraftModelPolicy(config.num_speculative_tokens)
+        if config.method in ("suffix", "draft_model"):
             index = None
             if tree is not None and config.suffix_decoding_max_cached_requests:
                 index = SuffixIndex.attached(tree, config.suffix_decoding_max_cached_requests,
@@ -183,6 +188,27 @@ class Speculator:
             return self.suffix.propose(tokens, seq.req.namespace, k)
         return propose_ngram(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k).tolist()
 
+    def plan(self, seq: Seq, limit: int, num_running: int) -> tuple[list[int], bool]:
+        """``seq``'s drafts for its next decode step and whether the draft model makes them
+        (then the ids are placeholders the model worker fills): with a draft model, the
+        cache's continuation where the suffix method finds one, else the draft model's."""
+        drafts = self.drafts_for(seq, limit, num_running)
+        if drafts or self.model is None or not self.may_draft(num_running) or (
+                seq.req.params.structured_outputs is not None):
+            return drafts, False
+        k = self.model.drafts_for(seq, limit - len(seq.tokens) - 1, num_running)
+        return [0] * k, k > 0
+
+    @staticmethod
+    def fill_model_drafts(entries: list, counts: np.ndarray, ids: np.ndarray) -> None:
+        """The drafts the draft model made (a result's ``draft_counts`` and ``draft_ids``, in
+        the order of the entries that asked for them) in place of their placeholders."""
+        at = 0
+        for entry, count in zip((e for e in entries if e.model_drafts), counts.tolist(),
+                                strict=True):
+            entry.drafts = ids[at : at + count].tolist()
+            at += count
+
     @staticmethod
     def accepted(tokens: np.ndarray, verifies: list[tuple[int, list[int]]]) -> np.ndarray:
         """How many drafts each verification accepts, for all of a step's at once (one numpy
@@ -202,14 +228,17 @@ class Speculator:
         # the verification's length where it agrees; the least is the first disagreement.
         return np.minimum.reduceat(np.where(agree, np.repeat(counts, counts), local), offsets)
 
-    def accept(self, seq: Seq, drafted: int, accepted: int) -> int:
-        """``seq`` verified ``drafted`` drafts and ``accepted`` of them (``accepted``): updates
-        its rate, its pause and the counters; returns the tokens it keeps (the accepted drafts
-        and the token after them)."""
+    def accept(self, seq: Seq, drafted: int, accepted: int, by_model: bool = False) -> int:
+        """``seq`` verified ``drafted`` drafts and ``accepted`` of them (``accepted``; the
+        draft model's: ``by_model``): updates its rate, its pause and the counters; returns
+        the tokens it keeps (the accepted drafts and the token after them)."""
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.emitted_tokens += accepted + 1
         self.verifications += 1
+        if by_model:
+            self.model.accept(seq, drafted, accepted)
+            return accepted + 1
         tried = accepted + (accepted < drafted)  # the drafts reached: up to the first rejected
         seq.draft_hits = HISTORY * seq.draft_hits + accepted
         seq.draft_tries = HISTORY * seq.draft_tries + tried
@@ -222,7 +251,10 @@ class Speculator:
         (each entry's tokens its last one and its drafts) tells what drafts cost."""
         if entries and all(e.extend == 1 + len(e.drafts) and e.samples == e.extend
                            for e in entries):
-            self.costs.observe(len(entries), sum(len(e.drafts) for e in entries), seconds)
+            modelled = [e for e in entries if e.model_drafts]
+            costs = self.model.costs if modelled else self.costs
+            costs.observe(len(entries), sum(len(e.drafts) for e in modelled or entries),
+                          seconds)
 
     def check(self) -> None:
         """The suffix index's bookkeeping (with the scheduler's accounting check)."""
@@ -236,5 +268,6 @@ class Speculator:
             "spec_accepted_tokens": self.accepted_tokens,
             "spec_emitted_tokens": self.emitted_tokens,
             "spec_verifications": self.verifications,
+            **(self.model.stats() if self.model is not None else {}),
         }
 

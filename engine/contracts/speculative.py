@@ -1,8 +1,9 @@
-"""``--speculative-config``: speculative decoding with no draft model, in vLLM's JSON keys.
+"""``--speculative-config``: speculative decoding, in vLLM's JSON keys.
 
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
     --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
+    --speculative-config '{"model": "small.gguf", "num_speculative_tokens": 4}'
 
 ``ngram`` drafts the tokens that followed the latest earlier occurrence of the sequence's last
 ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens in its own prompt and output (prompt
@@ -17,14 +18,22 @@ verifies a sequence's drafts in one step (scheduler/speculation.py) and stops dr
 it does not pay: for a sequence whose drafts are mostly rejected, and while more than
 ``disable_by_batch_size`` sequences run (the step is then bound by compute, not by reading the
 weights, and a draft costs as much as a token).
+
+``model`` (``method`` "draft_model", implied): a smaller model of the same tokenizer drafts,
+in the model worker (engine/worker/draft.py), where the suffix method (its keys and defaults)
+finds no continuation first; it stops drafting a sequence's step once its own probability of
+its next token falls under ``draft_min_token_prob``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 from msgspec import Meta
+
+if TYPE_CHECKING:
+    from engine.contracts.engine_config import EngineConfig
 
 # scripts/bench_speculation.py --cost, SmolLM2-135M on a shared 2-core CPU, one thread, 300
 # cached tokens a sequence: a verify step with 5 drafts a sequence costs 1.4-2.1x a decode
@@ -41,12 +50,17 @@ SUFFIX_DEFAULTS = {
 }
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 MIN_SUFFIX_MATCH = 2  # the shortest match the suffix method drafts from (scheduler/suffix.py)
+# A draft model's proposals end where its own probability of its next token falls under this:
+# such a draft is accepted less often than it costs (scripts/bench_speculation.py --draft).
+DEFAULT_DRAFT_MIN_TOKEN_PROB = 0.4
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The parsed ``--speculative-config``; ``parse`` fills vLLM's defaults and checks it."""
 
-    method: Literal["ngram", "suffix"]
+    method: Literal["ngram", "suffix", "draft_model"] | None = None
+    model: str | None = None  # the draft model (method "draft_model")
+    draft_min_token_prob: Annotated[float, Meta(ge=0, le=1)] | None = None
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=16)]
     prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None
@@ -67,12 +81,17 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                              f"{exc}") from None
         except msgspec.ValidationError as exc:
             raise ValueError(f"--speculative-config is not valid: {exc}") from None
-        others = SUFFIX_DEFAULTS if config.method == "ngram" else NGRAM_KEYS
+        config._check_model()
+        others = (*SUFFIX_DEFAULTS, "draft_min_token_prob") if config.method == "ngram" else (
+            NGRAM_KEYS if config.method == "draft_model" else (*NGRAM_KEYS,
+                                                               "draft_min_token_prob"))
         given = [key for key in others if getattr(config, key) is not None]
         if given:
             raise ValueError(f"--speculative-config: the {config.method!r} method does not "
                              f"take {', '.join(given)}")
-        if config.method == "suffix":
+        if config.method == "draft_model" and config.draft_min_token_prob is None:
+            config.draft_min_token_prob = DEFAULT_DRAFT_MIN_TOKEN_PROB
+        if config.method in ("suffix", "draft_model"):
             for key, default in SUFFIX_DEFAULTS.items():
                 if getattr(config, key) is None:
                     setattr(config, key, default)
@@ -89,3 +108,31 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                              f"({config.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({config.prompt_lookup_max})")
         return config
+
+    def _check_model(self) -> None:
+        """``model`` implies the draft_model method, which needs one (ValueError otherwise)."""
+        if self.model is not None and self.method in (None, "draft_model"):
+            self.method = "draft_model"
+        elif self.model is not None:
+            raise ValueError(f"--speculative-config: the {self.method!r} method takes no "
+                             f"model; drop \"model\" or the method")
+        elif self.method is None:
+            raise ValueError("--speculative-config needs a \"method\" (ngram or suffix) or "
+                             "a draft \"model\"")
+        elif self.method == "draft_model":
+            raise ValueError("--speculative-config: the draft_model method needs the draft's "
+                             "\"model\" (a checkpoint directory or a .gguf file)")
+
+    def check_serving(self, c: EngineConfig) -> None:
+        """ValueError with a sentence for an option a draft model does not run with: its KV
+        pages are neither sharded over tensor-parallel ranks nor copied to the host or disk
+        tiers."""
+        if self.model is None:
+            return
+        for given, option in ((c.tp_size > 1, "--tp-size above 1"),
+                              (bool(c.host_cache_gb), "--host-cache-gb"),
+                              (c.disk_cache_dir is not None, "--disk-cache-dir")):
+            if given:
+                raise ValueError(f"--speculative-config: a draft model does not run with "
+                                 f"{option} (its KV is neither sharded nor copied to the "
+                                 f"cache's host and disk tiers)")

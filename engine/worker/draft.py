@@ -1,0 +1,214 @@
+"""The draft model of ``--speculative-config '{"model": ...}'``: a smaller model of the target's
+tokenizer, run in the model worker beside the target, proposing the drafts that the target's
+verify step checks (scheduler/speculation.py).
+
+Its KV lives in a pool of its own that holds the SAME page numbers as the target's::
+
+    page 17   target pool: K and V of positions 34..35, the target's layers
+              draft pool:  K and V of positions 34..35, the draft's layers
+
+so the scheduler's pages, the radix tree, eviction, salts, LoRA namespaces and rollbacks act on
+both at once, a prefix the target has cached is cached for the draft, and the pool's budget
+counts both per page (``ModelRunner``'s ``draft_page_bytes``). The invariant: wherever a
+sequence's target KV is computed, its draft KV is too. Before the target's forward, the draft
+runs the same step (``_mirror``: the page moves, prefill chunks, decodes, verifies of the
+cache's drafts), except for the sequences it drafts for (``BatchInput.draft_lens``)::
+
+    the step's tokens   t  _  _  _         t: the last sampled token; _: placeholders
+    draft forwards      t->d0 d0->d1 d1->d2  (the first inside the mirror, then one decode each)
+    target's verify     t  d0 d1 d2        placeholders filled; the unused ones padding
+
+Drafts are the draft's argmax (a point mass: the verify step's rule then keeps the target's
+distribution, scheduler/speculation.py). A sequence's drafts end once the draft's probability
+of its next token falls under ``draft_min_token_prob`` (the first is always proposed: its
+forward runs anyway). After the sampler (``settle``), a sequence that accepted every draft
+whose last draft the draft never ran (its KV missing) runs it, so the invariant holds after
+every step. The scheduler reads the drafts from the result (``BatchResult.draft_ids``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import BatchResult, pack_ids
+from engine.contracts.step import BatchInput, StepBuilder
+from engine.worker.kv_pool import KVPool
+from engine.worker.kv_quant import resolve_kv_dtype
+from engine.worker.model.config import ModelConfig
+
+logger = logging.getLogger("radixserve.worker")
+
+
+def draft_checkpoint(c: EngineConfig) -> str | None:
+    """The draft model's checkpoint directory (a .gguf converted once), or None without one;
+    ValueError with a sentence for a draft whose tokenizer is not the target's."""
+    spec = c.speculative()
+    if spec is None or spec.model is None:
+        return None
+    from engine.checkpoints.model_source import resolve_model
+
+    path = resolve_model(spec.model).path
+    check_same_vocabulary(c.model, path)
+    return path
+
+
+def draft_page_bytes(c: EngineConfig, draft_dir: str | None) -> int:
+    """What the draft's KV adds to each page of the pool (0 without a draft)."""
+    if draft_dir is None:
+        return 0
+    from engine.worker.runner import resolve_dtype
+
+    mc = ModelConfig.from_dir(draft_dir)
+    device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kv_dtype = resolve_kv_dtype(c.kv_cache_dtype, resolve_dtype(c.dtype, device))
+    return KVPool.bytes_per_page(num_layers=mc.num_layers, page_size=c.page_size,
+                                 num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                 dtype=kv_dtype)
+
+
+def _vocabulary(model_dir: str) -> dict[str, int] | None:
+    """The token -> id map of ``model_dir``'s tokenizer.json (added tokens included), or None
+    when it has none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    vocab = dict(raw.get("model", {}).get("vocab") or {})
+    vocab.update({t["content"]: t["id"] for t in raw.get("added_tokens", [])})
+    return vocab
+
+
+def check_same_vocabulary(target_dir: str, draft_dir: str) -> None:
+    """ValueError with a sentence unless both models read one vocabulary: the same tokenizer
+    (token -> id) and the same number of embedding rows."""
+    target, draft = ModelConfig.from_dir(target_dir), ModelConfig.from_dir(draft_dir)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model has {draft.vocab_size} token ids but the model has "
+                         f"{target.vocab_size}: a draft must share the model's tokenizer")
+    ours, theirs = _vocabulary(target_dir), _vocabulary(draft_dir)
+    if ours != theirs:
+        differ = "one has no tokenizer.json" if ours is None or theirs is None else (
+            f"{len(set(ours.items()) ^ set(theirs.items()))} tokens differ")
+        raise ValueError(f"the draft model's tokenizer is not the model's ({differ}): a "
+                         "draft must share the model's tokenizer")
+
+
+@dataclass
+class _Drafting:
+    """One step's drafting sequences, in batch order: where each sits in the step and what
+    the draft proposed."""
+
+    seqs: list[int] = field(default_factory=list)  # their index in the step
+    first_rows: list[int] = field(default_factory=list)  # their first logits row
+    drafts: list[list[int]] = field(default_factory=list)
+    forwards: list[int] = field(default_factory=list)  # draft forwards each ran (t included)
+
+
+class DraftModel:
+    """The draft's runner (weights and a pool of the target's page numbers) and its drafting.
+    Holds no state between steps: what a step drafts comes back in its result."""
+
+    def __init__(self, c: EngineConfig, draft_dir: str, num_pages: int) -> None:
+        from engine.worker.runner import ModelRunner
+
+        spec = c.speculative()
+        self.min_prob = spec.draft_min_token_prob
+        config = msgspec.structs.replace(
+            c, model=draft_dir, num_pages=num_pages, kv_cache_gb=None, host_cache_gb=0.0,
+            enable_lora=False, lora_modules=[], enable_cuda_graph=False,
+            speculative_config=None)
+        self.runner = ModelRunner(config)
+        self.page_size = c.page_size
+        self._step: _Drafting | None = None
+
+    def propose(self, step: BatchInput) -> None:
+        """Run the draft over ``step`` (page moves included) and fill its placeholders with
+        the drafts of the sequences its ``draft_lens`` names."""
+        self._step = None
+        if not step.num_seqs or not len(step.draft_lens):
+            mirror = msgspec.structs.replace(step, logits_rows=np.zeros(0, dtype=np.int32))
+            self.runner.forward(mirror)
+            return
+        drafting = self._step = _Drafting()
+        starts = np.cumsum(step.extend_lens) - step.extend_lens
+        rows = step.resolved_logits_rows()
+        row_seqs = np.searchsorted(starts, rows, side="right") - 1
+        builder = StepBuilder(self.page_size)
+        for i in range(step.num_seqs):
+            k = int(step.draft_lens[i])
+            pages, cached, ids = self._seq(step, starts, i)
+            builder.add(pages, cached, ids[: len(ids) - k], samples=int(k > 0))
+            if k:
+                drafting.seqs.append(i)
+                drafting.first_rows.append(int(np.searchsorted(row_seqs, i)))
+        logits = self.runner.forward(builder.finish(step.copies, step.swap_out, step.swap_in))
+        tokens, sure = self._pick(logits)
+        drafting.drafts = [[t] for t in tokens]  # the first draft: always proposed
+        drafting.forwards = [1] * len(tokens)
+        active = [n for n, ok in enumerate(sure)
+                  if ok and step.draft_lens[drafting.seqs[n]] > 1]
+        while active:
+            builder = StepBuilder(self.page_size)
+            for n in active:
+                pages, cached, _ = self._seq(step, starts, drafting.seqs[n])
+                made = drafting.drafts[n]
+                builder.add(pages, cached + len(made), made[-1:])
+                drafting.forwards[n] += 1
+            tokens, sure = self._pick(self.runner.forward(builder.finish()))
+            still = []
+            for n, token, ok in zip(active, tokens, sure, strict=True):
+                if not ok:
+                    continue  # unsure: this draft and any after it are not proposed
+                drafting.drafts[n].append(token)
+                if len(drafting.drafts[n]) < step.draft_lens[drafting.seqs[n]]:
+                    still.append(n)
+            active = still
+        step.input_ids = step.input_ids.copy()  # a received step's arrays are read-only
+        for n, i in enumerate(drafting.seqs):
+            made, k = drafting.drafts[n], int(step.draft_lens[i])
+            first = int(starts[i] + step.extend_lens[i]) - k
+            step.input_ids[first : first + k] = made + made[-1:] * (k - len(made))
+
+    def settle(self, step: BatchInput, sampled: np.ndarray, result: BatchResult) -> None:
+        """After the sampler: the drafts into ``result``; a sequence that accepted all of its
+        drafts, the last of which the draft never ran, runs it now (its KV is kept)."""
+        drafting, self._step = self._step, None
+        if drafting is None:
+            return
+        starts = np.cumsum(step.extend_lens) - step.extend_lens
+        builder, behind = StepBuilder(self.page_size), False
+        for n, i in enumerate(drafting.seqs):
+            made, first = drafting.drafts[n], drafting.first_rows[n]
+            if drafting.forwards[n] > len(made) or not np.array_equal(
+                    sampled[first : first + len(made)], made):
+                continue  # a draft rejected, or the draft ran past its last one
+            pages, cached, _ = self._seq(step, starts, i)
+            builder.add(pages, cached + len(made), made[-1:], samples=0)
+            behind = True
+        if behind:
+            self.runner.forward(builder.finish())
+        result.draft_counts = np.array([len(d) for d in drafting.drafts], np.int32).tobytes()
+        result.draft_ids = pack_ids([t for d in drafting.drafts for t in d])
+
+    @staticmethod
+    def _seq(step: BatchInput, starts: np.ndarray, i: int):
+        """Sequence ``i`` of ``step``: its pages, its cached length and its new ids."""
+        pages = step.page_indices[step.page_indptr[i] : step.page_indptr[i + 1]]
+        extend = int(step.extend_lens[i])
+        ids = step.input_ids[starts[i] : starts[i] + extend].tolist()
+        return pages, int(step.seq_lens[i]) - extend, ids
+
+    def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """Each row's argmax and whether the draft's probability of it reaches
+        ``min_prob`` (one copy to the host)."""
+        best, token = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        host = torch.stack([token.double(), best.double()]).cpu().numpy()
+        return host[0].astype(np.int64).tolist(), (host[1] >= self.min_prob).tolist()

@@ -1,0 +1,106 @@
+"""How many drafts a draft model (``--speculative-config '{"model": ...}'``) proposes for each
+decoding sequence's step, and when it stops. The drafts themselves are made in the model
+worker (engine/worker/draft.py), which also ends a step's drafts early where the draft is
+unsure; here the per-sequence rule, as for the cache's drafts (scheduler/speculation.py):
+
+- acceptance ``a``: the chance that a draft whose predecessors were accepted is accepted too
+  (decayed counts behind a prior, ``ModelDrafts``);
+- cost: a draft row of a step with the draft model's drafts costs ``share`` of the step's time
+  per token (``DraftCosts``: the steps' measured times, fitted as for the cache's drafts, with
+  a prior of what a draft a third the size of the model costs: its forward and a verify row);
+- K, at most ``num_speculative_tokens``, with ``a ** K > share``; none worth making: the
+  sequence pauses (decode steps without the draft model, doubling each time, a one-draft probe
+  after), logged and counted in ``/metrics`` (``spec_model_pauses``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scheduler.speculation import (
+    FIRST_PAUSE,
+    HISTORY,
+    LONGEST_PAUSE,
+    MIN_SHARE,
+    PRIOR_ACCEPT,
+    PRIOR_TRIES,
+    StepCosts,
+    worth_drafting,
+)
+
+if TYPE_CHECKING:
+    from scheduler.request import Seq
+
+logger = logging.getLogger("radixserve.scheduler")
+
+
+@dataclass
+class ModelDrafts:
+    """A sequence's record of the draft model's drafts: accepted and tried (decayed), decode
+    steps left without them, the next pause's length, and whether a pause just ended."""
+
+    hits: float = 0.0
+    tries: float = 0.0
+    pause: int = 0
+    backoff: int = FIRST_PAUSE
+    probe: bool = False
+
+    def acceptance(self) -> float:
+        return (self.hits + PRIOR_ACCEPT * PRIOR_TRIES) / (self.tries + PRIOR_TRIES)
+
+
+class DraftCosts(StepCosts):
+    """``StepCosts`` of the steps that verify the draft model's drafts: a draft row there
+    costs the draft's forward too (a third of the model's at 0.5B drafting 1.5B)."""
+
+    PRIOR_SHARE, PRIOR_MAX = 0.35, 0.6
+
+
+class DraftModelPolicy:
+    """Per sequence, how many drafts the draft model proposes; the counters for ``/metrics``."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.costs = DraftCosts()
+        self.drafted_tokens = 0  # the draft model's drafts verified
+        self.accepted_tokens = 0  # of those, accepted
+        self.pauses = 0  # sequences' pauses of the draft model (not worth its cost)
+
+    def drafts_for(self, seq: Seq, room: int, num_running: int) -> int:
+        """How many drafts ``seq``'s next step asks of the draft model (0: none); ``room``:
+        the tokens it may still add after its next one."""
+        state = seq.model_drafts
+        if state.pause > 0:
+            state.pause -= 1
+            state.probe = state.pause == 0
+            return 0
+        if state.probe:  # a pause ended: one draft, whatever it costs
+            state.probe = False
+            return min(1, room)
+        share = max(self.costs.share(num_running), MIN_SHARE)
+        k = min(worth_drafting(state.acceptance(), share, self.most), room)
+        if k < 1 <= room:
+            state.pause = state.backoff
+            state.backoff = min(2 * state.backoff, LONGEST_PAUSE)
+            self.pauses += 1
+            logger.info("request %s: the draft model pauses for %d steps (acceptance %.2f, a "
+                        "draft costs %.2f of a step)", seq.req.rid, state.pause,
+                        state.acceptance(), share)
+            return 0
+        return max(k, 0)
+
+    def accept(self, seq: Seq, drafted: int, accepted: int) -> None:
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        state = seq.model_drafts
+        state.hits = HISTORY * state.hits + accepted
+        state.tries = HISTORY * state.tries + accepted + (accepted < drafted)
+        if accepted / drafted >= 0.5:
+            state.backoff = FIRST_PAUSE
+
+    def stats(self) -> dict[str, int]:
+        return {"spec_model_drafted_tokens": self.drafted_tokens,
+                "spec_model_accepted_tokens": self.accepted_tokens,
+                "spec_model_pauses": self.pauses}
