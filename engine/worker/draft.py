@@ -21,9 +21,10 @@ cache's drafts), except for the sequences it drafts for (``BatchInput.draft_lens
 Drafts are the draft's argmax (a point mass: the verify step's rule then keeps the target's
 distribution, scheduler/speculation.py). A sequence's drafts end once the draft's probability
 of its next token falls under ``draft_min_token_prob`` (the first is always proposed: its
-forward runs anyway). After the sampler (``settle``), a sequence that accepted every draft
-whose last draft the draft never ran (its KV missing) runs it, so the invariant holds after
-every step. The scheduler reads the drafts from the result (``BatchResult.draft_ids``).
+forward runs anyway). After the sampler (``settle``), a sequence that accepted every draft,
+the last of which the draft never ran (its KV missing), leaves that draft ``behind``: the next
+step's draft forward runs it first, so the invariant holds before any forward reads the KV.
+The scheduler reads the drafts from the result (``BatchResult.draft_ids``).
 """
 
 from __future__ import annotations
@@ -112,9 +113,23 @@ class _Drafting:
     forwards: list[int] = field(default_factory=list)  # draft forwards each ran (t included)
 
 
+@dataclass
+class _Behind:
+    """A last draft every verify accepted and the draft never ran: its token, position and
+    the sequence's pages (as the step that drafted it listed them)."""
+
+    token: int
+    position: int
+    pages: np.ndarray
+
+
 class DraftModel:
     """The draft's runner (weights and a pool of the target's page numbers) and its drafting.
-    Holds no state between steps: what a step drafts comes back in its result."""
+
+    Between steps it holds the accepted last drafts whose draft KV is missing (``behind``, by
+    the slot their KV goes to): the next step's mirror runs each as one more token of its
+    sequence (a 2-token extend costs the draft little more than a decode), or, for a sequence
+    not in that step, on its own before anything else (its pages unchanged until then)."""
 
     def __init__(self, c: EngineConfig, draft_dir: str, num_pages: int) -> None:
         from engine.worker.runner import ModelRunner
@@ -128,33 +143,43 @@ class DraftModel:
         self.runner = ModelRunner(config)
         self.page_size = c.page_size
         self._step: _Drafting | None = None
+        self.behind: dict[int, _Behind] = {}
 
     def propose(self, step: BatchInput) -> None:
         """Run the draft over ``step`` (page moves included) and fill its placeholders with
         the drafts of the sequences its ``draft_lens`` names."""
         self._step = None
-        if not step.num_seqs or not len(step.draft_lens):
-            mirror = msgspec.structs.replace(step, logits_rows=np.zeros(0, dtype=np.int32))
-            self.runner.forward(mirror)
+        behind, self.behind = self.behind, {}
+        if not behind and (not step.num_seqs or not len(step.draft_lens)):
+            self.runner.forward(msgspec.structs.replace(
+                step, logits_rows=np.zeros(0, dtype=np.int32)))
             return
         drafting = self._step = _Drafting()
         starts = np.cumsum(step.extend_lens) - step.extend_lens
         rows = step.resolved_logits_rows()
         row_seqs = np.searchsorted(starts, rows, side="right") - 1
+        draft_lens = step.draft_lens if len(step.draft_lens) else np.zeros(step.num_seqs, int)
         builder = StepBuilder(self.page_size)
         for i in range(step.num_seqs):
-            k = int(step.draft_lens[i])
+            k = int(draft_lens[i])
             pages, cached, ids = self._seq(step, starts, i)
-            builder.add(pages, cached, ids[: len(ids) - k], samples=int(k > 0))
+            ids = ids[: len(ids) - k]
+            late = behind.pop(self._slot(pages, cached - 1), None) if cached else None
+            if late is not None and late.position == cached - 1:
+                cached, ids = cached - 1, [late.token, *ids]
+            builder.add(pages, cached, ids, samples=int(k > 0))
             if k:
                 drafting.seqs.append(i)
                 drafting.first_rows.append(int(np.searchsorted(row_seqs, i)))
+        self.behind = behind  # their sequences are not in this step: before its moves
+        self.flush()
         logits = self.runner.forward(builder.finish(step.copies, step.swap_out, step.swap_in))
+        if not drafting.seqs:
+            return
         tokens, sure = self._pick(logits)
         drafting.drafts = [[t] for t in tokens]  # the first draft: always proposed
         drafting.forwards = [1] * len(tokens)
-        active = [n for n, ok in enumerate(sure)
-                  if ok and step.draft_lens[drafting.seqs[n]] > 1]
+        active = [n for n, ok in enumerate(sure) if ok and draft_lens[drafting.seqs[n]] > 1]
         while active:
             builder = StepBuilder(self.page_size)
             for n in active:
@@ -168,35 +193,45 @@ class DraftModel:
                 if not ok:
                     continue  # unsure: this draft and any after it are not proposed
                 drafting.drafts[n].append(token)
-                if len(drafting.drafts[n]) < step.draft_lens[drafting.seqs[n]]:
+                if len(drafting.drafts[n]) < draft_lens[drafting.seqs[n]]:
                     still.append(n)
             active = still
         step.input_ids = step.input_ids.copy()  # a received step's arrays are read-only
         for n, i in enumerate(drafting.seqs):
-            made, k = drafting.drafts[n], int(step.draft_lens[i])
+            made, k = drafting.drafts[n], int(draft_lens[i])
             first = int(starts[i] + step.extend_lens[i]) - k
             step.input_ids[first : first + k] = made + made[-1:] * (k - len(made))
 
+    def flush(self) -> None:
+        """Run the drafts left ``behind``, each on its own (a step that reads their pages
+        would have run them)."""
+        if self.behind:
+            builder = StepBuilder(self.page_size)
+            for late in self.behind.values():
+                builder.add(late.pages, late.position, [late.token], samples=0)
+            self.behind = {}
+            self.runner.forward(builder.finish())
+
     def settle(self, step: BatchInput, sampled: np.ndarray, result: BatchResult) -> None:
         """After the sampler: the drafts into ``result``; a sequence that accepted all of its
-        drafts, the last of which the draft never ran, runs it now (its KV is kept)."""
+        drafts, the last of which the draft never ran, leaves it ``behind``."""
         drafting, self._step = self._step, None
-        if drafting is None:
+        if drafting is None or not drafting.seqs:
             return
         starts = np.cumsum(step.extend_lens) - step.extend_lens
-        builder, behind = StepBuilder(self.page_size), False
         for n, i in enumerate(drafting.seqs):
             made, first = drafting.drafts[n], drafting.first_rows[n]
             if drafting.forwards[n] > len(made) or not np.array_equal(
                     sampled[first : first + len(made)], made):
                 continue  # a draft rejected, or the draft ran past its last one
             pages, cached, _ = self._seq(step, starts, i)
-            builder.add(pages, cached + len(made), made[-1:], samples=0)
-            behind = True
-        if behind:
-            self.runner.forward(builder.finish())
+            position = cached + len(made)
+            self.behind[self._slot(pages, position)] = _Behind(made[-1], position, pages.copy())
         result.draft_counts = np.array([len(d) for d in drafting.drafts], np.int32).tobytes()
         result.draft_ids = pack_ids([t for d in drafting.drafts for t in d])
+
+    def _slot(self, pages: np.ndarray, position: int) -> int:
+        return int(pages[position // self.page_size]) * self.page_size + position % self.page_size
 
     @staticmethod
     def _seq(step: BatchInput, starts: np.ndarray, i: int):
