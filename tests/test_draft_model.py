@@ -22,6 +22,7 @@ from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.speculative import SpeculativeConfig
 from engine.worker.draft import check_same_vocabulary
 from tests.conftest_models import load_reference, write_checkpoint
+from scheduler.draft_model import DraftModelPolicy
 from tests.test_scheduler import Harness
 from tests.tokenizer_fixtures import byte_level_tokenizer, metaspace_tokenizer
 
@@ -235,3 +236,34 @@ def test_rejection_sampling_keeps_the_targets_distribution(models):
     chi2 = ((observed - wanted) ** 2 / np.maximum(wanted, 1e-9)).sum()
     df = len(observed) - 1  # its 99.9% quantile by Wilson and Hilferty's approximation
     assert chi2 < df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3
+
+
+def test_deferred_draft_kv_is_computed_before_anything_reads_it(models, monkeypatch):
+    """Steps the draft model sits out (every other one here) and verifies of the cache's
+    drafts (a prompt sent again: the suffix method drafts the first reply) leave the draft's
+    KV behind; it is computed before any draft forward reads it, so the pools agree (a draft
+    of the target's weights) and every draft is accepted, the second reply's too."""
+    drafts_for = DraftModelPolicy.drafts_for
+    calls = [0]
+
+    def every_other(self, seq, room, num_running):
+        calls[0] += 1
+        return drafts_for(self, seq, room, num_running) if calls[0] % 2 else 0
+
+    monkeypatch.setattr(DraftModelPolicy, "drafts_for", every_other)
+    requests = workload(seed=3, count=3, max_tokens=30)
+    base = run(models["target"], requests, page_size=4, num_pages=300)
+    h = run(models["target"], requests, page_size=4, num_pages=300,
+            speculative_config=spec(models["same"]))
+    _assert_draft_kv_is_the_targets(h)
+    s = h.sched.speculator
+    before = s.drafted_tokens - s.model.drafted_tokens
+    prompt, params = requests["r0"]
+    h.add("again", prompt, params)
+    base.add("again", prompt, params)
+    h.run()
+    base.run()
+    assert h.outputs == base.outputs
+    assert s.drafted_tokens - s.model.drafted_tokens > before  # the cache's drafts
+    assert s.model.accepted_tokens == s.model.drafted_tokens
+    _assert_draft_kv_is_the_targets(h)

@@ -102,34 +102,49 @@ def check_same_vocabulary(target_dir: str, draft_dir: str) -> None:
                          "draft must share the model's tokenizer")
 
 
+# Tokens a sequence's draft KV may lag its target KV by (decodes and verifies of the cache's
+# drafts, run later as part of one draft forward) before its step's draft forward runs them.
+MAX_BEHIND = 32
+
+
 @dataclass
 class _Drafting:
-    """One step's drafting sequences, in batch order: where each sits in the step and what
-    the draft proposed."""
+    """One step's sequences the draft drafts for (in batch order: where each sits in the step
+    and what the draft proposed) and those whose draft forward waits (``deferred``: index,
+    first logits row, the tokens already behind)."""
 
     seqs: list[int] = field(default_factory=list)  # their index in the step
     first_rows: list[int] = field(default_factory=list)  # their first logits row
     drafts: list[list[int]] = field(default_factory=list)
     forwards: list[int] = field(default_factory=list)  # draft forwards each ran (t included)
+    deferred: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
 class _Behind:
-    """A last draft every verify accepted and the draft never ran: its token, position and
-    the sequence's pages (as the step that drafted it listed them)."""
+    """A sequence's tokens whose target KV is kept and whose draft KV is not computed yet:
+    from ``position`` on, with the sequence's pages as its last step listed them."""
 
-    token: int
+    tokens: list[int]
     position: int
     pages: np.ndarray
+
+    @property
+    def end(self) -> int:
+        return self.position + len(self.tokens)
 
 
 class DraftModel:
     """The draft's runner (weights and a pool of the target's page numbers) and its drafting.
 
-    Between steps it holds the accepted last drafts whose draft KV is missing (``behind``, by
-    the slot their KV goes to): the next step's mirror runs each as one more token of its
-    sequence (a 2-token extend costs the draft little more than a decode), or, for a sequence
-    not in that step, on its own before anything else (its pages unchanged until then)."""
+    Between steps it holds, by the slot of the last one, each sequence's tokens whose draft KV
+    is not computed (``behind``): a decode's or a cache-draft verify's kept tokens (the draft
+    forward of a step the draft does not draft in would cost it more than they are worth, up
+    to ``MAX_BEHIND`` tokens) and an accepted last draft the draft never ran. The sequence's
+    next draft forward runs them first, as more tokens of its row; before a step with page
+    moves, and for sequences not in a step, they run on their own first (``flush``: their
+    pages are unchanged until the step's moves and writes), so no forward of the draft reads
+    KV that it has not computed."""
 
     def __init__(self, c: EngineConfig, draft_dir: str, num_pages: int) -> None:
         from engine.worker.runner import ModelRunner
@@ -146,36 +161,49 @@ class DraftModel:
         self.behind: dict[int, _Behind] = {}
 
     def propose(self, step: BatchInput) -> None:
-        """Run the draft over ``step`` (page moves included) and fill its placeholders with
-        the drafts of the sequences its ``draft_lens`` names."""
-        self._step = None
-        behind, self.behind = self.behind, {}
-        if not behind and (not step.num_seqs or not len(step.draft_lens)):
-            self.runner.forward(msgspec.structs.replace(
-                step, logits_rows=np.zeros(0, dtype=np.int32)))
-            return
+        """Run the draft over ``step`` (page moves included), but for the decodes and
+        verifies it defers, and fill its placeholders with the drafts of the sequences its
+        ``draft_lens`` names."""
         drafting = self._step = _Drafting()
+        moves = bool(len(step.copies) or len(step.swap_out) or len(step.swap_in))
+        if moves or not step.num_seqs:
+            self.flush()
+        behind, self.behind = self.behind, {}
         starts = np.cumsum(step.extend_lens) - step.extend_lens
         rows = step.resolved_logits_rows()
-        row_seqs = np.searchsorted(starts, rows, side="right") - 1
         draft_lens = step.draft_lens if len(step.draft_lens) else np.zeros(step.num_seqs, int)
         builder = StepBuilder(self.page_size)
         for i in range(step.num_seqs):
             k = int(draft_lens[i])
             pages, cached, ids = self._seq(step, starts, i)
             ids = ids[: len(ids) - k]
-            late = behind.pop(self._slot(pages, cached - 1), None) if cached else None
-            if late is not None and late.position == cached - 1:
-                cached, ids = cached - 1, [late.token, *ids]
-            builder.add(pages, cached, ids, samples=int(k > 0))
+            key = self._slot(pages, cached - 1) if cached else -1
+            late = behind.pop(key, None)
+            if late is not None and late.end != cached:
+                behind[key], late = late, None  # another sequence's (not in this step)
+            lagging = late.tokens if late is not None else []
+            first = int(np.searchsorted(rows, starts[i]))
+            private = np.array_equal(rows[first : first + len(ids)],
+                                     np.arange(starts[i], starts[i] + len(ids)))
+            if not k and not moves and private and len(lagging) + len(ids) <= MAX_BEHIND:
+                drafting.deferred.append((i, first, lagging))  # a decode or a verify
+                continue
+            builder.add(pages, cached - len(lagging), lagging + ids, samples=int(k > 0))
             if k:
                 drafting.seqs.append(i)
-                drafting.first_rows.append(int(np.searchsorted(row_seqs, i)))
+                drafting.first_rows.append(first)
         self.behind = behind  # their sequences are not in this step: before its moves
         self.flush()
+        if len(drafting.deferred) == step.num_seqs and not moves:
+            return  # every sequence deferred, no page moves: nothing runs
         logits = self.runner.forward(builder.finish(step.copies, step.swap_out, step.swap_in))
-        if not drafting.seqs:
-            return
+        if drafting.seqs:
+            self._draft(step, starts, draft_lens, drafting, logits)
+
+    def _draft(self, step: BatchInput, starts: np.ndarray, draft_lens: np.ndarray,
+               drafting: _Drafting, logits: torch.Tensor) -> None:
+        """The drafts from the mirror's logits on, one decode step of the draft at a time,
+        into the step's placeholders."""
         tokens, sure = self._pick(logits)
         drafting.drafts = [[t] for t in tokens]  # the first draft: always proposed
         drafting.forwards = [1] * len(tokens)
@@ -203,32 +231,41 @@ class DraftModel:
             step.input_ids[first : first + k] = made + made[-1:] * (k - len(made))
 
     def flush(self) -> None:
-        """Run the drafts left ``behind``, each on its own (a step that reads their pages
-        would have run them)."""
+        """Run every sequence's tokens ``behind``, on their own."""
         if self.behind:
             builder = StepBuilder(self.page_size)
             for late in self.behind.values():
-                builder.add(late.pages, late.position, [late.token], samples=0)
+                builder.add(late.pages, late.position, late.tokens, samples=0)
             self.behind = {}
             self.runner.forward(builder.finish())
 
     def settle(self, step: BatchInput, sampled: np.ndarray, result: BatchResult) -> None:
-        """After the sampler: the drafts into ``result``; a sequence that accepted all of its
-        drafts, the last of which the draft never ran, leaves it ``behind``."""
+        """After the sampler: the drafts into ``result``; what the target kept of the deferred
+        decodes and verifies, and an accepted last draft the draft never ran, ``behind``."""
         drafting, self._step = self._step, None
-        if drafting is None or not drafting.seqs:
+        if drafting is None:
             return
         starts = np.cumsum(step.extend_lens) - step.extend_lens
+        for i, first, lagging in drafting.deferred:
+            pages, cached, ids = self._seq(step, starts, i)
+            agree = sampled[first : first + len(ids) - 1] == np.asarray(ids[1:])
+            kept = 1 + (int(agree.argmin()) if not agree.all() else len(agree))
+            self._leave(pages, cached - len(lagging), lagging + ids[:kept])
         for n, i in enumerate(drafting.seqs):
             made, first = drafting.drafts[n], drafting.first_rows[n]
             if drafting.forwards[n] > len(made) or not np.array_equal(
                     sampled[first : first + len(made)], made):
                 continue  # a draft rejected, or the draft ran past its last one
             pages, cached, _ = self._seq(step, starts, i)
-            position = cached + len(made)
-            self.behind[self._slot(pages, position)] = _Behind(made[-1], position, pages.copy())
-        result.draft_counts = np.array([len(d) for d in drafting.drafts], np.int32).tobytes()
-        result.draft_ids = pack_ids([t for d in drafting.drafts for t in d])
+            self._leave(pages, cached + len(made), made[-1:])
+        if drafting.seqs:
+            result.draft_counts = np.array([len(d) for d in drafting.drafts],
+                                           np.int32).tobytes()
+            result.draft_ids = pack_ids([t for d in drafting.drafts for t in d])
+
+    def _leave(self, pages: np.ndarray, position: int, tokens: list[int]) -> None:
+        self.behind[self._slot(pages, position + len(tokens) - 1)] = _Behind(
+            tokens, position, pages.copy())
 
     def _slot(self, pages: np.ndarray, position: int) -> int:
         return int(pages[position // self.page_size]) * self.page_size + position % self.page_size
