@@ -64,7 +64,7 @@ class Lease:
     ``match`` is what the cache held when the lease began (``length`` tokens of it); the lock
     sits on ``match.node`` until ``commit`` moves it onto a longer path the holder cached."""
 
-    __slots__ = ("tree", "match", "namespace", "_node", "_locked", "swa_from")
+    __slots__ = ("tree", "match", "namespace", "_node", "_locked", "swa_from", "_windows")
 
     def __init__(self, tree: RadixTree, tokens: TokenIds, namespace: Hashable = None,
                  max_len: int | None = None, *, count: bool = True) -> None:
@@ -78,8 +78,12 @@ class Lease:
         tree._lock(self._node)
         self._locked = True
         # With sliding-window layers: the first page of the table on which this holder holds
-        # the sliding KV (``acquire``, ``slide``)
+        # the sliding KV (``acquire``, ``slide``); whether its lock holds the path's windows
+        # too (until it has its own references to what it reads: radix/windows.py)
         self.swa_from = 0
+        self._windows = tree.sliding is not None
+        if self._windows:
+            tree._lock_windows(self._node, 1)
 
     @property
     def length(self) -> int:
@@ -133,6 +137,7 @@ class Lease:
             tree.sliding.incref(full[self.swa_from :])
             if copy is not None:
                 tree.sliding.incref([copy.src])
+            self._let_windows_go()
         return full.tolist() + fresh, copy
 
     def acquire_unloaded(self, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
@@ -218,6 +223,7 @@ class Lease:
         cached, node = self.tree._insert(tokens, table, self.namespace, keep=keep)
         if self._locked and node.end > self._node.end:
             self.tree._lock(node)
+            self._let_windows_go()
             self.tree._unlock(self._node)
             self._node = node
         return cached
@@ -231,9 +237,11 @@ class Lease:
         child = Lease.__new__(Lease)
         child.tree, child.match, child.namespace = self.tree, self.match, self.namespace
         child._node, child._locked = self._node, self._locked
-        child.swa_from = self.swa_from
+        child.swa_from, child._windows = self.swa_from, self._windows
         if self._locked:
             self.tree._lock(self._node)
+            if self._windows:
+                self.tree._lock_windows(self._node, 1)
         child_table = list(table)
         self.tree.allocator.incref(child_table)
         if self.tree.sliding is not None:
@@ -243,8 +251,16 @@ class Lease:
     def unlock(self) -> None:
         """Let the locked path be evicted again (idempotent). The table stays valid."""
         if self._locked:
+            self._let_windows_go()
             self.tree._unlock(self._node)
             self._locked = False
+
+    def _let_windows_go(self) -> None:
+        """The path's windows may be evicted again: this holder has its own references to what
+        it reads, or lets the path go."""
+        if self._windows:
+            self.tree._lock_windows(self._node, -1)
+            self._windows = False
 
     def release(self, table: Sequence[int] | np.ndarray,
                 tokens: TokenIds | None = None) -> int:

@@ -32,10 +32,10 @@ class Node:
 
     With sliding-window layers (radix/sliding.py), ``swa_pages`` lists beside each of ``pages``
     the sliding page whose KV the node keeps for it, or -1 where it keeps none; empty without
-    them."""
+    them. ``swa_lock`` counts the locks on it that also hold its windows (radix/windows.py)."""
 
     __slots__ = ("key", "start", "num_tokens", "pages", "host_pages", "parent", "children",
-                 "lock_ref", "eviction_key", "evicted", "hits", "swa_pages")
+                 "lock_ref", "eviction_key", "evicted", "hits", "swa_pages", "swa_lock")
 
     def __init__(self, key: bytes, start: int, pages: array, parent: Node | None,
                  host_pages: array | None = None) -> None:
@@ -51,6 +51,7 @@ class Node:
         self.evicted = False  # unlinked from the tree
         self.hits = 0  # matches that reached it (the host tier's write_through_selective)
         self.swa_pages = array("q")
+        self.swa_lock = 0
 
     @property
     def end(self) -> int:

@@ -241,17 +241,13 @@ class RadixTree(Tiering, Windows):
         ``write_through_selective``, then copy down what matches made hot on it)."""
         locked = node
         newly_locked, newly_locked_host = array("q"), array("q")
-        newly_locked_swa = array("q")
         while node.parent is not None:
             if node.lock_ref == 0:
                 newly_locked += node.pages
                 newly_locked_host += node.host_pages
-                newly_locked_swa += node.swa_pages
             node.lock_ref += 1
             node = node.parent
         self.allocator.set_evictable(newly_locked, False, distinct=self._distinct_paths)
-        if newly_locked_swa:
-            self._set_kept_evictable(newly_locked_swa, False)
         if newly_locked_host:
             self.host.allocator.set_evictable(newly_locked_host, False,
                                               distinct=self._distinct_paths)
@@ -261,7 +257,6 @@ class RadixTree(Tiering, Windows):
 
     def _unlock(self, node: Node) -> None:
         newly_unlocked, newly_unlocked_host = array("q"), array("q")
-        newly_unlocked_swa = array("q")
         deepest_on_device = None
         while node.parent is not None:
             if node.lock_ref <= 0:
@@ -270,15 +265,11 @@ class RadixTree(Tiering, Windows):
             if node.lock_ref == 0:
                 newly_unlocked += node.pages
                 newly_unlocked_host += node.host_pages
-                newly_unlocked_swa += node.swa_pages
                 self._push(self._host_leaves, node)
-                self._push(self._swa_nodes, node)
                 if deepest_on_device is None and node.pages:
                     deepest_on_device = node
             node = node.parent
         self.allocator.set_evictable(newly_unlocked, True, distinct=self._distinct_paths)
-        if newly_unlocked_swa:
-            self._set_kept_evictable(newly_unlocked_swa, True)
         if newly_unlocked_host:
             self.host.allocator.set_evictable(newly_unlocked_host, True,
                                               distinct=self._distinct_paths)
@@ -355,7 +346,7 @@ class RadixTree(Tiering, Windows):
         lower_start = split_pos // page_size - first_page
         upper = Node(node.key[: 4 * at], node.start, node.pages[:upper_end], node.parent,
                      node.host_pages[:upper_end])
-        upper.lock_ref = node.lock_ref
+        upper.lock_ref, upper.swa_lock = node.lock_ref, node.swa_lock
         upper.eviction_key = node.eviction_key
         upper.hits = node.hits
         lower_pages, lower_host = node.pages[lower_start:], node.host_pages[lower_start:]
@@ -370,7 +361,7 @@ class RadixTree(Tiering, Windows):
             if lower_host:
                 self.host.allocator.incref(lower_host[:1], evictable=evictable)
             if node.swa_pages and node.swa_pages[0] >= 0:
-                self.sliding.allocator.incref(node.swa_pages[:1], evictable=evictable)
+                self.sliding.allocator.incref(node.swa_pages[:1], evictable=not node.swa_lock)
         node.parent.children[node.key[:4]] = upper
         node.key = node.key[4 * at :]
         node.start = split_pos

@@ -12,17 +12,20 @@ ends at the last such point at or before where the tokens stop matching, token-g
                 but at 0 (or inside a first window still live from position 0)
 
 Nodes keep a window's pages where an insert asked for it (``keep``: the end of a prompt, of a
-finished or preempted sequence). Their kept pages are evictable while the node is unlocked,
-least recently used first, before any full page: a tree short of sliding pages drops the
-windows of nodes nobody holds, leaving their full KV cached (a later window may still make a
-longer match through them). A locked node's windows stay: a holder that matched through them
-has not taken its own references yet.
+finished or preempted sequence). Their kept pages are evictable, least recently used first and
+before any full page, unless a lock holds the node's windows (``Node.swa_lock``): a lease from
+its match until it has taken its own references to what it reads (``acquire``), and a session
+pin (which never does). A running sequence's lock on its own committed prompt holds its full
+pages only: its window has moved on, and the window it kept for later goes first when sliding
+pages run short, leaving the full KV cached (a later window may still make a longer match
+through it).
 
 Every method is private to the tree and its lease (radix/lease.py).
 """
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from typing import TYPE_CHECKING
 
@@ -37,9 +40,9 @@ if TYPE_CHECKING:
 
 
 def _keeps_sliding(node: Node) -> bool:
-    """A candidate for sliding eviction: linked and keeping some window's page."""
-    return (node.parent is not None and not node.evicted and bool(node.swa_pages)
-            and max(node.swa_pages) >= 0)
+    """A candidate for sliding eviction: linked, its windows not held, keeping some page."""
+    return (node.parent is not None and not node.evicted and not node.swa_lock
+            and bool(node.swa_pages) and max(node.swa_pages) >= 0)
 
 
 def usable_length(kept: array, length: int, page_size: int, window: int) -> int:
@@ -83,7 +86,7 @@ class Windows:
             live = sliding.live(node.pages[lo:])
             take = np.flatnonzero((have < 0) & (live >= 0))
             if len(take):
-                sliding.allocator.incref(live[take], evictable=node.lock_ref == 0)
+                sliding.allocator.incref(live[take], evictable=not node.swa_lock)
                 for i in take.tolist():
                     node.swa_pages[lo + i] = int(live[i])
                 self._push(self._swa_nodes, node)
@@ -98,16 +101,27 @@ class Windows:
         moved = int(self.sliding.of[page])
         if moved < 0:
             return False
-        evictable = node.lock_ref == 0
+        evictable = not node.swa_lock
         self.sliding.allocator.incref([moved], evictable=evictable)
         self.sliding.drop([node.swa_pages[-1]], evictable=evictable)
         node.swa_pages[-1] = moved
         return True
 
-    def _set_kept_evictable(self, kept: array, evictable: bool) -> None:
-        """A node's kept pages (un)lock with it."""
-        index = np.frombuffer(kept, dtype=np.int64)
-        self.sliding.allocator.set_evictable(index[index >= 0], evictable)
+    def _lock_windows(self, node: Node, step: int) -> None:
+        """Hold (``step`` 1) or let go (-1) the windows of the path to ``node`` (locked)."""
+        changed = array("q")
+        while node.parent is not None:
+            node.swa_lock += step
+            if node.swa_lock < 0 or node.swa_lock > node.lock_ref:
+                raise RuntimeError(f"window lock {node.swa_lock} of {node!r}")
+            if node.swa_lock == (step > 0):  # 0 -> 1 or 1 -> 0
+                changed += node.swa_pages
+                if step < 0:
+                    self._push(self._swa_nodes, node)
+            node = node.parent
+        index = np.frombuffer(changed, dtype=np.int64)
+        if len(index):
+            self.sliding.allocator.set_evictable(index[index >= 0], step < 0)
 
     def _alloc_sliding(self, n: int) -> list[int]:
         """``n`` full pages (free: ``_alloc_pages`` made sure), each with a fresh sliding page,
@@ -128,10 +142,22 @@ class Windows:
         """Drop unlocked nodes' kept windows, least recently used first, until ``num_pages``
         sliding pages are free or none is left; their full KV stays cached."""
         freed = 0
-        while freed < num_pages and (node := self._pop(self._swa_nodes)) is not None:
+        while freed < num_pages and (node := self._pop_window()) is not None:
             freed += self._drop_kept(node, evictable=True)
         self.stats.sliding_evicted_pages += freed
         return freed
+
+    def _pop_window(self) -> Node | None:
+        """The node whose windows go next (``_pop`` over windows' holds, not path locks)."""
+        heap = self._swa_nodes
+        while heap.heap:
+            key, _, node = heapq.heappop(heap.heap)
+            if not heap.live(node):
+                continue
+            if key == node.eviction_key:
+                return node
+            self._push(heap, node)
+        return None
 
     def _drop_kept(self, node: Node, evictable: bool) -> int:
         """``node`` lets every window page it keeps go (evicted, or its window evicted)."""
@@ -159,7 +185,8 @@ def check_sliding(nodes: list[Node], sliding: SlidingKV, full: PageAllocator,
         assert (sliding.live(node.pages)[mine] == swa[mine]).all(), (
             f"{node!r} keeps sliding pages that are not its pages' sliding KV")
         np.add.at(kept, swa[mine], 1)
-        if node.lock_ref == 0:
+        assert 0 <= node.swa_lock <= node.lock_ref, f"{node!r} holds windows it has not locked"
+        if not node.swa_lock:
             np.add.at(unlocked, swa[mine], 1)
     _check_tier(alloc, kept, unlocked, external_refs)
     sliding.check(full)

@@ -176,3 +176,27 @@ def test_sliding_pages_run_out_apart_from_full_ones():
     lease.release([])
     assert alloc.num_free_pages == 32
     tree.check(np.zeros(32, np.int64), np.zeros(3, np.int64))
+
+
+def test_a_running_sequence_holds_its_window_and_a_pin_holds_the_kept_one():
+    """The window a running sequence kept where its prompt ends costs nothing it cannot give
+    back: its lock holds its full pages, and the kept window goes first when sliding pages run
+    short; a session pin (a lease that never acquires) holds the windows it matched."""
+    for page_size in (1, 4):
+        sim = Sim(64, page_size, window=8, sliding_pages=48)
+        prompt = list(range(100, 140))
+        seq = sim.admit(prompt)
+        sim.slide(seq, retain_end=len(prompt))
+        sim.commit(seq, len(prompt), keep=True)
+        sim.grow(seq, list(range(10)))
+        sim.slide(seq)
+        kept = sim.sliding.allocator.num_evictable_pages
+        assert kept > 0 and sim.tree._evict_sliding(1000) == kept  # the prompt's window
+        sim.check()
+        sim.finish(seq)
+        pin = Lease(sim.tree, prompt + list(range(10)), count=False)
+        assert pin.length == len(prompt) + 10
+        assert sim.tree._evict_sliding(1000) == 0  # the pin holds the window it matched
+        pin.unlock()
+        assert sim.tree._evict_sliding(1000) > 0
+        sim.check()
