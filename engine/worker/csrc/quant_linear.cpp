@@ -71,6 +71,13 @@ constexpr int kOffset8 = 128;
 
 inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
 
+// How far ahead of the block being multiplied its thread's stream of values is fetched into
+// L1. A thread reads its row groups' blocks as one run of memory; the hardware prefetchers
+// alone left a one-row product of a weight that is not in cache at 18.4 GB/s (Q4_K) and 13.7
+// (Q6_K) where torch's sum reads 26; 2 KB ahead reached 22.3 and 16.8 (1 KB: 21.2 and -,
+// 4 KB: 21.7 and 15.4), and with 8 rows 14.9 GB/s from 11.2 (Intel Xeon with AMX, 2 threads).
+constexpr int64_t kPrefetch = 2048;
+
 // How a weight's scales and minimums are held: float16, or a K-quant's small integers under
 // its super-block's float16.
 enum class Scales { kHalf, kUnsigned, kSigned };
@@ -210,6 +217,14 @@ Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K
   return a;
 }
 
+#if defined(RADIXSERVE_VNNI) || defined(RADIXSERVE_AVX2)
+inline void prefetch_ahead(const Weights& w, const uint8_t* data) {
+  for (int64_t line = 0; line < group_bytes(w.bits); line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(data) + kPrefetch + line, _MM_HINT_T0);
+  }
+}
+#endif
+
 #if defined(RADIXSERVE_VNNI)
 inline __m512 load_halves(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -234,6 +249,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
   constexpr int kHalfQuads = kQuads / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
+    prefetch_ahead(w, data);
     __m512i wv[kQuads];
     for (int q = 0; q < kQuads; ++q) {
       if (w.bits == 4) {
@@ -323,6 +339,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
   constexpr int kHalfQuads = kQuads / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
+    prefetch_ahead(w, data);
     __m256i wv[kQuads];
     for (int q = 0; q < kQuads; ++q) {
       if (w.bits == 4) {
