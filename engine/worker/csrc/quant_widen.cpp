@@ -66,12 +66,59 @@ inline void store(const float* v, c10::BFloat16* out) {
 #endif
 }
 
-// Row lane r of group g, every block, into out (K values).
+#if defined(RADIXSERVE_AVX512)
+// The 32 integer values of row lane r in one block (``data``) as 2 x 16 floats: one gather
+// takes the lane's 4 bytes from each of the 8 k-quads.
+template <int Bits>
+inline void block_values(const Layout& w, const uint8_t* data, int64_t r, __m512& low,
+                         __m512& high) {
+  const int64_t half = w.rows / 2;
+  const int64_t lane = Bits == 8 ? r : r % half;
+  const int32_t stride = static_cast<int32_t>((Bits == 8 ? w.rows : half) * 4);
+  const __m256i quads = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(stride));
+  __m256i bytes = _mm256_i32gather_epi32(reinterpret_cast<const int*>(data + lane * 4), quads, 1);
+  __m512i first, second;
+  if (Bits == 4) {
+    if (r >= half) bytes = _mm256_srli_epi16(bytes, 4);
+    bytes = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
+    first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));
+    second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));
+  } else if (w.rows == 16) {  // stored + 128
+    first = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)),
+                             _mm512_set1_epi32(128));
+    second = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)),
+                              _mm512_set1_epi32(128));
+  } else {
+    first = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes));
+    second = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1));
+  }
+  low = _mm512_cvtepi32_ps(first);
+  high = _mm512_cvtepi32_ps(second);
+}
+
+inline void store2(__m512 low, __m512 high, float* out) {
+  _mm512_storeu_ps(out, low);
+  _mm512_storeu_ps(out + 16, high);
+}
+
+inline void store2(__m512 low, __m512 high, c10::BFloat16* out) {
+#if defined(__AVX512BF16__)
+  const __m512bh packed = _mm512_cvtne2ps_pbh(high, low);
+  _mm512_storeu_si512(out, reinterpret_cast<const __m512i&>(packed));
+#else
+  float values[kBlock];
+  store2(low, high, values);
+  store(values, out);
+#endif
+}
+#endif
+
+// Row lane r of group g, every block, into out (K values): d * q + m, as dequantize_weight.
 template <int Bits, typename T>
 void widen_row(const Layout& w, int64_t g, int64_t r, T* out) {
   const int64_t half = w.rows / 2;
   const int offset8 = w.rows == 16 ? 128 : 0;
-  float values[kBlock];
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int64_t at = g * w.blocks + b;
     const uint8_t* data = w.q + at * w.group_bytes;
@@ -80,6 +127,14 @@ void widen_row(const Layout& w, int64_t g, int64_t r, T* out) {
     const float d0 = D * w.number(w.scales, (at * w.halves) * w.rows + r);
     const float d1 =
         w.halves == 2 ? D * w.number(w.scales, (at * w.halves + 1) * w.rows + r) : d0;
+#if defined(RADIXSERVE_AVX512)
+    __m512 low, high;
+    block_values<Bits>(w, data, r, low, high);
+    const __m512 mv = _mm512_set1_ps(m);
+    store2(_mm512_fmadd_ps(_mm512_set1_ps(d0), low, mv),
+           _mm512_fmadd_ps(_mm512_set1_ps(d1), high, mv), out + b * kBlock);
+#else
+    float values[kBlock];
     for (int64_t quad = 0; quad < 8; ++quad) {
       const float d = quad < 4 ? d0 : d1;
       if (Bits == 8) {
@@ -97,6 +152,7 @@ void widen_row(const Layout& w, int64_t g, int64_t r, T* out) {
       }
     }
     store(values, out + b * kBlock);
+#endif
   }
 }
 
