@@ -294,7 +294,7 @@ class StepPlanner:
                                            loading)
         if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
             self.running or need > self.tree.num_available_pages
-        ):
+        ) or self._short_of_sliding(need, len(seqs)):
             for seq, _ in matches:
                 self.mem.unpin(seq)
                 seq.disk_names = []
@@ -315,6 +315,16 @@ class StepPlanner:
             match = matches[0][0].lease.match
             req.cached_tokens, req.cached_tokens_host = match.length, match.host_length
         return admitted
+
+    def _short_of_sliding(self, need: int, width: int) -> bool:
+        """With sliding-window layers: every fresh page takes a sliding page too, and each
+        running sequence may need one more as its window moves on."""
+        sliding = self.tree.sliding
+        if sliding is None:
+            return False
+        available = sliding.num_available_pages
+        return need > available or bool(self.running) and (
+            need + width + self._num_running > available)
 
     def _admit_swapped(self, req: Request, seqs: list[Seq], work: StepWork,
                        reserved: int) -> list[Entry] | None:

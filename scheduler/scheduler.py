@@ -38,7 +38,7 @@ from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
 from scheduler.disk import DiskTier
 from scheduler.forking import Forking
-from scheduler.kv import SeqMemory
+from scheduler.kv import SeqMemory, sliding_pages, sliding_stats
 from scheduler.loads import PendingLoads
 from scheduler.outputs import Outputs, SampledRows
 from scheduler.planner import Entry, StepPlanner, is_placeholder
@@ -59,7 +59,8 @@ class Scheduler(Forking):
         self.host = (HostTier(info.num_host_cache_pages, info.page_size,
                               config.cache_write_policy, first_page=info.num_host_pages)
                      if info.num_host_cache_pages else None)
-        self.tree = RadixTree(self.alloc, POLICIES[config.eviction_policy], host=self.host)
+        self.tree = RadixTree(self.alloc, POLICIES[config.eviction_policy], host=self.host,
+                              sliding=sliding_pages(info))
         # Loads into sequences' own pages (scheduler/loads.py), and the disk tier: the worker
         # opened its store, named its directory and says whether it is set up.
         self.loads = PendingLoads()
@@ -217,7 +218,7 @@ class Scheduler(Forking):
             plan.work.swap_out += write_downs
             plan.work.swap_in += loads
         batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size,
-                            self.released_grammars)
+                            self.released_grammars, self.tree.sliding)
         self.released_grammars = []
         batch.host_loads = self.loads.take_host()
         if self.disk is not None:
@@ -469,6 +470,7 @@ class Scheduler(Forking):
             "kv_pages_total": self.alloc.num_pages,
             "kv_pages_used": self.alloc.num_pinned_pages,
             "kv_pages_cached": self.alloc.num_evictable_pages,
+            **sliding_stats(self.tree),
             "hit_tokens": s.hit_tokens + (self.disk.hit_tokens if self.disk is not None else 0),
             "queried_tokens": s.queried_tokens,
             "preemptions": self.num_preemptions,

@@ -34,6 +34,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "fraction of device memory for weights + KV (CUDA)"))] = 0.85
     num_host_pages: Annotated[int, Meta(ge=0, description=(
         "host (CPU) pages for swap preemption"))] = 0
+    sliding_kv_ratio: Annotated[float, Meta(ge=0, le=1, description=(
+        "sliding-window layers' own KV pages per page of the others (Gemma 3: 5 of 6 layers "
+        "see the last 512 tokens): they then hold each sequence's window and the windows the "
+        "cache keeps, not whole contexts; 0 keeps their whole KV in every page"))] = 0.0
     host_cache_gb: Annotated[float, Meta(ge=0, description=(
         "GiB of host memory (pinned on GPU) for a second tier of the prefix cache: KV the "
         "device pool evicts is kept there and loaded back on a hit instead of recomputed; "
@@ -256,9 +260,28 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              "(run one radixserve serve per engine behind a gateway to use it)")
         self._validate_tp()
         self._validate_lora()
+        self._validate_sliding()
         self._validate_deterministic()
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
+
+    def _validate_sliding(self) -> None:
+        if not self.sliding_kv_ratio:
+            return
+        refused = {"--host-cache-gb": self.host_cache_gb > 0,
+                   "--disk-cache-dir": self.disk_cache_dir is not None,
+                   "--preemption-mode swap": self.preemption_mode == "swap",
+                   "--speculative-config": self.speculative_config is not None,
+                   "--kv-events-endpoint": self.kv_events_endpoint is not None,
+                   "--dp-size > 1": self.dp_size > 1,
+                   "--tp-size > 1": self.tp_size > 1,
+                   "--attention-backend flashinfer": self.attention_backend == "flashinfer",
+                   "--enable-cuda-graph": self.enable_cuda_graph}
+        for name, given in refused.items():
+            if given:
+                raise ValueError(f"--sliding-kv-ratio cannot be combined with {name} yet: "
+                                 "that path does not hold the sliding-window layers' pages "
+                                 "apart (serve with --sliding-kv-ratio 0)")
 
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

@@ -196,10 +196,18 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_emitted_tokens: int = 0  # tokens verifications produced (accepted + one each)
     spec_verifications: int = 0  # sequence-steps that verified drafts
+    spec_model_drafted_tokens: int = 0  # of spec_drafted_tokens, the draft model's
+    spec_model_accepted_tokens: int = 0  # of those, accepted
+    spec_model_pauses: int = 0  # sequences' pauses of the draft model (not worth its cost)
     # structured output (engine/worker/grammar.py)
     constrained_requests: int = 0  # requests admitted with a constraint
     grammar_forced_tokens: int = 0  # tokens grammars forced (appended without their own step)
     grammar_mask_seconds: float = 0.0  # host time filling token masks (beside the forwards)
+    # the sliding-window layers' own pages (radix/sliding.py); total is 0 when they have none
+    sliding_pages_total: int = 0
+    sliding_pages_used: int = 0  # held by running requests' windows or locked nodes
+    sliding_pages_cached: int = 0  # windows the prefix cache keeps, evictable
+    sliding_evicted_pages: int = 0
     # the host tier of the prefix cache (radix/host.py); pages_total is 0 when it is off
     host_cache_pages_total: int = 0
     host_cache_pages_used: int = 0  # holding KV (pinned or evictable)
@@ -360,6 +368,10 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     prompt_top_ids: bytes = b""
     prompt_top_logprobs: bytes = b""
     top_n: int = 0
+    # the draft model's drafts (engine/worker/draft.py): how many for each sequence the step's
+    # draft_lens named (int32, batch order; fewer where it was unsure) and the ids, in order
+    draft_counts: bytes = b""
+    draft_ids: bytes = b""
     error: str | None = None
     # loads ended since the last result, (load id, units that arrived: disk blocks, or 1 for
     # a host load), and the disk tier's running totals
@@ -393,6 +405,10 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     # widened (engine/worker/model/linear_forms.py); rank 0's under tensor parallel
     linear_forms: dict[str, dict[str, str]] = {}
     num_host_cache_pages: int = 0  # the prefix cache's host tier (after the swap pages)
+    # the sliding-window layers' own pages (--sliding-kv-ratio; 0: they keep full KV in the
+    # pages above) and the window they see
+    num_sliding_pages: int = 0
+    sliding_window: int = 0
     disk_fingerprint: str = ""  # the disk tier's directory for this model and layout, if on
     disk_block_tokens: int = 0
     disk_ready: bool = False  # its store is set up (not after a full disk at start)

@@ -44,6 +44,12 @@ class BatchInput(msgspec.Struct, kw_only=True):
     copies: np.ndarray = msgspec.field(default_factory=lambda: _empty_pairs(3))  # (src, dst, n)
     swap_out: np.ndarray = msgspec.field(default_factory=lambda: _empty_pairs(2))  # (dev, host)
     swap_in: np.ndarray = msgspec.field(default_factory=lambda: _empty_pairs(2))  # (host, dev)
+    # A model with sliding-window layers whose KV has pages of its own (radix/sliding.py): the
+    # sliding pages of page_indices (0 where gone: before every window of the step), of
+    # out_slots and of copies; empty otherwise
+    swa_page_indices: np.ndarray = msgspec.field(default_factory=lambda: _ints([]))
+    swa_out_slots: np.ndarray = msgspec.field(default_factory=lambda: _ints([]))
+    swa_copies: np.ndarray = msgspec.field(default_factory=lambda: _empty_pairs(3))
     # int32 [B] each sequence's LoRA adapter (engine/contracts/lora.py; 0: the base model);
     # empty when every sequence runs the base model
     lora_ids: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
@@ -60,6 +66,16 @@ class BatchInput(msgspec.Struct, kw_only=True):
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token (the shape decode kernels want)."""
         return bool(np.all(self.extend_lens == 1))
+
+    @property
+    def has_sliding_pages(self) -> bool:
+        return len(self.swa_out_slots) > 0
+
+    def sliding_view(self) -> BatchInput:
+        """The step as the sliding-window layers see it: their pages and slots in place of the
+        full layers'."""
+        return msgspec.structs.replace(self, page_indices=self.swa_page_indices,
+                                       out_slots=self.swa_out_slots, copies=self.swa_copies)
 
     def resolved_logits_rows(self) -> np.ndarray:
         if self.logits_rows is not None:
@@ -85,8 +101,10 @@ class BatchInput(msgspec.Struct, kw_only=True):
             builder.add(pages, cached_len, new_ids)
         return builder.finish(copies, swap_out, swap_in, all_logits=logits == "all")
 
-    def validate(self, page_size: int, num_pages: int, num_host_pages: int = 0) -> None:
-        """Raise ValueError if the arrays disagree with each other or with the page convention.
+    def validate(self, page_size: int, num_pages: int, num_host_pages: int = 0,
+                 num_sliding_pages: int = 0) -> None:
+        """Raise ValueError if the arrays disagree with each other or with the page convention
+        (the sliding-window layers' pages too, when the pool has ``num_sliding_pages``).
 
         O(B + T) numpy work: cheap next to a forward, and it turns a scheduler bug into a
         sentence instead of silently attending over the wrong slots.
@@ -132,6 +150,21 @@ class BatchInput(msgspec.Struct, kw_only=True):
         if len(rows) and (rows.min() < 0 or rows.max() >= num_tokens):
             raise ValueError(f"logits_rows must lie in [0, {num_tokens})")
         self._validate_moves(page_size, num_pages, num_host_pages)
+        if num_sliding_pages or self.has_sliding_pages:
+            self._validate_sliding(page_size, num_sliding_pages)
+
+    def _validate_sliding(self, page_size: int, num_sliding_pages: int) -> None:
+        if not num_sliding_pages:
+            raise ValueError("the step names sliding-window pages but the pool has none")
+        if (len(self.swa_page_indices) != len(self.page_indices)
+                or len(self.swa_out_slots) != len(self.out_slots)
+                or len(self.swa_copies) != len(self.copies)):
+            raise ValueError("the sliding-window pages must match the step's pages, slots and "
+                             "copies one for one")
+        _check_range("sliding page_indices", self.swa_page_indices, num_sliding_pages)
+        _check_range("sliding out_slots", self.swa_out_slots, num_sliding_pages * page_size)
+        if len(self.swa_copies):
+            _check_range("sliding copy pages", self.swa_copies[:, :2], num_sliding_pages)
 
     def _validate_moves(self, page_size: int, num_pages: int, num_host_pages: int) -> None:
         if len(self.copies):

@@ -61,6 +61,8 @@ class _SchedulerCollector(Collector):
                     s.kv_pages_used)
         yield gauge("kv_pages_cached", "KV pages held only by the prefix cache (evictable).",
                     s.kv_pages_cached)
+        if s.sliding_pages_total:
+            yield from _sliding_pages(s)
         if self.info is not None:
             yield from _kv_cache(self.info, s.kv_pages_total)
         usage = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
@@ -86,6 +88,22 @@ class _SchedulerCollector(Collector):
             yield from _speculation(s)
         if s.host_cache_pages_total or s.disk_block_tokens:
             yield from _tiers(s, self.info)
+
+
+def _sliding_pages(s: SchedulerStats) -> Iterator[Metric]:
+    """The sliding-window layers' own pages (--sliding-kv-ratio); the kv_pages_* gauges count
+    the other layers' (every page of a context)."""
+    yield GaugeMetricFamily(f"{PREFIX}_sliding_kv_pages_total", "KV pages of the "
+                            "sliding-window layers.", value=s.sliding_pages_total)
+    yield GaugeMetricFamily(f"{PREFIX}_sliding_kv_pages_used", "Sliding-window pages held by "
+                            "running requests' windows or locked cached windows.",
+                            value=s.sliding_pages_used)
+    yield GaugeMetricFamily(f"{PREFIX}_sliding_kv_pages_cached", "Sliding-window pages of "
+                            "windows only the prefix cache keeps (evictable).",
+                            value=s.sliding_pages_cached)
+    yield CounterMetricFamily(f"{PREFIX}_sliding_kv_evicted_pages", "Sliding-window pages "
+                              "of cached windows evicted (their full KV stays cached).",
+                              value=s.sliding_evicted_pages)
 
 
 def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:

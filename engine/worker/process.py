@@ -60,6 +60,8 @@ class Worker:
             kv_cache_bytes=self.runner.kv_cache_bytes, weight_bytes=self.runner.weight_formats,
             linear_forms=self.runner.model.linear_forms,
             num_host_cache_pages=self.runner.num_host_cache_pages,
+            num_sliding_pages=self.runner.num_sliding_pages,
+            sliding_window=self.runner.sliding_window,
         )
         if self.runner.lora is not None:
             self.info.lora_adapters = list(self.runner.lora.infos.values())

@@ -20,6 +20,7 @@ asking for them gives the pool one scratch page past ``num_pages`` for the paddi
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -33,7 +34,7 @@ from engine.worker.attention import make_backend
 from engine.worker.cpu_kernels import quant_ops
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.distributed import TensorParallel
-from engine.worker.kv_pool import KVPool
+from engine.worker.kv_pool import KVPool, sliding_layers
 from engine.worker.kv_quant import resolve_kv_dtype
 from engine.worker.lora_pool import LoraPool
 from engine.worker.model.config import ModelConfig
@@ -118,6 +119,10 @@ class ModelRunner:
             decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch,
             deterministic=config.deterministic)
         self.attention_backend = self.attention.name
+        if self.num_sliding_pages and self.attention_backend != "torch":
+            raise ValueError("--sliding-kv-ratio runs on the torch attention backend only: "
+                             "FlashInfer's plans over the sliding layers' own pages are not "
+                             "built yet; give --attention-backend torch")
         self.staging = HostStaging(self.device)
         self.transfer_seconds = 0.0  # the last forward's swaps, write-downs and loads
         self._written_down = 0.0  # seconds of write-downs run ahead of the next forward
@@ -169,11 +174,18 @@ class ModelRunner:
         first given), agreed by every tensor-parallel rank."""
         self.page_size, self.num_host_pages = c.page_size, c.num_host_pages
         mc, plan = self.config, self.model.plan
-        page_bytes = KVPool.bytes_per_page(num_layers=mc.num_layers, page_size=c.page_size,
-                                           num_kv_heads=plan.num_kv_heads,
-                                           head_dim=mc.head_dim, dtype=self.kv_dtype)
-        self.num_pages, how = self._size_pool(page_bytes, c.num_pages, c.kv_cache_gb,
-                                              c.mem_fraction)
+        self.sliding_layers, self.sliding_window = sliding_layers(mc.sliding_windows,
+                                                                  c.sliding_kv_ratio)
+        num_sliding = sum(self.sliding_layers)
+        page_bytes, sliding_bytes = (
+            KVPool.bytes_per_page(num_layers=n, page_size=c.page_size,
+                                  num_kv_heads=plan.num_kv_heads, head_dim=mc.head_dim,
+                                  dtype=self.kv_dtype)
+            for n in (mc.num_layers - num_sliding, num_sliding))
+        self.num_pages, how = self._size_pool(
+            page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes),
+            c.num_pages, c.kv_cache_gb, c.mem_fraction)
+        self.num_sliding_pages = self._sliding_pages(c, sliding_bytes)
         self.num_host_cache_pages = int(c.host_cache_gb * 2**30) // page_bytes
         if self.tp is not None:
             self.num_pages = self.tp.agree_min(self.num_pages)
@@ -181,7 +193,8 @@ class ModelRunner:
         if c.host_cache_gb and not self.num_host_cache_pages:
             raise ValueError(f"--host-cache-gb {c.host_cache_gb} holds no page of "
                              f"{page_bytes} bytes; give at least {page_bytes / 2**30:.6f}")
-        self.kv_cache_bytes = self.num_pages * page_bytes
+        self.kv_cache_bytes = (self.num_pages * page_bytes
+                               + self.num_sliding_pages * sliding_bytes)
         logger.info("KV cache: %s, %d pages of %d tokens = %d tokens (%.2f GiB, %s) on %s, "
                     "%d host pages for swaps, %d for the host cache tier (%.2f GiB)",
                     str(self.kv_dtype).removeprefix("torch."), self.num_pages,
@@ -195,7 +208,27 @@ class ModelRunner:
             num_layers=mc.num_layers, num_pages=self.num_pages + (self.scratch_page is not None),
             page_size=c.page_size, num_kv_heads=plan.num_kv_heads, head_dim=mc.head_dim,
             dtype=self.dtype, device=self.device,
-            num_host_pages=c.num_host_pages + self.num_host_cache_pages, kv_dtype=self.kv_dtype)
+            num_host_pages=c.num_host_pages + self.num_host_cache_pages, kv_dtype=self.kv_dtype,
+            sliding_layers=self.sliding_layers, num_sliding_pages=self.num_sliding_pages)
+
+    def _sliding_pages(self, c: EngineConfig, sliding_bytes: int) -> int:
+        """The sliding layers' own pages under ``--sliding-kv-ratio`` (0: none), enough for
+        a prompt chunk and its window at least."""
+        if not sliding_bytes:
+            return 0
+        if self.graph_max_batch or self.tp is not None:
+            raise ValueError("--sliding-kv-ratio does not run with CUDA graphs or tensor "
+                             "parallel yet: give --enable-cuda-graph false and --tp-size 1")
+        pages = int(c.sliding_kv_ratio * self.num_pages)
+        least = -(-(c.chunked_prefill_size + self.sliding_window) // c.page_size) + 2
+        if pages < least:
+            raise ValueError(f"--sliding-kv-ratio {c.sliding_kv_ratio} gives the sliding layers "
+                             f"{pages} pages, fewer than one prompt chunk and its window need "
+                             f"({least}); give a larger ratio or pool, or a smaller "
+                             "--chunked-prefill-size")
+        logger.info("sliding-window layers: %d pages of their own (window %d)", pages,
+                    self.sliding_window)
+        return pages
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode graphs up to ``graph_max_batch``, or None (with the reason logged) where
@@ -260,7 +293,8 @@ class ModelRunner:
     def check(self, batch: BatchInput) -> None:
         """Raise ValueError, before anything runs, for a batch this runner cannot run."""
         batch.validate(self.page_size, self.num_pages,
-                       self.num_host_pages + self.num_host_cache_pages)
+                       self.num_host_pages + self.num_host_cache_pages,
+                       num_sliding_pages=self.num_sliding_pages)
         if not batch.num_seqs:
             return  # page moves only
         if len(batch.lora_ids):
@@ -310,6 +344,7 @@ class ModelRunner:
             self.pool.swap_in(batch.swap_in)
             self.transfer_seconds += time.perf_counter() - started
         self.pool.copy_pages(batch.copies)
+        self.pool.copy_sliding(batch.swa_copies)
         if not batch.num_seqs:
             return None  # a step that only moves pages
         self._set_threads(batch)

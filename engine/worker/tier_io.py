@@ -59,6 +59,7 @@ IN_IDENTITY = {
 NOT_IN_IDENTITY = {
     **dict.fromkeys((
         "num_pages", "kv_cache_gb", "mem_fraction", "num_host_pages", "host_cache_gb",
+        "sliding_kv_ratio",
         "cache_write_policy", "eviction_policy", "disk_cache_dir", "disk_cache_gb",
         "max_pinned_tokens"), "how much is kept, and where"),
     **dict.fromkeys((

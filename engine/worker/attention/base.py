@@ -8,6 +8,10 @@ tokens' K and V in the pool at ``batch.out_slots``, then attends each new token 
 sequence's pages (cached prefix + new tokens) with a causal mask at absolute positions, and a
 sliding window on the layers that have one.
 
+A pool whose sliding-window layers have pages of their own (engine/worker/kv_pool.py) gets a
+second plan, over the step's ``sliding_view``; each layer runs on its kind's plan
+(``_step_state`` names what a plan sets).
+
 Shapes: q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim], output like q; T is
 the batch's new tokens in batch order.
 """
@@ -36,7 +40,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class AttentionBackend(ABC):
     name: str
     supports_cuda_graph = False
-
+    _step_state: tuple[str, ...] = ("_out_slots",)  # what ``plan`` sets for the step
     def __init__(self, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_windows: Sequence[int | None], scale: float | None = None) -> None:
         self.pool = pool
@@ -48,6 +52,11 @@ class AttentionBackend(ABC):
         self.sliding_windows = tuple(sliding_windows)
         self._out_slots: torch.Tensor | None = None
         self._staging = HostStaging(self.device)  # for plans the runner has not staged
+        self._sliding_staging = HostStaging(self.device)
+        # with sliding pages: each layer kind's plan (full, sliding) and the one set now
+        self._kind_plans: tuple[dict, dict] | None = None
+        self._kind = False
+        self._plan_window: int | None = None  # set while planning the sliding layers' step
 
     def plan(self, batch: BatchInput, out_slots: torch.Tensor | None = None, *,
              staged: Sequence[Staged] = (), graph: bool = False) -> None:
@@ -61,6 +70,30 @@ class AttentionBackend(ABC):
             out_slots = slots.on_device
         self._out_slots = out_slots
         self._plan(batch, graph, staged)
+        self._kind_plans = None
+        if batch.has_sliding_pages:
+            full = {name: getattr(self, name) for name in self._step_state}
+            view = batch.sliding_view()
+            slots, *staged = self._sliding_staging.stage([view.out_slots.astype(np.int64),
+                                                          *self.staged_arrays(view)])
+            self._out_slots = slots.on_device
+            self._plan_window = next(w for w, sliding in zip(
+                self.sliding_windows, self.pool.sliding_layers, strict=True) if sliding)
+            try:
+                self._plan(view, graph, staged)
+            finally:
+                self._plan_window = None
+            self._kind_plans = (full, {name: getattr(self, name) for name in self._step_state})
+            self._kind = True
+
+    def _use_kind(self, layer: int) -> None:
+        """Set ``layer``'s kind's plan (the sliding layers' or the others')."""
+        if self._kind_plans is not None:
+            sliding = self.pool.sliding_layers[layer]
+            if sliding != self._kind:
+                for name, value in self._kind_plans[sliding].items():
+                    setattr(self, name, value)
+                self._kind = sliding
 
     def staged_arrays(self, batch: BatchInput) -> list[np.ndarray]:
         """Arrays of ``batch`` this backend's plan wants staged: on the device, and pinned on
@@ -78,6 +111,7 @@ class AttentionBackend(ABC):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 ) -> torch.Tensor:
+        self._use_kind(layer)
         self.pool.write(layer, self._out_slots, k, v)
         return self._attend(layer, q)
 

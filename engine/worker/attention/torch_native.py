@@ -75,18 +75,22 @@ CASCADE_MIN_SAVED_KEYS = 8192
 PAGED_MAX_EXTEND = 17
 
 
-def _padded_pages(batch: BatchInput, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _padded_pages(batch: BatchInput, seqs: np.ndarray,
+                  first: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Where each of ``seqs``' pages sits in ``batch.page_indices``, [B, max_pages], each row
     padded by repeating its last page (real memory, which masks or counts hide); and the
-    page counts [B]."""
+    page counts [B]. ``first``: each sequence's first page to take (those before it skipped)."""
     start = batch.page_indptr[seqs].astype(np.int64)
     counts = batch.page_indptr[seqs + 1] - start
+    if first is not None:
+        start, counts = start + first, counts - first
     take = start[:, None] + np.minimum(np.arange(int(counts.max())), counts[:, None] - 1)
     return take, counts
 
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
+    _step_state = ("_out_slots", "_groups")
 
     def __init__(self, *args, compiled: bool = True, deterministic: bool = False,
                  **kwargs) -> None:
@@ -111,6 +115,7 @@ class TorchNativeBackend(AttentionBackend):
         then attend."""
         if self._rope_store is None:
             return super().forward_rotating(layer, qk, v, cos, signed_sin)
+        self._use_kind(layer)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         k_slots, v_slots = self.pool.slots(layer)
         q = self._rope_store(q, k, v, cos, signed_sin, self._out_slots, k_slots, v_slots)
@@ -155,7 +160,10 @@ class TorchNativeBackend(AttentionBackend):
         first_row = (np.cumsum(batch.extend_lens) - batch.extend_lens)[seqs]
         rows = first_row[seq_of_token] + offset
 
-        take, num_pages = _padded_pages(batch, seqs)
+        # The sliding layers' own plan gathers no page before any query's window.
+        first = (None if self._plan_window is None else np.maximum(
+            batch.seq_lens[seqs] - extend + 1 - self._plan_window, 0) // page_size)
+        take, num_pages = _padded_pages(batch, seqs, first)
         max_pages = take.shape[1]
         page_table = batch.page_indices[take].reshape(-1).astype(np.int64)
         kv_len = max_pages * page_size
@@ -163,6 +171,8 @@ class TorchNativeBackend(AttentionBackend):
         pad_index = seq_of_token * max_extend + offset
         query_pos = np.repeat(batch.seq_lens[seqs].astype(np.int64) - 1, max_extend)
         query_pos[pad_index] = batch.positions[rows]
+        if first is not None:  # positions from each sequence's first gathered page
+            query_pos -= np.repeat(first * page_size, max_extend)
         from_zero = max_extend > 1 and bool(np.all(batch.seq_lens[seqs] == extend))
         cascade = None
         # A cached prefix shared by a group is gathered and attended once (cascade.py); not
