@@ -189,7 +189,7 @@ class RadixMachine(RuleBasedStateMachine):
         for _, pages in self.external:
             for p in pages:
                 refs[p] += 1
-        self.sim.tree.check(refs)
+        self.sim.tree.check(refs, self.sim.external_swa_refs(self.external))
         self.sim.check_holders()
         self.sim.check_nodes()
 

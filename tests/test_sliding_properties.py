@@ -17,15 +17,15 @@ from array import array
 
 import hypothesis.strategies as st
 import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis import given, settings
+from hypothesis.stateful import initialize, precondition, rule
 
 import radix.pages
 from radix import Lease, OutOfPages, PageAllocator, RadixTree
 from radix.sliding import SlidingKV
 from radix.windows import usable_length
 from tests.radix_sim import Sim
-from tests.test_radix_properties import RadixMachine
+from tests.test_radix_properties import RadixMachine, TestRadixMachine
 
 
 class SlidingRadixMachine(RadixMachine):
@@ -99,22 +99,9 @@ class SlidingRadixMachine(RadixMachine):
         if freed < num_pages:
             assert self.sim.sliding.allocator.num_evictable_pages == 0
 
-    @invariant()
-    def accounting(self) -> None:
-        refs = self.sim.external_refs()
-        for _, pages in self.external:
-            for p in pages:
-                refs[p] += 1
-        self.sim.tree.check(refs, self.sim.external_swa_refs(self.external))
-        self.sim.check_holders()
-        self.sim.check_nodes()
-
 
 TestSlidingRadixMachine = SlidingRadixMachine.TestCase
-TestSlidingRadixMachine.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestSlidingRadixMachine.settings = TestRadixMachine.settings
 
 
 @settings(max_examples=300, deadline=None)
