@@ -28,7 +28,7 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: 
         start = seq.computed
         new_ids = seq.tokens[start : start + entry.extend - len(entry.drafts)] + entry.drafts
         builder.add(seq.pages, start, new_ids, entry.samples, num_drafts=len(entry.drafts),
-                    lora_id=seq.req.lora_id)
+                    lora_id=seq.req.lora_id, model_drafts=entry.model_drafts)
         if entry.samples:
             sampling.extend(sampling_rows(entry))
         req = seq.req

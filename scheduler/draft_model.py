@@ -8,8 +8,10 @@ unsure; here the per-sequence rule, as for the cache's drafts (scheduler/specula
 - cost: a draft row of a step with the draft model's drafts costs ``share`` of the step's time
   per token (``DraftCosts``: the steps' measured times, fitted as for the cache's drafts, with
   a prior of what a draft a third the size of the model costs: its forward and a verify row);
-- K, at most ``num_speculative_tokens``, with ``a ** K > share``; none worth making: the
-  sequence pauses (decode steps without the draft model, doubling each time, a one-draft probe
+- K, at most ``num_speculative_tokens``, the one with the most tokens per unit of time: a
+  verification of K drafts yields ``1 + a + ... + a ** K`` tokens for ``1 + share * K`` of a
+  step's time (a draft here costs far more than the cache's, whose marginal rule would draft
+  too many); K = 0 the best: the sequence pauses (decode steps without the draft model, doubling each time, a one-draft probe
   after), logged and counted in ``/metrics`` (``spec_model_pauses``).
 """
 
@@ -27,7 +29,6 @@ from scheduler.speculation import (
     PRIOR_ACCEPT,
     PRIOR_TRIES,
     StepCosts,
-    worth_drafting,
 )
 
 if TYPE_CHECKING:
@@ -55,7 +56,21 @@ class DraftCosts(StepCosts):
     """``StepCosts`` of the steps that verify the draft model's drafts: a draft row there
     costs the draft's forward too (a third of the model's at 0.5B drafting 1.5B)."""
 
-    PRIOR_SHARE, PRIOR_MAX = 0.35, 0.6
+    # a 0.5B draft's decode step costs 0.37 of a 1.5B's, and each verify row 0.15 of it
+    # (scripts/bench_speculation.py --cost, Qwen2.5-Coder Q4_K_M, 2 cores)
+    PRIOR_SHARE, PRIOR_MAX = 0.5, 0.7
+
+
+def best_drafts(accept: float, share: float, most: int) -> int:
+    """The K (at most ``most``) with the most tokens per unit of time, ``(1 + a + ... + a**K)
+    / (1 + share * K)``; 0 when no draft pays."""
+    best, best_rate, tokens = 0, 1.0, 1.0
+    for k in range(1, most + 1):
+        tokens += accept**k
+        rate = tokens / (1.0 + share * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 class DraftModelPolicy:
@@ -80,7 +95,7 @@ class DraftModelPolicy:
             state.probe = False
             return min(1, room)
         share = max(self.costs.share(num_running), MIN_SHARE)
-        k = min(worth_drafting(state.acceptance(), share, self.most), room)
+        k = min(best_drafts(state.acceptance(), share, self.most), room)
         if k < 1 <= room:
             state.pause = state.backoff
             state.backoff = min(2 * state.backoff, LONGEST_PAUSE)

@@ -49,6 +49,7 @@ class Entry:
     #               drafts not counted: verification adds those it accepts)
     token_index: int = -1  # where its sampled token goes in ``seq.tokens`` (its placeholder)
     drafts: list[int] = field(default_factory=list)  # draft tokens it verifies after its last
+    model_drafts: bool = False  # the draft model makes them in the worker (placeholders here)
     prompt_rows: int = 0  # prompt positions whose logits it returns (prompt logprobs)
 
 
@@ -168,8 +169,8 @@ class StepPlanner:
         if (self.speculator is None or req.is_beam or req.has_penalties or seq.closing
                 or is_placeholder(seq.tokens[-1]) or entry.samples != 1):
             return
-        drafts = self.speculator.drafts_for(seq, req.max_len(self.info.context_len),
-                                            self._num_running)
+        drafts, by_model = self.speculator.plan(seq, req.max_len(self.info.context_len),
+                                                self._num_running)
         if not drafts:
             return
         upto = seq.computed + 1 + len(drafts)
@@ -178,7 +179,7 @@ class StepPlanner:
             return
         self.mem.grow(seq, upto, work)
         entry.extend = entry.samples = 1 + len(drafts)
-        entry.drafts = drafts
+        entry.drafts, entry.model_drafts = drafts, by_model
 
     def _grow(self, seq: Seq, upto: int, order: list[Request], position: int,
               preempted: set[int], work: StepWork) -> bool | None:

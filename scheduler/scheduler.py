@@ -277,7 +277,8 @@ class Scheduler(Forking):
                 continue
             if entry.drafts:
                 # Verification: the accepted drafts' KV is kept, the rest rolls back.
-                kept = self.speculator.accept(seq, len(entry.drafts), accepted[row])
+                kept = self.speculator.accept(seq, len(entry.drafts), accepted[row],
+                                              entry.model_drafts)
                 seq.computed = seq.settled = entry.end + kept - 1
                 self.mem.trim(seq, seq.computed + 1)
                 self._append(seq, rows.tokens[row : row + kept].tolist(), rows, row)
@@ -310,8 +311,9 @@ class Scheduler(Forking):
             self._retire(req)
 
     def _accepted(self, entries: list[Entry], rows: SampledRows) -> dict[int, int]:
-        """Drafts accepted by each verification of the step, by its first logits row: all of
-        them in one pass over the rows (scheduler/speculation.py)."""
+        """Drafts accepted by each verification of the step (the draft model's filled in
+        first), by its first logits row: all of them in one pass (scheduler/speculation.py)."""
+        Speculator.fill_model_drafts(entries, rows.draft_counts, rows.draft_ids)
         verifies, row = [], 0
         for entry in entries:
             if entry.drafts:

@@ -191,10 +191,12 @@ class Speculator:
     def plan(self, seq: Seq, limit: int, num_running: int) -> tuple[list[int], bool]:
         """``seq``'s drafts for its next decode step and whether the draft model makes them
         (then the ids are placeholders the model worker fills): with a draft model, the
-        cache's continuation where the suffix method finds one, else the draft model's."""
+        cache's continuation where the suffix method finds one and its drafts have been
+        accepted at least as often as the draft model's, else the draft model's."""
         drafts = self.drafts_for(seq, limit, num_running)
-        if drafts or self.model is None or not self.may_draft(num_running) or (
-                seq.req.params.structured_outputs is not None):
+        if self.model is None or not self.may_draft(num_running) or (
+                seq.req.params.structured_outputs is not None) or (
+                drafts and acceptance(seq) >= seq.model_drafts.acceptance()):
             return drafts, False
         k = self.model.drafts_for(seq, limit - len(seq.tokens) - 1, num_running)
         return [0] * k, k > 0

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from engine.contracts.engine_config import EngineConfig
+from engine.contracts.protocol import SchedulerStats
 from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.speculative import SpeculativeConfig
+from engine.server.metrics import FrontendState, Metrics
 from engine.worker.draft import check_same_vocabulary
 from tests.conftest_models import load_reference, write_checkpoint
 from scheduler.draft_model import DraftModelPolicy
@@ -205,10 +207,13 @@ def test_seeded_samples_are_those_without_a_draft(models):
     assert h.sched.speculator.model.accepted_tokens > 0
 
 
-def test_rejection_sampling_keeps_the_targets_distribution(models):
+def test_rejection_sampling_keeps_the_targets_distribution(models, monkeypatch):
     """Unseeded samples at temperature 1, the third token often from a verify row after an
     accepted draft and otherwise from the next step: its distribution, given the most frequent
-    first two, is the target's (transformers' float32 model); chi-square at 99.9%."""
+    first two, is the target's (transformers' float32 model); chi-square at 99.9%. Every
+    sequence drafts (2000 in a step would not pay)."""
+    monkeypatch.setattr(DraftModelPolicy, "drafts_for",
+                        lambda self, seq, room, num_running: min(2, room))
     prompt = np.random.default_rng(11).integers(3, VOCAB, 10).tolist()
     torch.manual_seed(0)
     h = Harness(models["target"], page_size=4, num_pages=6000,
@@ -267,3 +272,15 @@ def test_deferred_draft_kv_is_computed_before_anything_reads_it(models, monkeypa
     assert s.drafted_tokens - s.model.drafted_tokens > before  # the cache's drafts
     assert s.model.accepted_tokens == s.model.drafted_tokens
     _assert_draft_kv_is_the_targets(h)
+
+
+def test_metrics_show_the_draft_models_drafts_and_pauses():
+    stats = SchedulerStats(spec_method="draft_model", spec_drafted_tokens=50,
+                           spec_accepted_tokens=40, spec_model_drafted_tokens=30,
+                           spec_model_accepted_tokens=24, spec_model_pauses=2)
+    text = Metrics(lambda: stats, lambda: FrontendState(0, 0, True)).render().decode()
+    name = "radixserve_spec_decode_draft_model"
+    assert f'{name}_num_draft_tokens_total{{method="draft_model"}} 30.0' in text
+    assert f'{name}_num_accepted_tokens_total{{method="draft_model"}} 24.0' in text
+    assert f'{name}_pauses_total{{method="draft_model"}} 2.0' in text
+    assert 'radixserve_spec_decode_num_draft_tokens_total{method="draft_model"} 50.0' in text

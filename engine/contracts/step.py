@@ -53,6 +53,9 @@ class BatchInput(msgspec.Struct, kw_only=True):
     # int32 [B] each sequence's LoRA adapter (engine/contracts/lora.py; 0: the base model);
     # empty when every sequence runs the base model
     lora_ids: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # int32 [B] the drafts the draft model proposes for each sequence in the worker (its last
+    # that many new ids are placeholders, engine/worker/draft.py); empty when none does
+    draft_lens: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     @property
     def num_seqs(self) -> int:
@@ -119,6 +122,10 @@ class BatchInput(msgspec.Struct, kw_only=True):
                              "sequences")
         if len(self.lora_ids) not in (0, num_seqs) or np.any(self.lora_ids < 0):
             raise ValueError("lora_ids must be empty or one adapter id (>= 0) per sequence")
+        if len(self.draft_lens) not in (0, num_seqs) or np.any(self.draft_lens < 0) or (
+                len(self.draft_lens) and np.any(self.draft_lens >= self.extend_lens)):
+            raise ValueError("draft_lens must be empty or, per sequence, fewer drafts than new "
+                             "tokens")
         if num_seqs == 0 and num_tokens == 0:
             self._validate_moves(page_size, num_pages, num_host_pages)
             return  # a step that only moves pages (the disk tier's)
@@ -193,16 +200,19 @@ class StepBuilder:
         self._seq_lens: list[int] = []
         self._rows: list[int] = []
         self._lora_ids: list[int] = []
+        self._draft_lens: list[int] = []
 
     def add(self, pages: PageTable, cached_len: int, new_ids: Sequence[int] | np.ndarray,
-            samples: int = 1, *, num_drafts: int = 0, lora_id: int = 0) -> None:
+            samples: int = 1, *, num_drafts: int = 0, lora_id: int = 0,
+            model_drafts: bool = False) -> None:
         """One sequence: KV for ``[0, cached_len)`` already in ``pages`` (position order, covering
         at least ``cached_len + len(new_ids)`` tokens; extra trailing pages are ignored), the new
         tokens' KV written to the slots this computes; ``samples`` logits rows of its last new
         token (0 mid-prefill, n for parallel samples sharing one prefill). ``num_drafts``: the
         last that many new ids are draft tokens to verify, and the sequence gets one logits row
         for each of its last ``num_drafts + 1`` new tokens instead (``samples`` is ignored).
-        ``lora_id``: the LoRA adapter it runs under (0: the base model)."""
+        ``lora_id``: the LoRA adapter it runs under (0: the base model); ``model_drafts``: the
+        draft model proposes the drafts (their ids here are placeholders)."""
         num_new = len(new_ids)
         if num_new == 0:
             raise ValueError(f"sequence {len(self._extend_lens)} has no new tokens; every "
@@ -232,6 +242,7 @@ class StepBuilder:
         self._extend_lens.append(num_new)
         self._seq_lens.append(end)
         self._lora_ids.append(lora_id)
+        self._draft_lens.append(num_drafts if model_drafts else 0)
         if num_drafts:
             last = len(self._ids) - 1
             self._rows.extend(range(last - num_drafts, last + 1))
@@ -249,7 +260,8 @@ class StepBuilder:
             page_indptr=_ints(self._indptr), page_indices=_ints(self._pages),
             out_slots=_ints(self._slots), logits_rows=_ints(rows), copies=_pairs(copies, 3),
             swap_out=_pairs(swap_out, 2), swap_in=_pairs(swap_in, 2),
-            lora_ids=_ints(self._lora_ids if any(self._lora_ids) else []))
+            lora_ids=_ints(self._lora_ids if any(self._lora_ids) else []),
+            draft_lens=_ints(self._draft_lens if any(self._draft_lens) else []))
 
 
 def _ints(values) -> np.ndarray:

@@ -219,6 +219,15 @@ def _speculation(s: SchedulerStats) -> Iterator[Metric]:
                  s.spec_emitted_tokens)
     yield family(CounterMetricFamily, "spec_decode_num_verifications",
                  "Sequence-steps that verified drafts.", s.spec_verifications)
+    if s.spec_method == "draft_model":
+        yield family(CounterMetricFamily, "spec_decode_draft_model_num_draft_tokens",
+                     "Draft tokens the draft model proposed and the model verified.",
+                     s.spec_model_drafted_tokens)
+        yield family(CounterMetricFamily, "spec_decode_draft_model_num_accepted_tokens",
+                     "Of those, accepted.", s.spec_model_accepted_tokens)
+        yield family(CounterMetricFamily, "spec_decode_draft_model_pauses",
+                     "Times a sequence stopped drafting with the draft model for a while "
+                     "(its drafts did not pay for their cost).", s.spec_model_pauses)
     drafted, verified = s.spec_drafted_tokens, s.spec_verifications
     yield family(GaugeMetricFamily, "spec_decode_acceptance_rate",
                  "Accepted / drafted tokens.", s.spec_accepted_tokens / drafted if drafted else 0.0)

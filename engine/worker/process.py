@@ -36,18 +36,24 @@ LOAD_POLL_SECONDS = 0.01  # a step of page moves only waits this long for a load
 FLUSH_ON_EXIT_SECONDS = 4.0  # within the launcher's grace of 5 s
 
 
-def make_runner(c: EngineConfig, tp: TensorParallel | None = None):
-    """The model runner ``c`` describes (``tp``: this rank's share of it); torch is imported
-    here, not when the process starts."""
+def make_runner(c: EngineConfig, tp: TensorParallel | None = None, draft_page_bytes: int = 0):
+    """The model runner ``c`` describes (``tp``: this rank's share of it; ``draft_page_bytes``:
+    a draft model's KV per page, counted in the pool's budget); torch is imported here, not
+    when the process starts."""
     from engine.worker.runner import ModelRunner
 
-    return ModelRunner(c, tp)
+    return ModelRunner(c, tp, draft_page_bytes=draft_page_bytes)
 
 
 class Worker:
     def __init__(self, c: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.tp = tp
-        self.runner = make_runner(c, tp)
+        from engine.worker.draft import DraftModel, draft_checkpoint, draft_page_bytes
+
+        draft_dir = draft_checkpoint(c)  # --speculative-config's draft model, if any
+        self.runner = make_runner(c, tp, draft_page_bytes(c, draft_dir))
+        self.draft = (DraftModel(c, draft_dir, self.runner.num_pages)
+                      if draft_dir is not None else None)
         mc = self.runner.config
         self.info = ModelInfo(
             model=c.served_model_name or c.model, architecture=mc.architecture,
@@ -129,6 +135,8 @@ class Worker:
             # Raised after the forward: the batch's page moves (copies down to the host tier,
             # loads, copy-on-write) must run, since the scheduler's tree already counts on them.
             grammar_failure = exc
+        if self.draft is not None:
+            self.draft.propose(step)  # its page moves and forwards; the drafts into the step
         prompt_rows = unpack_ids(msg.prompt_rows)
         if len(prompt_rows):
             # Prompt logprobs: the logits of those rows too, after the sampled rows'.
@@ -151,6 +159,8 @@ class Worker:
             logprobs=out.logprobs.astype(np.float32, copy=False).tobytes(),
         )
         result.transfer_seconds = self.runner.transfer_seconds
+        if self.draft is not None:
+            self.draft.settle(step, out.token_ids, result)
         if masks is not None:
             self._grammar_outputs(result, msg, masks, out.token_ids)
         if prompt_logits is not None:
@@ -214,6 +224,8 @@ class Worker:
         are running) a short wait for one to end, so a scheduler with nothing else to run does
         not spin. The previous batch's samples stay what the next batch's placeholders read."""
         self.grammars.release(msg.released_grammars)
+        if self.draft is not None:
+            self.draft.propose(msg.step)  # the same page moves in the draft's pool
         self._forward(msg, msg.step)
         if self.io is not None:
             self.io.wait(LOAD_POLL_SECONDS)

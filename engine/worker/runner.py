@@ -99,7 +99,10 @@ class ModelRunner:
     are the config's: the runner declares none of its own.
     """
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, *,
+                 draft_page_bytes: int = 0) -> None:
+        """``draft_page_bytes``: what a draft model's KV adds to each page (its pool holds the
+        same page numbers, engine/worker/draft.py); the pool's budget counts both."""
         if config.page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {config.page_size}")
         torch.manual_seed(config.seed)
@@ -111,7 +114,7 @@ class ModelRunner:
         self.graph_max_batch = config.cuda_graph_max_bs if config.enable_cuda_graph else 0
         self._load_model(config)
         self._make_lora_pool(config)
-        self._make_pool(config)
+        self._make_pool(config, draft_page_bytes)
         self.attention = make_backend(
             config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
             num_kv_heads=self.model.plan.num_kv_heads, head_dim=self.config.head_dim,
@@ -169,7 +172,7 @@ class ModelRunner:
         weights = load_adapter(name, path, self.config, self.lora.max_rank, self.model.plan)
         return self.lora.add(lora_id, weights, path)
 
-    def _make_pool(self, c: EngineConfig) -> None:
+    def _make_pool(self, c: EngineConfig, draft_page_bytes: int = 0) -> None:
         """The KV pool, sized by ``num_pages``, ``kv_cache_gb`` or ``mem_fraction`` (the
         first given), agreed by every tensor-parallel rank."""
         self.page_size, self.num_host_pages = c.page_size, c.num_host_pages
@@ -183,7 +186,7 @@ class ModelRunner:
                                   dtype=self.kv_dtype)
             for n in (mc.num_layers - num_sliding, num_sliding))
         self.num_pages, how = self._size_pool(
-            page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes),
+            page_bytes + draft_page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes),
             c.num_pages, c.kv_cache_gb, c.mem_fraction)
         self.num_sliding_pages = self._sliding_pages(c, sliding_bytes)
         self.num_host_cache_pages = int(c.host_cache_gb * 2**30) // page_bytes
@@ -193,7 +196,7 @@ class ModelRunner:
         if c.host_cache_gb and not self.num_host_cache_pages:
             raise ValueError(f"--host-cache-gb {c.host_cache_gb} holds no page of "
                              f"{page_bytes} bytes; give at least {page_bytes / 2**30:.6f}")
-        self.kv_cache_bytes = (self.num_pages * page_bytes
+        self.kv_cache_bytes = (self.num_pages * (page_bytes + draft_page_bytes)
                                + self.num_sliding_pages * sliding_bytes)
         logger.info("KV cache: %s, %d pages of %d tokens = %d tokens (%.2f GiB, %s) on %s, "
                     "%d host pages for swaps, %d for the host cache tier (%.2f GiB)",
