@@ -147,8 +147,17 @@ MUTANTS = (
            "radix/accounting.py", "assert bad.size == 0, (", "assert bad.size >= 0, (",
            ("tests/test_radix.py::test_check_catches_a_leaked_reference",)),
     Mutant("check-sequence-holders", "the scheduler's check counts every live sequence's "
-           "references", "scheduler/kv.py", "self.tree.check(refs)", "self.tree.check()",
+           "references", "scheduler/kv.py", "self.tree.check(refs, self._sliding_refs(seqs))",
+           "self.tree.check()",
            ("tests/test_seq_memory.py::test_the_check_counts_every_sequences_references",)),
+    Mutant("sliding-window-start", "a sequence keeps the sliding KV of every position its next "
+           "query sees", "radix/sliding.py", "max(0, position + 1 - self.window)",
+           "max(0, position + 2 - self.window)",
+           ("tests/test_sliding_properties.py::TestSlidingRadixMachine::runTest",)),
+    Mutant("sliding-match-window", "a match ends where the window before it is live",
+           "radix/windows.py", "np.maximum(lengths + 1 - window, 0)",
+           "np.maximum(lengths + 2 - window, 0)",
+           ("tests/test_sliding_properties.py::test_a_match_ends_at_the_last_point_whose_window_is_live",)),
     # ----------------------------------------------------- LoRA: rows, names
     Mutant("lora-torch-row-order", "without the op, every row gets its own adapter's update "
            "(rows out of slot order too)", "engine/worker/lora_pool.py",
