@@ -31,7 +31,7 @@ using radixserve::to_float;
 
 // One head of one token: out[d] for d < D, rotate-half pairs (d, d + D/2).
 template <typename T>
-inline void rotate(const T* x, const T* cos, const T* signed_sin, int64_t D, T* out) {
+inline void rotate_each(const T* x, const T* cos, const T* signed_sin, int64_t D, T* out) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < D; ++d) {
     const float partner = to_float(x[d < half ? d + half : d - half]);
@@ -39,6 +39,42 @@ inline void rotate(const T* x, const T* cos, const T* signed_sin, int64_t D, T* 
     out[d] = static_cast<T>(std::fma(to_float(x[d]), to_float(cos[d]), to_float(rotated)));
   }
 }
+
+template <typename T>
+inline void rotate(const T* x, const T* cos, const T* signed_sin, int64_t D, T* out) {
+  rotate_each(x, cos, signed_sin, D, out);
+}
+
+#if defined(RADIXSERVE_AVX512) && defined(__AVX512BF16__)
+inline __m512 widen16(__m256bh v) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(v)), 16));
+}
+
+// bf16 heads whose halves are whole vectors (head_dim 32, 64, 128, ...), 16 lanes at a time: the
+// same two roundings to nearest even (vcvtneps2bf16) as the loop above, which a prefill's
+// tokens x heads otherwise pay element by element (~9% of a 512-token prefill of SmolLM2).
+template <>
+inline void rotate<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* cos,
+                                  const c10::BFloat16* signed_sin, int64_t D,
+                                  c10::BFloat16* out) {
+  const int64_t half = D / 2;
+  if (half % 16) {
+    rotate_each(x, cos, signed_sin, D, out);
+    return;
+  }
+  using radixserve::load16;
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 partner = load16(x + (d < half ? d + half : d - half));
+    const __m512 rotated =
+        widen16(_mm512_cvtneps_pbh(_mm512_mul_ps(partner, load16(signed_sin + d))));
+    const __m256bh result =
+        _mm512_cvtneps_pbh(_mm512_fmadd_ps(load16(x + d), load16(cos + d), rotated));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
+                        reinterpret_cast<const __m256i&>(result));
+  }
+}
+#endif
 
 template <>
 inline void rotate<float>(const float* x, const float* cos, const float* signed_sin, int64_t D,

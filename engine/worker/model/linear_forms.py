@@ -50,6 +50,7 @@ CACHE_FILE = "linear_forms.json"
 # The scratch a widened weight is written to, at most (larger ones go a tile of rows at a time).
 TILE_BYTES = 32 << 20
 _REPEATS = 3
+_BUDGET = 0.05  # seconds of timed runs of one form at one row count, after which it stops
 
 
 def bucket(rows: int) -> int:
@@ -165,13 +166,19 @@ def cache_key(isa: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _seconds(run: object) -> float:
-    run()  # warm: the scratch allocated, oneDNN's kernel chosen
-    best = float("inf")
+def _seconds(run: object, warm: bool) -> float:
+    """The best of up to ``_REPEATS`` runs, fewer once they have taken ``_BUDGET`` seconds (a
+    large LM head's products take tens of milliseconds each)."""
+    if warm:
+        run()  # the scratch allocated, oneDNN's kernel chosen and compiled
+    best, spent = float("inf"), 0.0
     for _ in range(_REPEATS):
         start = time.perf_counter()
         run()
-        best = min(best, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+        if spent > _BUDGET:
+            break
     return best
 
 
@@ -186,8 +193,8 @@ def measure(layer: object, dtype: torch.dtype) -> list[str]:
             choices.append("widened")
             continue
         x = torch.randn(rows, layer.cols, generator=generator).to(dtype)
-        blocks = _seconds(lambda x=x: product(layer, x, "blocks"))
-        widened = _seconds(lambda x=x: product(layer, x, "widened"))
+        blocks = _seconds(lambda x=x: product(layer, x, "blocks"), warm=False)
+        widened = _seconds(lambda x=x: product(layer, x, "widened"), warm=True)
         choices.append("widened" if widened < blocks else "blocks")
     return choices
 
