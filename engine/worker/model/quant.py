@@ -2,7 +2,7 @@
 are read by the compiled kernels (engine/worker/csrc/quant_linear.cpp).
 
 A decode step reads every weight once for a handful of rows, so its cost is the bytes read:
-4.5 to 10 bits a weight here (quant_formats.py) against bf16's 16. The kernel quantizes the activations per block
+4.5 to 9 bits a weight here (quant_formats.py) against bf16's 16. The kernel quantizes the activations per block
 of 32 and multiplies integers. A prefill chunk's rows may instead take the weight widened into a
 reused scratch and oneDNN's bf16 GEMM (AMX tiles where the CPU has them), where that is timed
 faster at load (engine/worker/model/linear_forms.py, which says what that costs a row's
