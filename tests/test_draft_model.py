@@ -23,8 +23,8 @@ from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.speculative import SpeculativeConfig
 from engine.server.metrics import FrontendState, Metrics
 from engine.worker.draft import check_same_vocabulary
-from tests.conftest_models import load_reference, write_checkpoint
 from scheduler.draft_model import DraftModelPolicy
+from tests.conftest_models import load_reference, write_checkpoint
 from tests.test_scheduler import Harness
 from tests.tokenizer_fixtures import byte_level_tokenizer, metaspace_tokenizer
 
