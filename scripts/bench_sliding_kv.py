@@ -114,9 +114,14 @@ def hits(args, ratio: float) -> dict:
     rids = [engine.add(p, args.reply) for p in firsts]
     engine.run()
     resend_hit = sum(engine.cached[rid] for rid in rids)
+    stats = engine.sched.stats()
     return {"turns_hit_rate": turn_hit / turn_queried,
             "resend_hit_rate": resend_hit / sum(len(p) for p in firsts),
-            "sliding_evicted_pages": engine.sched.tree.stats.sliding_evicted_pages}
+            "sliding_evicted_pages": engine.sched.tree.stats.sliding_evicted_pages,
+            # what keeping every prompt's and turn's last window costs: the sliding pages the
+            # cache holds at the end, and the full pages beside them
+            "kept_sliding_pages": stats.get("sliding_pages_cached", 0),
+            "cached_full_pages": stats["kv_pages_cached"]}
 
 
 def decode(args, ratio: float) -> float:

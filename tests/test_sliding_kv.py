@@ -150,3 +150,18 @@ def test_full_kv_for_sliding_layers_is_unchanged_without_the_option(gemma_dir):
     assert worker.runner.pool.kv.shape[0] == 3 and worker.runner.pool.swa.numel() == 0
     assert worker.info.num_sliding_pages == 0
     torch.testing.assert_close(worker.runner.pool.kv.sum(), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_beams_over_windows_match_transformers(gemma_dir, hf_gemma, page_size):
+    """Beams fork and drop each other's tables every step: their windows move with them."""
+    prompt = prompts(1, seed=5)[0]
+    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=2048 // page_size,
+                      sliding_kv_ratio=0.5, chunked_prefill_size=24, max_prefill_tokens=64)
+    h.add("beam", prompt, SamplingParams(max_tokens=24, beam_width=3, n=2))
+    h.run()
+    ref = hf_gemma.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=2,
+                            max_new_tokens=24, do_sample=False, early_stopping=False,
+                            length_penalty=1.0, pad_token_id=0)
+    expected = [[t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
+    assert [h.outputs["beam"][i] for i in range(2)] == expected
