@@ -22,6 +22,7 @@ import torch
 from engine.checkpoints.gguf import gguf_checkpoint
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.sampling_params import SamplingParams
+from engine.worker.model.llama import DENSE_ROW_TILE, _in_row_tiles, can_prepack
 from tests.test_cpu_kernels import VARIANTS, load_variants, random_case
 from tests.test_host_cache import host_cache_gb
 from tests.test_kv_int8_kernels import int8_case
@@ -309,3 +310,28 @@ def test_every_kernel_row_is_the_decode_of_its_token(variants, variant, pages, p
                               torch.tensor([length], dtype=torch.int32), window, 0.125,
                               None if begin is None else begin[b: b + 1].contiguous())
             assert torch.equal(got[row], one[0]) and torch.equal(lse[row], one_lse[0]), (b, j)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_products_in_fixed_tiles_give_a_row_the_same_bits_in_any_call(dtype):
+    """What ``pin_row_order`` relies on: oneDNN's and MKL's products change a row's sums with
+    the row count, not with the row's place in a call of one shape, nor with the threads."""
+    weight = torch.randn(1728, 576, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x = torch.randn(50, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
+    products = [lambda rows: torch.nn.functional.linear(rows, weight)]
+    if dtype == torch.bfloat16 and can_prepack(torch.device("cpu"), dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        products.append(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None,
+                                                                        "none", [], ""))
+    before = torch.get_num_threads()
+    try:
+        for product in products:
+            alone = torch.cat([_in_row_tiles(product, x[i: i + 1], DENSE_ROW_TILE)
+                               for i in range(len(x))])
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for start in (0, 3, 17):
+                    together = _in_row_tiles(product, x[start:], DENSE_ROW_TILE)
+                    assert torch.equal(together, alone[start:]), (threads, start)
+    finally:
+        torch.set_num_threads(before)
