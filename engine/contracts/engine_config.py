@@ -144,14 +144,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     context_len: Annotated[int, Meta(ge=1, description=(
         "override the model's context length"))] | None = None
     speculative_config: Annotated[str, Meta(description=(
-        "speculative decoding with no draft model, as JSON with vLLM's keys: "
+        "speculative decoding, as JSON with vLLM's keys: "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
         "\"prompt_lookup_max\": 5}' drafts from the request's own prompt and output; "
         "'{\"method\": \"suffix\", \"num_speculative_tokens\": 8}' also from every token "
         "run the prefix cache holds (suffix_decoding_max_tree_depth, "
         "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
         "suffix_decoding_min_token_prob as in vLLM); "
-        "\"disable_by_batch_size\" (default 16) stops drafting while more sequences run"))
+        "'{\"model\": \"draft.gguf\", \"num_speculative_tokens\": 4}' drafts with a smaller "
+        "model of the same tokenizer where the suffix method finds nothing "
+        "(\"draft_min_token_prob\", default 0.4, ends a step's drafts where the draft is "
+        "less sure); \"disable_by_batch_size\" (default 16) stops drafting while more "
+        "sequences run"))
         ] | None = None
     # sessions
     max_sessions: Annotated[int, Meta(ge=0, description=(
@@ -237,7 +241,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def validate(self) -> None:
         """The declared bounds and choices, then the rules that tie options together."""
         check_declared(self)
-        self.speculative()
+        speculative = self.speculative()
+        if speculative is not None:
+            speculative.check_serving(self)
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError("--preemption-mode swap needs --num-host-pages > 0")
         if self.cache_write_policy != "write_back" and not self.host_cache_gb:
@@ -265,6 +271,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
 
+    def _validate_deterministic(self) -> None:
+        if not self.deterministic:
+            return
+        refused = {"--device cuda": self.device is not None and self.device.startswith("cuda"),
+                   "--attention-backend flashinfer": self.attention_backend == "flashinfer",
+                   "--linear-form widened": self.linear_form == "widened",
+                   "--kv-cache-dtype fp8_e4m3 or fp8_e5m2": self.kv_cache_dtype.startswith("fp8"),
+                   "--tp-size > 1": self.tp_size > 1,
+                   # a sliding layer's keys in pages of their own: not yet checked bit for bit
+                   "--sliding-kv-ratio > 0": self.sliding_kv_ratio > 0}
+        for name, given in refused.items():
+            if given:
+                raise ValueError(f"--deterministic runs on the compiled CPU kernels and cannot "
+                                 f"be combined with {name}")
+
     def _validate_sliding(self) -> None:
         if not self.sliding_kv_ratio:
             return
@@ -287,19 +308,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         parse_lora_modules(self.lora_modules)
-
-    def _validate_deterministic(self) -> None:
-        if not self.deterministic:
-            return
-        refused = {"--device cuda": self.device is not None and self.device.startswith("cuda"),
-                   "--attention-backend flashinfer": self.attention_backend == "flashinfer",
-                   "--linear-form widened": self.linear_form == "widened",
-                   "--kv-cache-dtype fp8_e4m3 or fp8_e5m2": self.kv_cache_dtype.startswith("fp8"),
-                   "--tp-size > 1": self.tp_size > 1}
-        for name, given in refused.items():
-            if given:
-                raise ValueError(f"--deterministic runs on the compiled CPU kernels and cannot "
-                                 f"be combined with {name}")
 
     def _validate_disk(self) -> None:
         if self.disk_cache_dir is None:
