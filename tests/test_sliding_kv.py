@@ -165,3 +165,21 @@ def test_beams_over_windows_match_transformers(gemma_dir, hf_gemma, page_size):
                             length_penalty=1.0, pad_token_id=0)
     expected = [[t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
     assert [h.outputs["beam"][i] for i in range(2)] == expected
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float32", "int8"),
+                                                     ("bfloat16", "auto")])
+def test_windows_decode_what_full_kv_decodes_in_other_kv_dtypes(gemma_dir, dtype,
+                                                                kv_cache_dtype):
+    """8-bit rows (their scales inside) and a bf16 model's pages through the sliding layers'
+    own pages give the tokens the same cache gives with full KV in every layer."""
+    outputs = []
+    for ratio in (0.0, 0.5):
+        h = Harness(gemma_dir, page_size=16, num_pages=128, sliding_kv_ratio=ratio,
+                    dtype=dtype, kv_cache_dtype=kv_cache_dtype, chunked_prefill_size=24,
+                    max_prefill_tokens=64)
+        for i, p in enumerate(prompts(2, seed=7)):
+            h.add(f"a{i}", p, GREEDY)
+        h.run()
+        outputs.append(h.outputs)
+    assert outputs[0] == outputs[1]

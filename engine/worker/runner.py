@@ -115,17 +115,16 @@ class ModelRunner:
         self._load_model(config)
         self._make_lora_pool(config)
         self._make_pool(config, draft_page_bytes)
+        # FlashInfer's plans over the sliding layers' own pages are not built: with them, auto
+        # means torch (an explicit flashinfer is refused with the option)
+        backend = "torch" if self.num_sliding_pages else config.attention_backend
         self.attention = make_backend(
-            config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
+            backend, self.pool, num_heads=self.model.plan.num_heads,
             num_kv_heads=self.model.plan.num_kv_heads, head_dim=self.config.head_dim,
             sliding_windows=self.config.sliding_windows, scale=self.config.attention_scale,
             decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch,
             deterministic=config.deterministic)
         self.attention_backend = self.attention.name
-        if self.num_sliding_pages and self.attention_backend != "torch":
-            raise ValueError("--sliding-kv-ratio runs on the torch attention backend only: "
-                             "FlashInfer's plans over the sliding layers' own pages are not "
-                             "built yet; give --attention-backend torch")
         self.staging = HostStaging(self.device)
         self.transfer_seconds = 0.0  # the last forward's swaps, write-downs and loads
         self._written_down = 0.0  # seconds of write-downs run ahead of the next forward
