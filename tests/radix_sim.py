@@ -205,6 +205,11 @@ class Sim:
         self.running.append(child)
         return child
 
+    def available_pages(self) -> int:
+        """Fresh pages an allocation could get now (with sliding windows, in both pools)."""
+        pages = self.tree.num_available_pages
+        return pages if self.sliding is None else min(pages, self.sliding.num_available_pages)
+
     def external_refs(self) -> np.ndarray:
         refs = np.zeros(self.alloc.num_pages, dtype=np.int64)
         for seq in self.running:

@@ -82,7 +82,7 @@ class RadixMachine(RuleBasedStateMachine):
         loading: set = set()
         need = sum(lease.pages_to_acquire(len(tokens), loading)
                    for lease, tokens in zip(leases, prompts, strict=True))
-        if need > self.sim.tree.num_available_pages:
+        if need > self.sim.available_pages():
             for lease in leases:
                 lease.unlock()
             return
@@ -174,7 +174,7 @@ class RadixMachine(RuleBasedStateMachine):
             self.sim.run_moves()
         except OutOfPages:
             self.sim.run_moves()  # what it evicted before giving up moved down all the same
-            assert self.sim.alloc.num_free_pages + self.sim.alloc.num_evictable_pages < n
+            assert self.sim.available_pages() < n
             holder.release([])
 
     @precondition(lambda self: self.external)

@@ -53,21 +53,6 @@ class SlidingRadixMachine(RadixMachine):
         assert self.sim.commit(seq, upto, keep) <= upto
         assert self.sim.cached_len(seq.tokens[:upto], seq.namespace) == upto
 
-    @rule(prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1,
-                           max_size=3))
-    def admit_together(self, prompts: list[list[int]]) -> None:
-        """Admitted as one when both pools hold what they count: then every acquire works."""
-        leases = [self.sim.match(tokens) for tokens in prompts]
-        need = sum(lease.pages_to_acquire(len(tokens))
-                   for lease, tokens in zip(leases, prompts, strict=True))
-        if need > min(self.sim.tree.num_available_pages,
-                      self.sim.sliding.num_available_pages):
-            for lease in leases:
-                lease.unlock()
-            return
-        for lease, tokens in zip(leases, prompts, strict=True):
-            self.sim.take(lease, tokens)
-
     @precondition(lambda self: self.sim.running)
     @rule(index=st.integers(0, 1000))
     def slide(self, index: int) -> None:
@@ -78,17 +63,6 @@ class SlidingRadixMachine(RadixMachine):
         assert seq.lease.swa_from == sliding.window_start(len(seq.tokens))
         # a holder's window: the pages of its last W positions, at most one more than W needs
         assert len(seq.pages) - seq.lease.swa_from <= -(-sliding.window // sliding.page_size) + 1
-
-    @rule(n=st.integers(1, 6))
-    def alloc_external(self, n: int) -> None:
-        """Fresh pages take a sliding page each: either pool may be the one that runs out."""
-        holder = Lease(self.sim.tree, [], count=False)
-        try:
-            self.external.append((holder, holder.alloc_pages(n)))
-        except OutOfPages:
-            assert min(self.sim.tree.num_available_pages,
-                       self.sim.sliding.num_available_pages) < n
-            holder.release([])
 
     @rule(num_pages=st.integers(0, 20))
     def evict_windows(self, num_pages: int) -> None:
