@@ -465,6 +465,10 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
     for (int64_t j = 0; j < nq; j += kRowTile) tile_seq.push_back(b), tile_row.push_back(j);
   }
   const int64_t tiles = static_cast<int64_t>(tile_seq.size());
+  // Threads take contiguous runs of items; a causal prefill's later tiles read more keys, so
+  // the tiles go in the order first, last, second, second-to-last, ... to even the runs out.
+  std::vector<int64_t> order(tiles);
+  for (int64_t i = 0; i < tiles; ++i) order[i] = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
   // A work item is a tile's keys for a run of its KV heads: all of them when there are
   // enough tiles to keep every thread busy (a token's heads are adjacent in its page, so
   // one item reads each page front to back), fewer when a small batch must be split further.
@@ -479,13 +483,14 @@ void decode(const T* q, const KV* k, const KV* v, T* out, float* lse, const int3
     std::vector<int64_t> row_at(kKeyBlock), lo(rows), hi(rows);
     std::vector<const KV*> key_rows(kKeyBlock), value_rows(kKeyBlock);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = tile_seq[item / chunks];
+      const int64_t tile = order[item / chunks];
+      const int64_t b = tile_seq[tile];
       const int64_t h0 = (item % chunks) * heads_per_chunk;
       const int64_t h1 = std::min(KVH, h0 + heads_per_chunk);
       const int64_t len = seq_lens[b];
       const int64_t q0 = q_indptr != nullptr ? q_indptr[b] : b;
       const int64_t nq_all = q_indptr != nullptr ? q_indptr[b + 1] - q0 : 1;
-      const int64_t j0 = tile_row[item / chunks];
+      const int64_t j0 = tile_row[tile];
       const int64_t nq = std::min(kRowTile, nq_all - j0);  // this tile's rows: j0 + j
       const int64_t per_head = nq * G;  // query rows sharing one KV head
       const int64_t used = (h1 - h0) * per_head;
