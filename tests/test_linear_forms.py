@@ -24,9 +24,15 @@ from engine.worker.model.linear_forms import (
     pin,
 )
 from engine.worker.model.quant import QuantizedLinear, quantized_linear
+from tests.test_cpu_kernels import load_variants
 from tests.test_quant import FORMATS, SHAPES, random_weight
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[str, object]:
+    return load_variants()
 
 
 def layer_of(fmt: str, rows: int, cols: int, seed: int) -> tuple[QuantizedLinear, torch.Tensor]:
@@ -50,6 +56,23 @@ def test_the_widening_kernel_gives_dequantize_weights_numbers(fmt):
         layer.ops.widen_weight(list(layer.kernel), layer.bits, layer.rows, wide[:, 20:180])
         assert torch.equal(wide[:, 20:180], layer.dense(dtype)), (fmt, dtype)
         assert not wide[:, :20].any() and not wide[:, 180:].any()
+
+
+@pytest.mark.parametrize("variant", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_build_widens_what_it_dequantizes(variants, variant, fmt):
+    """Each build of the kernels (16 interleaved rows, or 8 in the AVX2 one) widens its own
+    layout to its dequantize_weight's numbers, bit for bit, at odd sizes: rows not a whole
+    group, one block, a K-quant super-block cut short."""
+    ops = variants[variant]
+    for rows, cols in ((33, 96), (7, 32), (17, 288)):
+        p = random_weight(fmt, rows, cols, seed=rows)
+        blocks = tuple(ops.quant_repack(*p.repack_args()))
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty(rows, cols, dtype=dtype)
+            ops.widen_weight(list(blocks), p.bits, rows, out)
+            want = ops.dequantize_weight(*blocks, p.bits, rows, torch.arange(rows), dtype)
+            assert torch.equal(out, want), (variant, fmt, rows, cols, dtype)
 
 
 def test_the_widening_kernel_refuses_what_is_not_quant_repacks_layout():
