@@ -1,6 +1,7 @@
 """Speculative decoding with a draft model (``--speculative-config '{"model": ...}'``) against
 none, side by side in one run: in-process engines of the same model, one request at a time,
-coding prompts that rewrite given code and that write new code, greedy, ``--max-tokens`` out.
+coding prompts that rewrite given code and that write new code, greedy, ``--max-tokens`` out
+(``--in-flight`` N: N prompts sent at once, the list wrapping around).
 The engines take turns request by request (ABBA over the repeats); each request's output
 tok/s is its tokens over the time from sending it to its last token, its decode tok/s over the
 time from its first token to its last; medians by prompt kind, the ratios, and whether the
@@ -14,6 +15,7 @@ greedy outputs were identical.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -54,12 +56,13 @@ def prompts() -> list[tuple[str, str]]:
     return rewrite + [("new", text) for text in NEW]
 
 
-def one(engine, prompt: str, max_tokens: int) -> dict:
+def group(engine, prompts: list[str], max_tokens: int) -> list[dict]:
+    """``prompts`` sent at once; each one's tokens and speeds."""
     from engine.contracts.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
-    async def run() -> dict:
+    async def run(prompt: str) -> dict:
         sent = time.perf_counter()
         first = last = None
         ids: list[int] = []
@@ -71,7 +74,10 @@ def one(engine, prompt: str, max_tokens: int) -> dict:
         return {"ids": ids, "out_tok_s": len(ids) / (last - sent),
                 "decode_tok_s": (len(ids) - 1) / (last - first) if last > first else None}
 
-    return engine._call(run())
+    async def every() -> list[dict]:
+        return list(await asyncio.gather(*(run(p) for p in prompts)))
+
+    return engine._call(every())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     ap.add_argument("--limit", type=int, default=None, help="prompts of each kind at most")
+    ap.add_argument("--in-flight", type=int, default=1, help="requests sent at once")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from engine.runtime.offline import Engine
@@ -97,12 +104,16 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[str, list[dict]]] = {n: {"rewrite": [], "new": []} for n in engines}
     try:
         for name in engines:  # warm-up, untimed
-            one(engines[name], work[0][1], 16)
+            group(engines[name], [work[0][1]], 16)
+        width = args.in_flight
         for repeat in range(args.repeats):
-            for i, (kind, prompt) in enumerate(work):
-                order = list(engines) if (i + repeat) % 2 == 0 else list(engines)[::-1]
+            for i in range(0, len(work), width):
+                part = [work[(i + j) % len(work)] for j in range(width)]
+                order = list(engines) if (i // width + repeat) % 2 == 0 else list(engines)[::-1]
                 for name in order:
-                    results[name][kind].append(one(engines[name], prompt, args.max_tokens))
+                    outs = group(engines[name], [p for _, p in part], args.max_tokens)
+                    for (kind, _), out in zip(part, outs, strict=True):
+                        results[name][kind].append(out)
         time.sleep(1.5)  # the scheduler's counters reach the client between steps
         stats = {k: v for k, v in msgspec.structs.asdict(engines["draft"].client.stats).items()
                  if k.startswith("spec_")}
