@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine.worker": {"engine.checkpoints", "engine.contracts"},
     "engine.runtime": {"engine.worker", "engine.checkpoints", "engine.contracts", "scheduler",
                        "tokenizer_worker", "radix"},
-    "engine.profiler": {"radix", "scheduler", "engine.contracts"},
+    "engine.profiler": {"radix", "scheduler", "engine.checkpoints", "engine.contracts"},
     "engine.server": {"engine.runtime", "engine.contracts"},
     "engine.commands": {"engine.server", "engine.runtime", "engine.profiler", "engine.worker",
                         "engine.checkpoints", "engine.contracts", "scheduler", "radix",
