@@ -22,7 +22,8 @@ import torch
 from engine.checkpoints.gguf import gguf_checkpoint
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.sampling_params import SamplingParams
-from engine.worker.model.llama import DENSE_ROW_TILE, _in_row_tiles, can_prepack
+from engine.worker.model.llama import can_prepack
+from engine.worker.model.row_tiles import in_row_tiles
 from tests.test_cpu_kernels import VARIANTS, load_variants, random_case
 from tests.test_host_cache import host_cache_gb
 from tests.test_kv_int8_kernels import int8_case
@@ -327,12 +328,12 @@ def test_dense_products_in_fixed_tiles_give_a_row_the_same_bits_in_any_call(dtyp
     before = torch.get_num_threads()
     try:
         for product in products:
-            alone = torch.cat([_in_row_tiles(product, x[i: i + 1], DENSE_ROW_TILE)
+            alone = torch.cat([in_row_tiles(product, x[i: i + 1])
                                for i in range(len(x))])
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 for start in (0, 3, 17):
-                    together = _in_row_tiles(product, x[start:], DENSE_ROW_TILE)
+                    together = in_row_tiles(product, x[start:])
                     assert torch.equal(together, alone[start:]), (threads, start)
     finally:
         torch.set_num_threads(before)

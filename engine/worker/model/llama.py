@@ -43,6 +43,7 @@ from engine.worker.model.quant import (
     quantized_linear,
 )
 from engine.worker.model.rope import RotaryEmbedding
+from engine.worker.model.row_tiles import DENSE_ROW_TILE, in_row_tiles
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,20 +57,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # Normalise in float32 and scale in the model dtype, as transformers' RMSNorm does.
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
-
-
-# Rows of each dense product call under ``pin_row_order``: a decode step of up to 16 sequences
-# takes one call.
-DENSE_ROW_TILE = 16
-
-
-def _in_row_tiles(product, x: torch.Tensor, tile: int) -> torch.Tensor:
-    """``product`` of ``x`` [rows, ...] in calls of exactly ``tile`` rows, the last padded with
-    zeros: a row's result then comes from one shape of call whatever the rows around it."""
-    rows = x.shape[0]
-    padded = x.new_zeros(-(-rows // tile) * tile, *x.shape[1:])
-    padded[:rows] = x
-    return torch.cat([product(part) for part in padded.split(tile)])[:rows]
 
 
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -131,7 +118,7 @@ class _Weights(nn.Module):
         if quantized is not None:
             return quantized(x, bias)
         if self.row_tile and x.shape[0] not in (0, self.row_tile):
-            return _in_row_tiles(lambda rows: self._linear(name, rows, bias), x, self.row_tile)
+            return in_row_tiles(lambda rows: self._linear(name, rows, bias), x, self.row_tile)
         packed = self.packed.get(name)
         if packed is None:
             return F.linear(x, getattr(self, name), bias)
@@ -357,11 +344,9 @@ class LlamaForCausalLM(_Weights):
 
     def pin_row_order(self) -> None:
         """Make every dense product compute a row the same way whatever the rows beside it
-        (``--deterministic``): oneDNN and MKL pick their kernels, and with them each row's
-        order of sums, by the row count (fp32: one row differs from two; bf16: 33 rows and more
-        differ from 32), so dense products run in calls of exactly ``DENSE_ROW_TILE`` rows, the
-        last padded. Products over quantized blocks need nothing: the block kernel computes
-        each row alone (the loader pins it for every row count)."""
+        (``--deterministic``): in calls of ``DENSE_ROW_TILE`` rows (row_tiles.py). Products
+        over quantized blocks need nothing: the block kernel computes each row alone (the
+        runner pins it for every row count)."""
         for module in self.modules():
             if isinstance(module, _Weights):
                 module.row_tile = DENSE_ROW_TILE
