@@ -18,16 +18,13 @@ unsure; here the per-sequence rule, as for the cache's drafts (scheduler/specula
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scheduler.speculation import (
+from scheduler.drafting import (
     FIRST_PAUSE,
     HISTORY,
     LONGEST_PAUSE,
     MIN_SHARE,
-    PRIOR_ACCEPT,
-    PRIOR_TRIES,
     StepCosts,
 )
 
@@ -35,21 +32,6 @@ if TYPE_CHECKING:
     from scheduler.request import Seq
 
 logger = logging.getLogger("radixserve.scheduler")
-
-
-@dataclass
-class ModelDrafts:
-    """A sequence's record of the draft model's drafts: accepted and tried (decayed), decode
-    steps left without them, the next pause's length, and whether a pause just ended."""
-
-    hits: float = 0.0
-    tries: float = 0.0
-    pause: int = 0
-    backoff: int = FIRST_PAUSE
-    probe: bool = False
-
-    def acceptance(self) -> float:
-        return (self.hits + PRIOR_ACCEPT * PRIOR_TRIES) / (self.tries + PRIOR_TRIES)
 
 
 class DraftCosts(StepCosts):

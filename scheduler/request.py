@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.contracts.sampling_params import SamplingParams
 from radix import Lease
-from scheduler.draft_model import ModelDrafts
+from scheduler.drafting import ModelDrafts
 
 
 class Status(enum.Enum):

@@ -27,13 +27,10 @@ its next token falls under ``draft_min_token_prob``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
-
-if TYPE_CHECKING:
-    from engine.contracts.engine_config import EngineConfig
 
 # scripts/bench_speculation.py --cost, SmolLM2-135M on a shared 2-core CPU, one thread, 300
 # cached tokens a sequence: a verify step with 5 drafts a sequence costs 1.4-2.1x a decode
@@ -123,15 +120,16 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ValueError("--speculative-config: the draft_model method needs the draft's "
                              "\"model\" (a checkpoint directory or a .gguf file)")
 
-    def check_serving(self, c: EngineConfig) -> None:
+    def check_serving(self, tp_size: int, host_cache_gb: float | None,
+                      disk_cache_dir: str | None) -> None:
         """ValueError with a sentence for an option a draft model does not run with: its KV
         pages are neither sharded over tensor-parallel ranks nor copied to the host or disk
         tiers."""
         if self.model is None:
             return
-        for given, option in ((c.tp_size > 1, "--tp-size above 1"),
-                              (bool(c.host_cache_gb), "--host-cache-gb"),
-                              (c.disk_cache_dir is not None, "--disk-cache-dir")):
+        for given, option in ((tp_size > 1, "--tp-size above 1"),
+                              (bool(host_cache_gb), "--host-cache-gb"),
+                              (disk_cache_dir is not None, "--disk-cache-dir")):
             if given:
                 raise ValueError(f"--speculative-config: a draft model does not run with "
                                  f"{option} (its KV is neither sharded nor copied to the "
