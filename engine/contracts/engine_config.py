@@ -70,7 +70,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "byte a value, one scale of 1.0: 2x; FlashInfer's fp8 kernels on GPU, the torch "
             "paths on CPU)"))] = "auto"
     quantization: Annotated[Literal["auto", "none", "int8", "int4"], Meta(description=(
-        "weights held in blocks the CPU kernels read (decode reads 4.5-10 bits a weight "
+        "weights held in blocks the CPU kernels read (decode reads 4.5-9 bits a weight "
         "instead of 16): auto (a GGUF's own Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K "
         "tensors, embedding included; other checkpoints dense), none (every weight widened to --dtype), int8 or int4 (per "
         "group of 32, a step and a minimum each): the decoder's projections quantized once at "
