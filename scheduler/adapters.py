@@ -13,7 +13,8 @@ from collections.abc import Hashable, Iterable
 import msgspec
 
 from engine.contracts.lora import LoraAdapterInfo, lora_namespace
-from engine.contracts.protocol import LoraUpdate, LoraUpdated, ModelInfo
+from engine.contracts.protocol import LoraUpdate, LoraUpdated
+from engine.contracts.worker_messages import ModelInfo
 from scheduler.request import Request
 
 

@@ -5,7 +5,7 @@ request arrives."""
 from __future__ import annotations
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import ModelInfo
+from engine.contracts.worker_messages import ModelInfo
 from radix import PageAllocator
 from scheduler.request import Request
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.contracts.protocol import ForwardBatch, RowSampling, pack_ids
+from engine.contracts.protocol import pack_ids
 from engine.contracts.sampling_params import SEED_LIMIT
 from engine.contracts.step import StepBuilder
+from engine.contracts.worker_messages import ForwardBatch, RowSampling
 from radix.sliding import SlidingKV
 from scheduler.kv import StepWork
 from scheduler.planner import Entry

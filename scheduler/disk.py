@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from engine.contracts.disk_blocks import DiskView, block_hashes
-from engine.contracts.protocol import DiskLoad, DiskSave, pack_ids
+from engine.contracts.protocol import pack_ids
+from engine.contracts.worker_messages import DiskLoad, DiskSave
 from scheduler.loads import PendingLoads
 from scheduler.request import Seq
 

@@ -14,7 +14,7 @@ from scheduler.outputs import SampledRows
 from scheduler.request import Seq, Status
 
 if TYPE_CHECKING:
-    from engine.contracts.protocol import ModelInfo
+    from engine.contracts.worker_messages import ModelInfo
     from scheduler.kv import SeqMemory
     from scheduler.outputs import Outputs
 

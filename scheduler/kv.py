@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.contracts.protocol import HostLoad, ModelInfo, pack_ids
+from engine.contracts.protocol import pack_ids
+from engine.contracts.worker_messages import HostLoad, ModelInfo
 from radix import Lease, PageCopy, RadixTree
 from radix.sliding import SlidingKV
 from scheduler.disk import DiskTier

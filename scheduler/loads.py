@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.contracts.protocol import HostLoad
+from engine.contracts.worker_messages import HostLoad
 from scheduler.request import Seq
 
 

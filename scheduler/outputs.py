@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.contracts.protocol import BatchResult, SeqOutput, pack_ids, unpack_ids
+from engine.contracts.protocol import SeqOutput, pack_ids, unpack_ids
+from engine.contracts.worker_messages import BatchResult
 from scheduler.request import Request, Status
 
 

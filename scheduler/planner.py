@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import ModelInfo
+from engine.contracts.worker_messages import ModelInfo
 from radix import OutOfPages, RadixTree
 from scheduler.kv import SeqMemory, StepWork
 from scheduler.policy import long_uncached, order_waiting, shared_head

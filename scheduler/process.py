@@ -16,7 +16,6 @@ import zmq
 from engine.contracts.engine_config import LaunchSpec
 from engine.contracts.protocol import (
     AbortRequest,
-    BatchResult,
     LoraUpdate,
     LoraUpdated,
     Ready,
@@ -26,10 +25,10 @@ from engine.contracts.protocol import (
     Shutdown,
     TokenizedRequest,
     TokenOutputs,
-    WorkerReady,
     decode,
     encode,
 )
+from engine.contracts.worker_messages import BatchResult, WorkerReady
 from scheduler.kv_events import BlockEvents, KVEventPublisher
 from scheduler.scheduler import Scheduler
 

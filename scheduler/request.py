@@ -74,6 +74,32 @@ class Seq:
         """Tokens still to run through the model before the next sample."""
         return len(self.tokens) - self.computed
 
+    def ending(self, token: int, length: int, eos_ids: set[int],
+               context_len: int) -> str | None:
+        """Why it ends with ``token`` as its ``length``-th token, if it does."""
+        p = self.req.params
+        if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if length >= self.req.max_len(context_len):
+            return "length"
+        return None
+
+    def first_ending(self, new: list[int], length: int, eos_ids: set[int],
+                     context_len: int) -> tuple[int, str | None]:
+        """The first of ``new`` (its tokens number ``length``, ``length + 1``, ...) that ends
+        it and why, as ``ending`` of each in turn would say; the last index and None when none
+        does."""
+        p = self.req.params
+        stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)]
+        hits = np.flatnonzero(np.isin(new, stops)) if stops else ()
+        stop = int(hits[0]) if len(hits) else len(new)
+        limit = max(self.req.max_len(context_len) - length, 0)
+        if stop < len(new) and stop <= limit:
+            return stop, "stop"
+        if limit < len(new):
+            return limit, "length"
+        return len(new) - 1, None
+
 
 @dataclass(eq=False)
 class Request:

@@ -16,21 +16,17 @@ import logging
 import time
 from collections import deque
 
-import numpy as np
-
 from engine.contracts.disk_blocks import DiskView
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.lora import lora_namespace
 from engine.contracts.protocol import (
-    BatchResult,
-    ForwardBatch,
     LoraUpdate,
     LoraUpdated,
-    ModelInfo,
     SeqOutput,
     TokenizedRequest,
     unpack_ids,
 )
+from engine.contracts.worker_messages import BatchResult, ForwardBatch, ModelInfo
 from radix import HostTier, PageAllocator, RadixTree
 from radix.eviction import POLICIES
 from scheduler.adapters import Adapters
@@ -38,10 +34,11 @@ from scheduler.admission import reject_reason
 from scheduler.batch import build_batch
 from scheduler.disk import DiskTier
 from scheduler.forking import Forking
-from scheduler.kv import SeqMemory, sliding_pages, sliding_stats
+from scheduler.kv import SeqMemory, sliding_pages
 from scheduler.loads import PendingLoads
 from scheduler.outputs import Outputs, SampledRows
 from scheduler.planner import Entry, StepPlanner, is_placeholder
+from scheduler.reporting import Reporting
 from scheduler.request import Request, Seq, Status
 from scheduler.session_pins import SessionPins
 from scheduler.speculation import Speculator
@@ -49,7 +46,7 @@ from scheduler.speculation import Speculator
 logger = logging.getLogger("radixserve.scheduler")
 
 
-class Scheduler(Forking):
+class Scheduler(Forking, Reporting):
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
         self.config = config
         self.info = info
@@ -357,9 +354,10 @@ class Scheduler(Forking):
         else:
             seq.tokens[index] = new[0]
         if len(new) == 1:
-            reason = self._finish_reason(seq, new[0], index + 1)
+            reason = seq.ending(new[0], index + 1, self.eos_ids, self.info.context_len)
         else:  # a verification's tokens: where the first that ends it is, in one pass
-            end, reason = self._first_finish(seq, new, index + 1)
+            end, reason = seq.first_ending(new, index + 1, self.eos_ids,
+                                           self.info.context_len)
             new = new[: end + 1]
             seq.tokens.extend(new[1:])
         lp, tid, tlp = rows.logprob_bytes(row, row + len(new), seq.req.params.logprobs)
@@ -367,30 +365,6 @@ class Scheduler(Forking):
                           top_ids=tid, top_logprobs=tlp)
         if reason is not None:
             self._finish(seq, reason)
-
-    def _finish_reason(self, seq: Seq, token: int, length: int) -> str | None:
-        """Why ``seq`` ends with ``token`` as its ``length``-th token, if it does."""
-        p = seq.req.params
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if length >= seq.req.max_len(self.info.context_len):
-            return "length"
-        return None
-
-    def _first_finish(self, seq: Seq, new: list[int], length: int) -> tuple[int, str | None]:
-        """The first of ``new`` (``seq``'s tokens number ``length``, ``length + 1``, ...) that
-        ends it and why, as ``_finish_reason`` of each in turn would say; the last index and
-        None when none does."""
-        p = seq.req.params
-        stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
-        hits = np.flatnonzero(np.isin(new, stops)) if stops else ()
-        stop = int(hits[0]) if len(hits) else len(new)
-        limit = max(seq.req.max_len(self.info.context_len) - length, 0)
-        if stop < len(new) and stop <= limit:
-            return stop, "stop"
-        if limit < len(new):
-            return limit, "length"
-        return len(new) - 1, None
 
     def _finish(self, seq: Seq, reason: str) -> None:
         req = seq.req
@@ -462,43 +436,3 @@ class Scheduler(Forking):
         self.mem.check(seqs)
         if self.speculator is not None:
             self.speculator.check()
-
-    def stats(self) -> dict[str, float | str]:
-        s = self.tree.stats
-        return {
-            **(self.speculator.stats() if self.speculator is not None else {}),
-            "running": sum(len(r.live_seqs()) for r in self.running),
-            "waiting": len(self.waiting),
-            "kv_pages_total": self.alloc.num_pages,
-            "kv_pages_used": self.alloc.num_pinned_pages,
-            "kv_pages_cached": self.alloc.num_evictable_pages,
-            **sliding_stats(self.tree),
-            "hit_tokens": s.hit_tokens + (self.disk.hit_tokens if self.disk is not None else 0),
-            "queried_tokens": s.queried_tokens,
-            "preemptions": self.num_preemptions,
-            "sessions_pinned": len(self.sessions.pins),
-            "pinned_tokens": self.sessions.pinned_tokens,
-            "constrained_requests": self.constrained_requests,
-            "grammar_forced_tokens": self.grammar_forced_tokens,
-            "grammar_mask_seconds": self.grammar_mask_seconds,
-            **(self._host_stats() if self.host is not None else {}),
-            **(self._disk_stats() if self.disk is not None else {}),
-        }
-
-    def _disk_stats(self) -> dict[str, float]:
-        io = self.disk_io
-        return {**self.disk.stats(), "disk_bytes_read": io.disk_bytes_read,
-                "disk_bytes_written": io.disk_bytes_written,
-                "disk_load_seconds": io.disk_load_seconds, "disk_rejected_files": io.disk_rejected}
-
-    def _host_stats(self) -> dict[str, float]:
-        host, s = self.host.allocator, self.tree.stats
-        return {
-            "host_cache_pages_total": host.num_pages,
-            "host_cache_pages_used": host.num_pages - host.num_free_pages,
-            "host_hit_tokens": s.host_hit_tokens,
-            "host_pages_written": s.pages_written,
-            "host_pages_loaded": s.pages_loaded,
-            "host_transfer_seconds": self.transfer_seconds,
-        }
-

@@ -142,7 +142,7 @@ MUTANTS = (
            "rejected one", "scheduler/speculation.py",
            "np.minimum.reduceat(np.where(agree, np.repeat(counts, counts), local), offsets)",
            "np.add.reduceat(agree.astype(np.int64), offsets)",
-           ("tests/test_speculation.py::test_a_steps_acceptances_in_one_pass_are_those_of_each_verification",)),
+           ("tests/test_speculation_rules.py::test_a_steps_acceptances_in_one_pass_are_those_of_each_verification",)),
     Mutant("check-tree-holders", "the accounting check fails on a reference nobody holds",
            "radix/accounting.py", "assert bad.size == 0, (", "assert bad.size >= 0, (",
            ("tests/test_radix.py::test_check_catches_a_leaked_reference",)),

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from engine.checkpoints.demo_model import IM_END, IM_START, build_demo_model
-from engine.contracts.protocol import GenerateRequest, ModelInfo
+from engine.contracts.protocol import GenerateRequest
 from engine.contracts.sampling_params import InvalidParam, SamplingParams
+from engine.contracts.worker_messages import ModelInfo
 from engine.server.errors import APIError
 from engine.server.sampling import MAX_MESSAGE_DEPTH, check_messages, check_prompt_ids
 from scheduler import beam

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import ForwardBatch, RowSampling, decode, encode
+from engine.contracts.protocol import decode, encode
 from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
+from engine.contracts.worker_messages import ForwardBatch, RowSampling
 from engine.worker.kv_pool import KVPool
 from engine.worker.runner import ModelRunner
 from tests.conftest_models import write_checkpoint

@@ -8,9 +8,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.contracts.protocol import ForwardBatch, RowSampling, TokenizedRequest, pack_ids
+from engine.contracts.protocol import TokenizedRequest, pack_ids
 from engine.contracts.sampling_params import SamplingParams
 from engine.contracts.step import BatchInput
+from engine.contracts.worker_messages import ForwardBatch, RowSampling
 from tests.test_scheduler import Harness
 
 

@@ -12,13 +12,13 @@ from starlette.testclient import TestClient
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import (
     GenerateRequest,
-    ModelInfo,
     RequestOutput,
     SchedulerStats,
     SessionClose,
     SessionOpen,
     pack_ids,
 )
+from engine.contracts.worker_messages import ModelInfo
 from engine.server.app import build_app
 from engine.server.options import ServeOptions
 from engine.server.service import Service

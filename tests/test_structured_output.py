@@ -217,8 +217,8 @@ def test_a_grammar_failure_fails_its_batch_after_the_page_moves_ran(model) -> No
     """The scheduler's tree counts on a batch's copies (and host-tier moves) having run: a
     grammar state that cannot be found still lets the forward's page work happen first."""
     from engine.contracts.engine_config import EngineConfig
-    from engine.contracts.protocol import ForwardBatch, RowSampling
     from engine.contracts.step import BatchInput
+    from engine.contracts.worker_messages import ForwardBatch, RowSampling
     from engine.worker.process import Worker
 
     worker = Worker(EngineConfig(model=model, dtype="float32", page_size=4, num_pages=16))

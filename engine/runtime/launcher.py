@@ -50,7 +50,8 @@ import msgspec
 import zmq
 
 from engine.contracts.engine_config import Endpoints, EngineConfig, LaunchSpec, ReplicaEndpoints
-from engine.contracts.protocol import Fatal, ModelInfo, Ready, ReplicaDown, decode, encode
+from engine.contracts.protocol import Fatal, Ready, ReplicaDown, decode, encode
+from engine.contracts.worker_messages import ModelInfo
 from engine.worker.model.config import ModelConfig
 
 logger = logging.getLogger("radixserve.launcher")

@@ -22,8 +22,9 @@ import numpy as np
 
 from engine.checkpoints.model_source import resolve_model
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import GenerateRequest, ModelInfo, RequestOutput, pack_ids
+from engine.contracts.protocol import GenerateRequest, RequestOutput, pack_ids
 from engine.contracts.sampling_params import SamplingParams
+from engine.contracts.worker_messages import ModelInfo
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.runtime.launcher import Launcher, LaunchError
 

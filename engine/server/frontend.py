@@ -31,7 +31,7 @@ import uvicorn
 import zmq
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import ModelInfo
+from engine.contracts.worker_messages import ModelInfo
 from engine.runtime.client import EngineClient
 from engine.runtime.launcher import Launcher, LaunchError
 from engine.server.app import build_app

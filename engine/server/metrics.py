@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.contracts.protocol import ModelInfo, SchedulerStats
+from engine.contracts.protocol import SchedulerStats
+from engine.contracts.worker_messages import ModelInfo
 
 PREFIX = "radixserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from engine.contracts.protocol import ModelInfo
 from engine.contracts.sampling_params import InvalidParam, SamplingParams, show_int
 from engine.contracts.structured import StructuredOutputs
+from engine.contracts.worker_messages import ModelInfo
 from engine.server.errors import APIError
 from engine.server.schemas import (
     ChatCompletionRequest,

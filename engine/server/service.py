@@ -27,7 +27,6 @@ from engine.contracts.protocol import (
     DetokenizeRequest,
     GenerateRequest,
     LoraUpdate,
-    ModelInfo,
     RequestOutput,
     SessionClose,
     SessionOpen,
@@ -36,6 +35,7 @@ from engine.contracts.protocol import (
     pack_ids,
     unpack_ids,
 )
+from engine.contracts.worker_messages import ModelInfo
 from engine.runtime.client import EngineClient, EngineDead, new_request_id
 from engine.server import sampling, tools
 from engine.server.choices import Choices

@@ -39,8 +39,9 @@ import numpy as np
 import torch
 
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import BatchResult, pack_ids
+from engine.contracts.protocol import pack_ids
 from engine.contracts.step import BatchInput, StepBuilder
+from engine.contracts.worker_messages import BatchResult
 from engine.worker.kv_pool import KVPool
 from engine.worker.kv_quant import resolve_kv_dtype
 from engine.worker.model.config import ModelConfig

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.contracts.protocol import RowSampling
 from engine.contracts.structured import grammar_text, grammar_tokenizer, parser_limits
 from engine.contracts.tokenizer import load_tokenizer
+from engine.contracts.worker_messages import RowSampling
 from engine.worker.staging import to_device
 
 logger = logging.getLogger("radixserve.worker")

@@ -16,18 +16,15 @@ import zmq
 
 from engine.contracts.engine_config import EngineConfig, LaunchSpec
 from engine.contracts.protocol import (
-    BatchResult,
-    ForwardBatch,
     LoraUpdate,
     LoraUpdated,
-    ModelInfo,
     Shutdown,
-    WorkerReady,
     decode,
     encode,
     pack_ids,
     unpack_ids,
 )
+from engine.contracts.worker_messages import BatchResult, ForwardBatch, ModelInfo, WorkerReady
 from engine.worker.distributed import GroupBroken, TensorParallel, start_tensor_parallel
 
 logger = logging.getLogger("radixserve.worker")

@@ -30,7 +30,8 @@ from engine.checkpoints.quantized import QUANTIZER_VERSION
 from engine.contracts.disk_blocks import block_tokens, fingerprint
 from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
-from engine.contracts.protocol import DiskLoad, DiskSave, HostLoad, unpack_ids
+from engine.contracts.protocol import unpack_ids
+from engine.contracts.worker_messages import DiskLoad, DiskSave, HostLoad
 from engine.worker.kv_pool import KVPool
 
 if TYPE_CHECKING:

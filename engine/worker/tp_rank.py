@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import zmq
 
 from engine.contracts.engine_config import LaunchSpec
-from engine.contracts.protocol import ForwardBatch, LoraUpdate, Ready, Shutdown, decode, encode
+from engine.contracts.protocol import LoraUpdate, Ready, Shutdown, decode, encode
+from engine.contracts.worker_messages import ForwardBatch
 from engine.worker.distributed import TensorParallel, start_tensor_parallel
 from engine.worker.process import make_runner
 
