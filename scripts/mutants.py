@@ -136,7 +136,8 @@ MUTANTS = (
            ("tests/test_suffix.py::test_wrong_drafts_from_the_cache_roll_back_with_the_accounting_clean",)),
     Mutant("rollback-tokens", "a verification keeps its accepted drafts and the token after "
            "them, no more", "scheduler/speculation.py",
-           "        return accepted + 1\n", "        return drafted + 1\n",
+           "            seq.draft_backoff = FIRST_PAUSE\n        return accepted + 1\n",
+           "            seq.draft_backoff = FIRST_PAUSE\n        return drafted + 1\n",
            ("tests/test_speculation.py::test_greedy_outputs_are_those_of_decoding_without_drafts",)),
     Mutant("acceptance-stops-at-first-miss", "a verification accepts drafts up to its first "
            "rejected one", "scheduler/speculation.py",

@@ -38,7 +38,8 @@ def slow(source: str, function: str) -> bool:
         return True
     if not function:
         return False
-    at = source.find(f"\ndef {function}(")
+    name = function.partition("::")[0]  # a test class's method: the class
+    at = max(source.find(f"\n{how}") for how in (f"def {name}(", f"class {name}", f"{name} = "))
     assert at >= 0, f"no test {function}"
     decorators = source[source.rfind("\n\n", 0, at) : at]  # the lines since the blank one
     return bool(marked.search(decorators))
@@ -49,3 +50,5 @@ def test_a_slow_or_missing_test_is_told_apart():
     assert slow(source, "test_different_salts_never_share_cache")  # e2e, then parametrized
     assert not slow(source, "test_metrics_open_serves_them_without_the_key")
     assert slow((ROOT / "tests" / "test_zmq_frontend.py").read_text(), "")
+    assert not slow((ROOT / "tests" / "test_sliding_properties.py").read_text(),
+                    "TestSlidingRadixMachine::runTest")  # a hypothesis machine's test case
