@@ -5,7 +5,9 @@
 #     scripts/run_vllm.sh DIR PORT        # then: curl http://127.0.0.1:PORT/v1/models
 #
 # DIR is a Hugging Face checkpoint directory (the demo model's: .venv/bin/python -c "from
-# engine.checkpoints.demo_model import build_demo_model; print(build_demo_model())"). bf16, prompt-token
+# engine.checkpoints.demo_model import build_demo_model; print(build_demo_model())"). A folder
+# radixserve converted from a GGUF holds quantized.safetensors beside model.safetensors, which
+# vLLM would load as weights: give it a folder of links to the others. bf16, prompt-token
 # details in usage (cached_tokens), a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE, in GiB).
 #
 # vLLM lives in its own venv, never the project's ($VLLM_VENV, default /work/vllm-venv):
