@@ -2,7 +2,7 @@
 row count. Two forms read the same blocks:
 
 - ``blocks``: the block kernel (csrc/quant_linear.cpp): activations quantized to int8 per
-  block of 32, integer products (AVX-512 VNNI, AVX2). It reads 4.5-10 bits a weight, which is
+  block of 32, integer products (AVX-512 VNNI, AVX2). It reads 4.5-9 bits a weight, which is
   what a decode step's few rows cost; each output row is its own row's alone, whatever the
   batch (a verify row equals its decode row).
 - ``widened``: the weight widened (csrc/quant_widen.cpp) into one scratch buffer that every
