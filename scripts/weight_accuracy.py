@@ -48,8 +48,9 @@ def four_bit_digits(runner: ModelRunner, digits: int) -> None:
     """Sets every 4-bit layer of ``runner`` to quantize its activations in ``digits``."""
     for module in runner.model.modules():
         for layer in getattr(module, "quantized", {}).values():
-            if layer.bits == 4:
-                layer.digits = digits
+            for part in getattr(layer, "runs", [layer]):  # a mixed projection: each format's run
+                if part.bits == 4:
+                    part.digits = digits
 
 
 if __name__ == "__main__":
