@@ -74,6 +74,8 @@ def workload(seed: int = 0, count: int = 5, max_tokens: int = 30) -> dict:
 
 def run(model_dir: str, requests: dict, **options) -> Harness:
     h = Harness(model_dir, **options)
+    if h.worker.draft is not None:
+        h.draft_reads = watch_draft_reads(h)
     for rid, (prompt, params) in requests.items():
         h.add(rid, prompt, params)
     h.run()
@@ -123,22 +125,50 @@ def test_a_draft_of_another_tokenizer_or_vocabulary_is_refused(models, tmp_path)
         Harness(models["target"], speculative_config=spec(models["foreign"]))
 
 
-def _assert_draft_kv_is_the_targets(h: Harness) -> None:
-    """With a draft of the target's weights, every page the tree caches holds the same KV in
-    both pools (up to rounding: the draft computed it in other steps' shapes)."""
-    h.worker.draft.flush()  # a last draft left behind: the next step would run it first
+def _assert_draft_kv_is_the_targets(h: Harness, least: int = 10) -> None:
+    """With a draft of the target's weights, every slot the draft's record calls computed
+    holds the same KV in both pools (up to rounding: the draft computed it in other steps'
+    shapes), and at least ``least`` of the slots the tree caches are such."""
     target, draft = h.worker.runner.pool.kv, h.worker.draft.runner.pool.kv
+    record = h.worker.draft.slots
     size = h.sched.info.page_size
-    slots = []
+    slots = np.flatnonzero(record.ok).tolist()
+    flat = [kv.flatten(2, 3)[:, :, slots] for kv in (target, draft)]
+    torch.testing.assert_close(flat[1], flat[0], atol=2e-4, rtol=1e-3)
+    cached = []
     for node in h.sched.tree.iter_nodes():
         if node.on_device:
             positions = np.arange(node.start, node.end)
             pages = np.asarray(node.pages)[positions // size - node.start // size]
-            slots += (pages * size + positions % size).tolist()
-    flat = [kv.flatten(2, 3)[:, :, slots] for kv in (target, draft)]
-    torch.testing.assert_close(flat[1], flat[0], atol=2e-4, rtol=1e-3)
-    checked = len(slots)
-    assert checked > 10
+            cached += (pages * size + positions % size).tolist()
+    assert record.ok[cached].sum() >= least
+
+
+def watch_draft_reads(h: Harness) -> list[int]:
+    """Check, before every forward of the draft, that each of its sequences reads only slots
+    whose draft KV is computed (the record says so, or an earlier forward of the same step
+    wrote it); returns a count of the slots read, growing."""
+    draft = h.worker.draft
+    forward, propose = draft.runner.forward, draft.propose
+    written: set[int] = set()
+    read = [0]
+
+    def checked_forward(batch):
+        for j in range(batch.num_seqs):
+            pages = batch.page_indices[batch.page_indptr[j] : batch.page_indptr[j + 1]]
+            slots = draft.slots.slots(pages, 0, int(batch.seq_lens[j] - batch.extend_lens[j]))
+            fresh = np.isin(slots, np.fromiter(written, np.int64, len(written)))
+            assert (draft.slots.ok[slots] | fresh).all(), "the draft read KV it never computed"
+            read[0] += len(slots)
+        written.update(np.asarray(batch.out_slots).tolist())
+        return forward(batch)
+
+    def checked_propose(step):
+        written.clear()
+        return propose(step)
+
+    draft.runner.forward, draft.propose = checked_forward, checked_propose
+    return read
 
 
 def test_the_drafts_kv_sits_in_the_targets_pages_and_prefix_hits_serve_both(models):
@@ -182,6 +212,7 @@ def test_rollbacks_and_preemption_leak_no_page(models, mode):
     base = run(models["target"], requests, **options)
     for draft in ("other", "near"):
         h = Harness(models["target"], speculative_config=spec(models[draft], k=5), **options)
+        watch_draft_reads(h)
         for rid, (prompt, params) in requests.items():
             h.add(rid, prompt, params)
         while not h.sched.idle:
@@ -246,8 +277,9 @@ def test_rejection_sampling_keeps_the_targets_distribution(models, monkeypatch):
 def test_deferred_draft_kv_is_computed_before_anything_reads_it(models, monkeypatch):
     """Steps the draft model sits out (every other one here) and verifies of the cache's
     drafts (a prompt sent again: the suffix method drafts the first reply) leave the draft's
-    KV behind; it is computed before any draft forward reads it, so the pools agree (a draft
-    of the target's weights) and every draft is accepted, the second reply's too."""
+    KV missing; a drafting sequence computes what it lacks before any draft forward reads it
+    (checked before every forward), so the pools agree (a draft of the target's weights) and
+    every draft is accepted, the second reply's too."""
     drafts_for = DraftModelPolicy.drafts_for
     calls = [0]
 
@@ -272,6 +304,41 @@ def test_deferred_draft_kv_is_computed_before_anything_reads_it(models, monkeypa
     assert s.drafted_tokens - s.model.drafted_tokens > before  # the cache's drafts
     assert s.model.accepted_tokens == s.model.drafted_tokens
     _assert_draft_kv_is_the_targets(h)
+
+
+def test_sequences_not_drafting_cost_the_draft_nothing_and_drafting_resumes(models,
+                                                                           monkeypatch):
+    """While no sequence drafts, the draft runs no forward (its KV of prompts and outputs is
+    not computed). Once drafting resumes, a sequence whose prefix the tree matched catches
+    the draft up over the cached tokens it lacks (in forwards of at most ``CATCH_UP_CHUNK``
+    tokens: 7 here) before its first draft, and its drafts (the target's weights) are all
+    accepted; outputs are those without a draft."""
+    from engine.worker import draft as draft_module
+
+    monkeypatch.setattr(draft_module, "CATCH_UP_CHUNK", 7)
+    drafts_for = DraftModelPolicy.drafts_for
+    enabled = [False]
+    monkeypatch.setattr(DraftModelPolicy, "drafts_for", lambda self, seq, room, n: (
+        drafts_for(self, seq, room, n) if enabled[0] else 0))
+    requests = workload(seed=5, count=3, max_tokens=20)
+    base = run(models["target"], requests, page_size=4, num_pages=300)
+    h = run(models["target"], requests, page_size=4, num_pages=300,
+            speculative_config=spec(models["same"]))
+    draft = h.worker.draft
+    assert draft.tokens_computed == 0 and not draft.slots.ok.any()
+    enabled[0] = True
+    prompt, params = requests["r1"]
+    again = {"again": (prompt + h.outputs["r1"][0][:10], params)}
+    for harness in (h, base):
+        for rid, (ids, p) in again.items():
+            harness.add(rid, ids, p)
+        harness.run()
+    assert h.outputs == base.outputs
+    model = h.sched.speculator.model
+    assert model.drafted_tokens > 0 and model.accepted_tokens == model.drafted_tokens
+    assert draft.tokens_computed >= len(again["again"][0])
+    assert h.draft_reads[0] > 0
+    _assert_draft_kv_is_the_targets(h, least=len(again["again"][0]))
 
 
 def test_metrics_show_the_draft_models_drafts_and_pauses():

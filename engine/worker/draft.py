@@ -5,26 +5,28 @@ verify step checks (scheduler/speculation.py).
 Its KV lives in a pool of its own that holds the SAME page numbers as the target's::
 
     page 17   target pool: K and V of positions 34..35, the target's layers
-              draft pool:  K and V of positions 34..35, the draft's layers
+              draft pool:  K and V of positions 34..35, the draft's layers (where computed)
 
 so the scheduler's pages, the radix tree, eviction, salts, LoRA namespaces and rollbacks act on
-both at once, a prefix the target has cached is cached for the draft, and the pool's budget
-counts both per page (``ModelRunner``'s ``draft_page_bytes``). The invariant: wherever a
-sequence's target KV is computed, its draft KV is too. Before the target's forward, the draft
-runs the same step (``_mirror``: the page moves, prefill chunks, decodes, verifies of the
-cache's drafts), except for the sequences it drafts for (``BatchInput.draft_lens``)::
+both at once, and the pool's budget counts both per page (``ModelRunner``'s
+``draft_page_bytes``). The draft computes KV only for the sequences it drafts for: a step's
+other sequences (prefill chunks, decodes, verifies of the cache's drafts, every sequence while
+drafting does not pay) cost it nothing. ``DraftSlots`` records, per slot, the token the
+target's KV there is of and whether the draft's KV there is of it too; a drafting sequence's
+first draft forward starts at its first slot without the draft's KV (the tokens read back
+from the record: a prompt, the steps it sat out, an accepted last draft the draft never ran,
+a prefix the tree matched that the draft never computed), so no draft forward reads KV it
+has not computed, and a prefix the draft did compute is cached for it as for the target::
 
     the step's tokens   t  _  _  _         t: the last sampled token; _: placeholders
-    draft forwards      t->d0 d0->d1 d1->d2  (the first inside the mirror, then one decode each)
+    draft forwards      [missing..]t->d0  d0->d1  d1->d2   (the first catches up, then decodes)
     target's verify     t  d0 d1 d2        placeholders filled; the unused ones padding
 
 Drafts are the draft's argmax (a point mass: the verify step's rule then keeps the target's
 distribution, scheduler/speculation.py). A sequence's drafts end once the draft's probability
 of its next token falls under ``draft_min_token_prob`` (the first is always proposed: its
-forward runs anyway). After the sampler (``settle``), a sequence that accepted every draft,
-the last of which the draft never ran (its KV missing), leaves that draft ``behind``: the next
-step's draft forward runs it first, so the invariant holds before any forward reads the KV.
-The scheduler reads the drafts from the result (``BatchResult.draft_ids``).
+forward runs anyway). The scheduler reads the drafts from the result
+(``BatchResult.draft_ids``).
 """
 
 from __future__ import annotations
@@ -103,49 +105,75 @@ def check_same_vocabulary(target_dir: str, draft_dir: str) -> None:
                          "draft must share the model's tokenizer")
 
 
-# Tokens a sequence's draft KV may lag its target KV by (decodes and verifies of the cache's
-# drafts, run later as part of one draft forward) before its step's draft forward runs them.
-MAX_BEHIND = 32
+# The most tokens of one sequence that one forward of the draft computes when it catches up
+# (the KV of a prompt, or of the steps it sat out): a longer run takes several forwards.
+CATCH_UP_CHUNK = 512
+
+
+class DraftSlots:
+    """Per slot of the pool's pages: the token whose KV the model's pool holds there and
+    whether the draft's pool holds that token's KV too (``ok``). Every step writes the model's
+    slots; the draft's only for the sequences it drafts for. Page moves carry the record with
+    the KV (a page swapped out keeps its record in ``host``), so a prefix the radix tree
+    matches tells the draft which of its slots it still has to compute, and from which
+    tokens."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.tokens = np.zeros(num_pages * page_size, np.int32)
+        self.ok = np.zeros(num_pages * page_size, bool)
+        self.host: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def move(self, step: BatchInput) -> None:
+        """The step's swaps, then its copies (the order the runners move the KV in)."""
+        size = self.page_size
+        for device, host in np.asarray(step.swap_out).tolist():
+            at = slice(device * size, (device + 1) * size)
+            self.host[host] = (self.tokens[at].copy(), self.ok[at].copy())
+        for host, device in np.asarray(step.swap_in).tolist():
+            at = slice(device * size, (device + 1) * size)
+            self.tokens[at], self.ok[at] = self.host[host]
+        for src, dst, n in np.asarray(step.copies).tolist():
+            self.tokens[dst * size : dst * size + n] = self.tokens[src * size : src * size + n]
+            self.ok[dst * size : dst * size + n] = self.ok[src * size : src * size + n]
+
+    def slots(self, pages: np.ndarray, start: int, end: int) -> np.ndarray:
+        """The slots of positions ``[start, end)`` of a sequence with ``pages``."""
+        positions = np.arange(start, end)
+        return np.asarray(pages, np.int64)[positions // self.page_size] * self.page_size + (
+            positions % self.page_size)
+
+    def first_missing(self, pages: np.ndarray, cached: int) -> int:
+        """The first of a sequence's ``cached`` positions whose draft KV is not computed
+        (``cached``: none)."""
+        ok = self.ok[self.slots(pages, 0, cached)]
+        return cached if ok.all() else int(ok.argmin())
+
+    def written(self, slots: np.ndarray, ids: np.ndarray, drafted: np.ndarray) -> None:
+        """The model wrote ``ids`` at ``slots``; the draft wrote the same ids at ``drafted``
+        (some of ``slots`` and slots it caught up on)."""
+        self.tokens[slots] = ids
+        self.ok[slots] = False
+        self.ok[drafted] = True
 
 
 @dataclass
 class _Drafting:
-    """One step's sequences the draft drafts for (in batch order: where each sits in the step
-    and what the draft proposed) and those whose draft forward waits (``deferred``: index,
-    first logits row, the tokens already behind)."""
+    """One step's sequences the draft drafts for (their index in the step, in batch order),
+    what it proposed for each, and the slots its forwards wrote."""
 
-    seqs: list[int] = field(default_factory=list)  # their index in the step
-    first_rows: list[int] = field(default_factory=list)  # their first logits row
+    seqs: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
-    forwards: list[int] = field(default_factory=list)  # draft forwards each ran (t included)
-    deferred: list[tuple[int, int, list[int]]] = field(default_factory=list)
-
-
-@dataclass
-class _Behind:
-    """A sequence's tokens whose target KV is kept and whose draft KV is not computed yet:
-    from ``position`` on, with the sequence's pages as its last step listed them."""
-
-    tokens: list[int]
-    position: int
-    pages: np.ndarray
-
-    @property
-    def end(self) -> int:
-        return self.position + len(self.tokens)
+    wrote: list[np.ndarray] = field(default_factory=list)
 
 
 class DraftModel:
-    """The draft's runner (weights and a pool of the target's page numbers) and its drafting.
-
-    Between steps it holds, by the slot of the last one, each sequence's tokens whose draft KV
-    is not computed (``behind``): a decode's or a cache-draft verify's kept tokens (the draft
-    forward of a step the draft does not draft in would cost it more than they are worth, up
-    to ``MAX_BEHIND`` tokens) and an accepted last draft the draft never ran. The sequence's
-    next draft forward runs them first, as more tokens of its row; before a step with page
-    moves, and for sequences not in a step, they run on their own first (``flush``: their
-    pages are unchanged until the step's moves and writes), so no forward of the draft reads
-    KV that it has not computed."""
+    """The draft's runner (weights and a pool of the target's page numbers), the record of
+    which of its slots hold KV (``slots``), and its drafting: only the sequences a step asks
+    drafts of run the draft, each from its first slot the draft has not computed (the tokens
+    read back from the record) to its step's last token; every other sequence costs it
+    nothing. No forward of the draft reads a slot that it has not written with the token the
+    model's KV there is of."""
 
     def __init__(self, c: EngineConfig, draft_dir: str, num_pages: int) -> None:
         from engine.worker.runner import ModelRunner
@@ -158,56 +186,56 @@ class DraftModel:
             speculative_config=None)
         self.runner = ModelRunner(config)
         self.page_size = c.page_size
+        self.slots = DraftSlots(num_pages, c.page_size)
         self._step: _Drafting | None = None
-        self.behind: dict[int, _Behind] = {}
+        self.tokens_computed = 0  # tokens the draft's forwards ran, catching up included
 
     def propose(self, step: BatchInput) -> None:
-        """Run the draft over ``step`` (page moves included), but for the decodes and
-        verifies it defers, and fill its placeholders with the drafts of the sequences its
-        ``draft_lens`` names."""
+        """The step's page moves in the draft's pool, and the drafts of the sequences its
+        ``draft_lens`` names into their placeholders (the draft's forwards: what each lacks,
+        then one decode step at a time)."""
         drafting = self._step = _Drafting()
-        moves = bool(len(step.copies) or len(step.swap_out) or len(step.swap_in))
-        if moves or not step.num_seqs:
-            self.flush()
-        behind, self.behind = self.behind, {}
+        self.slots.move(step)
         starts = np.cumsum(step.extend_lens) - step.extend_lens
-        rows = step.resolved_logits_rows()
         draft_lens = step.draft_lens if len(step.draft_lens) else np.zeros(step.num_seqs, int)
+        rounds: list[StepBuilder] = []  # catching up further than one forward computes
         builder = StepBuilder(self.page_size)
-        for i in range(step.num_seqs):
-            k = int(draft_lens[i])
+        for i in np.flatnonzero(draft_lens).tolist():
             pages, cached, ids = self._seq(step, starts, i)
-            ids = ids[: len(ids) - k]
-            key = self._slot(pages, cached - 1) if cached else -1
-            late = behind.pop(key, None)
-            if late is not None and late.end != cached:
-                behind[key], late = late, None  # another sequence's (not in this step)
-            lagging = late.tokens if late is not None else []
-            first = int(np.searchsorted(rows, starts[i]))
-            private = np.array_equal(rows[first : first + len(ids)],
-                                     np.arange(starts[i], starts[i] + len(ids)))
-            if not k and not moves and private and len(lagging) + len(ids) <= MAX_BEHIND:
-                drafting.deferred.append((i, first, lagging))  # a decode or a verify
-                continue
-            builder.add(pages, cached - len(lagging), lagging + ids, samples=int(k > 0))
-            if k:
-                drafting.seqs.append(i)
-                drafting.first_rows.append(first)
-        self.behind = behind  # their sequences are not in this step: before its moves
-        self.flush()
-        if len(drafting.deferred) == step.num_seqs and not moves:
-            return  # every sequence deferred, no page moves: nothing runs
-        logits = self.runner.forward(builder.finish(step.copies, step.swap_out, step.swap_in))
+            start = self.slots.first_missing(pages, cached)
+            tokens = self.slots.tokens[self.slots.slots(pages, start, cached)].tolist()
+            tokens += ids[: len(ids) - int(draft_lens[i])]
+            for n in range(max(len(tokens) - 1, 0) // CATCH_UP_CHUNK):
+                if n == len(rounds):
+                    rounds.append(StepBuilder(self.page_size))
+                part = tokens[n * CATCH_UP_CHUNK : (n + 1) * CATCH_UP_CHUNK]
+                rounds[n].add(pages, start + n * CATCH_UP_CHUNK, part, samples=0)
+            done = max(len(tokens) - 1, 0) // CATCH_UP_CHUNK * CATCH_UP_CHUNK
+            builder.add(pages, start + done, tokens[done:])
+            drafting.seqs.append(i)
+        moves = (step.copies, step.swap_out, step.swap_in)
+        for part in rounds:
+            self._forward(part.finish(*moves), drafting)
+            moves = ()
         if drafting.seqs:
+            logits = self._forward(builder.finish(*moves), drafting)
             self._draft(step, starts, draft_lens, drafting, logits)
+        elif moves and any(len(m) for m in moves):
+            self.runner.forward(StepBuilder(self.page_size).finish(*moves))
+        wrote = np.concatenate(drafting.wrote) if drafting.wrote else np.zeros(0, np.int64)
+        self.slots.written(np.asarray(step.out_slots, np.int64), step.input_ids, wrote)
+
+    def _forward(self, batch: BatchInput, drafting: _Drafting) -> torch.Tensor:
+        drafting.wrote.append(np.asarray(batch.out_slots, np.int64))
+        self.tokens_computed += batch.num_tokens
+        return self.runner.forward(batch)
 
     def _draft(self, step: BatchInput, starts: np.ndarray, draft_lens: np.ndarray,
                drafting: _Drafting, logits: torch.Tensor) -> None:
-        """The drafts from the mirror's logits on, one decode step of the draft at a time,
-        into the step's placeholders."""
+        """The drafts from the first forward's logits on, one decode step of the draft at a
+        time, into the step's placeholders."""
         tokens, sure = self._pick(logits)
         drafting.drafts = [[t] for t in tokens]  # the first draft: always proposed
-        drafting.forwards = [1] * len(tokens)
         active = [n for n, ok in enumerate(sure) if ok and draft_lens[drafting.seqs[n]] > 1]
         while active:
             builder = StepBuilder(self.page_size)
@@ -215,8 +243,7 @@ class DraftModel:
                 pages, cached, _ = self._seq(step, starts, drafting.seqs[n])
                 made = drafting.drafts[n]
                 builder.add(pages, cached + len(made), made[-1:])
-                drafting.forwards[n] += 1
-            tokens, sure = self._pick(self.runner.forward(builder.finish()))
+            tokens, sure = self._pick(self._forward(builder.finish(), drafting))
             still = []
             for n, token, ok in zip(active, tokens, sure, strict=True):
                 if not ok:
@@ -231,45 +258,13 @@ class DraftModel:
             first = int(starts[i] + step.extend_lens[i]) - k
             step.input_ids[first : first + k] = made + made[-1:] * (k - len(made))
 
-    def flush(self) -> None:
-        """Run every sequence's tokens ``behind``, on their own."""
-        if self.behind:
-            builder = StepBuilder(self.page_size)
-            for late in self.behind.values():
-                builder.add(late.pages, late.position, late.tokens, samples=0)
-            self.behind = {}
-            self.runner.forward(builder.finish())
-
     def settle(self, step: BatchInput, sampled: np.ndarray, result: BatchResult) -> None:
-        """After the sampler: the drafts into ``result``; what the target kept of the deferred
-        decodes and verifies, and an accepted last draft the draft never ran, ``behind``."""
+        """After the sampler: the step's drafts into ``result``."""
         drafting, self._step = self._step, None
-        if drafting is None:
-            return
-        starts = np.cumsum(step.extend_lens) - step.extend_lens
-        for i, first, lagging in drafting.deferred:
-            pages, cached, ids = self._seq(step, starts, i)
-            agree = sampled[first : first + len(ids) - 1] == np.asarray(ids[1:])
-            kept = 1 + (int(agree.argmin()) if not agree.all() else len(agree))
-            self._leave(pages, cached - len(lagging), lagging + ids[:kept])
-        for n, i in enumerate(drafting.seqs):
-            made, first = drafting.drafts[n], drafting.first_rows[n]
-            if drafting.forwards[n] > len(made) or not np.array_equal(
-                    sampled[first : first + len(made)], made):
-                continue  # a draft rejected, or the draft ran past its last one
-            pages, cached, _ = self._seq(step, starts, i)
-            self._leave(pages, cached + len(made), made[-1:])
-        if drafting.seqs:
+        if drafting is not None and drafting.seqs:
             result.draft_counts = np.array([len(d) for d in drafting.drafts],
                                            np.int32).tobytes()
             result.draft_ids = pack_ids([t for d in drafting.drafts for t in d])
-
-    def _leave(self, pages: np.ndarray, position: int, tokens: list[int]) -> None:
-        self.behind[self._slot(pages, position + len(tokens) - 1)] = _Behind(
-            tokens, position, pages.copy())
-
-    def _slot(self, pages: np.ndarray, position: int) -> int:
-        return int(pages[position // self.page_size]) * self.page_size + position % self.page_size
 
     @staticmethod
     def _seq(step: BatchInput, starts: np.ndarray, i: int):
