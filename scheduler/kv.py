@@ -189,9 +189,11 @@ class SeqMemory:
     def trim(self, seq: Seq, upto: int) -> None:
         """Drop ``seq``'s pages past its first ``upto`` tokens: pages it grew for draft tokens
         that verification rejected. Only this sequence ever held them (drafts never reach the
-        tree), so they return to the free list."""
+        tree), so they return to the free list, with their sliding-window pages."""
         keep = self.alloc.pages_for(upto)
         if len(seq.pages) > keep:
+            if self.sliding is not None:
+                self.sliding.decref(seq.pages[max(keep, seq.lease.swa_from) :])
             self.alloc.decref(seq.pages[keep:])
             del seq.pages[keep:]
 

@@ -175,7 +175,9 @@ class StepPlanner:
             return
         upto = seq.computed + 1 + len(drafts)
         need = self.mem.alloc.pages_for(upto) - len(seq.pages) + seq.copy_last_page
-        if need > self.mem.alloc.num_free_pages:
+        sliding = self.tree.sliding  # each fresh page takes a sliding page, none evicted
+        if need > self.mem.alloc.num_free_pages or (
+                sliding is not None and need > sliding.allocator.num_free_pages):
             return
         self.mem.grow(seq, upto, work)
         entry.extend = entry.samples = 1 + len(drafts)

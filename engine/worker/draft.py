@@ -183,7 +183,7 @@ class DraftModel:
         config = msgspec.structs.replace(
             c, model=draft_dir, num_pages=num_pages, kv_cache_gb=None, host_cache_gb=0.0,
             enable_lora=False, lora_modules=[], enable_cuda_graph=False,
-            speculative_config=None)
+            speculative_config=None, sliding_kv_ratio=0.0)  # full KV at the target's pages
         self.runner = ModelRunner(config)
         self.page_size = c.page_size
         self.slots = DraftSlots(num_pages, c.page_size)
