@@ -27,6 +27,8 @@ BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.contracts.engine_config import EngineConfig
+    from engine.contracts.options import declared_options
     from engine.profiler.kv_bytes import KV_CACHE_DTYPES
     from radix.eviction import POLICIES
     from radix.host import WRITE_POLICIES
@@ -96,6 +98,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "--checkpoint): auto is the model's dtype (bfloat16 when its config "
                          "names none), int8 a byte a value plus a 2-byte scale per token and KV "
                          "head (default auto)")
+    chunk = next(option.default for option in declared_options(EngineConfig)
+                 if option.name == "chunked_prefill_size")
+    swa = parser.add_argument_group(
+        "sliding-window layers in pools of their own, as serve's --sliding-kv-ratio "
+        "(docs/profiler.md)")
+    swa.add_argument("--sliding-kv-ratio", type=float, metavar="R",
+                     help="replay the engine's two pools: the sliding layers' KV in R pages per "
+                          "cache page, the full layers' in the cache; reports the hit rate and "
+                          "each pool's memory beside full KV in the same memory (default: off)")
+    swa.add_argument("--sliding-window", type=int, metavar="W",
+                     help="the sliding layers' window when --checkpoint does not give it "
+                          "(default: the checkpoint's)")
+    swa.add_argument("--sliding-layers", metavar="K/L",
+                     help="K of every L layers slide, with --sliding-window (default: the "
+                          "checkpoint's)")
+    swa.add_argument("--chunked-prefill-size", type=int, default=chunk,
+                     help=f"prompt tokens a prefill step computes, as serve's (default {chunk})")
     parser.add_argument("--windows", type=int, default=10,
                         help="time windows in the hit-rate-over-time table (default 10)")
     parser.add_argument("--out", type=Path, metavar="DIR",
@@ -152,9 +171,43 @@ def _pages_in(kv: Any, gib: float, flag: str, page_size: int) -> int:
     return pages
 
 
-def _num_pages(args: argparse.Namespace, kv: Any) -> int:
+def _sliding(args: argparse.Namespace) -> Any:
+    """The two pools of ``--sliding-kv-ratio`` (a ``SlidingPools``), or None without it."""
+    from engine.profiler.sliding import SlidingLayers, SlidingPools, read_layers
+
+    given = args.sliding_window is not None or args.sliding_layers is not None
+    if args.sliding_kv_ratio is not None and not 0 <= args.sliding_kv_ratio <= 1:
+        raise ValueError(f"--sliding-kv-ratio is from 0 to 1, as serve's; got "
+                         f"{args.sliding_kv_ratio:g}")
+    if not args.sliding_kv_ratio:
+        if given:
+            raise ValueError("--sliding-window and --sliding-layers describe the model for "
+                             "--sliding-kv-ratio R: pass it too")
+        return None
+    if args.sweep or args.url:
+        raise ValueError("--sliding-kv-ratio replays one cache size offline: drop "
+                         + ("--sweep" if args.sweep else "--url"))
+    if given:
+        if args.sliding_window is None or args.sliding_layers is None:
+            raise ValueError("--sliding-window W and --sliding-layers K/L go together")
+        layers = SlidingLayers.parse(args.sliding_layers, args.sliding_window)
+    elif args.checkpoint is not None:
+        layers = read_layers(args.checkpoint)
+    else:
+        raise ValueError("--sliding-kv-ratio needs the model's sliding layers: pass "
+                         "--checkpoint DIR|FILE.gguf, or --sliding-window W and "
+                         "--sliding-layers K/L")
+    return SlidingPools(layers, args.sliding_kv_ratio, args.chunked_prefill_size)
+
+
+def _num_pages(args: argparse.Namespace, kv: Any, sliding: Any = None) -> int:
     if args.num_pages is not None:
         return args.num_pages
+    if args.cache_gb is not None and sliding is not None:
+        pages = sliding.pages_in(kv, args.cache_gb, args.page_size)
+        if pages < 1:
+            raise ValueError(f"--cache-gb {args.cache_gb:g} holds no page of both pools")
+        return pages
     if args.cache_gb is not None:
         return _pages_in(kv, args.cache_gb, "--cache-gb", args.page_size)
     cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
@@ -184,7 +237,7 @@ def _parse_sweep(spec: str | None) -> list[int] | str | None:
 
 
 def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | None,
-             progress: bool, kv: Any) -> Any:
+             progress: bool, kv: Any, sliding: Any = None) -> Any:
     """Replay, print the report, write the files; returns the profile."""
     from engine.profiler.live import read_measured
     from engine.profiler.replay import ServiceModel, Tiers
@@ -198,8 +251,8 @@ def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | 
     host_tokens, disk_tokens = _tier_tokens(args, kv, "host"), _tier_tokens(args, kv, "disk")
     tiers = Tiers(-(-(host_tokens or 0) // args.page_size), args.cache_write_policy,
                   disk_tokens or 0)
-    profile = run_profile(requests, _num_pages(args, kv), args.page_size, args.policy, progress,
-                          service, tiers)
+    profile = run_profile(requests, _num_pages(args, kv, sliding), args.page_size, args.policy,
+                          progress, service, tiers, sliding)
     profile.tiers = tiers
     sweep = None
     if sizes == "auto":
@@ -298,13 +351,15 @@ def run(args: argparse.Namespace) -> int:
 
     positive = ("page_size", "windows", "max_concurrency", "num_pages", "cache_tokens", "cache_gb",
                 "rate", "block_tokens", "prefill_tps", "decode_tps", "host_cache_tokens",
-                "host_cache_gb", "disk_cache_tokens", "disk_cache_gb", "kv_bytes_per_token")
+                "host_cache_gb", "disk_cache_tokens", "disk_cache_gb", "kv_bytes_per_token",
+                "chunked_prefill_size", "sliding_window")
     if any(getattr(args, name) is not None and getattr(args, name) <= 0 for name in positive):
         flags = [f"--{name.replace('_', '-')}" for name in positive]
         return _fail(f"{', '.join(flags[:-1])} and {flags[-1]} must be positive")
     try:
         kv = _kv_bytes(args)
         sizes = _parse_sweep(args.sweep)
+        sliding = _sliding(args)
     except ValueError as exc:
         return _fail(str(exc))
     progress = sys.stderr.isatty()
@@ -319,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         if args.block_tokens is None:
             args.block_tokens = BLOCK_TOKENS[args.format]
         try:
-            _offline(args, read(args.trace, args.block_tokens), sizes, progress, kv)
+            _offline(args, read(args.trace, args.block_tokens), sizes, progress, kv, sliding)
         except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
             return _fail(str(exc))
         return 0
@@ -340,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             requests = (read_requests(args.trace, tokenizer) if trace is None
                         else load_requests(trace, tokenizer))
-            profile = _offline(args, requests, sizes, progress, kv)
+            profile = _offline(args, requests, sizes, progress, kv, sliding)
         except (OSError, TraceError, ValueError, CacheTooSmall) as exc:
             return _fail(str(exc))
     if args.url:

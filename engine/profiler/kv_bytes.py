@@ -122,21 +122,28 @@ def _gguf_shape(path: Path) -> KVShape:
         model_dtype=DEFAULT_MODEL_DTYPE, source=source)
 
 
-def read_shape(path: str | Path) -> KVShape:
-    """The KV shape of a Hugging Face checkpoint directory, a .gguf file, or a directory holding
-    one .gguf and no config.json (as ``--model`` takes them)."""
+def model_file(path: str | Path) -> Path:
+    """The file that describes a model: a checkpoint directory's config.json, a .gguf file, or
+    the one .gguf of a directory with no config.json (as ``--model`` takes them)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return _gguf_shape(path)
+        return path
     if not path.is_dir():
         raise ShapeError(f"{path} is neither a checkpoint directory nor a .gguf file")
     if (path / "config.json").is_file():
-        return _config_shape(path / "config.json")
+        return path / "config.json"
     found = sorted(path.glob("*.gguf"))
     if len(found) != 1:
         what = "no config.json and no .gguf file" if not found else "several .gguf files"
         raise ShapeError(f"{path} holds {what}; pass a checkpoint directory or one FILE.gguf")
-    return _gguf_shape(found[0])
+    return found[0]
+
+
+def read_shape(path: str | Path) -> KVShape:
+    """The KV shape of a Hugging Face checkpoint directory, a .gguf file, or a directory holding
+    one .gguf and no config.json."""
+    found = model_file(path)
+    return _gguf_shape(found) if found.suffix == ".gguf" else _config_shape(found)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,7 +49,11 @@ from engine.contracts.disk_blocks import block_hashes, block_tokens
 from engine.profiler.trace import ReplayRequest
 from radix import HostTier, Lease, OutOfPages, PageAllocator, RadixTree
 from radix.eviction import POLICIES
+from radix.sliding import SlidingKV
 from scheduler.policy import long_uncached, shared_head
+
+if TYPE_CHECKING:
+    from engine.profiler.sliding import SlidingPools
 
 _FINGERPRINT = "00" * 16  # the disk model's block names need one; any will do
 
@@ -127,6 +132,9 @@ class CacheRun:
     visible: np.ndarray | None = None  # an unlimited cache on the same timeline (concurrency)
     waited_s: float = 0.0  # time requests waited for room or a concurrency slot, in total
     peak_running: int = 1  # most requests holding pages at once
+    # sliding-window layers' own pool (engine/profiler/sliding.py): its pages, the most in use
+    # at once, the kept windows' pages evicted
+    sliding: dict[str, int] | None = None
 
     def hit_rate(self, prompt_tokens: np.ndarray) -> float:
         total = int(prompt_tokens.sum())
@@ -146,13 +154,15 @@ def min_pages(requests: list[ReplayRequest], page_size: int) -> int:
 
 
 class _Tree:
-    """A tree and its allocator (and host tier); every request goes through a lease."""
+    """A tree and its allocator (and host tier, or sliding-window layers' pages); every request
+    goes through a lease."""
 
     def __init__(self, num_pages: int, page_size: int, policy: str = "lru", host_pages: int = 0,
-                 write_policy: str = "write_back") -> None:
+                 write_policy: str = "write_back", sliding: SlidingKV | None = None) -> None:
         self.alloc = PageAllocator(num_pages, page_size)
         self.host = HostTier(host_pages, page_size, write_policy) if host_pages else None
-        self.tree = RadixTree(self.alloc, eviction_key=POLICIES[policy], host=self.host)
+        self.tree = RadixTree(self.alloc, eviction_key=POLICIES[policy], host=self.host,
+                              sliding=sliding)
 
     def admit(self, prompt: np.ndarray, namespace: str | None, num_tokens: int,
               max_len: int) -> tuple[Lease, list[int]]:
@@ -167,6 +177,19 @@ class _Tree:
             self.alloc.decref([copy.src])  # the copy has run
         self.moved()
         return lease, pages
+
+    def commit(self, lease: Lease, pages: list[int], tokens: np.ndarray) -> None:
+        """The prompt's prefill ended: cache it, the lock moving onto it."""
+        lease.commit(pages, tokens)
+
+    def release(self, lease: Lease, pages: list[int], tokens: np.ndarray,
+                prompt_len: int) -> None:
+        """The request ended: cache ``tokens`` (prompt + output) and let go."""
+        lease.release(pages, tokens)
+
+    def usage(self) -> dict[str, int] | None:
+        """The sliding-window layers' pool use (None: no such pool)."""
+        return None
 
     def moved(self) -> None:
         """The host tier's planned copies have run (nothing to copy in a replay)."""
@@ -226,11 +249,14 @@ class _Replay:
     per-request results. ``serve`` takes the requests one by one, in arrival order."""
 
     def __init__(self, requests: list[ReplayRequest], num_pages: int, page_size: int,
-                 policy: str, service: ServiceModel, tiers: Tiers) -> None:
+                 policy: str, service: ServiceModel, tiers: Tiers,
+                 sliding: SlidingPools | None = None) -> None:
         self.requests = requests
         self.num_pages = num_pages
         self.service = service
-        self.device = _Tree(num_pages, page_size, policy, tiers.host_pages, tiers.write_policy)
+        self.device = (
+            _Tree(num_pages, page_size, policy, tiers.host_pages, tiers.write_policy)
+            if sliding is None else sliding.tree(num_pages, page_size, policy, tiers, service))
         self.disk = _Disk(tiers.disk_tokens, page_size) if tiers.disk_tokens else None
         self.shadow: _Tree | None = None
         if service.overlaps:
@@ -367,12 +393,13 @@ class _Replay:
         prefill's end) or are released with them (the request's end); the disk tier is written
         through."""
         tokens = run.tokens[:num_tokens]
-        leases = [(run.lease, run.pages)] + ([run.shadow] if run.shadow is not None else [])
-        for lease, pages in leases:
+        leases = [(self.device, run.lease, run.pages)] + (
+            [(self.shadow, *run.shadow)] if run.shadow is not None else [])
+        for tree, lease, pages in leases:
             if finished:
-                lease.release(pages, tokens)
+                tree.release(lease, pages, tokens, run.prompt_len)
             else:
-                lease.commit(pages, tokens)
+                tree.commit(lease, pages, tokens)
         self.device.moved()
         if self.disk is not None:
             self.disk.store(tokens, run.lease.namespace)
@@ -385,16 +412,17 @@ class _Replay:
         return CacheRun(label, self.cached, self.num_pages * size,
                         self.device.tree.stats.evicted_pages * size, self.peak_pages * size,
                         self.kv_pages * size, self.dropped, self.host_cached, self.disk_cached,
-                        self.visible, self.waited, self.peak_running)
+                        self.visible, self.waited, self.peak_running, self.device.usage())
 
 
 def replay(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
            service: ServiceModel | None = None, tiers: Tiers | None = None,
-           progress: Iterator[ReplayRequest] | None = None, label: str = "radix") -> CacheRun:
+           progress: Iterator[ReplayRequest] | None = None, label: str = "radix",
+           sliding: SlidingPools | None = None) -> CacheRun:
     """Replay ``requests`` (in arrival order) through a ``num_pages``-page radix cache (and the
-    tiers below it)."""
+    tiers below it; with ``sliding``, the sliding-window layers' pool beside it)."""
     state = _Replay(requests, num_pages, page_size, policy, service or ServiceModel(),
-                    tiers or Tiers())
+                    tiers or Tiers(), sliding)
     for i, r in enumerate(progress if progress is not None else requests):
         state.serve(i, r)
     return state.result(label)

@@ -15,6 +15,7 @@ import numpy as np
 from engine.profiler.attribution import attribute, per_request
 from engine.profiler.kv_bytes import KVBytes, format_bytes
 from engine.profiler.simulate import Profile, SweepPoint
+from engine.profiler.sliding import sliding_lines, sliding_summary
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -91,6 +92,12 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
 
     prompt = profile.prompt_tokens
     cached = profile.radix.cached
+    sliding = sliding_summary(profile, kv)
+    # with sliding-window layers, the two pools' bytes (a token of the full pool holds fewer
+    # layers)
+    radix_bytes = (sliding["bytes"]["full_pool"] + sliding["bytes"]["sliding_pool"]
+                   if sliding and sliding["bytes"]
+                   else in_bytes(profile.num_pages * profile.page_size))
     requests = profile.requests
     attribution = attribute(profile)
     total = max(1, int(prompt.sum()))
@@ -118,11 +125,12 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
         "duration_s": round(float(profile.arrivals.max() - profile.arrivals.min()), 3),
         "config": {"page_size": profile.page_size, "num_pages": profile.num_pages,
                    "cache_tokens": profile.num_pages * profile.page_size,
-                   "cache_bytes": in_bytes(profile.num_pages * profile.page_size),
+                   "cache_bytes": radix_bytes,
                    "policy": profile.policy},
         "kv": None if kv is None else kv.to_json(),
         "caches": [{"cache": run.label, "capacity_tokens": run.capacity_tokens,
-                    "capacity_bytes": in_bytes(run.capacity_tokens),
+                    "capacity_bytes": (radix_bytes if run is profile.radix
+                                       else in_bytes(run.capacity_tokens)),
                     "hit_tokens": int(run.cached.sum()), "hit_rate": run.hit_rate(prompt),
                     "evicted_tokens": run.evicted_tokens, "peak_kv_tokens": run.peak_tokens,
                     "dropped_matches": run.dropped_matches}
@@ -131,6 +139,7 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
         "concurrency": concurrency,
         "host_tier": host_tier,
         "disk_tier": disk_tier,
+        "sliding": sliding,
         "trace_blocks": (trace_blocks(profile, trace_block_tokens)
                          if trace_block_tokens is not None else None),
         "cached_tokens_per_request": {
@@ -205,6 +214,7 @@ def format_text(s: dict[str, Any]) -> str:
         f"cached tokens per request: mean {per_req['mean']:,.0f}, p50 {per_req['p50']:,.0f}, "
         f"p90 {per_req['p90']:,.0f}, max {per_req['max']:,}; "
         f"{per_req['zero_hit_requests']:,} of {s['requests']:,} requests had no hit",
+        *(sliding_lines(s["sliding"]) if s.get("sliding") else []),
         *([f"{s['caches'][0]['dropped_matches']:,} requests ran uncached: their locked match "
            "left too little room in a cache barely bigger than one request"]
           if s["caches"][0]["dropped_matches"] else []),

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from engine.profiler.baselines import BLOCK_SIZE, BlockChains, BlockHashCache
 from engine.profiler.kv_bytes import KVBytes
 from engine.profiler.replay import CacheRun, ServiceModel, Tiers, min_pages, replay
+from engine.profiler.sliding import SlidingPools
 from engine.profiler.trace import ReplayRequest
 
 # Below this many requests a replay finishes before a progress bar is worth drawing.
@@ -40,11 +41,12 @@ def _progress(requests: list[ReplayRequest], label: str, progress: bool) -> Iter
 
 def replay_radix(requests: list[ReplayRequest], num_pages: int, page_size: int,
                  policy: str = "lru", label: str = "radix", progress: bool = False,
-                 service: ServiceModel | None = None, tiers: Tiers | None = None) -> CacheRun:
+                 service: ServiceModel | None = None, tiers: Tiers | None = None,
+                 sliding: SlidingPools | None = None) -> CacheRun:
     """Replay through ``RadixTree`` (evicting by ``policy``, radix/eviction.py) with ``num_pages``
-    pages."""
+    pages (and ``sliding``'s pool beside them)."""
     return replay(requests, num_pages, page_size, policy, service, tiers,
-                  _progress(requests, label, progress), label)
+                  _progress(requests, label, progress), label, sliding)
 
 
 def replay_unlimited(requests: list[ReplayRequest], page_size: int,
@@ -87,6 +89,9 @@ class Profile:
     block: CacheRun
     block_unlimited: CacheRun
     tiers: Tiers | None = None  # the tiers below the radix cache, as replayed
+    # with sliding-window layers' pool (``radix`` replays it): full KV in the same memory
+    sliding: SlidingPools | None = None
+    full_kv: CacheRun | None = None
 
     @property
     def prompt_tokens(self) -> np.ndarray:
@@ -99,18 +104,25 @@ class Profile:
     @property
     def runs(self) -> list[CacheRun]:
         none = CacheRun("no cache", np.zeros(len(self.requests), dtype=np.int64), 0)
-        return [self.radix, self.unlimited, self.block, self.block_unlimited, none]
+        return [self.radix, self.unlimited, self.block, self.block_unlimited, none] + (
+            [self.full_kv] if self.full_kv is not None else [])
 
 
 def run_profile(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
                 progress: bool = False, service: ServiceModel | None = None,
-                tiers: Tiers | None = None) -> Profile:
-    """The configured radix cache (with ``service``'s concurrency and the tiers if given),
-    the same capacity in 16-token hash blocks, and both without a capacity limit, serially
-    (the upper bounds of token and of block matching)."""
+                tiers: Tiers | None = None, sliding: SlidingPools | None = None) -> Profile:
+    """The configured radix cache (with ``service``'s concurrency and the tiers if given, or
+    ``sliding``'s pool beside it and then full KV in the same memory too), the same capacity
+    in 16-token hash blocks, and both without a capacity limit, serially (the upper bounds of
+    token and of block matching)."""
     label = f"radix p{page_size} {policy}"
+    full_kv = None
+    if sliding is not None:
+        full_kv = replay_radix(requests, sliding.full_kv_pages(num_pages), page_size, policy,
+                               f"{label} full KV, same memory", progress)
+        label += f" sliding {sliding.ratio:g}"
     radix = replay_radix(requests, num_pages, page_size, policy, label, progress, service,
-                         tiers)
+                         tiers, sliding)
     unlimited = replay_unlimited(requests, page_size, progress)
     chains = BlockChains.of(requests)
     block = replay_block_hash(requests, max(1, num_pages * page_size // BLOCK_SIZE),
@@ -118,7 +130,7 @@ def run_profile(requests: list[ReplayRequest], num_pages: int, page_size: int, p
     block_unlimited = replay_block_hash(requests, None, label=f"block hash {BLOCK_SIZE} unlimited",
                                         progress=progress, chains=chains)
     return Profile(requests, page_size, num_pages, policy, radix, unlimited, block,
-                   block_unlimited, tiers)
+                   block_unlimited, tiers, sliding, full_kv)
 
 
 @dataclass

@@ -1,0 +1,240 @@
+"""Sliding-window layers in the replay (``radixserve profile --sliding-kv-ratio R``): the tree
+and both pools the engine's ``--sliding-kv-ratio`` makes, driven as its scheduler drives them.
+
+A model whose ``K`` of ``L`` layers see the last ``W`` positions keeps, under ratio ``R``, a
+full pool of ``N`` pages (the other layers' KV, as without it) and a sliding pool of
+``int(R x N)`` pages for those ``K`` layers, sized as engine/worker/runner.py sizes them::
+
+    bytes of a full page      P x per-layer bytes x (L - K)  +  ceil(R x P x per-layer bytes x K)
+    full KV in the same bytes (N x (L - K) + sliding pages x K) // L  pages of every layer
+
+The tree is radix/tree.py's with radix/sliding.py's pages, through a lease per request as the
+scheduler's ``SeqMemory`` does it: prefill in chunks of ``--chunked-prefill-size`` tokens,
+sliding the window before each (keeping the window where the prompt ends), the prompt
+committed with its window kept, then decode page by page, sliding before each page, and the
+release keeping the last window. So a match ends where the engine's would (a whole window of
+kept sliding KV before it), and the sliding pool evicts kept windows before full pages as the
+engine's does. Requests run one at a time (the serial replay): a prompt is committed when its
+prefill ends, before any later request is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.profiler.kv_bytes import GIB, model_file
+from engine.profiler.replay import CacheTooSmall, ServiceModel, Tiers, _Tree
+from radix import Lease, OutOfPages
+from radix.sliding import SlidingKV
+
+if TYPE_CHECKING:
+    from engine.profiler.kv_bytes import KVBytes
+    from engine.profiler.simulate import Profile
+
+
+@dataclass(frozen=True)
+class SlidingLayers:
+    """Which of a model's layers see a window, and how wide it is."""
+
+    num_sliding: int  # K
+    num_layers: int  # L
+    window: int  # W
+    source: str
+
+    @classmethod
+    def of_windows(cls, windows: tuple[int | None, ...], source: str) -> SlidingLayers:
+        """From each layer's window (None: the whole context), as the engine reads them (its
+        pool's rule: one window, some layer sliding; the pool's module imports torch)."""
+        from engine.worker.kv_pool import sliding_layers
+
+        kinds, window = sliding_layers(windows, 1.0)
+        return cls(sum(kinds), len(kinds), window, source)
+
+    @classmethod
+    def parse(cls, spec: str, window: int) -> SlidingLayers:
+        """``--sliding-layers K/L`` and ``--sliding-window W``."""
+        try:
+            k, n = (int(part) for part in spec.split("/"))
+        except ValueError:
+            raise ValueError(f"--sliding-layers takes K/L (K of every L layers slide, such as "
+                             f"5/6), not {spec!r}") from None
+        if not 0 < k <= n:
+            raise ValueError(f"--sliding-layers {spec}: K must be from 1 to L")
+        if window < 2:
+            raise ValueError(f"--sliding-window must be at least 2 positions, got {window}")
+        return cls(k, n, window, f"--sliding-layers {spec} --sliding-window {window}")
+
+    def describe(self) -> str:
+        return (f"{self.num_sliding} of {self.num_layers} layers see the last {self.window:,} "
+                f"positions ({self.source})")
+
+
+def read_layers(path: str | Path) -> SlidingLayers:
+    """The sliding layers of a checkpoint directory or .gguf file, read as the engine reads
+    its config (engine/worker/model/config.py; a GGUF's metadata as engine/checkpoints/gguf.py
+    converts it); no weights are read."""
+    from engine.worker.model.config import ModelConfig
+
+    found = model_file(path)
+    if found.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        from engine.checkpoints.gguf import _Metadata
+        from engine.checkpoints.gguf_architectures import check_architecture, hf_config
+
+        meta = _Metadata(GGUFReader(found), found)
+        architecture = meta.get("general.architecture")
+        check_architecture(architecture, found.name)
+        raw, _ = hf_config(meta, architecture, tied=True, vocab_size=1)
+        config = ModelConfig.from_dict(raw, source=str(found))
+    else:
+        config = ModelConfig.from_dir(found.parent)
+    return SlidingLayers.of_windows(config.sliding_windows, str(found))
+
+
+@dataclass(frozen=True)
+class SlidingPools:
+    """The engine's two pools under ``--sliding-kv-ratio`` for a model's sliding layers."""
+
+    layers: SlidingLayers
+    ratio: float
+    chunk: int  # --chunked-prefill-size
+
+    def sliding_pages(self, num_pages: int) -> int:
+        return int(self.ratio * num_pages)
+
+    def least_sliding_pages(self, page_size: int) -> int:
+        """What the engine refuses to start with less of: a prompt chunk and its window."""
+        return -(-(self.chunk + self.layers.window) // page_size) + 2
+
+    def full_kv_pages(self, num_pages: int) -> int:
+        """Pages of every layer's KV that the two pools' memory holds."""
+        k, n = self.layers.num_sliding, self.layers.num_layers
+        return (num_pages * (n - k) + self.sliding_pages(num_pages) * k) // n
+
+    def pages_in(self, kv: KVBytes, gib: float, page_size: int) -> int:
+        """Full pages in ``gib`` GiB with their share of the sliding pool, as the engine's
+        ``--kv-cache-gb``."""
+        per_layer = kv.bytes_per_token * page_size // self.layers.num_layers
+        k, n = self.layers.num_sliding, self.layers.num_layers
+        return int(gib * GIB) // (per_layer * (n - k) + math.ceil(self.ratio * per_layer * k))
+
+    def pool_bytes(self, kv: KVBytes, num_pages: int, page_size: int) -> dict[str, int]:
+        """Bytes of the full pool, the sliding pool, and full KV in as many pages."""
+        per_layer = kv.bytes_per_token * page_size // self.layers.num_layers
+        k, n = self.layers.num_sliding, self.layers.num_layers
+        return {"full_pool": num_pages * per_layer * (n - k),
+                "sliding_pool": self.sliding_pages(num_pages) * per_layer * k,
+                "full_kv": self.full_kv_pages(num_pages) * per_layer * n}
+
+    def tree(self, num_pages: int, page_size: int, policy: str, tiers: Tiers,
+             service: ServiceModel) -> SlidingTree:
+        if tiers.host_pages or tiers.disk_tokens:
+            raise ValueError("--sliding-kv-ratio is replayed without host or disk tiers: "
+                             "drop --host-cache-* and --disk-cache-*")
+        if service.overlaps:
+            raise ValueError("--sliding-kv-ratio is replayed one request at a time: drop "
+                             "--prefill-tps, --decode-tps and --durations")
+        pages, least = self.sliding_pages(num_pages), self.least_sliding_pages(page_size)
+        if pages < least:
+            raise CacheTooSmall(
+                f"--sliding-kv-ratio {self.ratio:g} gives the sliding layers {pages:,} pages, "
+                f"fewer than one prompt chunk and its window need ({least:,}); give a larger "
+                "ratio or cache, or a smaller --chunked-prefill-size")
+        return SlidingTree(num_pages, page_size, policy, self)
+
+
+class SlidingTree(_Tree):
+    """The replay's tree with the sliding layers' pool, each request holding what the engine's
+    scheduler would hold (the module's docstring)."""
+
+    def __init__(self, num_pages: int, page_size: int, policy: str, pools: SlidingPools) -> None:
+        sliding = SlidingKV(pools.sliding_pages(num_pages), num_pages, page_size,
+                            pools.layers.window)
+        super().__init__(num_pages, page_size, policy, sliding=sliding)
+        self.sliding, self.chunk, self.peak = sliding, pools.chunk, 0
+
+    def admit(self, prompt: np.ndarray, namespace: str | None, num_tokens: int,
+              max_len: int) -> tuple[Lease, list[int]]:
+        lease = Lease(self.tree, prompt, namespace, max_len)
+        prompt_len, page_size = len(prompt), self.alloc.page_size
+        pages: list[int] = []
+        try:
+            computed = min(prompt_len, lease.length + self.chunk)
+            pages, copy = lease.acquire(computed)
+            if copy is not None:  # the copy has run
+                self.alloc.decref([copy.src])
+                self.sliding.decref([copy.src])
+            self._held()
+            while computed < prompt_len:  # the next prefill chunk
+                lease.slide(pages, computed, retain_end=prompt_len)
+                computed = min(prompt_len, computed + self.chunk)
+                lease.grow(pages, computed)
+                self._held()
+            lease.commit(pages, prompt, keep=True)
+            # decode: of its steps only one that starts a page allocates
+            for position in range(-(-prompt_len // page_size) * page_size, num_tokens,
+                                  page_size):
+                lease.slide(pages, position)
+                lease.grow(pages, position + 1)
+                self._held()
+            lease.slide(pages, num_tokens - 1)
+        except OutOfPages:
+            if pages:
+                lease.release(pages)
+            else:
+                lease.unlock()
+            raise
+        return lease, pages
+
+    def _held(self) -> None:
+        self.peak = max(self.peak, self.sliding.allocator.num_pinned_pages)
+
+    def usage(self) -> dict[str, Any]:
+        alloc = self.sliding.allocator
+        return {"pages": alloc.num_pages, "peak_pages": self.peak,
+                "evicted_window_pages": self.tree.stats.sliding_evicted_pages}
+
+
+def sliding_summary(profile: Profile, kv: KVBytes | None) -> dict[str, Any] | None:
+    """The sliding-window section of the report (None without ``--sliding-kv-ratio``)."""
+    pools, radix, full_kv = profile.sliding, profile.radix, profile.full_kv
+    if pools is None or full_kv is None or radix.sliding is None:
+        return None
+    prompt, page_size = profile.prompt_tokens, profile.page_size
+    layers = pools.layers
+    return {"ratio": pools.ratio, "window": layers.window, "sliding_layers": layers.num_sliding,
+            "layers": layers.num_layers, "source": layers.source,
+            "chunked_prefill_size": pools.chunk,
+            "full_pool_pages": profile.num_pages,
+            "sliding_pool_pages": radix.sliding["pages"],
+            "sliding_peak_running_pages": radix.sliding["peak_pages"],
+            "sliding_evicted_window_pages": radix.sliding["evicted_window_pages"],
+            "hit_rate": radix.hit_rate(prompt),
+            "full_kv_pages": full_kv.capacity_tokens // page_size,
+            "full_kv_hit_rate": full_kv.hit_rate(prompt),
+            "bytes": None if kv is None else pools.pool_bytes(kv, profile.num_pages, page_size)}
+
+
+def sliding_lines(s: dict[str, Any]) -> list[str]:
+    """The report's lines for ``sliding_summary``."""
+    from engine.profiler.kv_bytes import format_bytes
+
+    size = s["bytes"] or {}
+
+    def pages(count: int, key: str) -> str:
+        return f"{count:,} pages" + (f" ({format_bytes(size[key])})" if key in size else "")
+
+    return [f"sliding-window layers: {s['sliding_layers']} of {s['layers']} layers see the last "
+            f"{s['window']:,} positions ({s['source']}); --sliding-kv-ratio {s['ratio']:g}",
+            f"  full pool {pages(s['full_pool_pages'], 'full_pool')} + sliding pool "
+            f"{pages(s['sliding_pool_pages'], 'sliding_pool')}: hit rate {100 * s['hit_rate']:.1f}%"
+            f"; the running request held at most {s['sliding_peak_running_pages']:,} sliding "
+            f"pages, {s['sliding_evicted_window_pages']:,} kept windows' pages were evicted",
+            f"  full KV in the same memory: {pages(s['full_kv_pages'], 'full_kv')}: hit rate "
+            f"{100 * s['full_kv_hit_rate']:.1f}%"]
