@@ -8,8 +8,8 @@ a checkpoint's ``quantized.safetensors`` and read by the worker's kernels
     q4_1    4     16 bytes of nibbles, float16 d and m       d * q + m     GGUF Q4_1
     q4_k    4     16 bytes of nibbles, uint8 sc and mn,      D * sc * q    GGUF Q4_K
                   float16 D and -Dmin of its super-block     - Dmin * mn
-    q6_k    8     32 int8 q, int8 sc for each 16, float16    D * sc * q    GGUF Q6_K
-                  D of its super-block
+    q6_k    6     32 int8 q in -32..31, int8 sc for each     D * sc * q    GGUF Q6_K
+                  16, float16 D of its super-block
     int8    8     32 int8 q, float16 d and m                 d * q + m     --quantization int8;
                                                                            GGUF Q5_1
     int4    4     as q4_1 (a group's minimum and step)       d * q + m     --quantization int4
@@ -18,7 +18,8 @@ Every GGUF type is kept losslessly. Q5_0's 5-bit values widen to Q8_0's int8 (q 
 d) and Q5_1's to int8's (q with its d and m), which the 8-bit loops read unchanged. The
 K-quants keep their two levels of scales: a 256-weight super-block's float16 D (and Q4_K's
 Dmin) over 6-bit sub-block scales sc and minimums mn (Q4_K, one each per 32 weights) or int8
-scales (Q6_K, one per 16; its values q - 32). The kernel multiplies D * sc in float32, which
+scales (Q6_K, one per 16; its values q - 32, held in int8 here and in 6 bits by the kernel's
+layout, csrc/quant_layout.h). The kernel multiplies D * sc in float32, which
 holds it exactly (11 bits of D times 6 or 8 of sc; float16 holds few of these products), so
 the numbers are those of the GGUF file.
 
@@ -46,7 +47,9 @@ import numpy as np
 import torch
 
 BLOCK = 32
-BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q4_k": 4, "q6_k": 8, "int8": 8, "int4": 4}
+# bits a weight's value takes in the kernel's layout; a checkpoint holds 4-bit values two a
+# byte and the others in int8 (``stored_bits``)
+BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q4_k": 4, "q6_k": 6, "int8": 8, "int4": 4}
 WITH_MINS = ("q4_1", "q4_k", "int8", "int4")
 # the K-quants' sub-block scales (and Q4_K's minimums): small integers under super_scales
 # (and super_mins), one float16 a block
@@ -61,6 +64,11 @@ _GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (3
                 "Q5_1": (32, 24), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
+def stored_bits(fmt: str) -> int:
+    """Bits a value takes in the checkpoint's ``qweight``: 4, or 8 (int8) for the others."""
+    return 4 if BITS[fmt] == 4 else 8
+
+
 def scale_dtype(fmt: str) -> torch.dtype:
     return INTEGER_SCALES.get(fmt, torch.float16)
 
@@ -68,7 +76,7 @@ def scale_dtype(fmt: str) -> torch.dtype:
 def weights_per_column(fmt: str) -> dict[str, int]:
     """Each part of a weight in ``fmt`` -> how many of a row's weights one of its columns
     stands for (a column share of the weight in whole blocks is these shares of its parts)."""
-    found = {"qweight": 8 // BITS[fmt], "scales": BLOCK // scales_per_block(fmt)}
+    found = {"qweight": 8 // stored_bits(fmt), "scales": BLOCK // scales_per_block(fmt)}
     if fmt in WITH_MINS:
         found["mins"] = BLOCK
     if fmt in INTEGER_SCALES:
@@ -96,7 +104,7 @@ class PackedWeight:
     @classmethod
     def empty(cls, fmt: str, rows: int, cols: int, device: torch.device) -> PackedWeight:
         """Uninitialized parts of an [rows, cols] weight in ``fmt`` (a loader's targets)."""
-        bits, blocks = BITS[fmt], cols // BLOCK
+        bits, blocks = stored_bits(fmt), cols // BLOCK
         small = dict(dtype=scale_dtype(fmt), device=device)
         supers = dict(dtype=torch.float16, device=device)
         return cls(
@@ -115,7 +123,7 @@ class PackedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         rows, width = self.qweight.shape
-        return rows, width * 8 // self.bits
+        return rows, width * 8 // stored_bits(self.format)
 
     def parts(self) -> dict[str, torch.Tensor]:
         found = {part: getattr(self, part) for part in PARTS}
@@ -151,7 +159,7 @@ class PackedWeight:
     def dequantize(self) -> torch.Tensor:
         """The float64 [N, K] matrix the blocks stand for (the tests' reference)."""
         rows, cols = self.shape
-        if self.bits == 8:
+        if stored_bits(self.format) == 8:
             q = self.qweight.to(torch.float64)
         else:
             nibbles = self.qweight.view(rows, -1, BLOCK // 2).to(torch.int16)

@@ -1,7 +1,8 @@
 // Linear layers over quantized weight blocks (engine/checkpoints/quant_formats.py holds the
 // formats): out[m, n] = sum_k x[m, k] * w[n, k], w held in blocks of 32 along k,
 //
-//   bits 8: w = d * q (+ m), q int8         (GGUF Q8_0, Q5_0, Q6_K; int8 and Q5_1 with m)
+//   bits 8: w = d * q (+ m), q int8         (GGUF Q8_0, Q5_0; int8 and Q5_1 with m)
+//   bits 6: w = d * q, q in -32..31         (GGUF Q6_K)
 //   bits 4: w = d * q + m, q in 0..15       (GGUF Q4_1, Q4_K, int4; GGUF Q4_0 is m = -8 d)
 //
 // with d and m float16 per block, or for the K-quants two levels: d = D * sc and m = Dmin' * mn,
@@ -9,20 +10,14 @@
 // and D, Dmin' (= -Dmin) their 256-weight super-block's float16, the scales' dtype saying which.
 // The loops form D * sc in float32, which holds it exactly (11 bits times at most 8), so the
 // weights are the file's numbers while a Q4_K block costs 2 bytes of scales, not 8 as float32
-// d and m. 8-bit weights may have no m, and may have two d per block, one for each 16 weights
-// (Q6_K): their halves' integer sums are then scaled apart. quant_repack lays a checkpoint's
-// blocks out once for these loops: kRows output rows interleaved, so that one vector holds the
-// same 4 consecutive k of kRows rows (a "k-quad"), and a block of 32 is 8 such vectors:
+// d and m. 8- and 6-bit weights may have no m, and may have two d per block, one for each 16
+// weights (Q6_K): their halves' integer sums are then scaled apart. quant_repack
+// (quant_repack.cpp) lays a checkpoint's blocks out once for these loops, kRows output rows
+// interleaved (quant_layout.h), so that a block of 32 is 8 vectors of the same 4 consecutive k
+// of kRows rows:
 //
-//   qweight [groups, blocks, 8 k-quads x kRows x 4 values]  (4-bit: two k-quads' rows
-//            per byte: rows 0 .. kRows/2 - 1 in the low nibbles, the others in the high)
-//   scales [groups, blocks, halves, kRows], mins [groups, blocks, kRows]: float16, or the
-//            K-quants' uint8 (Q4_K) or int8 (Q6_K) sc and mn
-//   supers [groups, supers, parts, kRows] float16: the K-quants' D (and Dmin', parts 2) of
-//            each super-block of 8 blocks, or of each block where a tensor-parallel share of
-//            the columns starts inside a super-block (supers = blocks); empty otherwise
-//            (groups = ceil(N / kRows); the padding rows are zeros; mins empty for 8-bit
-//            weights without m)
+//   qweight [groups, blocks, group_bytes(bits)], scales [groups, blocks, halves, kRows],
+//   mins [groups, blocks, kRows] (or empty), supers [groups, supers, parts, kRows] (K-quants)
 //
 // The activations are quantized per row and block of 32 (x = dx * qx, qx in -127..127, as
 // llama.cpp's Q8 activations), with ``digits`` 2 a second int8 digit, the rounding left by the
@@ -31,45 +26,29 @@
 // A block's products for kRows outputs are 8 integer
 // multiply-adds of the unpacked weights by one row's 4 bytes broadcast (AVX-512 VNNI: 64
 // products in one vpdpbusd, which multiplies unsigned by signed bytes: 4-bit values are
-// unsigned as stored, int8 ones are stored offset by 128, whose excess 128 * sum(qx) is taken
-// off per block), scaled by d * dx into a float accumulator per output; the minimum adds m
-// times the block's exact float sum of x. AVX2 (8 rows; vpmaddubsw, int8 weights signed with
-// the sign trick) and the portable build (plain loops over the AVX-512 layout) compute the same.
+// unsigned as stored, int8 ones are stored offset by 128 and 6-bit ones by 32, whose excess
+// offset * sum(qx) is taken off per block), scaled by d * dx into a float accumulator per
+// output; the minimum adds m times the block's exact float sum of x. AVX2 (8 rows;
+// vpmaddubsw, int8 weights signed with the sign trick, 6-bit ones unsigned) and the portable
+// build (plain loops over the AVX-512 layout) compute the same.
 // Up to kTile activation rows share each unpacked block. Outputs are split across threads by
 // row group, so a row's result does not depend on the batch it rides in.
-// Registered as torch.ops.radixserve.quant_repack / quant_linear / dequantize_weight /
-// quant_linear_isa.
+// Registered as torch.ops.radixserve.quant_linear / quant_linear_isa.
 
 #include <ATen/Parallel.h>
 
-#include <tuple>
 #include <vector>
 
-#include "ops.h"
-
-#if defined(RADIXSERVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define RADIXSERVE_VNNI 1
-#endif
+#include "quant_activations.h"
 
 namespace {
 
-using radixserve::to_float;
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQuads = kBlock / 4;
+using namespace radixserve::quant;
 #if defined(RADIXSERVE_VNNI)
 constexpr int kTile = 8;
 #else
 constexpr int kTile = 4;
 #endif
-#if defined(RADIXSERVE_AVX2) && !defined(RADIXSERVE_VNNI)
-constexpr int64_t kRows = 8;
-constexpr int kOffset8 = 0;  // the sign trick needs int8 weights signed
-#else
-constexpr int64_t kRows = 16;
-constexpr int kOffset8 = 128;
-#endif
-
-inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
 
 // How far ahead of the block being multiplied its thread's stream of values is fetched into
 // L1. A thread reads its row groups' blocks as one run of memory; the hardware prefetchers
@@ -77,145 +56,6 @@ inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
 // (Q6_K) where torch's sum reads 26; 2 KB ahead reached 22.3 and 16.8 (1 KB: 21.2 and -,
 // 4 KB: 21.7 and 15.4), and with 8 rows 14.9 GB/s from 11.2 (Intel Xeon with AMX, 2 threads).
 constexpr int64_t kPrefetch = 2048;
-
-// How a weight's scales and minimums are held: float16, or a K-quant's small integers under
-// its super-block's float16.
-enum class Scales { kHalf, kUnsigned, kSigned };
-
-// The repacked weight of one call.
-struct Weights {
-  const uint8_t* q;     // [groups, blocks, group_bytes]
-  const void* scales;   // [groups, blocks, halves, kRows]
-  const void* mins;     // [groups, blocks, kRows] as the scales, or nullptr (8-bit without m)
-  const c10::Half* supers;  // [groups, super_count, super_parts, kRows], or nullptr
-  int bits;
-  Scales kind;
-  int halves;           // scales per block: 2 = one for each 16 weights (8-bit only)
-  int64_t N, K, blocks, groups;
-  int64_t super_count = 0, per_super = 1, super_parts = 1;
-
-  const uint8_t* block(int64_t g, int64_t b) const {
-    return q + (g * blocks + b) * group_bytes(bits);
-  }
-  // Where block b's kRows minimums start, and its half h's scales.
-  int64_t at(int64_t g, int64_t b) const { return (g * blocks + b) * kRows; }
-  int64_t scale_at(int64_t g, int64_t b, int64_t h) const {
-    return ((g * blocks + b) * halves + h) * kRows;
-  }
-  // Block b's super-block D (part 0) or Dmin' (part 1), kRows of them.
-  const c10::Half* super(int64_t g, int64_t b, int part) const {
-    return supers + ((g * super_count + b / per_super) * super_parts + part) * kRows;
-  }
-  float number(const void* p, int64_t i) const {
-    switch (kind) {
-      case Scales::kUnsigned: return static_cast<const uint8_t*>(p)[i];
-      case Scales::kSigned: return static_cast<const int8_t*>(p)[i];
-      default: return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
-    }
-  }
-  // Lane r's scale of half h of block b, and its minimum (exact products in float32).
-  float scale(int64_t g, int64_t b, int64_t h, int64_t r) const {
-    const float d = number(scales, scale_at(g, b, h) + r);
-    return kind == Scales::kHalf ? d : static_cast<float>(super(g, b, 0)[r]) * d;
-  }
-  float min(int64_t g, int64_t b, int64_t r) const {
-    if (!mins) return 0.f;
-    const float m = number(mins, at(g, b) + r);
-    return kind == Scales::kHalf ? m : static_cast<float>(super(g, b, 1)[r]) * m;
-  }
-};
-
-// The integer q (offset removed) of element e of block b of row lane r in group g.
-inline int32_t value_at(const Weights& w, int64_t g, int64_t b, int64_t r, int64_t e) {
-  const uint8_t* data = w.block(g, b);
-  const int64_t quad = e / 4, byte = e % 4;
-  if (w.bits == 8) {
-    const int32_t stored = data[(quad * kRows + r) * 4 + byte];
-    return kOffset8 ? stored - kOffset8 : static_cast<int8_t>(stored);
-  }
-  const int64_t half = kRows / 2;
-  const uint8_t packed = data[(quad * half + r % half) * 4 + byte];
-  return r < half ? packed & 15 : packed >> 4;
-}
-
-// The second digit's weight: the first digit's step over kDigit2.
-constexpr int32_t kDigit2 = 254;
-
-// The activations, quantized once per call: per row K int8 values (and with two digits, K
-// second digits), and per block the scale (two digits: over kDigit2), the exact float sum of x
-// (the minimums) and 128 times the sum of qx (offset int8 weights; both digits, as the
-// integer kDigit2 * qx + qx2 their products add up to).
-struct Activations {
-  std::vector<int8_t> q, q2;
-  std::vector<float> scale, sum;
-  std::vector<int32_t> excess, excess_low;  // excess_low: of the block's first 16 values
-  int64_t K, blocks;
-  bool two;  // the second digits are there
-
-  // The excess of half h of block ``at`` (Halves 2), or of the whole block.
-  template <int Halves>
-  int32_t excess_of(int64_t at, int h) const {
-    if (Halves == 1) return excess[at];
-    return h == 0 ? excess_low[at] : excess[at] - excess_low[at];
-  }
-};
-
-template <typename T>
-Activations quantize_activations(const T* x, int64_t x_row, int64_t M, int64_t K, bool two) {
-  Activations a;
-  a.K = K;
-  a.blocks = K / kBlock;
-  a.two = two;
-  a.q.resize(M * K);
-  if (two) a.q2.resize(M * K);
-  a.scale.resize(M * a.blocks);
-  a.sum.resize(M * a.blocks);
-  a.excess.resize(M * a.blocks);
-  a.excess_low.resize(M * a.blocks);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    float values[kBlock];
-    for (int64_t m = begin; m < end; ++m) {
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const T* xb = x + m * x_row + b * kBlock;
-        float amax = 0.f, sum = 0.f;
-#pragma omp simd reduction(max : amax) reduction(+ : sum)
-        for (int64_t e = 0; e < kBlock; ++e) {
-          values[e] = to_float(xb[e]);
-          amax = std::max(amax, std::fabs(values[e]));
-          sum += values[e];
-        }
-        const float inverse = amax > 0.f ? 127.f / amax : 0.f, step = amax / 127.f;
-        int8_t* qb = a.q.data() + m * K + b * kBlock;
-        int32_t qsum = 0, qlow = 0;
-#pragma omp simd reduction(+ : qsum)
-        for (int64_t e = 0; e < kBlock; ++e) {
-          qb[e] = static_cast<int8_t>(std::nearbyint(values[e] * inverse));
-          qsum += qb[e];
-        }
-        for (int64_t e = 0; e < kBlock / 2; ++e) qlow += qb[e];
-        if (two) {
-          int8_t* q2 = a.q2.data() + m * K + b * kBlock;
-          const float inverse2 = inverse * kDigit2;
-          int32_t qsum2 = 0, qlow2 = 0;
-          for (int64_t e = 0; e < kBlock; ++e) {
-            const float left = std::fma(-static_cast<float>(qb[e]), step, values[e]);
-            q2[e] = static_cast<int8_t>(
-                std::clamp(std::nearbyint(left * inverse2), -127.f, 127.f));
-            qsum2 += q2[e];
-            if (e < kBlock / 2) qlow2 += q2[e];
-          }
-          qsum = qsum * kDigit2 + qsum2;
-          qlow = qlow * kDigit2 + qlow2;
-        }
-        a.scale[m * a.blocks + b] = two ? step / kDigit2 : step;
-        a.sum[m * a.blocks + b] = sum;
-        a.excess[m * a.blocks + b] = kOffset8 * qsum;
-        a.excess_low[m * a.blocks + b] = kOffset8 * qlow;
-      }
-    }
-  });
-  return a;
-}
 
 #if defined(RADIXSERVE_VNNI) || defined(RADIXSERVE_AVX2)
 inline void prefetch_ahead(const Weights& w, const uint8_t* data) {
@@ -245,17 +85,27 @@ inline __m512 load_lanes(const Weights& w, const void* p, int64_t at, int64_t g,
 template <int R, int Halves>
 void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m512* acc) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i low = _mm512_set1_epi8(0x0f), two_bits = _mm512_set1_epi8(0x30);
+  // 6-bit: each quarter of the vector (4 rows) rotates its 2 bits of the planes' byte into
+  // bits 4 and 5 (quant_layout.h)
+  const __m512i rotate = _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62);
   constexpr int kHalfQuads = kQuads / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
     prefetch_ahead(w, data);
     __m512i wv[kQuads];
     for (int q = 0; q < kQuads; ++q) {
-      if (w.bits == 4) {
+      if (w.bits != 8) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + q * 32));
         wv[q] = _mm512_and_si512(
             _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low);
+        if (w.bits == 6) {
+          const __m512i planes = _mm512_broadcast_i32x4(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + kNibbleBytes + q * 16)));
+          // wv | (rotated & 0x30)
+          wv[q] = _mm512_ternarylogic_epi32(wv[q], _mm512_rolv_epi64(planes, rotate), two_bits,
+                                            0xF8);
+        }
       } else {
         wv[q] = _mm512_loadu_si512(data + q * 64);
       }
@@ -299,8 +149,9 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
           for (int c = 0; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot2[r][c]);
         }
         const int64_t at = (m0 + r) * a.blocks + b;
-        if (w.bits == 8) {
-          sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a.excess_of<Halves>(at, h)));
+        if (w.bits != 4) {
+          sum = _mm512_sub_epi32(sum,
+                                 _mm512_set1_epi32(a.excess_of<Halves>(at, h, offset_of(w.bits))));
         }
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
                                  _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[at])), acc[r]);
@@ -334,17 +185,28 @@ inline __m256 load_lanes(const Weights& w, const void* p, int64_t at, int64_t g,
 template <int R, int Halves>
 void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m256* acc) {
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i low = _mm256_set1_epi8(0x0f), two_bits = _mm256_set1_epi8(0x30);
   const __m256i ones16 = _mm256_set1_epi16(1);
+  // 6-bit: each quarter of the vector (2 rows) shifts its 2 bits of the planes' byte down
+  // (quant_layout.h), then into bits 4 and 5
+  const __m256i shift = _mm256_setr_epi64x(0, 2, 4, 6);
   constexpr int kHalfQuads = kQuads / Halves;
+  const bool is_unsigned = w.bits != 8;  // 4- and 6-bit values are unsigned as stored
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
     prefetch_ahead(w, data);
     __m256i wv[kQuads];
     for (int q = 0; q < kQuads; ++q) {
-      if (w.bits == 4) {
+      if (w.bits != 8) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + q * 16));
         wv[q] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+        if (w.bits == 6) {
+          int64_t planes;
+          std::memcpy(&planes, data + kNibbleBytes + q * 8, 8);
+          const __m256i high = _mm256_slli_epi64(
+              _mm256_srlv_epi64(_mm256_set1_epi64x(planes), shift), 4);
+          wv[q] = _mm256_or_si256(wv[q], _mm256_and_si256(high, two_bits));
+        }
       } else {
         wv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + q * 32));
       }
@@ -362,11 +224,12 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
         __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();
         for (int q = h * kHalfQuads; q < (h + 1) * kHalfQuads; ++q) {
           // int8 weights: |w| (vpmaddubsw's unsigned side) times x with w's sign, so that no
-          // pair sum overflows 16 bits; 4-bit weights are unsigned as stored.
-          const __m256i unsigned_w = w.bits == 4 ? wv[q] : _mm256_sign_epi8(wv[q], wv[q]);
+          // pair sum overflows 16 bits; 4- and 6-bit weights are unsigned as stored (63 * 127
+          // twice stays below 2^15).
+          const __m256i unsigned_w = is_unsigned ? wv[q] : _mm256_sign_epi8(wv[q], wv[q]);
           const auto signed_x = [&](int32_t packed) {
             const __m256i xv = _mm256_set1_epi32(packed);
-            return w.bits == 4 ? xv : _mm256_sign_epi8(xv, wv[q]);
+            return is_unsigned ? xv : _mm256_sign_epi8(xv, wv[q]);
           };
           dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
               _mm256_maddubs_epi16(unsigned_w, signed_x(xq[q])), ones16));
@@ -377,6 +240,9 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
         }
         if (a.two) {
           dot = _mm256_add_epi32(_mm256_mullo_epi32(dot, _mm256_set1_epi32(kDigit2)), dot2);
+        }
+        if (w.bits == 6) {
+          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.excess_of<Halves>(at, h, kOffset6)));
         }
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                  _mm256_mul_ps(ws[h], _mm256_set1_ps(a.scale[at])), acc[r]);
@@ -435,57 +301,6 @@ void write_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, T
   }
 }
 
-Scales scales_kind(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf: return Scales::kHalf;
-    case at::kByte: return Scales::kUnsigned;
-    case at::kChar: return Scales::kSigned;
-    default:
-      TORCH_CHECK(false, "quant_linear: scales float16, uint8 or int8 expected, got ", dtype);
-  }
-}
-
-Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
-                 const at::Tensor& supers, int64_t bits, int64_t N) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous() &&
-                  qweight.scalar_type() == at::kByte && qweight.size(2) == group_bytes(bits),
-              "quant_linear: qweight from quant_repack expected");
-  const int64_t groups = qweight.size(0), blocks = qweight.size(1);
-  TORCH_CHECK(N > (groups - 1) * kRows && N <= groups * kRows, "quant_linear: N = ", N,
-              " does not match ", groups, " row groups");
-  const Scales kind = scales_kind(scales.scalar_type());
-  const int64_t per_group = groups * blocks * kRows;
-  TORCH_CHECK(scales.is_contiguous() &&
-                  (scales.numel() == per_group || (bits == 8 && scales.numel() == 2 * per_group)),
-              "quant_linear: scales from quant_repack expected");
-  Weights w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), nullptr, nullptr,
-            static_cast<int>(bits), kind,
-            static_cast<int>(scales.numel() / std::max<int64_t>(per_group, 1)), N,
-            blocks * kBlock, blocks, groups};
-  if (per_group == 0) w.halves = 1;
-  TORCH_CHECK(bits == 8 || mins.numel() > 0, "quant_linear: 4-bit weights need mins");
-  if (mins.numel() > 0) {
-    TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == scales.scalar_type() &&
-                    mins.numel() == per_group && w.halves == 1,
-                "quant_linear: mins from quant_repack expected");
-    w.mins = mins.data_ptr();
-  }
-  if (kind != Scales::kHalf) {
-    w.super_parts = w.mins ? 2 : 1;
-    TORCH_CHECK(supers.scalar_type() == at::kHalf && supers.is_contiguous() &&
-                    supers.dim() == 4 && supers.size(0) == groups &&
-                    supers.size(2) == w.super_parts && supers.size(3) == kRows &&
-                    (supers.size(1) == blocks || supers.size(1) == (blocks + 7) / 8),
-                "quant_linear: supers from quant_repack expected");
-    w.super_count = supers.size(1);
-    w.per_super = w.super_count == blocks ? 1 : 8;
-    w.supers = static_cast<const c10::Half*>(supers.data_ptr());
-  } else {
-    TORCH_CHECK(supers.numel() == 0, "quant_linear: float16 scales take no supers");
-  }
-  return w;
-}
 
 template <typename T>
 void run(const at::Tensor& x, const Weights& w, bool two, at::Tensor& out) {
@@ -540,195 +355,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
-// Block b's scales (and half h's, Halves 2) and minimums of row n, from the checkpoint's
-// [N, blocks * halves] and [N, blocks] into the interleaved [groups, blocks, halves, kRows]
-// and [groups, blocks, kRows]; without source minimums a 4-bit weight (Q4_0) gets m = -8 d.
-template <typename S>
-void repack_scales(const S* scales, const S* mins, int64_t N, int64_t blocks, int64_t halves,
-                   S* out_scales, S* out_mins) {
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t g = n / kRows, lane = n % kRows;
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t h = 0; h < halves; ++h) {
-        out_scales[((g * blocks + b) * halves + h) * kRows + lane] =
-            scales[(n * blocks + b) * halves + h];
-      }
-      if (out_mins) {
-        out_mins[(g * blocks + b) * kRows + lane] =
-            mins ? mins[n * blocks + b] : S(-8.f * static_cast<float>(scales[n * blocks + b]));
-      }
-    }
-  }
-}
-
-// A K-quant's super-block D (and Dmin'), one per block in the checkpoint ([N, blocks] float16
-// each), as [groups, supers, parts, kRows]: one per 8 blocks where every aligned run of 8 shares
-// its values (a whole tensor's blocks, or a column share starting on a super-block), else one
-// per block.
-at::Tensor repack_supers(const at::Tensor& super_scales, const at::Tensor& super_mins,
-                         int64_t N, int64_t blocks, int64_t groups) {
-  std::vector<at::Tensor> parts{super_scales.contiguous()};
-  if (super_mins.defined()) parts.push_back(super_mins.contiguous());
-  for (const at::Tensor& part : parts) {
-    TORCH_CHECK(part.scalar_type() == at::kHalf && part.dim() == 2 && part.size(0) == N &&
-                    part.size(1) == blocks,
-                "quant_repack: super_scales and super_mins [N, K / 32] float16");
-  }
-  bool shared = true;
-  for (const at::Tensor& part : parts) {
-    const uint16_t* v = reinterpret_cast<const uint16_t*>(part.data_ptr());
-    for (int64_t i = 0; shared && i < N * blocks; ++i) shared = v[i] == v[i - i % blocks % 8];
-  }
-  const int64_t per = shared ? 8 : 1, count = (blocks + per - 1) / per;
-  const int64_t n_parts = static_cast<int64_t>(parts.size());
-  at::Tensor out = at::zeros({groups, count, n_parts, kRows}, super_scales.options());
-  c10::Half* dst = out.data_ptr<c10::Half>();
-  for (int64_t p = 0; p < n_parts; ++p) {
-    const c10::Half* src = parts[p].data_ptr<c10::Half>();
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t s = 0; s < count; ++s) {
-        dst[((n / kRows * count + s) * n_parts + p) * kRows + n % kRows] =
-            src[n * blocks + s * per];
-      }
-    }
-  }
-  return out;
-}
-
-// A checkpoint's blocks (quant_formats.py: qweight uint8 [N, K / 2] or int8 [N, K]; scales
-// [N, K / 32] float16, or the K-quants' uint8 (Q4_K) or int8 (Q6_K: [N, K / 16], one for each
-// 16 weights, as any 8-bit weight may have), with any strides; mins [N, K / 32] in the scales'
-// dtype, or undefined; for the K-quants super_scales (and Q4_K's super_mins) [N, K / 32]
-// float16) in the interleaved layout above. A 4-bit weight without mins (Q4_0) gets m = -8 d;
-// an 8-bit one keeps none.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_repack(
-    const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-    const c10::optional<at::Tensor>& super_scales, const c10::optional<at::Tensor>& super_mins,
-    int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_repack: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1,
-              "quant_repack: qweight [N, bytes] contiguous");
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits;
-  TORCH_CHECK(K % kBlock == 0, "quant_repack: K = ", K, " is not a multiple of 32");
-  const int64_t blocks = K / kBlock, groups = (N + kRows - 1) / kRows;
-  const Scales kind = scales_kind(scales.scalar_type());
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N &&
-                  (scales.size(1) == blocks || (bits == 8 && scales.size(1) == 2 * blocks)),
-              "quant_repack: scales [N, K / 32] (8-bit: or [N, K / 16])");
-  const int64_t halves = blocks ? scales.size(1) / blocks : 1;
-  const bool has_mins = mins.has_value() && mins->defined();
-  const bool has_supers = super_scales.has_value() && super_scales->defined();
-  const bool has_super_mins = super_mins.has_value() && super_mins->defined();
-  TORCH_CHECK(has_supers == (kind != Scales::kHalf) && (!has_super_mins || has_mins) &&
-                  has_super_mins == (kind != Scales::kHalf && has_mins),
-              "quant_repack: integer scales (and minimums) come with super_scales (and "
-              "super_mins), float16 ones without");
-  TORCH_CHECK(kind == Scales::kHalf || bits == 8 || has_mins,
-              "quant_repack: 4-bit weights with integer scales need mins");
-  auto opts = qweight.options();
-  at::Tensor packed = at::zeros({groups, blocks, group_bytes(bits)}, opts.dtype(at::kByte));
-  at::Tensor out_scales = at::zeros({groups, blocks, halves, kRows}, scales.options());
-  const bool keep_mins = bits == 4 || has_mins;
-  at::Tensor out_mins = at::zeros({keep_mins ? groups : 0, blocks, kRows}, scales.options());
-  at::Tensor out_supers =
-      has_supers ? repack_supers(*super_scales, has_super_mins ? *super_mins : at::Tensor(), N,
-                                 blocks, groups)
-                 : at::zeros({0}, opts.dtype(at::kHalf));
-  if (bits == 8 && kOffset8) packed.fill_(kOffset8);  // padding rows hold q = 0
-  const uint8_t* src = static_cast<const uint8_t*>(qweight.data_ptr());
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  const int64_t half = kRows / 2;
-  const at::Tensor scale_rows = scales.contiguous();
-  const at::Tensor mins_rows = has_mins ? mins->contiguous() : at::Tensor();
-  TORCH_CHECK(!has_mins || (halves == 1 && mins_rows.scalar_type() == scales.scalar_type() &&
-                            mins_rows.sizes() == scales.sizes()),
-              "quant_repack: mins [N, K / 32] in the scales' dtype");
-  switch (kind) {
-    case Scales::kHalf:
-      repack_scales(scale_rows.data_ptr<c10::Half>(),
-                    has_mins ? mins_rows.data_ptr<c10::Half>() : nullptr, N, blocks, halves,
-                    out_scales.data_ptr<c10::Half>(),
-                    keep_mins ? out_mins.data_ptr<c10::Half>() : nullptr);
-      break;
-    case Scales::kUnsigned:
-      repack_scales(scale_rows.data_ptr<uint8_t>(),
-                    has_mins ? mins_rows.data_ptr<uint8_t>() : nullptr, N, blocks, halves,
-                    out_scales.data_ptr<uint8_t>(),
-                    keep_mins ? out_mins.data_ptr<uint8_t>() : nullptr);
-      break;
-    case Scales::kSigned:
-      repack_scales(scale_rows.data_ptr<int8_t>(),
-                    has_mins ? mins_rows.data_ptr<int8_t>() : nullptr, N, blocks, halves,
-                    out_scales.data_ptr<int8_t>(),
-                    keep_mins ? out_mins.data_ptr<int8_t>() : nullptr);
-      break;
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t g = n / kRows, lane = n % kRows;
-    for (int64_t b = 0; b < blocks; ++b) {
-      uint8_t* block = dst + (g * blocks + b) * group_bytes(bits);
-      for (int64_t e = 0; e < kBlock; ++e) {
-        const int64_t quad = e / 4, byte = e % 4;
-        if (bits == 8) {
-          const int8_t q = reinterpret_cast<const int8_t*>(src)[n * K + b * kBlock + e];
-          block[(quad * kRows + lane) * 4 + byte] = static_cast<uint8_t>(q + kOffset8);
-        } else {
-          const uint8_t stored = src[n * (K / 2) + b * 16 + e % 16];
-          const uint8_t q = e < 16 ? stored & 15 : stored >> 4;
-          uint8_t& slot = block[(quad * half + lane % half) * 4 + byte];
-          slot |= lane < half ? q : static_cast<uint8_t>(q << 4);
-        }
-      }
-    }
-  }
-  return {packed, out_scales, out_mins, out_supers};
-}
-
-template <typename T>
-void dequantize_rows(const Weights& w, const int64_t* rows, int64_t count, T* out) {
-  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = rows[i], g = n / kRows, lane = n % kRows;
-      for (int64_t b = 0; b < w.blocks; ++b) {
-        const float mn = w.min(g, b, lane);
-        for (int64_t e = 0; e < kBlock; ++e) {
-          const float d = w.scale(g, b, e * w.halves / kBlock, lane);
-          out[i * w.K + b * kBlock + e] =
-              static_cast<T>(d * static_cast<float>(value_at(w, g, b, lane, e)) + mn);
-        }
-      }
-    }
-  });
-}
-
-// Rows ``rows`` (int64) of the dense matrix the repacked blocks stand for, in ``dtype``.
-at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scales,
-                             const at::Tensor& mins, const at::Tensor& supers, int64_t bits,
-                             int64_t N, const at::Tensor& rows, at::ScalarType dtype) {
-  const Weights w = describe(qweight, scales, mins, supers, bits, N);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
-              "dequantize_weight: rows int64 [count]");
-  const int64_t count = rows.size(0);
-  const int64_t* ids = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < N, "dequantize_weight: row ", ids[i], " out of ", N);
-  }
-  auto out = at::empty({count, w.K}, qweight.options().dtype(dtype));
-  switch (dtype) {
-    case at::kFloat:
-      dequantize_rows(w, ids, count, out.data_ptr<float>());
-      break;
-    case at::kBFloat16:
-      dequantize_rows(w, ids, count, out.data_ptr<c10::BFloat16>());
-      break;
-    case at::kHalf:
-      dequantize_rows(w, ids, count, out.data_ptr<c10::Half>());
-      break;
-    default:
-      TORCH_CHECK(false, "dequantize_weight: unsupported dtype ", dtype);
-  }
-  return out;
-}
 
 std::string quant_linear_isa() {
 #if defined(RADIXSERVE_VNNI)
@@ -743,17 +369,11 @@ std::string quant_linear_isa() {
 }  // namespace
 
 RADIXSERVE_OPS_FRAGMENT(m) {
-  m.def("quant_repack(Tensor qweight, Tensor scales, Tensor? mins, Tensor? super_scales, "
-        "Tensor? super_mins, int bits) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, Tensor supers, "
         "int bits, int N, int digits) -> Tensor");
-  m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor mins, Tensor supers, int bits, "
-        "int N, Tensor rows, ScalarType dtype) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 
 RADIXSERVE_OPS_IMPL(m) {
-  m.impl("quant_repack", &quant_repack);
   m.impl("quant_linear", &quant_linear);
-  m.impl("dequantize_weight", &dequantize_weight);
 }

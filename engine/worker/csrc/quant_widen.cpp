@@ -5,9 +5,10 @@
 // for an embedding's few rows; this one streams every row group once, each group's blocks in
 // L1, a row's 32 values at a time:
 //
-//   qweight [groups, blocks, 8 k-quads x rows x 4]   (rows = scales.size(3): 16 in AVX-512
-//            and portable builds, 8 in AVX2 ones; 4-bit: rows/2 per byte, low nibbles first;
-//            8-bit: stored + 128 where rows is 16, signed where 8)
+//   qweight [groups, blocks, 8 k-quads x rows x 4 x bits / 8]   (rows = scales.size(3): 16
+//            in AVX-512 and portable builds, 8 in AVX2 ones; 4-bit: rows/2 per byte, low
+//            nibbles first; 8-bit: stored + 128 where rows is 16, signed where 8; 6-bit: q + 32,
+//            its low 4 bits as a 4-bit block, then its high 2 bits in planes, quant_layout.h)
 //   scales [groups, blocks, halves, rows], mins [groups, blocks, rows] or empty: float16 or
 //            float32 d and m, or a K-quant's uint8 (Q4_K) / int8 (Q6_K) small integers, then
 //   supers [groups, super-blocks, parts, rows] float16: their super-block's D (and Dmin'),
@@ -75,15 +76,29 @@ inline void block_values(const Layout& w, const uint8_t* data, int64_t r, __m512
   const int64_t half = w.rows / 2;
   const int64_t lane = Bits == 8 ? r : r % half;
   const int32_t stride = static_cast<int32_t>((Bits == 8 ? w.rows : half) * 4);
-  const __m256i quads = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32(stride));
+  const __m256i k_quads = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i quads = _mm256_mullo_epi32(k_quads, _mm256_set1_epi32(stride));
   __m256i bytes = _mm256_i32gather_epi32(reinterpret_cast<const int*>(data + lane * 4), quads, 1);
   __m512i first, second;
-  if (Bits == 4) {
+  if (Bits != 8) {
     if (r >= half) bytes = _mm256_srli_epi16(bytes, 4);
     bytes = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
+    if (Bits == 6) {  // the high 2 bits: the lane's 4 bytes of each k-quad's planes
+      const int64_t quarter = w.rows / 4;
+      const __m256i planes = _mm256_i32gather_epi32(
+          reinterpret_cast<const int*>(data + w.rows * 16 + (r % quarter) * 4),
+          _mm256_mullo_epi32(k_quads, _mm256_set1_epi32(static_cast<int32_t>(w.rows))), 1);
+      const __m256i high = _mm256_and_si256(
+          _mm256_srl_epi16(planes, _mm_cvtsi32_si128(static_cast<int>(2 * (r / quarter)))),
+          _mm256_set1_epi8(3));
+      bytes = _mm256_or_si256(bytes, _mm256_slli_epi16(high, 4));
+    }
     first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));
     second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));
+    if (Bits == 6) {
+      first = _mm512_sub_epi32(first, _mm512_set1_epi32(32));
+      second = _mm512_sub_epi32(second, _mm512_set1_epi32(32));
+    }
   } else if (w.rows == 16) {  // stored + 128
     first = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)),
                              _mm512_set1_epi32(128));
@@ -146,8 +161,12 @@ void widen_row(const Layout& w, int64_t g, int64_t r, T* out) {
       } else {
         const uint8_t* p = data + (quad * half + r % half) * 4;
         const int shift = r < half ? 0 : 4;
+        const int64_t quarter = w.rows / 4;
+        const uint8_t* planes = data + w.rows * 16 + (quad * quarter + r % quarter) * 4;
         for (int j = 0; j < 4; ++j) {
-          values[quad * 4 + j] = d * static_cast<float>((p[j] >> shift) & 15) + m;
+          int v = (p[j] >> shift) & 15;
+          if (Bits == 6) v = (v | (((planes[j] >> (2 * (r / quarter))) & 3) << 4)) - 32;
+          values[quad * 4 + j] = d * static_cast<float>(v) + m;
         }
       }
     }
@@ -164,6 +183,8 @@ void widen_all(const Layout& w, T* out, int64_t row_stride) {
         T* row = out + (g * w.rows + r) * row_stride;
         if (w.bits == 8) {
           widen_row<8>(w, g, r, row);
+        } else if (w.bits == 6) {
+          widen_row<6>(w, g, r, row);
         } else {
           widen_row<4>(w, g, r, row);
         }
@@ -186,7 +207,7 @@ widen::Kind kind_of(at::ScalarType type) {
 
 // out [N, K] (bf16 or float32, rows contiguous, any row stride) = the dense matrix of the
 // repacked weight ``blocks`` (quant_repack's tensors: qweight, scales, mins and, for the
-// K-quants, supers; bits 4 or 8; N rows).
+// K-quants, supers; bits 4, 6 or 8; N rows).
 void widen_weight(at::TensorList blocks_of, int64_t bits, int64_t N, at::Tensor out) {
   using widen::kBlock;
   TORCH_CHECK(blocks_of.size() == 3 || blocks_of.size() == 4,
@@ -194,13 +215,14 @@ void widen_weight(at::TensorList blocks_of, int64_t bits, int64_t N, at::Tensor 
   const at::Tensor& qweight = blocks_of[0];
   const at::Tensor& scales = blocks_of[1];
   const at::Tensor& mins = blocks_of[2];
-  TORCH_CHECK(bits == 4 || bits == 8, "widen_weight: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "widen_weight: bits must be 4, 6 or 8, got ",
+              bits);
   TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous(),
               "widen_weight: scales [groups, blocks, halves, rows] from quant_repack expected");
   const widen::Kind kind = kind_of(scales.scalar_type());
   const int64_t groups = scales.size(0), blocks = scales.size(1), halves = scales.size(2),
                 rows = scales.size(3);
-  TORCH_CHECK((rows == 16 || rows == 8) && (halves == 1 || (bits == 8 && halves == 2)),
+  TORCH_CHECK((rows == 16 || rows == 8) && (halves == 1 || (bits != 4 && halves == 2)),
               "widen_weight: scales of ", rows, " rows and ", halves,
               " halves are not quant_repack's layout");
   const int64_t group_bytes = 8 * rows * 4 * bits / 8;
@@ -214,7 +236,7 @@ void widen_weight(at::TensorList blocks_of, int64_t bits, int64_t N, at::Tensor 
   TORCH_CHECK(!has_mins || (mins.is_contiguous() && mins.scalar_type() == scales.scalar_type() &&
                             mins.numel() == groups * blocks * rows && halves == 1),
               "widen_weight: mins [groups, blocks, rows] in the scales' dtype expected");
-  TORCH_CHECK(bits == 8 || has_mins, "widen_weight: 4-bit weights need mins");
+  TORCH_CHECK(bits != 4 || has_mins, "widen_weight: 4-bit weights need mins");
   const bool small = kind == widen::Kind::kUnsigned || kind == widen::Kind::kSigned;
   const at::Tensor supers = blocks_of.size() == 4 ? blocks_of[3] : at::Tensor();
   const bool has_supers = supers.defined() && supers.numel() > 0;
