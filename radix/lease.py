@@ -173,10 +173,12 @@ class Lease:
             raise ValueError(f"a table for {num_tokens} tokens cannot hold the "
                              f"{self.match.length}-token match")
 
-    def alloc_pages(self, num_pages: int) -> list[int]:
+    def alloc_pages(self, num_pages: int, windows: int | None = None) -> list[int]:
         """``num_pages`` fresh pages for the holder's table (a swap-in's), one reference each,
-        evicting unlocked leaves when short. Raises ``OutOfPages`` having changed nothing."""
-        return self.tree._alloc_pages(num_pages)
+        evicting unlocked leaves when short; with sliding-window layers, the last ``windows``
+        of them (all by default) with sliding pages. Raises ``OutOfPages`` having changed
+        nothing."""
+        return self.tree._alloc_pages(num_pages, windows)
 
     def grow(self, table: list[int], num_tokens: int, *,
              unshare_at: int | None = None) -> PageCopy | None:

@@ -278,9 +278,10 @@ class RadixTree(Tiering, Windows):
         if deepest_on_device is not None:
             self._push(self._leaves, deepest_on_device)
 
-    def _alloc_pages(self, n: int) -> list[int]:
+    def _alloc_pages(self, n: int, windows: int | None = None) -> list[int]:
         """Allocate ``n`` pages, evicting unlocked leaves when free pages run short; with
-        sliding-window layers, each with a sliding page (``Windows._alloc_sliding``)."""
+        sliding-window layers, each with a sliding page (``Windows._alloc_sliding``), or only
+        the last ``windows`` of them."""
         short = n - self.allocator.num_free_pages
         if short > 0:
             self.evict(short)
@@ -290,7 +291,7 @@ class RadixTree(Tiering, Windows):
                 f"evictable ({self.allocator.num_pinned_pages} pinned by running requests)"
             )
         if self.sliding is not None:
-            return self._alloc_sliding(n)
+            return self._alloc_sliding(n, n if windows is None else windows)
         return self.allocator.alloc(n)
 
     # -------------------------------------------------------------- internals

@@ -123,19 +123,20 @@ class Windows:
         if len(index):
             self.sliding.allocator.set_evictable(index[index >= 0], step < 0)
 
-    def _alloc_sliding(self, n: int) -> list[int]:
-        """``n`` full pages (free: ``_alloc_pages`` made sure), each with a fresh sliding page,
-        evicting unlocked nodes' windows when sliding pages run short."""
+    def _alloc_sliding(self, n: int, windows: int) -> list[int]:
+        """``n`` full pages (free: ``_alloc_pages`` made sure), the last ``windows`` of them
+        each with a fresh sliding page, evicting unlocked nodes' windows when sliding pages
+        run short."""
         sliding = self.sliding.allocator
-        short = n - sliding.num_free_pages
+        short = windows - sliding.num_free_pages
         if short > 0:
             self._evict_sliding(short)
-        if n > sliding.num_free_pages:
+        if windows > sliding.num_free_pages:
             raise OutOfPages(
-                f"asked for {n} sliding-window pages: {sliding.num_free_pages} free and nothing "
-                f"more evictable ({sliding.num_pinned_pages} held by running requests)")
+                f"asked for {windows} sliding-window pages: {sliding.num_free_pages} free and "
+                f"nothing more evictable ({sliding.num_pinned_pages} held by running requests)")
         pages = self.allocator.alloc(n)
-        self.sliding.attach(pages)
+        self.sliding.attach(pages[n - windows :])
         return pages
 
     def _evict_sliding(self, num_pages: int) -> int:

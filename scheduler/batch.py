@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from engine.contracts.protocol import pack_ids
 from engine.contracts.sampling_params import SEED_LIMIT
@@ -46,6 +47,9 @@ def build_batch(batch_id: int, entries: list[Entry], work: StepWork, page_size: 
     if sliding is not None and step.num_seqs:
         step.swa_page_indices, step.swa_out_slots, step.swa_copies = sliding.step_tables(
             step.page_indices, step.out_slots, step.copies)
+    if work.swa_swap_out or work.swa_swap_in:
+        step.swa_swap_out = np.array(work.swa_swap_out, dtype=np.int32).reshape(-1, 2)
+        step.swa_swap_in = np.array(work.swa_swap_in, dtype=np.int32).reshape(-1, 2)
     return ForwardBatch(batch_id=batch_id, step=step, sampling=sampling,
                         released_grammars=released_grammars or [],
                         prompt_rows=pack_ids(prompt_rows), prompt_targets=pack_ids(prompt_targets),

@@ -58,6 +58,9 @@ class StepWork:
         self.copies: list[PageCopy] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        # the sliding pages that go with swapped pages: (sliding, host) out, (host, sliding) in
+        self.swa_swap_out: list[tuple[int, int]] = []
+        self.swa_swap_in: list[tuple[int, int]] = []
 
 
 class SeqMemory:
@@ -249,6 +252,9 @@ class SeqMemory:
         elif cache:
             self._save(seq, seq.settled)
         if seq.lease is not None:
+            if seq.host_pages and self.sliding is not None:
+                # its window's place in the table without the swapped-out pages
+                seq.lease.swa_from = sum(p >= 0 for p in seq.pages[: seq.lease.swa_from])
             seq.lease.release([p for p in seq.pages if p >= 0],
                               seq.tokens[: seq.settled] if cache else None)
             seq.lease = None
@@ -262,7 +268,9 @@ class SeqMemory:
     def swap_out(self, seq: Seq, work: StepWork) -> bool:
         """Move ``seq``'s private pages to the host pool; shared ones stay on device. False when
         the host pool is too small, or when no page is private (every one is cached or another
-        sequence's too): then the caller releases it into the tree and recomputes, which hits."""
+        sequence's too): then the caller releases it into the tree and recomputes, which hits.
+        With sliding-window layers, a private page of its window takes its sliding page along
+        (to the same host page's sliding part); before the window there is none."""
         if seq.load_id >= 0:
             return False  # a load may still be writing its pages
         private = [i for i, p in enumerate(seq.pages) if self.alloc.refcount[p] == 1]
@@ -274,6 +282,9 @@ class SeqMemory:
             host = self.host_free.pop()
             work.swap_out.append((seq.pages[i], host))
             seq.host_pages.append((i, host))
+            if self.sliding is not None and i >= seq.lease.swa_from:
+                work.swa_swap_out.append((int(self.sliding.of[seq.pages[i]]), host))
+                self.sliding.decref([seq.pages[i]])
             self.alloc.decref([seq.pages[i]])
             seq.pages[i] = -1
         return True
@@ -284,11 +295,21 @@ class SeqMemory:
         growth = max(self.alloc.pages_for(len(seq.tokens)) - len(seq.pages), 0)
         return len(seq.host_pages) + growth + seq.copy_last_page
 
+    def sliding_to_resume(self, seq: Seq) -> int:
+        """``pages_to_resume``'s pages that take sliding pages: its window's back, growth and
+        the copy."""
+        windows = sum(i >= seq.lease.swa_from for i, _ in seq.host_pages)
+        return self.pages_to_resume(seq) - len(seq.host_pages) + windows
+
     def swap_in(self, seq: Seq, work: StepWork) -> None:
-        fresh = seq.lease.alloc_pages(len(seq.host_pages))
+        swa_from = seq.lease.swa_from  # host pages are in table order: its window's last
+        windows = sum(i >= swa_from for i, _ in seq.host_pages)
+        fresh = seq.lease.alloc_pages(len(seq.host_pages), windows)
         for (i, host), page in zip(seq.host_pages, fresh, strict=True):
             seq.pages[i] = page
             work.swap_in.append((host, page))
+            if self.sliding is not None and i >= swa_from:
+                work.swa_swap_in.append((host, int(self.sliding.of[page])))
             self.host_free.append(host)
         seq.host_pages = []
 
@@ -301,7 +322,8 @@ class SeqMemory:
         refs = np.zeros(self.sliding.allocator.num_pages, dtype=np.int64)
         for seq in seqs:
             if seq.lease is not None and seq.pages:
-                held = self.sliding.live(seq.pages[seq.lease.swa_from :] + seq.pending_refs)
+                window = [p for p in seq.pages[seq.lease.swa_from :] if p >= 0]  # not swapped
+                held = self.sliding.live(window + seq.pending_refs)
                 assert (held >= 0).all(), f"sequence {seq.req.rid} lost its window's KV"
                 np.add.at(refs, held, 1)
         return refs

@@ -334,11 +334,15 @@ class StepPlanner:
         """Bring a swapped request back whole. Its sequences that had no private page to swap
         were released into the tree at preemption: they match it again (usually a full hit)."""
         released = [s for s in seqs if not s.host_pages and not s.pages]
-        need = sum(self.mem.pages_to_resume(s) for s in seqs if s.host_pages or s.pages)
+        swapped = [s for s in seqs if s.host_pages or s.pages]
+        need = sum(self.mem.pages_to_resume(s) for s in swapped)
+        windows = sum(self.mem.sliding_to_resume(s) for s in swapped) if self.tree.sliding else 0
         loading: set = set()
         for seq in released:
-            need += self.mem.match(seq).pages_to_acquire(len(seq.tokens), loading)
-        if need + (reserved if self.running else 0) > self.tree.num_available_pages:
+            acquire = self.mem.match(seq).pages_to_acquire(len(seq.tokens), loading)
+            need, windows = need + acquire, windows + acquire
+        if need + (reserved if self.running else 0) > self.tree.num_available_pages or (
+                self._short_of_sliding(windows, len(seqs))):
             for seq in released:
                 self.mem.unpin(seq)
             return None

@@ -291,8 +291,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         refused = {"--host-cache-gb": self.host_cache_gb > 0,
                    "--disk-cache-dir": self.disk_cache_dir is not None,
-                   "--preemption-mode swap": self.preemption_mode == "swap",
-                   "--speculative-config": self.speculative_config is not None,
                    "--kv-events-endpoint": self.kv_events_endpoint is not None,
                    "--dp-size > 1": self.dp_size > 1,
                    "--tp-size > 1": self.tp_size > 1,

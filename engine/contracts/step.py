@@ -50,6 +50,10 @@ class BatchInput(msgspec.Struct, kw_only=True):
     swa_page_indices: np.ndarray = msgspec.field(default_factory=lambda: _ints([]))
     swa_out_slots: np.ndarray = msgspec.field(default_factory=lambda: _ints([]))
     swa_copies: np.ndarray = msgspec.field(default_factory=lambda: _empty_pairs(3))
+    # and the sliding pages a swap moves with its full pages: (sliding page, host page) out,
+    # (host page, sliding page) in, where host page h is the sliding part of swap page h
+    swa_swap_out: np.ndarray = msgspec.field(default_factory=lambda: _empty_pairs(2))
+    swa_swap_in: np.ndarray = msgspec.field(default_factory=lambda: _empty_pairs(2))
     # int32 [B] each sequence's LoRA adapter (engine/contracts/lora.py; 0: the base model);
     # empty when every sequence runs the base model
     lora_ids: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
@@ -105,7 +109,7 @@ class BatchInput(msgspec.Struct, kw_only=True):
         return builder.finish(copies, swap_out, swap_in, all_logits=logits == "all")
 
     def validate(self, page_size: int, num_pages: int, num_host_pages: int = 0,
-                 num_sliding_pages: int = 0) -> None:
+                 num_sliding_pages: int = 0, num_sliding_host_pages: int = 0) -> None:
         """Raise ValueError if the arrays disagree with each other or with the page convention
         (the sliding-window layers' pages too, when the pool has ``num_sliding_pages``).
 
@@ -128,6 +132,7 @@ class BatchInput(msgspec.Struct, kw_only=True):
                              "tokens")
         if num_seqs == 0 and num_tokens == 0:
             self._validate_moves(page_size, num_pages, num_host_pages)
+            self._validate_sliding_swaps(num_sliding_pages, num_sliding_host_pages)
             return  # a step that only moves pages (the disk tier's)
         if num_seqs == 0 or np.any(self.extend_lens < 1):
             raise ValueError("every sequence in a batch needs at least one new token")
@@ -159,6 +164,7 @@ class BatchInput(msgspec.Struct, kw_only=True):
         self._validate_moves(page_size, num_pages, num_host_pages)
         if num_sliding_pages or self.has_sliding_pages:
             self._validate_sliding(page_size, num_sliding_pages)
+        self._validate_sliding_swaps(num_sliding_pages, num_sliding_host_pages)
 
     def _validate_sliding(self, page_size: int, num_sliding_pages: int) -> None:
         if not num_sliding_pages:
@@ -178,10 +184,11 @@ class BatchInput(msgspec.Struct, kw_only=True):
             _check_range("copy pages", self.copies[:, :2], num_pages)
             if np.any(self.copies[:, 2] < 1) or np.any(self.copies[:, 2] > page_size):
                 raise ValueError(f"a copy moves between 1 and {page_size} slots")
-        for name, pairs, host_col in (("swap_out", self.swap_out, 1), ("swap_in", self.swap_in, 0)):
-            if len(pairs):
-                _check_range(f"{name} host pages", pairs[:, host_col], num_host_pages)
-                _check_range(f"{name} device pages", pairs[:, 1 - host_col], num_pages)
+        _check_swaps("", self.swap_out, self.swap_in, num_pages, num_host_pages)
+
+    def _validate_sliding_swaps(self, num_sliding_pages: int, num_host_pages: int) -> None:
+        _check_swaps("sliding ", self.swa_swap_out, self.swa_swap_in, num_sliding_pages,
+                     num_host_pages)
 
 
 class StepBuilder:
@@ -272,6 +279,14 @@ def _pairs(value: Sequence[Sequence[int]] | np.ndarray | None, width: int) -> np
     if value is None or len(value) == 0:
         return _empty_pairs(width)
     return np.asarray(value, dtype=np.int32).reshape(-1, width)
+
+
+def _check_swaps(kind: str, swap_out: np.ndarray, swap_in: np.ndarray, num_pages: int,
+                 num_host_pages: int) -> None:
+    for name, pairs, host_col in (("swap_out", swap_out, 1), ("swap_in", swap_in, 0)):
+        if len(pairs):
+            _check_range(f"{kind}{name} host pages", pairs[:, host_col], num_host_pages)
+            _check_range(f"{kind}{name} device pages", pairs[:, 1 - host_col], num_pages)
 
 
 def _check_range(name: str, values: np.ndarray, limit: int) -> None:

@@ -24,7 +24,10 @@ Sliding-window layers with pages of their own (``num_sliding_pages``: radix/slid
 holds them) keep their KV in a second tensor, ``swa`` [sliding layers, 2, num_sliding_pages,
 page_size, num_kv_heads, row]; ``kv`` then holds the other layers only. ``layer``, ``slots`` and
 ``write`` take the model's layer index either way; a step's sliding layers write and read the
-sliding pages its ``swa_*`` arrays name (``copy_sliding`` for its copies).
+sliding pages its ``swa_*`` arrays name (``copy_sliding`` for its copies). Swap preemption
+moves a sequence's sliding pages with its full ones (``sliding=True``), into ``host_swa``
+[sliding layers, 2, num_host_sliding_pages, ...], whose page ``h`` is the sliding part of swap
+page ``h`` of ``host``.
 
 The device pool starts zeroed: attention kernels may read (and mask) slots no token was ever
 written to, and zeros keep those reads finite.
@@ -50,7 +53,8 @@ class KVPool:
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  num_host_pages: int = 0, kv_dtype: torch.dtype | None = None,
-                 sliding_layers: tuple[bool, ...] = (), num_sliding_pages: int = 0) -> None:
+                 sliding_layers: tuple[bool, ...] = (), num_sliding_pages: int = 0,
+                 num_host_sliding_pages: int = 0) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_sliding_pages = num_sliding_pages
         # per layer: whether its KV is in ``swa`` (only with sliding pages of their own)
@@ -73,6 +77,9 @@ class KVPool:
         self.swa = _zeros((num_sliding, 2, num_sliding_pages, *page), stored, self.device)
         self.host = _zeros((num_full, 2, num_host_pages, *page), stored, torch.device("cpu"),
                            pin=self.device.type == "cuda" and num_host_pages > 0)
+        self.host_swa = _zeros((num_sliding, 2, num_host_sliding_pages, *page), stored,
+                               torch.device("cpu"),
+                               pin=self.device.type == "cuda" and num_host_sliding_pages > 0)
         # All layers, slot-major: [num_layers, 2, num_pages * page_size, heads, row].
         self._all_slots = self.kv.view(num_full, 2, num_pages * page_size, num_kv_heads, row)
         self._swa_slots = self.swa.view(num_sliding, 2, num_sliding_pages * page_size,
@@ -125,8 +132,9 @@ class KVPool:
         """``copy_pages`` for the sliding layers' pages (a step's ``swa_copies``)."""
         _copy_slots(self._swa_slots, copies, self.page_size)
 
-    def swap_out(self, pairs: np.ndarray) -> None:
-        """Copy whole device pages to host pages, (device_page, host_page) per row.
+    def swap_out(self, pairs: np.ndarray, *, sliding: bool = False) -> None:
+        """Copy whole device pages to host pages, (device_page, host_page) per row (with
+        ``sliding``: sliding pages to ``host_swa``).
 
         Synchronous: when it returns the host pages hold the data and every read of the device
         pages has finished, so later work on any stream may overwrite them."""
@@ -135,17 +143,19 @@ class KVPool:
         pairs = np.asarray(pairs, dtype=np.int64)
         device_pages = to_device(pairs[:, 0], self.device)
         host_pages = torch.from_numpy(pairs[:, 1])
-        pages = self.kv.index_select(2, device_pages)
+        kv, host = (self.swa, self.host_swa) if sliding else (self.kv, self.host)
+        pages = kv.index_select(2, device_pages)
         if self._staging_used is not None:
             staged = self._staging_for(pages.shape)
             staged.copy_(pages, non_blocking=True)
             self._staging_used.record()
             self._staging_used.synchronize()  # the host reads the buffer next
             pages = staged
-        self.host.index_copy_(2, host_pages, pages)
+        host.index_copy_(2, host_pages, pages)
 
-    def swap_in(self, pairs: np.ndarray) -> None:
-        """Copy whole host pages back to device pages, (host_page, device_page) per row.
+    def swap_in(self, pairs: np.ndarray, *, sliding: bool = False) -> None:
+        """Copy whole host pages back to device pages, (host_page, device_page) per row (with
+        ``sliding``: from ``host_swa`` to sliding pages).
 
         The host pages are read before it returns, so they may be reused at once. On CUDA the
         copy to the device is queued on the current stream, not waited for: the device pages
@@ -156,15 +166,16 @@ class KVPool:
         pairs = np.asarray(pairs, dtype=np.int64)
         host_pages = torch.from_numpy(pairs[:, 0])
         device_pages = to_device(pairs[:, 1], self.device)
+        kv, host = (self.swa, self.host_swa) if sliding else (self.kv, self.host)
         if self._staging_used is None:
-            self.kv.index_copy_(2, device_pages, self.host.index_select(2, host_pages))
+            kv.index_copy_(2, device_pages, host.index_select(2, host_pages))
             return
-        shape = (*self.host.shape[:2], len(pairs), *self.host.shape[3:])
+        shape = (*host.shape[:2], len(pairs), *host.shape[3:])
         staged = self._staging_for(shape)
-        torch.index_select(self.host, 2, host_pages, out=staged)
+        torch.index_select(host, 2, host_pages, out=staged)
         pages = staged.to(self.device, non_blocking=True)
         self._staging_used.record()
-        self.kv.index_copy_(2, device_pages, pages)
+        kv.index_copy_(2, device_pages, pages)
 
     def _staging_for(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """A contiguous ``shape`` view of the pinned staging buffer (CUDA only), once the last

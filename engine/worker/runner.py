@@ -211,7 +211,9 @@ class ModelRunner:
             page_size=c.page_size, num_kv_heads=plan.num_kv_heads, head_dim=mc.head_dim,
             dtype=self.dtype, device=self.device,
             num_host_pages=c.num_host_pages + self.num_host_cache_pages, kv_dtype=self.kv_dtype,
-            sliding_layers=self.sliding_layers, num_sliding_pages=self.num_sliding_pages)
+            sliding_layers=self.sliding_layers, num_sliding_pages=self.num_sliding_pages,
+            # swap preemption moves a sequence's sliding pages with its full ones
+            num_host_sliding_pages=c.num_host_pages if self.num_sliding_pages else 0)
 
     def _sliding_pages(self, c: EngineConfig, sliding_bytes: int) -> int:
         """The sliding layers' own pages under ``--sliding-kv-ratio`` (0: none), enough for
@@ -296,7 +298,8 @@ class ModelRunner:
         """Raise ValueError, before anything runs, for a batch this runner cannot run."""
         batch.validate(self.page_size, self.num_pages,
                        self.num_host_pages + self.num_host_cache_pages,
-                       num_sliding_pages=self.num_sliding_pages)
+                       num_sliding_pages=self.num_sliding_pages,
+                       num_sliding_host_pages=self.pool.host_swa.shape[2])
         if not batch.num_seqs:
             return  # page moves only
         if len(batch.lora_ids):
@@ -340,10 +343,13 @@ class ModelRunner:
         if not checked:
             self.check(batch)
         self.transfer_seconds, self._written_down = self._written_down, 0.0
-        if len(batch.swap_out) or len(batch.swap_in):
+        if len(batch.swap_out) or len(batch.swap_in) or len(batch.swa_swap_out) or len(
+                batch.swa_swap_in):
             started = time.perf_counter()
             self.pool.swap_out(batch.swap_out)
+            self.pool.swap_out(batch.swa_swap_out, sliding=True)
             self.pool.swap_in(batch.swap_in)
+            self.pool.swap_in(batch.swa_swap_in, sliding=True)
             self.transfer_seconds += time.perf_counter() - started
         self.pool.copy_pages(batch.copies)
         self.pool.copy_sliding(batch.swa_copies)
