@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.contracts.speculative import SpeculativeConfig
+from scheduler.draft_model import draft_rate
 from scheduler.drafting import (
     FIRST_PAUSE,
     HISTORY,
@@ -150,15 +151,23 @@ class Speculator:
     def plan(self, seq: Seq, limit: int, num_running: int) -> tuple[list[int], bool]:
         """``seq``'s drafts for its next decode step and whether the draft model makes them
         (then the ids are placeholders the model worker fills): with a draft model, the
-        cache's continuation where the suffix method finds one and its drafts have been
-        accepted at least as often as the draft model's, else the draft model's."""
+        cache's continuation where the suffix method finds one whose expected tokens per
+        unit of time (its acceptance and its verify rows' cost; no draft forward) are at least
+        what the draft model's best K brings (its acceptance, its drafts' cost), else the
+        draft model's."""
         drafts = self.drafts_for(seq, limit, num_running)
         if self.model is None or not self.may_draft(num_running) or (
                 seq.req.params.structured_outputs is not None) or (
-                drafts and acceptance(seq) >= seq.model_drafts.acceptance()):
+                drafts and self._cache_rate(seq, len(drafts), num_running)
+                >= self.model.rate(seq, num_running)) or not self.model.pays(num_running):
             return drafts, False
         k = self.model.drafts_for(seq, limit - len(seq.tokens) - 1, num_running)
         return [0] * k, k > 0
+
+    def _cache_rate(self, seq: Seq, count: int, num_running: int) -> float:
+        """Tokens per draft-free step's time of verifying ``count`` of the cache's drafts."""
+        return draft_rate(acceptance(seq), max(self.costs.share(num_running), MIN_SHARE),
+                          count)
 
     @staticmethod
     def fill_model_drafts(entries: list, counts: np.ndarray, ids: np.ndarray) -> None:

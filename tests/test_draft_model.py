@@ -11,6 +11,7 @@ between the two."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -276,7 +277,8 @@ def test_rejection_sampling_keeps_the_targets_distribution(models, monkeypatch):
 
 def test_deferred_draft_kv_is_computed_before_anything_reads_it(models, monkeypatch):
     """Steps the draft model sits out (every other one here) and verifies of the cache's
-    drafts (a prompt sent again: the suffix method drafts the first reply) leave the draft's
+    drafts (a prompt sent again: the suffix method drafts the first reply, taken wherever it
+    has a continuation) leave the draft's
     KV missing; a drafting sequence computes what it lacks before any draft forward reads it
     (checked before every forward), so the pools agree (a draft of the target's weights) and
     every draft is accepted, the second reply's too."""
@@ -295,6 +297,7 @@ def test_deferred_draft_kv_is_computed_before_anything_reads_it(models, monkeypa
     _assert_draft_kv_is_the_targets(h)
     s = h.sched.speculator
     before = s.drafted_tokens - s.model.drafted_tokens
+    monkeypatch.setattr(DraftModelPolicy, "rate", lambda self, seq, n: 0.0)  # the cache's first
     prompt, params = requests["r0"]
     h.add("again", prompt, params)
     base.add("again", prompt, params)
@@ -341,13 +344,33 @@ def test_sequences_not_drafting_cost_the_draft_nothing_and_drafting_resumes(mode
     _assert_draft_kv_is_the_targets(h, least=len(again["again"][0]))
 
 
+def test_the_draft_model_turns_off_at_a_batch_size_where_no_draft_pays(caplog):
+    """Steps of 8 sequences where a draft row costs a third of the step (the draft's forward
+    beside a batch of decodes) and steps of one where it costs half a step: off at 8 (logged,
+    counted), on at 1 and at sizes never measured (the prior)."""
+    policy = DraftModelPolicy(4)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        for batch, step, row in ((8, 0.15, 0.05), (1, 0.075, 0.04)):
+            drafts = int(rng.integers(0, 3))
+            policy.costs.observe(batch, drafts, step + row * drafts)
+    with caplog.at_level(logging.INFO, logger="radixserve.scheduler"):
+        assert not policy.pays(8) and not policy.pays(8)
+    assert policy.pays(1) and policy.pays(4)
+    assert policy.off_steps == 2 and policy.stats()["spec_model_off_steps"] == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "the draft model is off at 8 running sequences (a draft costs 1.00 of a step)"]
+
+
 def test_metrics_show_the_draft_models_drafts_and_pauses():
     stats = SchedulerStats(spec_method="draft_model", spec_drafted_tokens=50,
                            spec_accepted_tokens=40, spec_model_drafted_tokens=30,
-                           spec_model_accepted_tokens=24, spec_model_pauses=2)
+                           spec_model_accepted_tokens=24, spec_model_pauses=2,
+                           spec_model_off_steps=7)
     text = Metrics(lambda: stats, lambda: FrontendState(0, 0, True)).render().decode()
     name = "radixserve_spec_decode_draft_model"
     assert f'{name}_num_draft_tokens_total{{method="draft_model"}} 30.0' in text
     assert f'{name}_num_accepted_tokens_total{{method="draft_model"}} 24.0' in text
     assert f'{name}_pauses_total{{method="draft_model"}} 2.0' in text
+    assert f'{name}_off_steps_total{{method="draft_model"}} 7.0' in text
     assert 'radixserve_spec_decode_num_draft_tokens_total{method="draft_model"} 50.0' in text
