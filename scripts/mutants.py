@@ -159,6 +159,13 @@ MUTANTS = (
            "radix/windows.py", "np.maximum(lengths + 1 - window, 0)",
            "np.maximum(lengths + 2 - window, 0)",
            ("tests/test_sliding_properties.py::test_a_match_ends_at_the_last_point_whose_window_is_live",)),
+    Mutant("sliding-rollback", "rejected drafts give their sliding-window pages back",
+           "scheduler/kv.py", "self.sliding.decref(seq.pages[max(keep, seq.lease.swa_from) :])",
+           "pass",
+           ("tests/test_sliding_speculation.py::test_prompt_lookup_drafts_roll_back_both_pools_and_keep_the_tokens",)),
+    Mutant("sliding-swap-in", "a swapped-in window gets its sliding KV back", "scheduler/kv.py",
+           "work.swa_swap_in.append((host, int(self.sliding.of[page])))", "pass",
+           ("tests/test_sliding_swap.py::test_swapped_windows_come_back_and_decode_like_transformers",)),
     # ----------------------------------------------------- LoRA: rows, names
     Mutant("lora-torch-row-order", "without the op, every row gets its own adapter's update "
            "(rows out of slot order too)", "engine/worker/lora_pool.py",
