@@ -130,12 +130,16 @@ class TreeListener(Protocol):
     ``node`` (a leaf) was unlinked; its ``parent`` chain still leads to its root, and its
     ``pages`` / ``host_pages`` still say which tiers it leaves. ``moved``: ``node`` stays in the
     tree but its KV was stored in (``stored``) or dropped from the device (``DEVICE``) or the
-    host tier (``HOST``). ``cleared``: a reset left the tree empty."""
+    host tier (``HOST``). ``windows``: with sliding-window layers, ``node`` now keeps
+    (``kept``) or no longer keeps the sliding KV of its pages at ``index`` (positions in
+    ``node.pages``; radix/windows.py). ``cleared``: a reset left the tree empty."""
 
     def inserted(self, leaf: Node, key: bytes, cached: int, namespace: Hashable) -> None: ...
 
     def evicted(self, node: Node) -> None: ...
 
     def moved(self, node: Node, tier: str, stored: bool) -> None: ...
+
+    def windows(self, node: Node, index: np.ndarray, kept: bool) -> None: ...
 
     def cleared(self) -> None: ...

@@ -90,6 +90,8 @@ class Windows:
                 for i in take.tolist():
                     node.swa_pages[lo + i] = int(live[i])
                 self._push(self._swa_nodes, node)
+                for listener in self.listeners:
+                    listener.windows(node, lo + take, kept=True)
             node = node.parent
 
     def _swap_kept(self, node: Node, page: int) -> bool:
@@ -163,8 +165,12 @@ class Windows:
     def _drop_kept(self, node: Node, evictable: bool) -> int:
         """``node`` lets every window page it keeps go (evicted, or its window evicted)."""
         kept = np.frombuffer(node.swa_pages, dtype=np.int64)
-        dropped = kept[kept >= 0].copy()
+        index = np.flatnonzero(kept >= 0)
+        dropped = kept[index]
         node.swa_pages = array("q", [-1]) * len(node.swa_pages)
+        if len(index):
+            for listener in self.listeners:
+                listener.windows(node, index, kept=False)
         return self.sliding.drop(dropped, evictable=evictable)
 
 

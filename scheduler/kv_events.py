@@ -20,6 +20,20 @@ gateway that ignores ``medium`` sees a block removed from one tier after it was 
 the other, and should keep a block while any tier holds it (tokenizer_worker/replica_cache.py
 does). The disk tier (engine/contracts/disk_cache.py) publishes nothing: its files are shared
 by every server on the machine, and what one trims the others cannot report.
+
+With sliding-window layers in pages of their own (radix/sliding.py) every event names its KV
+cache group (engine/contracts/kv_events.py): group 0's blocks follow the tree's nodes as above,
+group 1's the windows the nodes keep (``TreeListener.windows``), a block for each page whose
+sliding KV a node keeps (the node that holds the block's last token: the one a match through it
+reads). Blocks are then pages (``--kv-events-block-size`` equal to ``--page-size``), so the
+windows a consumer sees are the tree's exactly::
+
+    path        [ p0 ][ p1 ][ p2 ][ p3 ][ p4 ][ p5 ]       window 2 pages
+    group 0     [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ][ b5 ]       stored by the insert
+    group 1                       [ b3 ][ b4 ][ b5 ]       kept where a prompt and its turn end
+    b3's sliding KV dropped             [ b4 ][ b5 ]       group 1 removes b3: a match may end
+                                                           after b5 (b4 and b5 before it), no
+                                                           longer after b4
 """
 
 from __future__ import annotations
@@ -32,8 +46,12 @@ import numpy as np
 import zmq
 
 from engine.contracts.kv_events import (
+    FULL_ATTENTION,
+    FULL_GROUP,
     HOST_MEDIUM,
     MEDIUM,
+    SLIDING_GROUP,
+    SLIDING_WINDOW,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -66,11 +84,18 @@ class BlockEvents:
         self.loras = loras
         self.pending: list[KVEvent] = []
         self._namespaces: dict[Node, Hashable] = {}  # root → namespace
+        self.window: int | None = None  # the sliding-window layers', once attached to them
 
     def attach(self, tree: RadixTree) -> None:
         if tree.num_nodes:
             raise RuntimeError("attach KV events to an empty tree: its blocks so far were never "
                                "published")
+        if tree.sliding is not None:
+            if self.block_size != tree.page_size:
+                raise ValueError(f"with sliding-window layers' own pages, KV event blocks are "
+                                 f"pages: --kv-events-block-size must be --page-size "
+                                 f"({tree.page_size}), got {self.block_size}")
+            self.window = tree.sliding.window
         tree.listeners.append(self)
 
     def take(self) -> list[KVEvent]:
@@ -89,19 +114,44 @@ class BlockEvents:
         tokens = np.frombuffer(key, dtype=np.int32, count=blocks.stop * self.block_size)
         self._stored(tokens, blocks.start, namespace, MEDIUM)
 
-    def _stored(self, tokens: np.ndarray, first: int, namespace: Hashable, medium: str) -> None:
-        """Blocks ``first`` on of a path (its ``tokens`` from position 0)."""
+    def _stored(self, tokens: np.ndarray, first: int, namespace: Hashable, medium: str,
+                group: int = FULL_GROUP) -> None:
+        """Blocks ``first`` on of a path (its ``tokens`` from position 0), of KV cache
+        ``group`` (with sliding-window layers)."""
         size = self.block_size
         hashes = chain_hashes(namespace, tokens, size)
         extra = adapter = None
         if namespace is not None:
             extra = [(str(namespace),) if k == 0 else None for k in range(first, len(hashes))]
             adapter = self.loras(namespace) if self.loras is not None else None
-        self.pending.append(BlockStored(
+        event = BlockStored(
             block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
             token_ids=tokens[first * size :].tolist(), block_size=size,
             lora_id=adapter.lora_id if adapter else None, medium=medium,
-            lora_name=adapter.name if adapter else None, extra_keys=extra))
+            lora_name=adapter.name if adapter else None, extra_keys=extra)
+        if self.window is not None:
+            event.group_idx = group
+            event.kv_cache_spec_kind = SLIDING_WINDOW if group == SLIDING_GROUP else FULL_ATTENTION
+            if group == SLIDING_GROUP:
+                event.kv_cache_spec_sliding_window = self.window
+        self.pending.append(event)
+
+    def windows(self, node: Node, index: np.ndarray, kept: bool) -> None:
+        """The sliding KV ``node`` keeps for its pages at ``index``: group 1's blocks, those
+        whose last token the node holds (blocks are pages here), stored in contiguous runs."""
+        first = node.start // self.block_size
+        blocks = first + index[first + index < node.end // self.block_size]
+        if not len(blocks):
+            return
+        namespace = self._namespaces[self._root(node)]
+        tokens = self._path_tokens(node, int(blocks[-1]) + 1)
+        if not kept:
+            hashes = chain_hashes(namespace, tokens, self.block_size)
+            self._append_removed([hashes[k] for k in blocks.tolist()], MEDIUM, SLIDING_GROUP)
+            return
+        for run in np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1):
+            end = (int(run[-1]) + 1) * self.block_size
+            self._stored(tokens[:end], int(run[0]), namespace, MEDIUM, SLIDING_GROUP)
 
     def evicted(self, node: Node) -> None:
         root = self._root(node)
@@ -143,11 +193,17 @@ class BlockEvents:
             return
         tokens = self._path_tokens(node, blocks.stop)
         hashes = chain_hashes(namespace, tokens, self.block_size)[blocks.start :]
+        self._append_removed(hashes, medium, FULL_GROUP)
+
+    def _append_removed(self, hashes: list[int], medium: str, group: int) -> None:
+        group_idx = group if self.window is not None else None
         last = self.pending[-1] if self.pending else None
-        if isinstance(last, BlockRemoved) and last.medium == medium:
+        if (isinstance(last, BlockRemoved) and last.medium == medium
+                and last.group_idx == group_idx):
             last.block_hashes.extend(hashes)  # one event for a step's evictions
         else:
-            self.pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
+            self.pending.append(BlockRemoved(block_hashes=hashes, medium=medium,
+                                             group_idx=group_idx))
 
     def cleared(self) -> None:
         self._namespaces.clear()

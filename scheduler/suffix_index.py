@@ -157,6 +157,9 @@ class SuffixIndex:
     def moved(self, node: Node, tier: str, stored: bool) -> None:
         """A node moving between tiers stays in the tree: its tokens stay draftable."""
 
+    def windows(self, node: Node, index: np.ndarray, kept: bool) -> None:
+        """Sliding-window KV kept or dropped: the tokens stay in the tree, draftable."""
+
     def cleared(self) -> None:
         for table in (self._runs, self._order, self._by_node, self._namespaces, self._names,
                       self._namespace_runs):

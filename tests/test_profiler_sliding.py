@@ -13,6 +13,7 @@ from engine.profiler.kv_bytes import KVBytes, KVShape
 from engine.profiler.simulate import run_profile
 from engine.profiler.sliding import SlidingLayers, SlidingPools, read_layers
 from engine.profiler.trace import ReplayRequest
+from engine.worker.model.config import ModelConfig
 from tests.conftest_models import write_checkpoint
 
 PAGE, WINDOW, CHUNK = 4, 8, 8
@@ -86,8 +87,12 @@ def test_layers_read_from_a_checkpoint(tmp_path):
                                           "full_attention"])
     layers = read_layers(model)
     assert (layers.num_sliding, layers.num_layers, layers.window) == (2, 3, 16)
+    # the engine's own reading of the same config
+    windows = ModelConfig.from_dir(model).sliding_windows
+    assert (sum(w is not None for w in windows), len(windows)) == (2, 3)
+    assert set(windows) == {16, None}
     llama = write_checkpoint(tmp_path / "llama", "llama")
-    with pytest.raises(ValueError, match="needs a model with sliding-window layers"):
+    with pytest.raises(ValueError, match="has no sliding-window layer"):
         read_layers(llama)
 
 

@@ -64,6 +64,7 @@ class Routed:
 
     replica: int
     hashes: list[int]  # its prompt's block hashes, coming on that replica until it finishes
+    windows: list[int]  # of those, the window it will keep (sliding-window layers)
     predicted: int  # cached tokens the dispatcher expected
     actual: int = -1  # cached tokens the replica reported (-1: not admitted yet)
     # Until its first output: the request, to send elsewhere if its replica dies meanwhile
@@ -150,10 +151,10 @@ class Dispatcher:
                 session.replica, reopen = replica, session.ttl
         rep = self.replicas[replica]
         predicted = min(rep.cache.match(hashes) * self.block_size, max(len(ids) - 1, 0))
-        rep.cache.add_coming(hashes)
+        windows = rep.cache.add_coming(hashes, len(ids))
         rep.in_flight += 1
         rep.routed += 1
-        self.requests[req.rid] = Routed(replica, hashes, predicted, request=req)
+        self.requests[req.rid] = Routed(replica, hashes, windows, predicted, request=req)
         self.changed = True
         return replica, reopen
 
@@ -176,7 +177,7 @@ class Dispatcher:
             return None
         rep = self.replicas[routed.replica]
         rep.in_flight -= 1
-        rep.cache.drop_coming(routed.hashes)
+        rep.cache.drop_coming(routed.hashes, routed.windows)
         if routed.actual >= 0:
             rep.predicted_cached_tokens += routed.predicted
             rep.actual_cached_tokens += routed.actual
@@ -215,7 +216,7 @@ class Dispatcher:
                 lost.append(rid)
             else:
                 again.append(request)
-        rep.cache.coming.clear()
+        rep.cache.drop_all_coming()
         self.changed = True
         return lost, again
 

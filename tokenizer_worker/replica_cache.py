@@ -26,6 +26,18 @@ a restarted replica (0 again) starts empty, and so does its copy.
 The replica caches them as it prefills (its scheduler holds back a prompt whose head another
 request is prefilling, then hits it), so a burst of one group's prompts goes where the first
 went instead of spreading before the first prefill's events arrive.
+
+Sliding-window layers in pages of their own (``--sliding-kv-ratio``): the events' group 1
+(engine/contracts/kv_events.py) names the blocks whose sliding KV the replica keeps, and its
+window. A match then ends where the replica's would: at the most leading cached blocks ``k``
+whose window, blocks ``(k x size + 1 - W) // size`` to ``k - 1``, is kept (radix/windows.py's
+``usable_length`` rule, over blocks, which are the replica's pages; the tests hold the two to
+the same answers). A prompt on its way keeps the window where it ends::
+
+    prompt's blocks    h0  h1  h2  h3  h4  h5        window 2 blocks
+    held               h0  h1  h2  h3  h4  h5
+    windows kept                   h3  h4            → match 5 blocks (the window before h5's
+                                                       end lacks h5: 6 is not usable)
 """
 
 from __future__ import annotations
@@ -34,7 +46,13 @@ from collections import Counter
 
 import msgspec
 
-from engine.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from engine.contracts.kv_events import (
+    SLIDING_GROUP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -48,6 +66,11 @@ class ReplicaCache:
         self.media: dict[str | None, set[int]] = {}
         self.held: Counter[int] = Counter()
         self.coming: Counter[int] = Counter()
+        # sliding-window layers: the blocks whose sliding KV is kept, or will be (a prompt on
+        # its way), and the window (None: the replica has no such layers' pages)
+        self.windows: set[int] = set()
+        self.coming_windows: Counter[int] = Counter()
+        self.window: int | None = None
         self.next_sequence = 0
         self.resets = 0
 
@@ -61,11 +84,18 @@ class ReplicaCache:
                 if event.block_size != self.block_size:
                     raise ValueError(f"KV events of {event.block_size}-token blocks, expected "
                                      f"{self.block_size}")
+                if event.group_idx == SLIDING_GROUP:
+                    self.window = event.kv_cache_spec_sliding_window
+                    self.windows.update(event.block_hashes)
+                    continue
                 tier = self.media.setdefault(event.medium, set())
                 new = [h for h in dict.fromkeys(event.block_hashes) if h not in tier]
                 tier.update(new)
                 self.held.update(new)
             elif isinstance(event, BlockRemoved):
+                if event.group_idx == SLIDING_GROUP:
+                    self.windows.difference_update(event.block_hashes)
+                    continue
                 tier = self.media.get(event.medium, set())
                 for h in event.block_hashes:
                     if h in tier:
@@ -89,20 +119,43 @@ class ReplicaCache:
     def _clear(self) -> None:
         self.media.clear()
         self.held.clear()
+        self.windows.clear()
 
     def match(self, hashes: list[int]) -> int:
-        """Leading blocks of a prompt (its chained hashes) cached here or coming."""
+        """Leading blocks of a prompt (its chained hashes) cached here or coming, up to where
+        the replica's match would end (a kept window before it)."""
         held, coming = self.held, self.coming
+        found = len(hashes)
         for k, h in enumerate(hashes):
             if h not in coming and h not in held:
-                return k
-        return len(hashes)
+                found = k
+                break
+        if self.window is None:
+            return found
+        windows, coming, size = self.windows, self.coming_windows, self.block_size
+        usable = run = 0  # run: kept blocks ending at block k - 1
+        for k, h in enumerate(hashes[:found], 1):
+            run = run + 1 if h in windows or h in coming else 0
+            if run >= k - max(0, k * size + 1 - self.window) // size:
+                usable = k
+        return usable
 
-    def add_coming(self, hashes: list[int]) -> None:
+    def add_coming(self, hashes: list[int], prompt_len: int) -> list[int]:
+        """A prompt of ``prompt_len`` tokens (its block ``hashes``) on its way here; returns the
+        blocks of the window it will keep, for ``drop_coming``."""
         self.coming.update(hashes)
+        windows = ([] if self.window is None
+                   else hashes[max(0, prompt_len - self.window) // self.block_size :])
+        self.coming_windows.update(windows)
+        return windows
 
-    def drop_coming(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self.coming[h] -= 1
-            if self.coming[h] <= 0:
-                del self.coming[h]
+    def drop_coming(self, hashes: list[int], windows: list[int]) -> None:
+        for counts, dropped in ((self.coming, hashes), (self.coming_windows, windows)):
+            for h in dropped:
+                counts[h] -= 1
+                if counts[h] <= 0:
+                    del counts[h]
+
+    def drop_all_coming(self) -> None:
+        self.coming.clear()
+        self.coming_windows.clear()

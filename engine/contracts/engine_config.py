@@ -291,8 +291,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         refused = {"--host-cache-gb": self.host_cache_gb > 0,
                    "--disk-cache-dir": self.disk_cache_dir is not None,
-                   "--kv-events-endpoint": self.kv_events_endpoint is not None,
-                   "--dp-size > 1": self.dp_size > 1,
                    "--tp-size > 1": self.tp_size > 1,
                    "--attention-backend flashinfer": self.attention_backend == "flashinfer",
                    "--enable-cuda-graph": self.enable_cuda_graph}
@@ -301,6 +299,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"--sliding-kv-ratio cannot be combined with {name} yet: "
                                  "that path does not hold the sliding-window layers' pages "
                                  "apart (serve with --sliding-kv-ratio 0)")
+        if self.kv_events_block != self.page_size:
+            # the events name each page whose window the tree keeps (scheduler/kv_events.py)
+            raise ValueError(f"--sliding-kv-ratio publishes KV events in blocks of one page: "
+                             f"--kv-events-block-size must be --page-size ({self.page_size}) "
+                             f"or left out, got {self.kv_events_block}")
 
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

@@ -18,6 +18,19 @@ event a map tagged ``"type"`` (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksC
 non-empty namespace (cache salt) rides in ``extra_keys`` of the path's first block, as vLLM
 sends its cache salt. ``medium`` is ``"GPU"``, vLLM's name for the device tier, on any device,
 or ``"CPU"`` for the host tier, the name vLLM's KV offloading gives its CPU blocks.
+
+Sliding-window layers in pages of their own (``--sliding-kv-ratio``): as vLLM's hybrid KV
+cache publishes each KV cache group apart, the events then carry ``group_idx`` (0: the full
+attention layers, ``kv_cache_spec_kind`` ``"full_attention"``; 1: the sliding-window layers,
+``"sliding_window"`` with ``kv_cache_spec_sliding_window`` W) over the same block hashes. A
+block of group 0 is stored when the tree caches it and removed when it leaves; a block of group
+1 is stored when the tree keeps its sliding KV (a window where a prompt or a request ended) and
+removed when that window is dropped while the full KV may stay. A match of ``m`` tokens is
+usable only where the window before it is held in group 1 (radix/windows.py,
+``usable_length``), so a consumer that keeps both groups computes the engine's match exactly
+(tokenizer_worker/replica_cache.py does); one that ignores ``group_idx`` reads a group 1
+removal as the block's, and sees matches no longer than the engine's. Without sliding pages
+the three fields are absent.
 """
 
 from __future__ import annotations
@@ -31,6 +44,9 @@ import numpy as np
 
 MEDIUM = "GPU"
 HOST_MEDIUM = "CPU"
+# KV cache groups under --sliding-kv-ratio, with vLLM's kinds
+FULL_GROUP, SLIDING_GROUP = 0, 1
+FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -42,11 +58,15 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     medium: str | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

@@ -41,7 +41,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -52,10 +52,15 @@ from radix.eviction import POLICIES
 from radix.sliding import SlidingKV
 from scheduler.policy import long_uncached, shared_head
 
-if TYPE_CHECKING:
-    from engine.profiler.sliding import SlidingPools
-
 _FINGERPRINT = "00" * 16  # the disk model's block names need one; any will do
+
+
+class TreeMaker(Protocol):
+    """What makes the replay's tree instead of ``_Tree``: sliding-window layers' pools
+    (engine/profiler/sliding.py's ``SlidingPools``)."""
+
+    def tree(self, num_pages: int, page_size: int, policy: str, tiers: Tiers,
+             service: ServiceModel) -> _Tree: ...
 
 
 class CacheTooSmall(ValueError):
@@ -250,7 +255,7 @@ class _Replay:
 
     def __init__(self, requests: list[ReplayRequest], num_pages: int, page_size: int,
                  policy: str, service: ServiceModel, tiers: Tiers,
-                 sliding: SlidingPools | None = None) -> None:
+                 sliding: TreeMaker | None = None) -> None:
         self.requests = requests
         self.num_pages = num_pages
         self.service = service
@@ -418,7 +423,7 @@ class _Replay:
 def replay(requests: list[ReplayRequest], num_pages: int, page_size: int, policy: str = "lru",
            service: ServiceModel | None = None, tiers: Tiers | None = None,
            progress: Iterator[ReplayRequest] | None = None, label: str = "radix",
-           sliding: SlidingPools | None = None) -> CacheRun:
+           sliding: TreeMaker | None = None) -> CacheRun:
     """Replay ``requests`` (in arrival order) through a ``num_pages``-page radix cache (and the
     tiers below it; with ``sliding``, the sliding-window layers' pool beside it)."""
     state = _Replay(requests, num_pages, page_size, policy, service or ServiceModel(),

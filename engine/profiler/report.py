@@ -92,7 +92,8 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
 
     prompt = profile.prompt_tokens
     cached = profile.radix.cached
-    sliding = sliding_summary(profile, kv)
+    sliding = sliding_summary(profile.sliding, profile.radix, profile.full_kv, prompt,
+                              profile.num_pages, profile.page_size, kv)
     # with sliding-window layers, the two pools' bytes (a token of the full pool holds fewer
     # layers)
     radix_bytes = (sliding["bytes"]["full_pool"] + sliding["bytes"]["sliding_pool"]

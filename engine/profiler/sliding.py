@@ -20,6 +20,7 @@ prefill ends, before any later request is admitted.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.checkpoints.layer_windows import sliding_windows
 from engine.profiler.kv_bytes import GIB, model_file
-from engine.profiler.replay import CacheTooSmall, ServiceModel, Tiers, _Tree
+from engine.profiler.replay import CacheRun, CacheTooSmall, ServiceModel, Tiers, _Tree
 from radix import Lease, OutOfPages
 from radix.sliding import SlidingKV
 
 if TYPE_CHECKING:
     from engine.profiler.kv_bytes import KVBytes
-    from engine.profiler.simulate import Profile
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,14 @@ class SlidingLayers:
 
     @classmethod
     def of_windows(cls, windows: tuple[int | None, ...], source: str) -> SlidingLayers:
-        """From each layer's window (None: the whole context), as the engine reads them (its
-        pool's rule: one window, some layer sliding; the pool's module imports torch)."""
-        from engine.worker.kv_pool import sliding_layers
-
-        kinds, window = sliding_layers(windows, 1.0)
-        return cls(sum(kinds), len(kinds), window, source)
+        """From each layer's window (None: the whole context); the engine's pool takes one
+        window for every sliding layer."""
+        sizes = sorted({w for w in windows if w is not None})
+        if len(sizes) != 1:
+            raise ValueError(f"--sliding-kv-ratio replays a model whose sliding layers share one "
+                             f"window; {source} has " + (f"windows of {sizes}" if sizes else
+                                                         "no sliding-window layer"))
+        return cls(sum(w is not None for w in windows), len(windows), sizes[0], source)
 
     @classmethod
     def parse(cls, spec: str, window: int) -> SlidingLayers:
@@ -75,26 +78,27 @@ class SlidingLayers:
 
 
 def read_layers(path: str | Path) -> SlidingLayers:
-    """The sliding layers of a checkpoint directory or .gguf file, read as the engine reads
-    its config (engine/worker/model/config.py; a GGUF's metadata as engine/checkpoints/gguf.py
-    converts it); no weights are read."""
-    from engine.worker.model.config import ModelConfig
-
+    """The sliding layers of a checkpoint directory or .gguf file: its config.json (a GGUF's
+    metadata as engine/checkpoints/gguf.py converts it into one), its layers' windows as the
+    engine derives them (engine/checkpoints/layer_windows.py); no weights are read."""
     found = model_file(path)
-    if found.suffix == ".gguf":
-        from gguf import GGUFReader
+    try:
+        if found.suffix == ".gguf":
+            from gguf import GGUFReader
 
-        from engine.checkpoints.gguf import _Metadata
-        from engine.checkpoints.gguf_architectures import check_architecture, hf_config
+            from engine.checkpoints.gguf import _Metadata
+            from engine.checkpoints.gguf_architectures import check_architecture, hf_config
 
-        meta = _Metadata(GGUFReader(found), found)
-        architecture = meta.get("general.architecture")
-        check_architecture(architecture, found.name)
-        raw, _ = hf_config(meta, architecture, tied=True, vocab_size=1)
-        config = ModelConfig.from_dict(raw, source=str(found))
-    else:
-        config = ModelConfig.from_dir(found.parent)
-    return SlidingLayers.of_windows(config.sliding_windows, str(found))
+            meta = _Metadata(GGUFReader(found), found)
+            check_architecture(meta.get("general.architecture"), found.name)
+            raw, _ = hf_config(meta, meta.get("general.architecture"), tied=True, vocab_size=1)
+        else:
+            raw = json.loads(found.read_text(encoding="utf-8"))
+        architecture = (raw.get("architectures") or [""])[0]
+        windows = sliding_windows(raw, architecture, int(raw["num_hidden_layers"]))
+    except (OSError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot read the layers of {found}: {exc!r}") from None
+    return SlidingLayers.of_windows(windows, str(found))
 
 
 @dataclass(frozen=True)
@@ -201,24 +205,26 @@ class SlidingTree(_Tree):
                 "evicted_window_pages": self.tree.stats.sliding_evicted_pages}
 
 
-def sliding_summary(profile: Profile, kv: KVBytes | None) -> dict[str, Any] | None:
-    """The sliding-window section of the report (None without ``--sliding-kv-ratio``)."""
-    pools, radix, full_kv = profile.sliding, profile.radix, profile.full_kv
+def sliding_summary(pools: SlidingPools | None, radix: CacheRun, full_kv: CacheRun | None,
+                    prompt: np.ndarray, num_pages: int, page_size: int,
+                    kv: KVBytes | None) -> dict[str, Any] | None:
+    """The sliding-window section of the report (None without ``--sliding-kv-ratio``): the
+    replay with ``pools`` (``radix``, ``num_pages`` full pages) and ``full_kv``'s in the same
+    memory, on prompts of ``prompt`` tokens."""
     if pools is None or full_kv is None or radix.sliding is None:
         return None
-    prompt, page_size = profile.prompt_tokens, profile.page_size
     layers = pools.layers
     return {"ratio": pools.ratio, "window": layers.window, "sliding_layers": layers.num_sliding,
             "layers": layers.num_layers, "source": layers.source,
             "chunked_prefill_size": pools.chunk,
-            "full_pool_pages": profile.num_pages,
+            "full_pool_pages": num_pages,
             "sliding_pool_pages": radix.sliding["pages"],
             "sliding_peak_running_pages": radix.sliding["peak_pages"],
             "sliding_evicted_window_pages": radix.sliding["evicted_window_pages"],
             "hit_rate": radix.hit_rate(prompt),
             "full_kv_pages": full_kv.capacity_tokens // page_size,
             "full_kv_hit_rate": full_kv.hit_rate(prompt),
-            "bytes": None if kv is None else pools.pool_bytes(kv, profile.num_pages, page_size)}
+            "bytes": None if kv is None else pools.pool_bytes(kv, num_pages, page_size)}
 
 
 def sliding_lines(s: dict[str, Any]) -> list[str]:

@@ -11,13 +11,15 @@ a family fixes only what its transformers implementation does whatever the confi
     qwen3      config's     yes       2                    SiLU-gated   as stored    one
     gemma3     config's     yes       4 (1 + w, sandwich)  GELU-gated   x sqrt(h)    per layer kind
 
-Sliding windows differ by family too (``sliding_windows``).
+Sliding windows differ by family too (engine/checkpoints/layer_windows.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from engine.checkpoints.layer_windows import FULL, SLIDING
 
 
 @dataclass(frozen=True)
@@ -46,37 +48,7 @@ FAMILIES: dict[str, Family] = {
 }
 # the gate activations, by the names configs give them
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-SLIDING, FULL = "sliding_attention", "full_attention"
 
-
-def sliding_windows(raw: dict[str, Any], architecture: str, num_layers: int
-                    ) -> tuple[int | None, ...]:
-    """Each layer's window, as transformers has it: Mistral windows every layer when
-    ``sliding_window`` is set; Qwen2/3 the layers that ``layer_types`` (or
-    ``use_sliding_window`` + ``max_window_layers``) mark as sliding; Gemma 3 those
-    ``layer_types`` mark, or by default every layer but each sixth
-    (``sliding_window_pattern``); Llama never windows."""
-    window = raw.get("sliding_window")
-    if architecture == "LlamaForCausalLM" or not window:
-        return (None,) * num_layers
-    if architecture == "MistralForCausalLM":
-        return (int(window),) * num_layers
-    return tuple(int(window) if kind == SLIDING else None
-                 for kind in layer_types(raw, architecture, num_layers))
-
-
-def layer_types(raw: dict[str, Any], architecture: str, num_layers: int) -> list[str]:
-    """Each layer's kind (``SLIDING`` or ``FULL``), as transformers derives it."""
-    if raw.get("layer_types"):
-        return list(raw["layer_types"])
-    if architecture == "Gemma3ForCausalLM":
-        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
-                      or 6)
-        return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    if not raw.get("use_sliding_window", False):
-        return [FULL] * num_layers
-    first = int(raw.get("max_window_layers", 0))
-    return [SLIDING if i >= first else FULL for i in range(num_layers)]
 
 
 # Gemma3TextConfig's defaults where they differ from the generic ones

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.worker.model.architecture import ACTIVATIONS, FAMILIES, gemma_config, sliding_windows
+from engine.checkpoints.layer_windows import sliding_windows
+from engine.worker.model.architecture import ACTIVATIONS, FAMILIES, gemma_config
 
 # architecture name -> model_type, for checkpoints whose config lacks "architectures"
 SUPPORTED_ARCHITECTURES: dict[str, str] = {name: f.model_type for name, f in FAMILIES.items()}
