@@ -25,6 +25,7 @@ from engine.contracts.speculative import SpeculativeConfig
 from engine.server.metrics import FrontendState, Metrics
 from engine.worker.draft import check_same_vocabulary
 from scheduler.draft_model import DraftModelPolicy
+from scheduler.speculation import Speculator
 from tests.conftest_models import load_reference, write_checkpoint
 from tests.test_scheduler import Harness
 from tests.tokenizer_fixtures import byte_level_tokenizer, metaspace_tokenizer
@@ -59,6 +60,14 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {"target": target, "same": same, "near": near,
             "other": _model(root / "other", seed=1, num_hidden_layers=1),
             "foreign": _model(root / "foreign", seed=1, tokenizer=metaspace_tokenizer())}
+
+
+@pytest.fixture(autouse=True)
+def untimed_steps(monkeypatch):
+    """The steps' times are not fed to the drafting rules (their priors decide), so which
+    drafts run does not hang on how loaded the machine is; the rules' use of measured times
+    is tested on given ones."""
+    monkeypatch.setattr(Speculator, "step_took", lambda self, entries, seconds: None)
 
 
 def spec(model: str, k: int = 4, **extra) -> str:
@@ -97,6 +106,25 @@ def test_greedy_outputs_are_those_without_a_draft(models, draft, page_size):
         assert s.model.accepted_tokens == s.model.drafted_tokens
     if draft == "other":
         assert s.model.accepted_tokens < s.model.drafted_tokens
+
+
+def test_drafts_that_stop_early_leave_no_verify_rows(models, monkeypatch):
+    """Four drafts asked each step, made only while the draft is 95% sure: the verify rows
+    of drafts never made are dropped from the model's step; greedy and seeded outputs are
+    those without a draft."""
+    monkeypatch.setattr(DraftModelPolicy, "drafts_for",
+                        lambda self, seq, room, num_running: min(4, room))
+    requests = workload(seed=4, count=3)
+    requests.update({f"s{i}": (np.random.default_rng(20 + i).integers(3, VOCAB, 9).tolist(),
+                               SamplingParams(max_tokens=20, temperature=0.8, seed=i,
+                                              ignore_eos=True)) for i in range(2)})
+    base = run(models["target"], requests, page_size=4, num_pages=300)
+    h = run(models["target"], requests, page_size=4, num_pages=300,
+            speculative_config=spec(models["near"], draft_min_token_prob=0.95))
+    assert h.outputs == base.outputs
+    assert h.worker.draft.rows_trimmed > 0
+    model = h.sched.speculator.model
+    assert 0 < model.accepted_tokens < model.drafted_tokens
 
 
 def test_the_option_takes_a_model_and_refuses_what_it_cannot_run_with(models):
@@ -172,10 +200,13 @@ def watch_draft_reads(h: Harness) -> list[int]:
     return read
 
 
-def test_the_drafts_kv_sits_in_the_targets_pages_and_prefix_hits_serve_both(models):
+def test_the_drafts_kv_sits_in_the_targets_pages_and_prefix_hits_serve_both(models,
+                                                                            monkeypatch):
     """The first request's prompt and outputs cached; the second shares its prompt's head: a
     prefix hit for the target is one for the draft (its drafts, from cached KV, are all
-    accepted). The draft's pool holds the target's KV in every cached page."""
+    accepted; the draft model's taken over the cache's, whatever the steps' times). The
+    draft's pool holds the target's KV in every slot it computed."""
+    monkeypatch.setattr(Speculator, "_cache_rate", lambda self, seq, count, n: 0.0)
     rng = np.random.default_rng(7)
     head = rng.integers(3, VOCAB, 40).tolist()
     first = {"a": (head + [5, 6], SamplingParams(max_tokens=30, temperature=0.0,
@@ -319,6 +350,7 @@ def test_sequences_not_drafting_cost_the_draft_nothing_and_drafting_resumes(mode
     from engine.worker import draft as draft_module
 
     monkeypatch.setattr(draft_module, "CATCH_UP_CHUNK", 7)
+    monkeypatch.setattr(Speculator, "_cache_rate", lambda self, seq, count, n: 0.0)
     drafts_for = DraftModelPolicy.drafts_for
     enabled = [False]
     monkeypatch.setattr(DraftModelPolicy, "drafts_for", lambda self, seq, room, n: (

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import msgspec
@@ -189,6 +189,7 @@ class DraftModel:
         self.slots = DraftSlots(num_pages, c.page_size)
         self._step: _Drafting | None = None
         self.tokens_computed = 0  # tokens the draft's forwards ran, catching up included
+        self.rows_trimmed = 0  # verify rows of drafts never made, dropped from the steps
 
     def propose(self, step: BatchInput) -> None:
         """The step's page moves in the draft's pool, and the drafts of the sequences its
@@ -257,6 +258,60 @@ class DraftModel:
             made, k = drafting.drafts[n], int(draft_lens[i])
             first = int(starts[i] + step.extend_lens[i]) - k
             step.input_ids[first : first + k] = made + made[-1:] * (k - len(made))
+
+    def trimmed(self, step: BatchInput) -> tuple[BatchInput, np.ndarray | None]:
+        """``step`` (after ``propose``) without the placeholders no draft filled (a sequence
+        whose draft stopped early: the verify rows of drafts never made), and which of its
+        logits rows the trimmed step keeps (None: ``step`` itself, nothing to trim). Their
+        samples are never read (a verification accepts at most the drafts made), nor their
+        KV (past the kept tokens)."""
+        drafting = self._step
+        if drafting is None or not drafting.seqs:
+            return step, None
+        unused = np.zeros(step.num_seqs, np.int64)
+        for n, i in enumerate(drafting.seqs):
+            unused[i] = int(step.draft_lens[i]) - len(drafting.drafts[n])
+        if not unused.any():
+            return step, None
+        self.rows_trimmed += int(unused.sum())
+        ends = np.cumsum(step.extend_lens)
+        tokens = np.ones(step.num_tokens, bool)
+        for i in np.flatnonzero(unused).tolist():
+            tokens[ends[i] - unused[i] : ends[i]] = False
+        rows = step.resolved_logits_rows()
+        keep = np.flatnonzero(tokens[rows])
+        seq_lens = step.seq_lens - unused
+        needed = -(-seq_lens // self.page_size)
+        pages = np.concatenate([np.arange(a, a + n) for a, n in
+                                zip(step.page_indptr[:-1].tolist(), needed.tolist())])
+        per_token = ("input_ids", "positions", "out_slots") + (
+            ("swa_out_slots",) if len(step.swa_out_slots) else ())
+        return msgspec.structs.replace(
+            step, **{name: np.asarray(getattr(step, name))[tokens] for name in per_token},
+            extend_lens=(step.extend_lens - unused).astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            page_indptr=np.concatenate([[0], np.cumsum(needed)]).astype(np.int32),
+            page_indices=step.page_indices[pages],
+            swa_page_indices=(step.swa_page_indices[pages] if len(step.swa_page_indices)
+                              else step.swa_page_indices),
+            logits_rows=((np.cumsum(tokens) - 1)[rows[keep]]).astype(np.int32),
+            draft_lens=(step.draft_lens - unused).astype(np.int32)), keep
+
+    @staticmethod
+    def untrimmed(out, keep: np.ndarray | None, num_rows: int):
+        """The sampler's ``out`` of a trimmed step (``trimmed``'s ``keep``) at the full step's
+        ``num_rows`` logits rows: the rows it dropped hold zeros."""
+        if keep is None:
+            return out
+        wide = {}
+        for f in fields(out):
+            value = getattr(out, f.name)
+            if isinstance(value, np.ndarray):
+                full = np.zeros((num_rows, *value.shape[1:]), value.dtype)
+                full[keep] = value
+                value = full
+            wide[f.name] = value
+        return replace(out, **wide)
 
     def settle(self, step: BatchInput, sampled: np.ndarray, result: BatchResult) -> None:
         """After the sampler: the step's drafts into ``result``."""

@@ -132,14 +132,19 @@ class Worker:
             # Raised after the forward: the batch's page moves (copies down to the host tier,
             # loads, copy-on-write) must run, since the scheduler's tree already counts on them.
             grammar_failure = exc
+        prompt_rows = unpack_ids(msg.prompt_rows)
+        sampling, keep = msg.sampling, None
         if self.draft is not None:
             self.draft.propose(step)  # its page moves and forwards; the drafts into the step
-        prompt_rows = unpack_ids(msg.prompt_rows)
+            if not len(prompt_rows) and masks is None:  # their rows are the full step's
+                step, keep = self.draft.trimmed(step)  # no verify rows of drafts not made
+                if keep is not None:
+                    sampling = [msg.sampling[r] for r in keep.tolist()]
         if len(prompt_rows):
             # Prompt logprobs: the logits of those rows too, after the sampled rows'.
             step.logits_rows = np.concatenate([step.resolved_logits_rows(), prompt_rows])
         logits = self._forward(msg, step)
-        rows = [_row_state(row) for row in msg.sampling]
+        rows = [_row_state(row) for row in sampling]
         if grammar_failure is not None:
             raise grammar_failure
         prompt_logits = None
@@ -149,6 +154,8 @@ class Worker:
         if masks is not None and masks.rows:
             allowed = masks.rows, self.grammars.allowed(masks, logits.device, logits.shape[-1])
         out = sample(logits, rows, allowed)
+        if keep is not None:
+            out = self.draft.untrimmed(out, keep, len(msg.sampling))
         self.last_tokens = out.token_ids.astype(np.int32, copy=False)
         result = BatchResult(
             batch_id=msg.batch_id,
