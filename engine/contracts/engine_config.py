@@ -291,7 +291,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         refused = {"--host-cache-gb": self.host_cache_gb > 0,
                    "--disk-cache-dir": self.disk_cache_dir is not None,
-                   "--tp-size > 1": self.tp_size > 1,
                    "--attention-backend flashinfer": self.attention_backend == "flashinfer",
                    "--enable-cuda-graph": self.enable_cuda_graph}
         for name, given in refused.items():

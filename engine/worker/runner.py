@@ -187,11 +187,12 @@ class ModelRunner:
         self.num_pages, how = self._size_pool(
             page_bytes + draft_page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes),
             c.num_pages, c.kv_cache_gb, c.mem_fraction)
-        self.num_sliding_pages = self._sliding_pages(c, sliding_bytes)
         self.num_host_cache_pages = int(c.host_cache_gb * 2**30) // page_bytes
         if self.tp is not None:
             self.num_pages = self.tp.agree_min(self.num_pages)
             self.num_host_cache_pages = self.tp.agree_min(self.num_host_cache_pages)
+        # from the pages every rank agreed on: each rank's sliding pool has the same pages
+        self.num_sliding_pages = self._sliding_pages(c, sliding_bytes)
         if c.host_cache_gb and not self.num_host_cache_pages:
             raise ValueError(f"--host-cache-gb {c.host_cache_gb} holds no page of "
                              f"{page_bytes} bytes; give at least {page_bytes / 2**30:.6f}")
@@ -220,9 +221,9 @@ class ModelRunner:
         a prompt chunk and its window at least."""
         if not sliding_bytes:
             return 0
-        if self.graph_max_batch or self.tp is not None:
-            raise ValueError("--sliding-kv-ratio does not run with CUDA graphs or tensor "
-                             "parallel yet: give --enable-cuda-graph false and --tp-size 1")
+        if self.graph_max_batch:
+            raise ValueError("--sliding-kv-ratio does not run with CUDA graphs yet: give "
+                             "--enable-cuda-graph false")
         pages = int(c.sliding_kv_ratio * self.num_pages)
         least = -(-(c.chunked_prefill_size + self.sliding_window) // c.page_size) + 2
         if pages < least:
