@@ -9,6 +9,7 @@ through the radix tree (offline) or against an OpenAI-compatible server (live).
     baselines.py    whole-block hash caching (vLLM's scheme)
     attribution.py  misses split into cold, evicted, short heads and block granularity
     kv_bytes.py     bytes per cached token from a model's shape: sizes in GiB, int8 vs 16-bit
+    sliding.py      sliding-window layers' own pool beside the cache (--sliding-kv-ratio)
     report.py       terminal tables, CSV (per request, session, namespace, window) and JSON
     plots.py        PNG plots
     live.py         replay against a server; measured hit rate and TTFT
