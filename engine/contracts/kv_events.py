@@ -28,9 +28,10 @@ block of group 0 is stored when the tree caches it and removed when it leaves; a
 removed when that window is dropped while the full KV may stay. A match of ``m`` tokens is
 usable only where the window before it is held in group 1 (radix/windows.py,
 ``usable_length``), so a consumer that keeps both groups computes the engine's match exactly
-(tokenizer_worker/replica_cache.py does); one that ignores ``group_idx`` reads a group 1
-removal as the block's, and sees matches no longer than the engine's. Without sliding pages
-the three fields are absent.
+(tokenizer_worker/replica_cache.py does). One that ignores ``group_idx`` (the gRPC relay to
+smg passes the events on as they are) holds the cached blocks less those whose window was
+dropped: a match it counts may end where no window is kept, longer than the engine's. Without
+sliding pages the three fields are absent.
 """
 
 from __future__ import annotations
