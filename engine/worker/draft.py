@@ -20,7 +20,8 @@ has not computed, and a prefix the draft did compute is cached for it as for the
 
     the step's tokens   t  _  _  _         t: the last sampled token; _: placeholders
     draft forwards      [missing..]t->d0  d0->d1  d1->d2   (the first catches up, then decodes)
-    target's verify     t  d0 d1 d2        placeholders filled; the unused ones padding
+    target's verify     t  d0 d1 d2        placeholders filled; those of drafts not made
+                                           dropped from the step (``trimmed``)
 
 Drafts are the draft's argmax (a point mass: the verify step's rule then keeps the target's
 distribution, scheduler/speculation.py). A sequence's drafts end once the draft's probability
