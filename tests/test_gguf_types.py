@@ -110,13 +110,13 @@ def transformers_model(path: Path):
 
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
-def test_q5_files_decode_like_transformers_dense_and_in_8_bit_blocks(tmp_path, kind):
+def test_q5_files_decode_like_transformers_dense_and_in_their_blocks(tmp_path, kind):
     """Q5_0 and Q5_1 (their weights' exactness: tests/test_gguf.py's per-type test) decode as
-    transformers does under --quantization none and, widened without loss to Q8_0's and
-    int8's 8-bit blocks, under auto (8-bit weights get two activation digits)."""
+    transformers does under --quantization none and, held without loss in Q5_0's own 5-bit
+    blocks and int8's 8-bit ones (Q5_1's), under auto (both get two activation digits)."""
     path = write_gguf(tmp_path / f"{kind}.gguf", Q[kind])
     directory = gguf_checkpoint(path, tmp_path / "cache")
-    widened = {"Q5_0": "q8_0", "Q5_1": "int8"}[kind]
+    widened = {"Q5_0": "q5_0", "Q5_1": "int8"}[kind]
     assert set(read_formats(directory / FILE).values()) == {widened}
     oracle = transformers_model(path)
     greedy(directory, oracle, quantization="none")
@@ -167,8 +167,8 @@ def test_k_quants_are_served_in_their_own_blocks(k_quants):
 
 def mixed(name: str) -> str:
     """Fused projections whose parts differ in type: the first layer's q/k Q4_K beside v Q6_K
-    (Q4_K_M's mix) and gate Q4_K beside up Q6_K; the second's q Q8_0, k Q6_K, v Q5_0 (Q8_0's
-    blocks once converted: three runs of two formats) and gate Q5_0 beside up Q4_1."""
+    (Q4_K_M's mix) and gate Q4_K beside up Q6_K; the second's q Q8_0, k Q6_K, v Q5_0 (three
+    runs of three formats) and gate Q5_0 beside up Q4_1."""
     kinds = {"blk.0.ffn_up.weight": "Q6_K", "blk.1.attn_q.weight": "Q8_0",
              "blk.1.attn_k.weight": "Q6_K", "blk.1.attn_v.weight": "Q5_0",
              "blk.1.ffn_gate.weight": "Q5_0", "blk.1.ffn_up.weight": "Q4_1"}
@@ -190,12 +190,12 @@ def test_fused_projections_of_mixed_types_stay_in_their_blocks(tmp_path):
     for layer in runner.model.layers:
         assert set(layer.quantized) == {"qkv", "o", "gate_up", "down"}
     assert runner.weight_formats["float32"] == (2 * LAYERS + 1) * HIDDEN * 4  # the norms
-    assert set(runner.weight_formats) == {"q4_k", "q6_k", "q8_0", "q4_1", "float32"}
+    assert set(runner.weight_formats) == {"q4_k", "q6_k", "q8_0", "q5_0", "q4_1", "float32"}
     first, second = runner.model.layers
     assert [first.quantized[name].format for name in ("qkv", "gate_up")] == [
         "q4_k+q6_k", "q4_k+q6_k"]
     assert [second.quantized[name].format for name in ("qkv", "gate_up")] == [
-        "q8_0+q6_k+q8_0", "q8_0+q4_1"]
+        "q8_0+q6_k+q5_0", "q5_0+q4_1"]
     assert relative_error(got, dense) < 0.1
 
     blocks = load_file(str(directory / FILE))
@@ -221,7 +221,7 @@ def test_fused_projections_of_mixed_types_stay_in_their_blocks(tmp_path):
 
     ranks = run_ranks(2, lambda tp: forward(str(directory), tp))
     for _, rank in ranks:  # each rank's rows of every part, in the same blocks
-        assert rank.model.layers[1].quantized["qkv"].format == "q8_0+q6_k+q8_0"
+        assert rank.model.layers[1].quantized["qkv"].format == "q8_0+q6_k+q5_0"
         assert rank.model.layers[1].quantized["qkv"].rows == (HEADS + 2 * KV_HEADS) * HEAD_DIM // 2
     assert relative_error(ranks[0][0], got) < 0.05
 

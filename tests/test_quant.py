@@ -33,7 +33,7 @@ from tests.test_cpu_kernels import load_variants
 # multiple of the interleaving, one block, an odd number of blocks.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576),
           (33, 96), (7, 32), (40, 160), (17, 224)]
-FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8", "int4"]
+FORMATS = ["q8_0", "q5_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8", "int4"]
 K_QUANTS = {"Q4_K": 144, "Q6_K": 210}  # bytes of a 256-weight super-block
 
 
@@ -149,15 +149,20 @@ def test_dequantizing_rows_gives_the_formats_numbers(variants, fmt):
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-def test_gguf_blocks_keep_their_numbers(kind):
+def test_gguf_blocks_keep_their_numbers(variants, kind):
     """A GGUF tensor's blocks, split into values, scales and minimums (Q5_0's and Q5_1's
-    widened to 8 bits), stand for exactly what the gguf package dequantizes them to."""
+    values in int8), stand for exactly what the gguf package dequantizes them to, and the
+    kernel's layout of them (Q5_0 in 5 bits) gives them too, in every build."""
     dense = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
     blocks = gguf_quantize(dense, GGMLQuantizationType[kind])
     packed = from_gguf(kind, blocks)
-    assert packed.format == {"Q5_0": "q8_0", "Q5_1": "int8"}.get(kind, kind.lower())
+    assert packed.format == {"Q5_1": "int8"}.get(kind, kind.lower())
     want = dequantize(blocks, GGMLQuantizationType[kind])
     assert np.array_equal(packed.dequantize().numpy(), want.astype(np.float64))
+    for name, ops in variants.items():
+        kernel = ops.quant_repack(*packed.repack_args())
+        got = ops.dequantize_weight(*kernel, packed.bits, 24, torch.arange(24), torch.float32)
+        assert np.array_equal(got.numpy(), want), name
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])

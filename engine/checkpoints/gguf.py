@@ -23,7 +23,7 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks become float32 (a block's f16
 small integer needs more mantissa than 16 bits hold, so nothing narrower is exact); F16, BF16
 and F32 tensors are kept as stored. Any other tensor type (Q2_K, Q3_K, Q5_K, the IQ types) is
 refused before anything is written, with its name. The quantized tensors are also kept as
-they are, split into values, scales and minimums (Q5_0 and Q5_1 widened to 8 bits, the
+they are, split into values, scales and minimums (Q5_0's and Q5_1's values in int8, the
 K-quants' super-blocks into blocks of 32 with their integer scales and the super-block's
 float16 ones).
 
@@ -68,7 +68,7 @@ from engine.checkpoints.quant_formats import FILE as QUANTIZED_FILE
 from engine.checkpoints.quant_formats import GGUF_TYPES, PackedWeight, from_gguf
 from engine.checkpoints.quant_formats import write as write_quantized
 
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4  # 4: Q5_0 tensors in their own format, q5_0 (was q8_0)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 SHARD_BYTES = 1 << 30
 REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "source.json")

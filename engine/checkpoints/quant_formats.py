@@ -3,7 +3,8 @@ a checkpoint's ``quantized.safetensors`` and read by the worker's kernels
 (engine/worker/csrc/quant_linear.cpp)::
 
     format  bits  per block of 32 weights along a row        w =           from
-    q8_0    8     32 int8 q, float16 scale d                 d * q         GGUF Q8_0; Q5_0
+    q8_0    8     32 int8 q, float16 scale d                 d * q         GGUF Q8_0
+    q5_0    5     32 int8 q in -16..15, float16 d            d * q         GGUF Q5_0
     q4_0    4     16 bytes of nibbles, float16 d             d * (q - 8)   GGUF Q4_0
     q4_1    4     16 bytes of nibbles, float16 d and m       d * q + m     GGUF Q4_1
     q4_k    4     16 bytes of nibbles, uint8 sc and mn,      D * sc * q    GGUF Q4_K
@@ -14,8 +15,9 @@ a checkpoint's ``quantized.safetensors`` and read by the worker's kernels
                                                                            GGUF Q5_1
     int4    4     as q4_1 (a group's minimum and step)       d * q + m     --quantization int4
 
-Every GGUF type is kept losslessly. Q5_0's 5-bit values widen to Q8_0's int8 (q - 16, the same
-d) and Q5_1's to int8's (q with its d and m), which the 8-bit loops read unchanged. The
+Every GGUF type is kept losslessly. Q5_0's 5-bit values are held as int8 (q - 16, the same d)
+here and in 5 bits by the kernel's layout (csrc/quant_layout.h); Q5_1's widen to int8's (q with
+its d and m), which the 8-bit loops read unchanged. The
 K-quants keep their two levels of scales: a 256-weight super-block's float16 D (and Q4_K's
 Dmin) over 6-bit sub-block scales sc and minimums mn (Q4_K, one each per 32 weights) or int8
 scales (Q6_K, one per 16; its values q - 32, held in int8 here and in 6 bits by the kernel's
@@ -49,7 +51,8 @@ import torch
 BLOCK = 32
 # bits a weight's value takes in the kernel's layout; a checkpoint holds 4-bit values two a
 # byte and the others in int8 (``stored_bits``)
-BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q4_k": 4, "q6_k": 6, "int8": 8, "int4": 4}
+BITS = {"q8_0": 8, "q5_0": 5, "q4_0": 4, "q4_1": 4, "q4_k": 4, "q6_k": 6, "int8": 8,
+        "int4": 4}
 WITH_MINS = ("q4_1", "q4_k", "int8", "int4")
 # the K-quants' sub-block scales (and Q4_K's minimums): small integers under super_scales
 # (and super_mins), one float16 a block
@@ -57,7 +60,7 @@ INTEGER_SCALES = {"q4_k": torch.uint8, "q6_k": torch.int8}
 SCALES_PER_BLOCK = {"q6_k": 2}  # one scale for each 16 weights
 PARTS = ("qweight", "scales", "mins", "super_scales", "super_mins")
 FILE = "quantized.safetensors"
-GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q8_0", "Q5_1": "int8",
+GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "int8",
               "Q4_K": "q4_k", "Q6_K": "q6_k"}
 # bytes of one GGUF block: (weights, bytes)
 _GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),

@@ -7,13 +7,14 @@
 //           by signed bytes), q as int8 where it is 8 (AVX2)
 //   bits 4: [8 k-quads][kRows / 2][4] bytes: rows 0 .. kRows/2 - 1 in the low nibbles, the
 //           others in the high
-//   bits 6: q + 32 (0..63): its low 4 bits as a 4-bit block, then its high 2 bits,
-//           [8 k-quads][kRows / 4][4] bytes: the rows r of quarter r / (kRows / 4) in bits
-//           2 (r / (kRows / 4)), + 1 of byte ((quad * kRows / 4 + r % (kRows / 4)) * 4 + k)
+//   bits 6, 5: q + 32 (0..63) or q + 16 (0..31): its low 4 bits as a 4-bit block, then its
+//           h = bits - 4 high bits in planes, [8 k-quads][kRows h / 8][4] bytes: with
+//           span = kRows h / 8 rows, row r's h bits of element 4 quad + k are bits
+//           h (r / span) .. h (r / span) + h - 1 of byte ((quad * span + r % span) * 4 + k)
 //
 // so that one k-quad's vector of kRows x 4 bytes is, for 4-bit values, its bytes and their
-// high nibbles side by side, and the 2-bit planes' bytes repeated once per quarter of the
-// vector, each quarter shifting its own 2 bits into place.
+// high nibbles side by side, and for 6- and 5-bit ones the planes' bytes repeated once per
+// 8 / h parts of the vector, each part shifting its own h bits into place.
 #pragma once
 
 #include "ops.h"
@@ -33,14 +34,17 @@ constexpr int kOffset8 = 0;  // the sign trick needs int8 weights signed
 constexpr int64_t kRows = 16;
 constexpr int kOffset8 = 128;
 #endif
-constexpr int kOffset6 = 32;  // 6-bit values are stored unsigned in every build
+constexpr int kOffset6 = 32;  // 6- and 5-bit values are stored unsigned in every build
+constexpr int kOffset5 = 16;
 
 inline int64_t group_bytes(int bits) { return kQuads * kRows * 4 * bits / 8; }
-// Where a 6-bit block's 2-bit planes start: after its low 4 bits, laid out as a 4-bit block.
+// Where a 6- or 5-bit block's planes start: after its low 4 bits, laid out as a 4-bit block.
 constexpr int64_t kNibbleBytes = kQuads * kRows * 2;
 
 // What a stored value's offset is: the integer q is stored - offset_of(bits).
-inline int offset_of(int bits) { return bits == 8 ? kOffset8 : bits == 6 ? kOffset6 : 0; }
+inline int offset_of(int bits) {
+  return bits == 8 ? kOffset8 : bits == 6 ? kOffset6 : bits == 5 ? kOffset5 : 0;
+}
 
 // How a weight's scales and minimums are held: float16, or a K-quant's small integers under
 // its super-block's float16.
@@ -63,12 +67,14 @@ inline int32_t value_in(const uint8_t* block, int bits, int64_t r, int64_t e) {
     const int32_t stored = block[(quad * kRows + r) * 4 + byte];
     return kOffset8 ? stored - kOffset8 : static_cast<int8_t>(stored);
   }
-  const int64_t half = kRows / 2, quarter = kRows / 4;
+  const int64_t half = kRows / 2;
   int32_t stored = (block[(quad * half + r % half) * 4 + byte] >> (r < half ? 0 : 4)) & 15;
   if (bits == 4) return stored;
-  const uint8_t planes = block[kNibbleBytes + (quad * quarter + r % quarter) * 4 + byte];
-  stored |= ((planes >> (2 * (r / quarter))) & 3) << 4;
-  return stored - kOffset6;
+  const int high = bits - 4;
+  const int64_t span = kRows * high / 8;
+  const uint8_t planes = block[kNibbleBytes + (quad * span + r % span) * 4 + byte];
+  stored |= ((planes >> (high * (r / span))) & ((1 << high) - 1)) << 4;
+  return stored - offset_of(bits);
 }
 
 // Writes q (in range for ``bits``) as element e of row lane r into a zeroed block.
@@ -79,12 +85,14 @@ inline void put_value(uint8_t* block, int bits, int64_t r, int64_t e, int32_t q)
     return;
   }
   const int32_t stored = q + offset_of(bits);
-  const int64_t half = kRows / 2, quarter = kRows / 4;
+  const int64_t half = kRows / 2;
   block[(quad * half + r % half) * 4 + byte] |=
       static_cast<uint8_t>((stored & 15) << (r < half ? 0 : 4));
-  if (bits == 6) {
-    block[kNibbleBytes + (quad * quarter + r % quarter) * 4 + byte] |=
-        static_cast<uint8_t>((stored >> 4) << (2 * (r / quarter)));
+  if (bits != 4) {
+    const int high = bits - 4;
+    const int64_t span = kRows * high / 8;
+    block[kNibbleBytes + (quad * span + r % span) * 4 + byte] |=
+        static_cast<uint8_t>((stored >> 4) << (high * (r / span)));
   }
 }
 
@@ -139,8 +147,8 @@ inline int32_t value_at(const Weights& w, int64_t g, int64_t b, int64_t r, int64
 // The repacked weight quant_repack returned, checked against the layout.
 inline Weights describe(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
                  const at::Tensor& supers, int64_t bits, int64_t N) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "quant_linear: bits must be 4, 6 or 8, got ",
-              bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "quant_linear: bits must be 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous() &&
                   qweight.scalar_type() == at::kByte && qweight.size(2) == group_bytes(bits),
               "quant_linear: qweight from quant_repack expected");

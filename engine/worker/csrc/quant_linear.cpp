@@ -3,6 +3,7 @@
 //
 //   bits 8: w = d * q (+ m), q int8         (GGUF Q8_0, Q5_0; int8 and Q5_1 with m)
 //   bits 6: w = d * q, q in -32..31         (GGUF Q6_K)
+//   bits 5: w = d * q, q in -16..15         (GGUF Q5_0)
 //   bits 4: w = d * q + m, q in 0..15       (GGUF Q4_1, Q4_K, int4; GGUF Q4_0 is m = -8 d)
 //
 // with d and m float16 per block, or for the K-quants two levels: d = D * sc and m = Dmin' * mn,
@@ -10,7 +11,7 @@
 // and D, Dmin' (= -Dmin) their 256-weight super-block's float16, the scales' dtype saying which.
 // The loops form D * sc in float32, which holds it exactly (11 bits times at most 8), so the
 // weights are the file's numbers while a Q4_K block costs 2 bytes of scales, not 8 as float32
-// d and m. 8- and 6-bit weights may have no m, and may have two d per block, one for each 16
+// d and m. 8-, 6- and 5-bit weights may have no m, and may have two d per block, one for each 16
 // weights (Q6_K): their halves' integer sums are then scaled apart. quant_repack
 // (quant_repack.cpp) lays a checkpoint's blocks out once for these loops, kRows output rows
 // interleaved (quant_layout.h), so that a block of 32 is 8 vectors of the same 4 consecutive k
@@ -26,11 +27,11 @@
 // A block's products for kRows outputs are 8 integer
 // multiply-adds of the unpacked weights by one row's 4 bytes broadcast (AVX-512 VNNI: 64
 // products in one vpdpbusd, which multiplies unsigned by signed bytes: 4-bit values are
-// unsigned as stored, int8 ones are stored offset by 128 and 6-bit ones by 32, whose excess
-// offset * sum(qx) is taken off per block), scaled by d * dx into a float accumulator per
-// output; the minimum adds m times the block's exact float sum of x. AVX2 (8 rows;
-// vpmaddubsw, int8 weights signed with the sign trick, 6-bit ones unsigned) and the portable
-// build (plain loops over the AVX-512 layout) compute the same.
+// unsigned as stored, int8 ones are stored offset by 128, 6-bit ones by 32 and 5-bit ones by
+// 16, whose excess offset * sum(qx) is taken off per block), scaled by d * dx into a float
+// accumulator per output; the minimum adds m times the block's exact float sum of x. AVX2 (8 rows;
+// vpmaddubsw, int8 weights signed with the sign trick, 6- and 5-bit ones unsigned) and the
+// portable build (plain loops over the AVX-512 layout) compute the same.
 // Up to kTile activation rows share each unpacked block. Outputs are split across threads by
 // row group, so a row's result does not depend on the batch it rides in.
 // Registered as torch.ops.radixserve.quant_linear / quant_linear_isa.
@@ -85,10 +86,12 @@ inline __m512 load_lanes(const Weights& w, const void* p, int64_t at, int64_t g,
 template <int R, int Halves>
 void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m512* acc) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0f), two_bits = _mm512_set1_epi8(0x30);
-  // 6-bit: each quarter of the vector (4 rows) rotates its 2 bits of the planes' byte into
-  // bits 4 and 5 (quant_layout.h)
-  const __m512i rotate = _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62);
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  // 6-bit (5-bit): each quarter (eighth) of the vector, 4 (2) rows, rotates its 2 bits (1 bit)
+  // of the planes' byte into bits 4 and 5 (bit 4) (quant_layout.h)
+  const __m512i high_bits = _mm512_set1_epi8(w.bits == 6 ? 0x30 : 0x10);
+  const __m512i rotate = w.bits == 6 ? _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62)
+                                     : _mm512_setr_epi64(4, 3, 2, 1, 0, 63, 62, 61);
   constexpr int kHalfQuads = kQuads / Halves;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
@@ -99,11 +102,18 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + q * 32));
         wv[q] = _mm512_and_si512(
             _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low);
-        if (w.bits == 6) {
-          const __m512i planes = _mm512_broadcast_i32x4(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + kNibbleBytes + q * 16)));
-          // wv | (rotated & 0x30)
-          wv[q] = _mm512_ternarylogic_epi32(wv[q], _mm512_rolv_epi64(planes, rotate), two_bits,
+        if (w.bits != 4) {
+          __m512i planes;
+          if (w.bits == 6) {
+            planes = _mm512_broadcast_i32x4(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + kNibbleBytes + q * 16)));
+          } else {
+            int64_t eight;
+            std::memcpy(&eight, data + kNibbleBytes + q * 8, 8);
+            planes = _mm512_set1_epi64(eight);
+          }
+          // wv | (rotated & high_bits)
+          wv[q] = _mm512_ternarylogic_epi32(wv[q], _mm512_rolv_epi64(planes, rotate), high_bits,
                                             0xF8);
         }
       } else {
@@ -185,13 +195,15 @@ inline __m256 load_lanes(const Weights& w, const void* p, int64_t at, int64_t g,
 template <int R, int Halves>
 void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, __m256* acc) {
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f), two_bits = _mm256_set1_epi8(0x30);
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i high_bits = _mm256_set1_epi8(w.bits == 6 ? 0x30 : 0x10);
   const __m256i ones16 = _mm256_set1_epi16(1);
-  // 6-bit: each quarter of the vector (2 rows) shifts its 2 bits of the planes' byte down
-  // (quant_layout.h), then into bits 4 and 5
-  const __m256i shift = _mm256_setr_epi64x(0, 2, 4, 6);
+  // 6-bit (5-bit): each quarter (eighth) of the vector, 2 rows (1 row), shifts its 2 bits
+  // (1 bit) of the planes' byte down (quant_layout.h), then into bits 4 and 5 (bit 4)
+  const __m256i shift6 = _mm256_setr_epi64x(0, 2, 4, 6);
+  const __m256i shift5 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   constexpr int kHalfQuads = kQuads / Halves;
-  const bool is_unsigned = w.bits != 8;  // 4- and 6-bit values are unsigned as stored
+  const bool is_unsigned = w.bits != 8;  // 4-, 5- and 6-bit values are unsigned as stored
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* data = w.block(g, b);
     prefetch_ahead(w, data);
@@ -200,12 +212,18 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
       if (w.bits != 8) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + q * 16));
         wv[q] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-        if (w.bits == 6) {
-          int64_t planes;
-          std::memcpy(&planes, data + kNibbleBytes + q * 8, 8);
-          const __m256i high = _mm256_slli_epi64(
-              _mm256_srlv_epi64(_mm256_set1_epi64x(planes), shift), 4);
-          wv[q] = _mm256_or_si256(wv[q], _mm256_and_si256(high, two_bits));
+        if (w.bits != 4) {
+          __m256i high;
+          if (w.bits == 6) {
+            int64_t planes;
+            std::memcpy(&planes, data + kNibbleBytes + q * 8, 8);
+            high = _mm256_slli_epi64(_mm256_srlv_epi64(_mm256_set1_epi64x(planes), shift6), 4);
+          } else {
+            int32_t planes;
+            std::memcpy(&planes, data + kNibbleBytes + q * 4, 4);
+            high = _mm256_slli_epi32(_mm256_srlv_epi32(_mm256_set1_epi32(planes), shift5), 4);
+          }
+          wv[q] = _mm256_or_si256(wv[q], _mm256_and_si256(high, high_bits));
         }
       } else {
         wv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + q * 32));
@@ -224,7 +242,7 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
         __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();
         for (int q = h * kHalfQuads; q < (h + 1) * kHalfQuads; ++q) {
           // int8 weights: |w| (vpmaddubsw's unsigned side) times x with w's sign, so that no
-          // pair sum overflows 16 bits; 4- and 6-bit weights are unsigned as stored (63 * 127
+          // pair sum overflows 16 bits; 4- to 6-bit weights are unsigned as stored (63 * 127
           // twice stays below 2^15).
           const __m256i unsigned_w = is_unsigned ? wv[q] : _mm256_sign_epi8(wv[q], wv[q]);
           const auto signed_x = [&](int32_t packed) {
@@ -241,8 +259,9 @@ void group_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, _
         if (a.two) {
           dot = _mm256_add_epi32(_mm256_mullo_epi32(dot, _mm256_set1_epi32(kDigit2)), dot2);
         }
-        if (w.bits == 6) {
-          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.excess_of<Halves>(at, h, kOffset6)));
+        if (is_unsigned && w.bits != 4) {
+          dot = _mm256_sub_epi32(
+              dot, _mm256_set1_epi32(a.excess_of<Halves>(at, h, offset_of(w.bits))));
         }
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                  _mm256_mul_ps(ws[h], _mm256_set1_ps(a.scale[at])), acc[r]);

@@ -7,7 +7,7 @@
 //   supers [groups, supers, parts, kRows] float16: the K-quants' D (and Dmin', parts 2) of
 //            each super-block of 8 blocks, or of each block where a tensor-parallel share of
 //            the columns starts inside a super-block (supers = blocks); empty otherwise
-//            (groups = ceil(N / kRows); mins empty for 8- and 6-bit weights without m)
+//            (groups = ceil(N / kRows); mins empty for 8-, 6- and 5-bit weights without m)
 //
 // dequantize_weight reads rows of the layout back as the dense matrix they stand for.
 // Registered as torch.ops.radixserve.quant_repack and dequantize_weight.
@@ -82,30 +82,31 @@ at::Tensor repack_supers(const at::Tensor& super_scales, const at::Tensor& super
 // [N, K / 32] float16, or the K-quants' uint8 (Q4_K) or int8 (Q6_K: [N, K / 16], one for each
 // 16 weights, as any 8-bit weight may have), with any strides; mins [N, K / 32] in the scales'
 // dtype, or undefined; for the K-quants super_scales (and Q4_K's super_mins) [N, K / 32]
-// float16) in the interleaved layout above. ``bits`` 6 (Q6_K) reads int8 [N, K] values in
-// -32..31 and keeps them in 6 bits. A 4-bit weight without mins (Q4_0) gets m = -8 d; an 8- or
-// 6-bit one keeps none.
+// float16) in the interleaved layout above. ``bits`` 6 (Q6_K) and 5 (Q5_0) read int8 [N, K]
+// values in -32..31 and -16..15 and keep them in 6 and 5 bits. A 4-bit weight without mins
+// (Q4_0) gets m = -8 d; an 8-, 6- or 5-bit one keeps none.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_repack(
     const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
     const c10::optional<at::Tensor>& super_scales, const c10::optional<at::Tensor>& super_mins,
     int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "quant_repack: bits must be 4, 6 or 8, got ",
-              bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "quant_repack: bits must be 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1,
               "quant_repack: qweight [N, bytes] contiguous");
   const int64_t N = qweight.size(0), K = qweight.size(1) * (bits == 4 ? 2 : 1);
-  if (bits == 6) {
+  if (bits == 5 || bits == 6) {
+    const int offset = offset_of(static_cast<int>(bits));
     const at::Tensor values = qweight.view(at::kChar);
-    TORCH_CHECK(values.numel() == 0 || (values.min().item<int>() >= -kOffset6 &&
-                                        values.max().item<int>() < kOffset6),
-                "quant_repack: 6-bit values must lie in -32..31");
+    TORCH_CHECK(values.numel() == 0 || (values.min().item<int>() >= -offset &&
+                                        values.max().item<int>() < offset),
+                "quant_repack: ", bits, "-bit values must lie in ", -offset, "..", offset - 1);
   }
   TORCH_CHECK(K % kBlock == 0, "quant_repack: K = ", K, " is not a multiple of 32");
   const int64_t blocks = K / kBlock, groups = (N + kRows - 1) / kRows;
   const Scales kind = scales_kind(scales.scalar_type());
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N &&
                   (scales.size(1) == blocks || (bits != 4 && scales.size(1) == 2 * blocks)),
-              "quant_repack: scales [N, K / 32] (8- and 6-bit: or [N, K / 16])");
+              "quant_repack: scales [N, K / 32] (8-, 6- and 5-bit: or [N, K / 16])");
   const int64_t halves = blocks ? scales.size(1) / blocks : 1;
   const bool has_mins = mins.has_value() && mins->defined();
   const bool has_supers = super_scales.has_value() && super_scales->defined();

@@ -7,8 +7,9 @@
 //
 //   qweight [groups, blocks, 8 k-quads x rows x 4 x bits / 8]   (rows = scales.size(3): 16
 //            in AVX-512 and portable builds, 8 in AVX2 ones; 4-bit: rows/2 per byte, low
-//            nibbles first; 8-bit: stored + 128 where rows is 16, signed where 8; 6-bit: q + 32,
-//            its low 4 bits as a 4-bit block, then its high 2 bits in planes, quant_layout.h)
+//            nibbles first; 8-bit: stored + 128 where rows is 16, signed where 8; 6-bit: q + 32
+//            and 5-bit: q + 16, its low 4 bits as a 4-bit block, then its high bits in planes,
+//            quant_layout.h)
 //   scales [groups, blocks, halves, rows], mins [groups, blocks, rows] or empty: float16 or
 //            float32 d and m, or a K-quant's uint8 (Q4_K) / int8 (Q6_K) small integers, then
 //   supers [groups, super-blocks, parts, rows] float16: their super-block's D (and Dmin'),
@@ -83,21 +84,22 @@ inline void block_values(const Layout& w, const uint8_t* data, int64_t r, __m512
   if (Bits != 8) {
     if (r >= half) bytes = _mm256_srli_epi16(bytes, 4);
     bytes = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
-    if (Bits == 6) {  // the high 2 bits: the lane's 4 bytes of each k-quad's planes
-      const int64_t quarter = w.rows / 4;
+    if constexpr (Bits != 4) {  // the high bits: the lane's 4 bytes of each k-quad's planes
+      constexpr int kHigh = Bits - 4;
+      const int64_t span = w.rows * kHigh / 8;
       const __m256i planes = _mm256_i32gather_epi32(
-          reinterpret_cast<const int*>(data + w.rows * 16 + (r % quarter) * 4),
-          _mm256_mullo_epi32(k_quads, _mm256_set1_epi32(static_cast<int32_t>(w.rows))), 1);
+          reinterpret_cast<const int*>(data + w.rows * 16 + (r % span) * 4),
+          _mm256_mullo_epi32(k_quads, _mm256_set1_epi32(static_cast<int32_t>(span * 4))), 1);
       const __m256i high = _mm256_and_si256(
-          _mm256_srl_epi16(planes, _mm_cvtsi32_si128(static_cast<int>(2 * (r / quarter)))),
-          _mm256_set1_epi8(3));
+          _mm256_srl_epi16(planes, _mm_cvtsi32_si128(static_cast<int>(kHigh * (r / span)))),
+          _mm256_set1_epi8((1 << kHigh) - 1));
       bytes = _mm256_or_si256(bytes, _mm256_slli_epi16(high, 4));
     }
     first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));
     second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));
-    if (Bits == 6) {
-      first = _mm512_sub_epi32(first, _mm512_set1_epi32(32));
-      second = _mm512_sub_epi32(second, _mm512_set1_epi32(32));
+    if (Bits != 4) {  // stored + 32 (6-bit) or + 16 (5-bit)
+      first = _mm512_sub_epi32(first, _mm512_set1_epi32(1 << (Bits - 1)));
+      second = _mm512_sub_epi32(second, _mm512_set1_epi32(1 << (Bits - 1)));
     }
   } else if (w.rows == 16) {  // stored + 128
     first = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)),
@@ -161,11 +163,15 @@ void widen_row(const Layout& w, int64_t g, int64_t r, T* out) {
       } else {
         const uint8_t* p = data + (quad * half + r % half) * 4;
         const int shift = r < half ? 0 : 4;
-        const int64_t quarter = w.rows / 4;
-        const uint8_t* planes = data + w.rows * 16 + (quad * quarter + r % quarter) * 4;
+        constexpr int kHigh = Bits - 4;
+        const int64_t span = std::max<int64_t>(1, w.rows * kHigh / 8);  // 4-bit: unused
+        const uint8_t* planes = data + w.rows * 16 + (quad * span + r % span) * 4;
         for (int j = 0; j < 4; ++j) {
           int v = (p[j] >> shift) & 15;
-          if (Bits == 6) v = (v | (((planes[j] >> (2 * (r / quarter))) & 3) << 4)) - 32;
+          if (Bits != 4) {
+            v = (v | (((planes[j] >> (kHigh * (r / span))) & ((1 << kHigh) - 1)) << 4)) -
+                (1 << (Bits - 1));
+          }
           values[quad * 4 + j] = d * static_cast<float>(v) + m;
         }
       }
@@ -185,6 +191,8 @@ void widen_all(const Layout& w, T* out, int64_t row_stride) {
           widen_row<8>(w, g, r, row);
         } else if (w.bits == 6) {
           widen_row<6>(w, g, r, row);
+        } else if (w.bits == 5) {
+          widen_row<5>(w, g, r, row);
         } else {
           widen_row<4>(w, g, r, row);
         }
@@ -207,7 +215,7 @@ widen::Kind kind_of(at::ScalarType type) {
 
 // out [N, K] (bf16 or float32, rows contiguous, any row stride) = the dense matrix of the
 // repacked weight ``blocks`` (quant_repack's tensors: qweight, scales, mins and, for the
-// K-quants, supers; bits 4, 6 or 8; N rows).
+// K-quants, supers; bits 4, 5, 6 or 8; N rows).
 void widen_weight(at::TensorList blocks_of, int64_t bits, int64_t N, at::Tensor out) {
   using widen::kBlock;
   TORCH_CHECK(blocks_of.size() == 3 || blocks_of.size() == 4,
@@ -215,8 +223,8 @@ void widen_weight(at::TensorList blocks_of, int64_t bits, int64_t N, at::Tensor 
   const at::Tensor& qweight = blocks_of[0];
   const at::Tensor& scales = blocks_of[1];
   const at::Tensor& mins = blocks_of[2];
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "widen_weight: bits must be 4, 6 or 8, got ",
-              bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "widen_weight: bits must be 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous(),
               "widen_weight: scales [groups, blocks, halves, rows] from quant_repack expected");
   const widen::Kind kind = kind_of(scales.scalar_type());

@@ -26,9 +26,10 @@ from engine.worker.cpu_kernels import quant_ops
 from engine.worker.model.linear_forms import MEASURED_ROWS, Scratch, bucket, product
 from engine.worker.model.parallel import Slice
 
-# int8 digits of the activations against each weight width: against 8- and 6-bit weights one
-# digit's rounding would be most of what they lose, so they get a second (csrc/quant_linear.cpp).
-DIGITS = {8: 2, 6: 2, 4: 1}
+# int8 digits of the activations against each weight width: against 8-, 6- and 5-bit weights
+# one digit's rounding would be most of what they lose, so they get a second
+# (csrc/quant_linear.cpp).
+DIGITS = {8: 2, 6: 2, 5: 2, 4: 1}
 
 
 class QuantizedLinear:
