@@ -191,21 +191,23 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
     assert len(set(first)) > 5  # the step index moves the draw
 
 
-def reference_race(logits: torch.Tensor, rows: list[RowState]) -> list[int]:
-    """The exponential race as first written, without filters or penalties: unseeded rows' noise
-    in one block from the global generator, a fresh generator for each seeded row."""
-    noise = torch.empty(logits.shape)
+def reference_draw(logits: torch.Tensor, rows: list[RowState]) -> list[int]:
+    """The draw written plainly, without filters or penalties: unseeded rows' uniforms in one
+    block from the global generator, a fresh generator for each seeded row, and each row's
+    token the first whose running probability (float64, token order) exceeds its uniform."""
+    uniforms = torch.empty(len(rows), dtype=torch.float64)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), logits.shape[1]).exponential_()
+        uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
     for i, r in enumerate(rows):
         if r.params.seed is not None:
             generator = torch.Generator()
             generator.manual_seed(_mix_seed(r.params.seed, len(r.output_ids)))
-            noise[i].exponential_(generator=generator)
-    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+            uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator)[0]
     temperature = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
-    return ((logits / temperature).softmax(dim=-1) / noise).argmax(dim=-1).tolist()
+    weights = (logits / temperature).softmax(dim=-1).double()
+    running = weights.cumsum(dim=-1) / weights.sum(dim=-1, keepdim=True)
+    return [int((row < u).sum()) for row, u in zip(running, uniforms, strict=True)]
 
 
 def test_reused_generators_draw_what_fresh_ones_did() -> None:
@@ -213,7 +215,7 @@ def test_reused_generators_draw_what_fresh_ones_did() -> None:
     # whether unseeded rows share its batch, must not change its token, which must be the one a
     # fresh generator per row gave.
     rng = np.random.default_rng(0)
-    logits = torch.zeros(1, 64)  # uniform: the token is the noise's argmin, a tell-tale
+    logits = torch.zeros(1, 64)  # plus noise below: each row its own distribution
     drawn: set[tuple[int, int]] = set()
     for step in range(40):
         rows = []
@@ -230,7 +232,7 @@ def test_reused_generators_draw_what_fresh_ones_did() -> None:
         torch.manual_seed(step)
         got = sample(batch_logits, rows).token_ids.tolist()
         torch.manual_seed(step)
-        assert got == reference_race(batch_logits, rows)
+        assert got == reference_draw(batch_logits, rows)
         for r, token, row_logits in zip(rows, got, batch_logits, strict=True):
             if r.params.seed is not None:
                 single = sample(row_logits.unsqueeze(0), [r]).token_ids[0]

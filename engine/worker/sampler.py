@@ -7,16 +7,20 @@ Pipeline for one step::
         ├─ constrained rows: tokens their grammar forbids to -inf (engine/worker/grammar.py)
         ├─ penalties: repetition (prompt + output), frequency, presence
         ├─ greedy rows (temperature 0 or top_k 1): argmax, no random draw at all
-        └─ random rows: / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race
+        └─ random rows: / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ one uniform draw
 
-Sampling is an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` per token, which
-picks token i with probability ``probs[i]``. A seeded row draws ``E`` from a generator seeded
-only by ``(seed, len(output_ids))``, so its token depends on nothing but its seed, its step and
-its logits: the same seed gives the same text whatever else is in the batch and however often
-the request was preempted and resumed. Unseeded rows draw from torch's default generator for the
-device (``torch.manual_seed`` makes them reproducible in tests).
+Sampling inverts each row's distribution function in token-id order with one uniform ``u``
+(``_sample_random``), which picks token i with probability ``probs[i]``. A seeded row draws
+``u`` from a generator seeded only by ``(seed, len(output_ids))``, so its token depends on
+nothing but its seed, its step and its logits: the same seed gives the same text whatever else
+is in the batch and however often the request was preempted and resumed. Unseeded rows draw
+from torch's default generator for the device (``torch.manual_seed`` makes them reproducible
+in tests).
 
 Per-request Python work builds the small parameter tensors; everything per token is torch ops.
+At a 262,144-token vocabulary each pass over a row's logits counts (docs/benchmarks.md, "A
+262,144-token vocabulary"), so nothing here sorts the whole vocabulary on the CPU unless the
+filters need it, draws noise for every token, or builds [B, V] counts for the penalties.
 
 Sync points: one per step. Everything shape-related (how many top-k candidates to rank, how
 many top logprobs to report) is decided on the host from the rows' ``SamplingParams``; the small
@@ -70,18 +74,33 @@ def _to_host(parts: list[torch.Tensor]) -> np.ndarray:
     return torch.cat([part.reshape(-1) for part in parts]).cpu().numpy()
 
 
-def _token_counts(ids_by_row: dict[int, np.ndarray], shape: tuple[int, int],
-                  device: torch.device) -> torch.Tensor:
-    """[B, V] float32 counts of each token in the given rows' ids (zero for other rows)."""
-    counts = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)
-    if ids_by_row:
-        lengths = [len(ids) for ids in ids_by_row.values()]
-        rows = np.repeat(np.fromiter(ids_by_row, dtype=np.int64), lengths)
-        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in ids_by_row.values()])
-        rows_t, ids_t = to_device(np.stack([rows, ids]), device)
-        counts.scatter_add_(0, rows_t * shape[1] + ids_t,
-                            torch.ones_like(ids_t, dtype=torch.float32))
-    return counts.view(shape)
+def _penalty_entries(rows: list[RowState], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, token) entries the penalties touch, as flat indices into [B, V], and per entry
+    [repetition penalty, count in the output, frequency penalty, presence penalty] (float32
+    [4, N]): for each penalised row, the tokens of its output, and of its prompt too when its
+    repetition penalty is on. Built on the host from the rows' ids: no [B, V] count tensor."""
+    index, values = [], []
+    for i, row in enumerate(rows):
+        p = row.params
+        repetition = p.repetition_penalty != 1.0
+        if not repetition and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+            continue
+        output_ids, output_counts = np.unique(np.asarray(row.output_ids, dtype=np.int64),
+                                              return_counts=True)
+        ids = (np.union1d(output_ids, np.asarray(row.prompt_ids, dtype=np.int64))
+               if repetition else output_ids)
+        if len(ids) and (ids[0] < 0 or ids[-1] >= vocab_size):
+            raise ValueError(f"a penalised row holds token id {int(ids[0] if ids[0] < 0 else ids[-1])}"
+                             f", outside the vocabulary of {vocab_size:,}")
+        counts = np.zeros(len(ids), dtype=np.float32)
+        counts[np.searchsorted(ids, output_ids)] = output_counts
+        index.append(i * vocab_size + ids)
+        values.append(np.stack([np.full(len(ids), p.repetition_penalty, dtype=np.float32),
+                                counts, np.full(len(ids), p.frequency_penalty, dtype=np.float32),
+                                np.full(len(ids), p.presence_penalty, dtype=np.float32)]))
+    if not index:
+        return np.zeros(0, dtype=np.int64), np.zeros((4, 0), dtype=np.float32)
+    return np.concatenate(index), np.concatenate(values, axis=1)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
@@ -91,37 +110,44 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
       divided by the penalty and negative ones multiplied by it;
     - frequency: subtract ``penalty * count`` of the token in the output;
     - presence: subtract ``penalty`` if the token occurs in the output at all.
+
+    Only the logits of tokens a row has seen change, so only those are read and written (a
+    gather and a scatter of that many entries, whatever the vocabulary's size).
     """
     logits = logits.float()
-    device, shape = logits.device, tuple(logits.shape)
-    repetition = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    additive = [i for i, r in enumerate(rows)
-                if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
-    if not repetition and not additive:
+    index, values = _penalty_entries(rows, logits.shape[-1])
+    if not len(index):
         return logits
-    output_rows = sorted(set(repetition) | set(additive))
-    output_counts = _token_counts({i: rows[i].output_ids for i in output_rows}, shape, device)
-    penalties = to_device(np.array([[r.params.repetition_penalty for r in rows],
-                                    [r.params.frequency_penalty for r in rows],
-                                    [r.params.presence_penalty for r in rows]], dtype=np.float32),
-                          device)
-    logits = logits.clone()
-    if repetition:
-        prompt_counts = _token_counts({i: rows[i].prompt_ids for i in repetition}, shape, device)
-        seen = (prompt_counts > 0) | (output_counts > 0)
-        penalty = penalties[0].unsqueeze(1)
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalised, logits)
-    if additive:
-        frequency, presence = penalties[1], penalties[2]
-        logits -= frequency.unsqueeze(1) * output_counts
-        logits -= presence.unsqueeze(1) * (output_counts > 0).float()
+    index_t = to_device(index, logits.device)
+    repetition, counts, frequency, presence = to_device(values, logits.device)
+    logits = logits.contiguous().clone()
+    flat = logits.view(-1)
+    seen = flat.index_select(0, index_t)
+    seen = torch.where(seen > 0, seen / repetition, seen * repetition)
+    seen -= frequency * counts
+    seen -= presence * (counts > 0).float()
+    flat.index_copy_(0, index_t, seen)
     return logits
+
+
+# On the CPU, a row without top-k that filters by top-p or min-p ranks this many candidates
+# first (then the next size), and sorts its whole vocabulary only when they do not hold every
+# survivor: a 262,144-token row sorts in about 15 ms, its top 1,024 come in about 0.5 ms.
+_PARTIAL_RANKS = (1024, 16384)
 
 
 def apply_filters(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray,
                   min_p: np.ndarray) -> torch.Tensor:
-    """Set every token outside a row's top-k / top-p / min-p set to -inf.
+    """Set every token outside a row's top-k / top-p / min-p set to -inf
+    (``filter_candidates`` says how)."""
+    values, ids = filter_candidates(logits, top_k, top_p, min_p)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, ids, values)
+
+
+def filter_candidates(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray,
+                      min_p: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates that hold every token of a row's top-k / top-p / min-p set: their
+    logits, -inf where filtered out, and token ids, both [B, C] (descending; C <= V).
 
     ``logits`` [B, V] (already temperature-scaled); per-row ``top_k`` (<= 0: off), ``top_p``
     (1: off) and ``min_p`` (0: off), each a host array of shape [B] (host, so that how many
@@ -134,31 +160,62 @@ def apply_filters(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray,
     - min-p drops tokens whose probability is below ``min_p`` times the highest probability.
       That ratio does not change when the survivors are renormalised, so it is taken over the
       top-k set.
+
+    Nothing past the largest k can survive: when every row sets top-k, only that many
+    candidates are ranked. On the CPU, rows that all filter but some without top-k rank the
+    ``_PARTIAL_RANKS`` candidates first, their probabilities taken over the whole vocabulary,
+    and keep that answer when every row's last candidate is dropped (each filter drops a
+    suffix of the ranking, so no later token survives either): reading that flag is free on
+    the CPU, where a whole-vocabulary sort is not. On other devices the sort is cheap and a
+    read would wait for the queue, so they sort.
     """
     vocab_size = logits.shape[-1]
     top_k = np.asarray(top_k, dtype=np.int64)
     k = np.where(top_k > 0, np.minimum(top_k, vocab_size), vocab_size)
-    # Nothing past the largest k can survive: when every row sets top-k, rank only that many
-    # candidates instead of sorting the whole vocabulary.
+    top_p, min_p = np.asarray(top_p), np.asarray(min_p)
     num_candidates = int(k.max())
     if num_candidates < vocab_size:
-        sorted_logits, order = logits.topk(num_candidates, dim=-1)
-    else:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        return _filter_ranked(logits, *logits.topk(num_candidates, dim=-1), k, top_p, min_p)[:2]
+    filtering = (k < vocab_size) | (top_p < 1.0) | (min_p > 0.0)
+    if logits.device.type == "cpu" and filtering.all():
+        log_norm = None
+        for size in _PARTIAL_RANKS:
+            if size >= vocab_size or ((k > size) & (k < vocab_size)).any():
+                break  # a top-k row past these candidates needs its own k of them
+            if log_norm is None:
+                log_norm = logits.logsumexp(dim=-1)
+            filtered, ids, dropped = _filter_ranked(logits, *logits.topk(size, dim=-1), k,
+                                                    top_p, min_p, log_norm)
+            if bool(dropped[:, -1].all()):
+                return filtered, ids
+    return _filter_ranked(logits, *logits.sort(dim=-1, descending=True), k, top_p, min_p)[:2]
+
+
+def _filter_ranked(logits: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor,
+                   k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                   log_norm: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``filter_candidates`` over the leading candidates ``ranked`` (descending) at ``order``:
+    their filtered logits, ``order``, and which were dropped. ``log_norm``: each row's
+    log-sum-exp over the whole vocabulary, the normaliser of rows without top-k when the
+    candidates are not all the vocabulary."""
+    vocab_size, num_candidates = logits.shape[-1], ranked.shape[-1]
     # float64 holds every k exactly, and each p as the float32 it is compared as.
     params = to_device(np.stack([k, top_p, min_p]).astype(np.float64), logits.device)
-    k, top_p, min_p = params[0].long(), params[1].float(), params[2].float()
+    k_t, top_p_t, min_p_t = params[0].long(), params[1].float(), params[2].float()
     positions = torch.arange(num_candidates, device=logits.device)
-    drop = positions.unsqueeze(0) >= k.unsqueeze(1)
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    drop = positions.unsqueeze(0) >= k_t.unsqueeze(1)
+    probs = ranked.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    if log_norm is not None:
+        whole = (ranked - log_norm.unsqueeze(1)).exp()
+        probs = torch.where((k_t >= vocab_size).unsqueeze(1), whole, probs)
     mass_before = torch.cumsum(probs, dim=-1)
     mass_before = torch.cat([torch.zeros_like(mass_before[:, :1]), mass_before[:, :-1]], dim=-1)
-    top_p = top_p.to(probs.dtype).unsqueeze(1)
+    top_p_t = top_p_t.to(probs.dtype).unsqueeze(1)
     # Rows at top_p == 1 skip the test: rounding can push the running sum to 1 before the tail.
-    drop |= (mass_before >= top_p) & (top_p < 1.0)
-    drop |= probs < min_p.to(probs.dtype).unsqueeze(1) * probs[:, :1]
-    filtered = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(-1, order, filtered)
+    drop |= (mass_before >= top_p_t) & (top_p_t < 1.0)
+    drop |= probs < min_p_t.to(probs.dtype).unsqueeze(1) * probs[:, :1]
+    return ranked.masked_fill(drop, float("-inf")), order, drop
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -178,38 +235,74 @@ def _seeded_generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device)
 
 
-def _exponential_noise(rows: list[RowState], vocab_size: int,
-                       device: torch.device) -> torch.Tensor:
-    """[len(rows), V] Exp(1) draws: per-(seed, step) generators for seeded rows, else global."""
-    noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+def _uniforms(rows: list[RowState], device: torch.device) -> torch.Tensor:
+    """[len(rows)] float64 U[0, 1) draws: per-(seed, step) generators for seeded rows, the
+    global generator (one block) for the others."""
+    draws = torch.empty(len(rows), dtype=torch.float64, device=device)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-    if len(unseeded) == len(rows):
-        noise.exponential_()
-    elif unseeded:
-        # Same draws from the global generator as filling all rows would give these rows alone.
-        draws = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
-        noise.index_copy_(0, to_device(np.array(unseeded, dtype=np.int64), device), draws)
+    if unseeded:
+        # Same draws from the global generator as these rows alone would take.
+        draws.index_copy_(0, to_device(np.array(unseeded, dtype=np.int64), device),
+                          torch.rand(len(unseeded), dtype=torch.float64, device=device))
     generator = _seeded_generator(device)
     for i, row in enumerate(rows):
         if row.params.seed is not None:
             generator.manual_seed(_mix_seed(row.params.seed, len(row.output_ids)))
-            noise[i].exponential_(generator=generator)
-    # Exp(1) can round to exactly 0, which would turn a filtered token's 0 / 0 into NaN.
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+            draws[i : i + 1].uniform_(generator=generator)
+    return draws
 
 
 def _sample_random(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
-    """Temperature, filters and an exponential race for non-greedy rows; returns ids [R]."""
+    """Temperature, filters and one draw from each row's distribution; returns ids [R].
+
+    The draw inverts the row's distribution function in token-id order: with weights
+    ``w = exp(logit - max)`` (0 for filtered tokens) summed in float64, token i is the first
+    whose running sum exceeds ``u * total``, so it is picked with probability ``w[i] / total``.
+    Rows that filter draw over their candidates put back in token-id order, which skips only
+    zero weights: the same token as over the whole vocabulary. One uniform a row, where an
+    exponential race over the vocabulary drew 4.6 ms a row at 262,144 tokens on the CPU; the
+    order is the vocabulary's, so a seeded row's token depends on its seed, step and logits
+    alone, never on the rows beside it (nor on how many candidates the batch ranked).
+    """
     device = logits.device
     temperature = np.array([r.params.temperature for r in rows], dtype=np.float32)
     logits = logits / to_device(temperature, device).unsqueeze(1)
-    # Decided on the host: the sort behind the filters is the costliest op here, skip it if unused.
-    if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
-        logits = apply_filters(logits, np.array([r.params.top_k for r in rows]),
-                               np.array([r.params.top_p for r in rows]),
-                               np.array([r.params.min_p for r in rows]))
-    probs = logits.softmax(dim=-1)
-    return (probs / _exponential_noise(rows, logits.shape[-1], device)).argmax(dim=-1)
+    uniforms = _uniforms(rows, device)
+    filtering = [i for i, r in enumerate(rows)
+                 if r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0]
+    if not filtering:
+        return _draw(logits, uniforms)
+    picked = [rows[i].params for i in filtering]
+    index = to_device(np.array(filtering, dtype=np.int64), device)
+    values, ids = filter_candidates(logits.index_select(0, index),
+                                    np.array([p.top_k for p in picked]),
+                                    np.array([p.top_p for p in picked]),
+                                    np.array([p.min_p for p in picked]))
+    if ids.shape[-1] == logits.shape[-1]:  # the whole vocabulary was ranked: scatter it back
+        chosen = _draw(torch.full_like(values, float("-inf")).scatter_(-1, ids, values),
+                       uniforms[index])
+    else:
+        ids, order = ids.sort(dim=-1)
+        chosen = ids.gather(1, _draw(values.gather(1, order), uniforms[index]).unsqueeze(1))
+        chosen = chosen.squeeze(1)
+    if len(filtering) == len(rows):
+        return chosen
+    others = to_device(np.setdiff1d(np.arange(len(rows)), filtering), device)
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
+    tokens.index_copy_(0, index, chosen)
+    return tokens.index_copy_(0, others, _draw(logits.index_select(0, others), uniforms[others]))
+
+
+def _draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first column whose running weight (float64) exceeds ``uniforms`` times
+    the row's total weight."""
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+    running = weights.cumsum(dim=-1, dtype=torch.float64)
+    total = running[:, -1:]
+    # Below the total, so that the pick is a column of nonzero weight however u rounds.
+    target = torch.minimum(uniforms.unsqueeze(1) * total,
+                           total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(running, target, right=True).squeeze(1)
 
 
 def sample(logits: torch.Tensor, rows: list[RowState],
@@ -222,13 +315,15 @@ def sample(logits: torch.Tensor, rows: list[RowState],
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-    if allowed is not None:
+    if allowed is not None and list(allowed[0]) == list(range(len(rows))):  # every row
+        logits = logits.masked_fill(allowed[1].logical_not(), float("-inf"))
+    elif allowed is not None:
         index = to_device(np.asarray(allowed[0], dtype=np.int64), logits.device)
         constrained = logits.index_select(0, index).masked_fill(~allowed[1], float("-inf"))
         logits = logits.index_copy(0, index, constrained)
     penalised = apply_penalties(logits, rows)
 
-    token_ids = penalised.argmax(dim=-1)
+    token_ids = penalised.max(dim=-1).indices  # the first maximum, as argmax (2x faster on CPU)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         index = to_device(np.array(random_rows, dtype=np.int64), logits.device)
