@@ -265,16 +265,16 @@ def _sample_random(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     alone, never on the rows beside it (nor on how many candidates the batch ranked).
     """
     device = logits.device
-    temperature = np.array([r.params.temperature for r in rows], dtype=np.float32)
-    logits = logits / to_device(temperature, device).unsqueeze(1)
+    temperature = to_device(np.array([r.params.temperature for r in rows], dtype=np.float32),
+                            device)
     uniforms = _uniforms(rows, device)
     filtering = [i for i, r in enumerate(rows)
                  if r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0]
     if not filtering:
-        return _draw(logits, uniforms)
+        return _draw(logits, uniforms, temperature)
     picked = [rows[i].params for i in filtering]
     index = to_device(np.array(filtering, dtype=np.int64), device)
-    values, ids = filter_candidates(logits.index_select(0, index),
+    values, ids = filter_candidates(logits.index_select(0, index) / temperature[index, None],
                                     np.array([p.top_k for p in picked]),
                                     np.array([p.top_p for p in picked]),
                                     np.array([p.min_p for p in picked]))
@@ -290,13 +290,18 @@ def _sample_random(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     others = to_device(np.setdiff1d(np.arange(len(rows)), filtering), device)
     tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
     tokens.index_copy_(0, index, chosen)
-    return tokens.index_copy_(0, others, _draw(logits.index_select(0, others), uniforms[others]))
+    return tokens.index_copy_(0, others, _draw(logits.index_select(0, others),
+                                               uniforms[others], temperature[others]))
 
 
-def _draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _draw(logits: torch.Tensor, uniforms: torch.Tensor,
+          temperature: torch.Tensor | None = None) -> torch.Tensor:
     """Per row, the first column whose running weight (float64) exceeds ``uniforms`` times
-    the row's total weight."""
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+    the row's total weight; weights ``exp((logit - max) / temperature)``."""
+    weights = logits - logits.amax(dim=-1, keepdim=True)
+    if temperature is not None:
+        weights.div_(temperature.unsqueeze(1))
+    weights.exp_()
     running = weights.cumsum(dim=-1, dtype=torch.float64)
     total = running[:, -1:]
     # Below the total, so that the pick is a column of nonzero weight however u rounds.
