@@ -1,8 +1,8 @@
 """The forms of a quantized linear layer (engine/worker/model/linear_forms.py): each forced in
 turn against the float64 product of the format's numbers at every shape the default model uses,
-the widening kernel (csrc/quant_widen.cpp) against dequantize_weight bit for bit, the row
-buckets, and the choices cached beside a checkpoint. Which form the timing picks is never
-asserted."""
+the widening kernel (csrc/quant_widen.cpp) and the resident copy against dequantize_weight
+bit for bit, the row buckets, the resident copies' memory cap, and the choices cached beside a
+checkpoint. Which form the timing picks is never asserted."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from engine.worker.model import linear_forms
 from engine.worker.model.linear_forms import (
     FORMS,
     MEASURED_ROWS,
+    RESIDENT_MIN_ROWS,
     Scratch,
     bucket,
     bucket_label,
@@ -92,19 +93,20 @@ def test_the_widening_kernel_refuses_what_is_not_quant_repacks_layout():
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k", "q6_k", "int8"])
 def test_each_form_is_the_float64_product_at_the_models_shapes(form, fmt):
-    """With the form pinned, x @ W.T at SmolLM2-135M's shapes (its LM head with few rows) and
-    odd ones, bf16 and float32 rows, against float64 over the format's own numbers: the
-    widened form rounds the weights to bf16 where the activations are bf16 (about 2^-9 of a
-    weight), the block kernel quantizes the activations to int8 (about 1/127 of a block's
-    largest: 1.5% of a one-row product at most here); bf16 outputs round to 2^-9."""
-    tolerance = {"blocks": 0.03, "widened": 0.008}[form]
+    """With the form pinned for the rows' dtype, x @ W.T at SmolLM2-135M's shapes (its LM head
+    with few rows) and odd ones, bf16 and float32 rows, against float64 over the format's own
+    numbers: the widened and resident forms round the weights to bf16 where the activations
+    are bf16 (about 2^-9 of a weight), the block kernel quantizes the activations to int8
+    (about 1/127 of a block's largest: 1.5% of a one-row product at most here); bf16 outputs
+    round to 2^-9."""
+    tolerance = {"blocks": 0.03, "widened": 0.008, "resident": 0.008}[form]
     generator = torch.Generator().manual_seed(3)
     for rows, cols in SHAPES:
         layer, weight = layer_of(fmt, rows, cols, seed=rows + cols)
-        pin(layer, form, torch.bfloat16)
-        counts = (1, 5) if rows > 10000 else (1, 17, 300)
-        for count in counts:
-            for dtype in (torch.bfloat16, torch.float32):
+        counts = (1, 5) if rows > 10000 else (1, 17, 40, 300)
+        for dtype in (torch.bfloat16, torch.float32):
+            pin(layer, form, dtype)
+            for count in counts:
                 x = torch.randn(count, cols, generator=generator).to(dtype)
                 bias = torch.randn(rows, generator=generator).to(dtype)
                 want = x.double() @ weight.T + bias.double()
@@ -112,6 +114,23 @@ def test_each_form_is_the_float64_product_at_the_models_shapes(form, fmt):
                 assert got.dtype == dtype and got.shape == (count, rows)
                 err = ((got.double() - want).norm() / want.norm()).item()
                 assert err < tolerance, (form, fmt, rows, cols, count, dtype, err)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q6_k"])
+def test_the_resident_copy_holds_dequantize_weights_numbers(fmt):
+    """The resident form's copy (oneDNN's layout for bf16, a plain matrix for float32) is
+    dequantize_weight's numbers bit for bit: the identity's rows times it give W.T exactly (one
+    product per sum). It is counted in the layer's bytes under its dtype."""
+    layer, _ = layer_of(fmt, 96, 256, seed=8)
+    for dtype in (torch.bfloat16, torch.float32):
+        pin(layer, "resident", dtype)
+        eye = torch.eye(layer.cols, dtype=dtype)
+        wide = layer.resident[1]
+        assert torch.equal(layer(eye).to(wide), layer.dense(wide).t()), (fmt, dtype)
+        assert layer.bytes_by_format() == {fmt: layer.nbytes, str(wide).removeprefix("torch."):
+                                           96 * 256 * wide.itemsize}
+    pin(layer, "blocks", torch.bfloat16)
+    assert layer.resident is None and layer.bytes_by_format() == {fmt: layer.nbytes}
 
 
 def test_a_weight_larger_than_the_scratch_is_widened_a_tile_of_row_groups_at_a_time(
@@ -197,8 +216,34 @@ def test_forms_are_timed_once_and_cached_beside_the_checkpoint_for_this_cpu(tmp_
         table = choose_forms(pinned, form, torch.bfloat16, None)
         assert all(set(forms.values()) == {form} for forms in table.values())
         assert pinned.quantized["qkv"].runs[1].forms == (form,) * len(MEASURED_ROWS)
-    with pytest.raises(ValueError, match="linear_form must be one of auto, blocks, widened"):
+    with pytest.raises(ValueError,
+                       match="linear_form must be one of auto, blocks, widened, resident"):
         choose_forms(_Model(), "amx", torch.bfloat16, None)
+
+
+def _layers(model: _Model) -> list[QuantizedLinear]:
+    return [run for name, layer in model.quantized.items() if name != "embed"
+            for run in getattr(layer, "runs", [layer])]
+
+
+def test_the_resident_form_is_offered_only_within_its_memory_cap(tmp_path):
+    """auto offers the resident form when every layer's copy fits ``resident_bytes``, from
+    ``RESIDENT_MIN_ROWS`` rows; a layer keeps its copy exactly when one of its buckets takes
+    it. Under the cap by one byte nothing is copied, and the choices are cached apart (a
+    changed cap times again rather than read choices made with or without copies)."""
+    need = sum(layer.rows * layer.cols * 2 for layer in _layers(_Model()))
+    model = _Model()
+    table = choose_forms(model, "auto", torch.bfloat16, tmp_path, resident_bytes=need)
+    small = {bucket_label(i) for i, rows in enumerate(MEASURED_ROWS) if rows < RESIDENT_MIN_ROWS}
+    for forms in table.values():
+        assert all(forms[label] != "resident" for label in small)
+    for layer in _layers(model):
+        assert (layer.resident is not None) == ("resident" in layer.forms)
+    model = _Model()
+    table = choose_forms(model, "auto", torch.bfloat16, tmp_path, resident_bytes=need - 1)
+    assert all("resident" not in forms.values() for forms in table.values())
+    assert all(layer.resident is None for layer in _layers(model))
+    assert len(json.loads((tmp_path / "linear_forms.json").read_text())) == 2
 
 
 def test_a_checkpoint_directory_that_cannot_be_written_is_timed_at_each_start(

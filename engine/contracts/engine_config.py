@@ -75,12 +75,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "tensors, embedding included; other checkpoints dense), none (every weight widened to --dtype), int8 or int4 (per "
         "group of 32, a step and a minimum each): the decoder's projections quantized once at "
         "load and cached; CPU only"))] = "auto"
-    linear_form: Annotated[Literal["auto", "blocks", "widened"], Meta(description=(
+    linear_form: Annotated[Literal["auto", "blocks", "widened", "resident"], Meta(description=(
         "how products over quantized weights run: auto (for each weight and row count, the "
-        "faster of the two timed at load on this CPU and cached beside the checkpoint), "
+        "fastest form timed at load on this CPU and cached beside the checkpoint), "
         "blocks (the block kernel at every row count: each row's result independent of the "
-        "batch) or widened (the weight widened to bf16 into a scratch for oneDNN's GEMM, AMX "
-        "where the CPU has it)"))] = "auto"
+        "batch), widened (the weight widened to bf16 into a scratch for oneDNN's GEMM, AMX "
+        "where the CPU has it) or resident (a bf16 copy of every weight kept beside its "
+        "blocks for that GEMM)"))] = "auto"
+    resident_weights_gb: Annotated[float, Meta(ge=0, description=(
+        "GiB of bf16 copies of quantized weights that --linear-form auto may keep beside the "
+        "blocks, so products of 17 rows and more run oneDNN's GEMM without widening the "
+        "weight each call: offered only to a model whose projections' copies all fit (the "
+        "default model's take 203 MiB), kept only where timed faster; 0 keeps none"))] = 1.0
     # LoRA adapters (engine/contracts/lora.py, engine/worker/lora_pool.py)
     enable_lora: Annotated[bool, Meta(description=(
         "serve LoRA adapters of the base model: a request names one as its `model`; each "
@@ -276,7 +282,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         refused = {"--device cuda": self.device is not None and self.device.startswith("cuda"),
                    "--attention-backend flashinfer": self.attention_backend == "flashinfer",
-                   "--linear-form widened": self.linear_form == "widened",
+                   "--linear-form widened or resident": self.linear_form in ("widened",
+                                                                             "resident"),
                    "--kv-cache-dtype fp8_e4m3 or fp8_e5m2": self.kv_cache_dtype.startswith("fp8"),
                    "--tp-size > 1": self.tp_size > 1,
                    # a sliding layer's keys in pages of their own: not yet checked bit for bit

@@ -137,7 +137,8 @@ class ModelRunner:
         self.model = load_model(c.model, device=self.device, dtype=self.dtype,
                                 config=self.config, tp=self.tp, load_format=c.load_format,
                                 seed=c.seed, quantization=c.quantization,
-                                linear_form="blocks" if c.deterministic else c.linear_form)
+                                linear_form="blocks" if c.deterministic else c.linear_form,
+                                resident_bytes=int(c.resident_weights_gb * 2**30))
         self._flops_per_token = 2 * self.config.num_params
         self.model.prepack()
         if c.deterministic:

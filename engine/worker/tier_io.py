@@ -67,7 +67,7 @@ NOT_IN_IDENTITY = {
         "device", "attention_backend", "flashinfer_decode_backend", "enable_cuda_graph",
         "cuda_graph_max_bs", "worker_threads", "max_running_requests", "max_prefill_tokens",
         "chunked_prefill_size", "overlap_schedule", "speculative_config", "preemption_mode",
-        "linear_form"),
+        "linear_form", "resident_weights_gb"),
         "kernels and step shapes: KV differs by rounding at most, as batching already makes "
         "it (the dtypes they run in are in the identity)"),
     **dict.fromkeys(("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),

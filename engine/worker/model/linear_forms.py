@@ -9,19 +9,30 @@ row count. Two forms read the same blocks:
   layer reuses, a tile of output rows at a time, and multiplied by oneDNN's GEMM: in bf16 when
   the activations are (AMX tiles on CPUs that have them), else float32. Widening is a pass over
   the weight, which a prefill chunk's hundreds of rows repay many times over.
+- ``resident``: the same widened weight kept beside the blocks (dequantize_weight's numbers,
+  laid out once for oneDNN where it runs bf16), so the GEMM runs without the widening pass: what
+  a step of a few dozen rows (a question over a cached head beside decoding sequences) cannot
+  repay. It costs the weight's bytes in bf16 again, so ``auto`` offers it only to a model whose
+  copies fit in ``resident_bytes`` (``--resident-weights-gb``), never to the LM head (it
+  multiplies a row or two per sequence), and only from ``RESIDENT_MIN_ROWS`` rows: load-time
+  timing runs on a warm cache, where a decode step's read of the copy (16 bits a weight
+  against the blocks' 4.5-9) would look cheaper than it is. A layer whose measured choices
+  never take it frees its copy.
 
 Which is faster depends on the CPU, the weight's format and shape, and the rows, so every
-distinct weight (format, rows, columns) is timed in both forms at load at each of
+distinct weight (format, rows, columns) is timed in each form it may take at load at each of
 ``MEASURED_ROWS``; a call takes the choice of the measured count nearest its own (``bucket``).
 The choices are cached beside the converted checkpoint in ``linear_forms.json``, under a key of
-the CPU's model name, the thread count, torch's version and the kernels' loops, so a later
-start reads them instead of timing again.
+the CPU's model name, the thread count, torch's version, the kernels' loops and whether the
+resident form was offered, so a later start reads them instead of timing again.
 
 A row's result depends on the form (the widened product rounds the weights to bf16 and keeps
 the activations; the block kernel quantizes the activations), so where the buckets choose
-differently a row computed alone differs by rounding from the same row in a larger call.
+differently a row computed alone differs by rounding from the same row in a larger call
+(``widened`` and ``resident`` multiply the same numbers; oneDNN may order the sums apart).
 ``EngineConfig.linear_form`` (``--linear-form``) ``blocks`` pins the block kernel for every
-bucket, which keeps each row independent of the batch; ``widened`` pins the other form (tests).
+bucket, which keeps each row independent of the batch; ``widened`` and ``resident`` pin the
+others (tests: any CPU runs them, in float32 where oneDNN has no bf16).
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from engine.checkpoints.artifact_cache import update_json
 
 logger = logging.getLogger("radixserve.worker")
 
-FORMS = ("blocks", "widened")
+FORMS = ("blocks", "widened", "resident")
 POLICIES = ("auto", *FORMS)
 # Row counts timed at load; a call of M rows takes the choice of the nearest one (in ratio).
 MEASURED_ROWS = (1, 8, 32, 128, 512)
@@ -51,6 +62,7 @@ CACHE_FILE = "linear_forms.json"
 TILE_BYTES = 32 << 20
 _REPEATS = 3
 _BUDGET = 0.05  # seconds of timed runs of one form at one row count, after which it stops
+RESIDENT_MIN_ROWS = 17  # ``auto`` times the resident form from this many rows (bucket 17-64)
 
 
 def bucket(rows: int) -> int:
@@ -107,8 +119,37 @@ def widened_product(ops: object, blocks: tuple[torch.Tensor, ...], bits: int, ro
     return out
 
 
+def make_resident(layer: object, dtype: torch.dtype) -> None:
+    """Keep ``layer``'s weight widened beside its blocks for activations of ``dtype``: bf16
+    laid out for oneDNN where it runs bf16, else a plain float32 matrix."""
+    wide = widened_dtype(torch.empty(0, dtype=dtype))
+    dense = layer.dense(wide)
+    if wide == torch.bfloat16:
+        layer.resident = (torch.ops.mkldnn._reorder_linear_weight(dense), wide, True)
+    else:
+        layer.resident = (dense, wide, False)
+
+
+def resident_product(layer: object, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T from ``layer``'s resident copy (``make_resident``), in x's dtype."""
+    weight, dtype, packed = layer.resident
+    xw = x if x.dtype == dtype else x.to(dtype)
+    if packed:
+        out = torch.ops.mkldnn._linear_pointwise(xw, weight, None, "none", [], "")
+    else:
+        out = torch.mm(xw, weight.t())
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def resident_nbytes(layer: object) -> int:
+    """What ``layer``'s resident copy would hold, before it is made."""
+    return layer.rows * layer.cols * widened_dtype(torch.empty(0, dtype=torch.bfloat16)).itemsize
+
+
 def product(layer: object, x: torch.Tensor, form: str) -> torch.Tensor:
     """x @ W.T of ``layer`` (a QuantizedLinear) in ``form``."""
+    if form == "resident":
+        return resident_product(layer, x)
     if form == "widened":
         return widened_product(layer.ops, layer.kernel, layer.bits, layer.rows, layer.cols, x,
                                layer.scratch)
@@ -135,11 +176,15 @@ def can_widen(layer: object, dtype: torch.dtype) -> bool:
 
 
 def pin(layer: object, form: str, dtype: torch.dtype) -> list[str]:
-    """``layer`` computes in ``form`` at every row count (``widened`` where it can)."""
+    """``layer`` computes in ``form`` at every row count (``widened`` where the widening
+    kernel reads its blocks; ``resident`` copies dequantize_weight's)."""
     if form == "widened" and not can_widen(layer, dtype):
         raise ValueError(f"--linear-form widened: {layer.format} blocks of a {layer.rows} x "
                          f"{layer.cols} weight cannot be widened here (see the log); use auto "
                          "or blocks")
+    layer.resident = None
+    if form == "resident":
+        make_resident(layer, dtype)
     layer.forms = (form,) * len(MEASURED_ROWS)
     return list(layer.forms)
 
@@ -159,10 +204,12 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
-def cache_key(isa: str) -> str:
+def cache_key(isa: str, resident: bool) -> str:
     """What the timings depend on besides the weights: the CPU (its model and features), the
-    threads, torch (oneDNN) and the block kernel's loops."""
+    threads, torch (oneDNN), the block kernel's loops and whether the resident form competed."""
     parts = [cpu_name(), _cpuinfo("flags"), str(torch.get_num_threads()), torch.__version__, isa]
+    if resident:
+        parts.append("resident")
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -184,18 +231,22 @@ def _seconds(run: object, warm: bool) -> float:
 
 def measure(layer: object, dtype: torch.dtype) -> list[str]:
     """The faster form of ``layer`` (a QuantizedLinear) at each of ``MEASURED_ROWS``, with
-    activations of ``dtype``. Once the widened form wins, the larger counts take it untimed:
-    its widening is paid once a call, so its lead only grows with the rows."""
+    activations of ``dtype``: the block kernel against the widened form, or from
+    ``RESIDENT_MIN_ROWS`` rows against the resident one where ``layer`` holds a copy (the same
+    GEMM without the widening, which the widened form cannot beat). Once a widened weight wins,
+    the larger counts take it untimed: the block kernel's cost grows with the rows faster."""
     choices: list[str] = []
     generator = torch.Generator().manual_seed(0)
     for rows in MEASURED_ROWS:
-        if choices and choices[-1] == "widened":
-            choices.append("widened")
+        other = ("resident" if layer.resident is not None and rows >= RESIDENT_MIN_ROWS
+                 else "widened")
+        if choices and choices[-1] == other:
+            choices.append(other)
             continue
         x = torch.randn(rows, layer.cols, generator=generator).to(dtype)
         blocks = _seconds(lambda x=x: product(layer, x, "blocks"), warm=False)
-        widened = _seconds(lambda x=x: product(layer, x, "widened"), warm=True)
-        choices.append("widened" if widened < blocks else "blocks")
+        seconds = _seconds(lambda x=x, other=other: product(layer, x, other), warm=True)
+        choices.append(other if seconds < blocks else "blocks")
     return choices
 
 
@@ -219,11 +270,12 @@ def signature(layer: object, dtype: torch.dtype) -> str:
 
 
 def choose_forms(model: torch.nn.Module, policy: str, dtype: torch.dtype,
-                 cache_dir: Path | None) -> dict[str, dict[str, str]]:
+                 cache_dir: Path | None, resident_bytes: int = 0) -> dict[str, dict[str, str]]:
     """Set every quantized layer's form per bucket under ``policy`` (``POLICIES``): ``auto``
     reads the choices cached in ``cache_dir`` (the converted checkpoint's directory) for this
-    CPU, or times each distinct weight and caches them there. Returns signature -> bucket
-    (``bucket_label``) -> form, which the worker logs and reports (/metrics)."""
+    CPU, or times each distinct weight and caches them there, offering the resident form when
+    the copies of all the layers but the LM head fit in ``resident_bytes``. Returns signature
+    -> bucket (``bucket_label``) -> form, which the worker logs and reports (/metrics)."""
     if policy not in POLICIES:
         raise ValueError(f"linear_form must be one of {', '.join(POLICIES)}, got {policy!r}")
     # the LM head multiplies float32 rows (its logits stay float32), the others ``dtype`` ones
@@ -233,7 +285,7 @@ def choose_forms(model: torch.nn.Module, policy: str, dtype: torch.dtype,
         return {}
     scratch = Scratch()
     for _, layer, _ in layers:
-        layer.scratch = scratch
+        layer.scratch, layer.resident = scratch, None
     table: dict[str, list[str]] = {}
     names: dict[str, set[str]] = {}
     for name, layer, x_dtype in layers:
@@ -243,21 +295,29 @@ def choose_forms(model: torch.nn.Module, policy: str, dtype: torch.dtype,
             table[signature(layer, x_dtype)] = pin(layer, policy, x_dtype)
         return _labelled(table)
     isa = layers[0][1].ops.quant_linear_isa()
-    key = cache_key(isa)
+    offered = [(layer, x_dtype) for name, layer, x_dtype in layers if name != "lm_head"]
+    resident = 0 < sum(resident_nbytes(layer) for layer, _ in offered) <= resident_bytes
+    key = cache_key(isa, resident)
     cached = _read_cache(cache_dir, key) if cache_dir is not None else {}
     start = time.perf_counter()
     timed = 0
-    for _, layer, x_dtype in layers:
+    for name, layer, x_dtype in layers:
         sig = signature(layer, x_dtype)
         if sig not in table:
             if sig in cached:
                 table[sig] = cached[sig]
             elif can_widen(layer, x_dtype):
+                if resident and name != "lm_head":
+                    make_resident(layer, x_dtype)
                 table[sig] = measure(layer, x_dtype)
                 timed += 1
             else:
                 table[sig] = ["blocks"] * len(MEASURED_ROWS)
         layer.forms = tuple(table[sig])
+        if "resident" not in layer.forms:
+            layer.resident = None
+        elif layer.resident is None:
+            make_resident(layer, x_dtype)
     seconds = time.perf_counter() - start
     shown = "; ".join(f"{'/'.join(sorted(names[sig]))} {sig}: " + ", ".join(
         f"{bucket_label(i)} {form}" for i, form in enumerate(forms))

@@ -37,12 +37,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
                config: ModelConfig | None = None, tp: Collectives | None = None,
                load_format: str = "auto", seed: int = 0,
-               quantization: str = "none", linear_form: str = "auto") -> LlamaForCausalLM:
+               quantization: str = "none", linear_form: str = "auto",
+               resident_bytes: int = 0) -> LlamaForCausalLM:
     """Build the model (``tp``: this rank's share of it) for ``model_dir``'s config on
     ``device`` and fill every weight: from the checkpoint's files, or (``load_format`` "dummy")
     with random values drawn on the device from ``seed``, which needs only config.json.
     ``quantization`` (engine/checkpoints/quantized.py) says which weights stay in blocks,
-    ``linear_form`` how their products run (engine/worker/model/linear_forms.py)."""
+    ``linear_form`` how their products run (engine/worker/model/linear_forms.py), with bf16
+    copies of at most ``resident_bytes`` beside the blocks."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
     if load_format == "dummy":
@@ -106,7 +108,8 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
         for blocks in set(getattr(module, "quantized", {}).values()):
             blocks.repack()
     if formats:
-        model.linear_forms = choose_forms(model, linear_form, dtype, quantized.parent)
+        model.linear_forms = choose_forms(model, linear_form, dtype, quantized.parent,
+                                          resident_bytes)
     return model
 
 

@@ -4,9 +4,11 @@ are read by the compiled kernels (engine/worker/csrc/quant_linear.cpp).
 A decode step reads every weight once for a handful of rows, so its cost is the bytes read:
 4.5 to 9 bits a weight here (quant_formats.py) against bf16's 16. The kernel quantizes the activations per block
 of 32 and multiplies integers. A prefill chunk's rows may instead take the weight widened into a
-reused scratch and oneDNN's bf16 GEMM (AMX tiles where the CPU has them), where that is timed
-faster at load (engine/worker/model/linear_forms.py, which says what that costs a row's
-independence of its batch). Nothing dense is kept.
+reused scratch and oneDNN's bf16 GEMM (AMX tiles where the CPU has them), or a bf16 copy of
+the weight kept beside the blocks for that GEMM (a model whose copies fit
+``--resident-weights-gb``), where that is timed faster at load
+(engine/worker/model/linear_forms.py, which says what that costs a row's independence of its
+batch). Nothing else dense is kept.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ class QuantizedLinear:
         bits = BITS[fmt]
         self.format, self.rows, self.cols, self.bits = fmt, rows, cols, bits
         self.digits = DIGITS[bits]
-        # the form of each row-count bucket and the widened form's buffer (linear_forms.py)
+        # the form of each row-count bucket, the widened form's buffer and the resident form's
+        # copy: (weight, its dtype, laid out for oneDNN) (linear_forms.py)
         self.forms: tuple[str, ...] = ("blocks",) * len(MEASURED_ROWS)
         self.scratch: Scratch | None = None
+        self.resident: tuple[torch.Tensor, torch.dtype, bool] | None = None
         self.packed: PackedWeight | None = PackedWeight.empty(fmt, rows, cols, device)
         # values, scales, minimums, super-block scales (csrc/quant_linear.cpp)
         self.kernel: tuple[torch.Tensor, ...] | None = None
@@ -62,7 +66,12 @@ class QuantizedLinear:
         return sum(t.numel() * t.element_size() for t in held)
 
     def bytes_by_format(self) -> dict[str, int]:
-        return {self.format: self.nbytes}
+        """The blocks' bytes, and the resident copy's under its dtype's name."""
+        found = {self.format: self.nbytes}
+        if self.resident is not None:
+            _, dtype, _ = self.resident
+            found[str(dtype).removeprefix("torch.")] = self.rows * self.cols * dtype.itemsize
+        return found
 
     def parts(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Each part's rows ``rows``: the loader's targets for one checkpoint tensor."""
@@ -122,7 +131,8 @@ class MixedQuantizedLinear:
     def bytes_by_format(self) -> dict[str, int]:
         found: dict[str, int] = {}
         for run in self.runs:
-            found[run.format] = found.get(run.format, 0) + run.nbytes
+            for name, size in run.bytes_by_format().items():
+                found[name] = found.get(name, 0) + size
         return found
 
     def parts(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
