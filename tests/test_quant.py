@@ -323,6 +323,24 @@ def test_k_quants_keep_one_float16_a_super_block(variants, fmt, bits):
         assert ((out.double() - want).norm() / want.norm()).item() < 1e-5, name
 
 
+def test_q5_0_keeps_its_5_bits_and_values_outside_a_width_are_refused(variants):
+    """The kernel's layout of Q5_0 holds 5.5 bits a weight (its values in 5 bits, a float16
+    step per 32: the file's); every build refuses int8 values that do not fit 5 or 6 bits with
+    a sentence instead of dropping their high bits."""
+    p = random_weight("q5_0", 64, 1024, seed=5)
+    layer = QuantizedLinear("q5_0", 64, 1024, torch.device("cpu"))
+    for part, tensor in layer.parts().items():
+        tensor.copy_(getattr(p, part))
+    layer.repack()
+    assert layer.nbytes * 8 / (64 * 1024) == 5.5
+    for ops in variants.values():
+        for bits, value in ((5, 16), (5, -17), (6, 32), (6, -33)):
+            values = p.qweight.clone()
+            values[3, 7] = value
+            with pytest.raises(RuntimeError, match=f"{bits}-bit values must lie in"):
+                ops.quant_repack(values, p.scales, None, None, None, bits)
+
+
 def test_a_tensor_parallel_split_keeps_whole_blocks():
     rows = part_sources("w", Slice(0, 96, 192, 576), "q4_1")
     assert rows["w.qweight"] == rows["w.scales"] == Slice(0, 96, 192, 576)
