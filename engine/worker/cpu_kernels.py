@@ -9,7 +9,8 @@
   queries and keys and the store of its keys and values into the pool, in one op
   (csrc/rope_store.cpp).
 - ``quant_ops()``: ``torch.ops.radixserve.quant_linear`` and ``dequantize_weight``, linear
-  layers over quantized weight blocks (csrc/quant_linear.cpp).
+  layers over quantized weight blocks (csrc/quant_linear.cpp; their layout, csrc/quant_layout.h,
+  written by csrc/quant_repack.cpp, which also holds dequantize_weight).
 - ``lora_bgmv_op()``: ``torch.ops.radixserve.lora_bgmv``, every row's LoRA update under its own
   adapter in one op, where the torch path takes a pair of matmuls per adapter
   (csrc/lora_bgmv.cpp).
