@@ -1,5 +1,5 @@
 """How a quantized linear layer (engine/worker/model/quant.py) computes x @ W.T, by the call's
-row count. Two forms read the same blocks:
+row count. Three forms read the same blocks:
 
 - ``blocks``: the block kernel (csrc/quant_linear.cpp): activations quantized to int8 per
   block of 32, integer products (AVX-512 VNNI, AVX2). It reads 4.5-9 bits a weight, which is
@@ -12,8 +12,9 @@ row count. Two forms read the same blocks:
 - ``resident``: the same widened weight kept beside the blocks (dequantize_weight's numbers,
   laid out once for oneDNN where it runs bf16), so the GEMM runs without the widening pass: what
   a step of a few dozen rows (a question over a cached head beside decoding sequences) cannot
-  repay. It costs the weight's bytes in bf16 again, so ``auto`` offers it only to a model whose
-  copies fit in ``resident_bytes`` (``--resident-weights-gb``), never to the LM head (it
+  repay. It costs the weight's bytes in bf16 again, so ``auto`` offers it only to bf16
+  activations on a CPU whose oneDNN runs bf16, in a model whose copies fit in
+  ``resident_bytes`` (``--resident-weights-gb``), never to the LM head (it
   multiplies a row or two per sequence), and only from ``RESIDENT_MIN_ROWS`` rows: load-time
   timing runs on a warm cache, where a decode step's read of the copy (16 bits a weight
   against the blocks' 4.5-9) would look cheaper than it is. A layer whose measured choices
@@ -142,8 +143,8 @@ def resident_product(layer: object, x: torch.Tensor) -> torch.Tensor:
 
 
 def resident_nbytes(layer: object) -> int:
-    """What ``layer``'s resident copy would hold, before it is made."""
-    return layer.rows * layer.cols * widened_dtype(torch.empty(0, dtype=torch.bfloat16)).itemsize
+    """What ``layer``'s resident copy holds in bf16 (the only copies ``auto`` makes)."""
+    return layer.rows * layer.cols * torch.bfloat16.itemsize
 
 
 def product(layer: object, x: torch.Tensor, form: str) -> torch.Tensor:
@@ -295,8 +296,10 @@ def choose_forms(model: torch.nn.Module, policy: str, dtype: torch.dtype,
             table[signature(layer, x_dtype)] = pin(layer, policy, x_dtype)
         return _labelled(table)
     isa = layers[0][1].ops.quant_linear_isa()
-    offered = [(layer, x_dtype) for name, layer, x_dtype in layers if name != "lm_head"]
-    resident = 0 < sum(resident_nbytes(layer) for layer, _ in offered) <= resident_bytes
+    # copies in bf16 only: float32 activations (or no bf16 in oneDNN) keep the two other forms
+    bf16 = widened_dtype(torch.empty(0, dtype=dtype)) == torch.bfloat16
+    offered = [layer for name, layer, _ in layers if name != "lm_head"]
+    resident = bf16 and 0 < sum(resident_nbytes(layer) for layer in offered) <= resident_bytes
     key = cache_key(isa, resident)
     cached = _read_cache(cache_dir, key) if cache_dir is not None else {}
     start = time.perf_counter()
