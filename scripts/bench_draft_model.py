@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft", required=True, help="the draft model (checkpoint or .gguf)")
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     ap.add_argument("--extra", default="{}", help="more --speculative-config keys, as JSON")
+    ap.add_argument("--engine", default="{}",
+                    help="more engine options of both engines (EngineConfig keys), as JSON, "
+                         "e.g. '{\"linear_form\": \"blocks\"}'")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     ap.add_argument("--limit", type=int, default=None, help="prompts of each kind at most")
@@ -95,8 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     from engine.runtime.offline import Engine
 
     spec = {"model": args.draft, "num_speculative_tokens": args.k, **json.loads(args.extra)}
-    engines = {"off": Engine(args.model), "draft": Engine(
-        args.model, speculative_config=json.dumps(spec))}
+    options = json.loads(args.engine)
+    engines = {"off": Engine(args.model, **options), "draft": Engine(
+        args.model, speculative_config=json.dumps(spec), **options)}
     work = prompts()
     if args.limit:
         work = [p for kind in ("rewrite", "new")
