@@ -328,9 +328,12 @@ def sample(logits: torch.Tensor, rows: list[RowState],
         logits = logits.index_copy(0, index, constrained)
     penalised = apply_penalties(logits, rows)
 
-    token_ids = penalised.max(dim=-1).indices  # the first maximum, as argmax (2x faster on CPU)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
+    if len(random_rows) == len(rows):  # no greedy row: no argmax, no copy of the rows
+        token_ids = _sample_random(penalised, rows)
+    else:
+        token_ids = penalised.max(dim=-1).indices  # the first maximum, as argmax (2x as fast)
+    if random_rows and len(random_rows) < len(rows):
         index = to_device(np.array(random_rows, dtype=np.int64), logits.device)
         sampled = _sample_random(penalised.index_select(0, index), [rows[i] for i in random_rows])
         token_ids.index_copy_(0, index, sampled)
