@@ -19,6 +19,13 @@ here, or both: radix/tree.py); this tier holds what that needs beside the tree:
   read before it is written. A host page a load reads belongs to a node its loading lease keeps
   locked while the step is planned, so no write-down of that step reuses it; a host page freed
   while its write-down is still planned drops that write-down (``drop_write_downs``).
+- **Windows.** With sliding-window layers (radix/sliding.py), ``swa``: host pages for the
+  sliding layers' KV of the windows a node keeps (``Node.host_swa_pages``, beside its
+  ``host_pages``), refcounted and evictable as the node's host pages are, with write-downs and
+  loads of their own (``take_window_moves``: ``BatchInput.swa_swap_out`` / ``swa_swap_in``,
+  run beside the full pages'). The worker's sliding host pages are laid out as its full ones:
+  swap's first, then these (``first_page`` on). ``--host-cache-gb`` pays for both kinds: a
+  host page and its ``--sliding-kv-ratio`` share of a sliding one (engine/worker/runner.py).
 - **Policy** (SGLang's names). ``write_back``: a node is copied down when the device evicts it.
   ``write_through``: as soon as it is cached. ``write_through_selective``: once
   ``selective_hits`` matches reached it. Under the write-through policies a node evicted from
@@ -40,7 +47,8 @@ SELECTIVE_HITS = 2  # SGLang's write-through threshold for write_through_selecti
 
 class HostTier:
     def __init__(self, num_pages: int, page_size: int, policy: str = "write_back",
-                 first_page: int = 0, selective_hits: int = SELECTIVE_HITS) -> None:
+                 first_page: int = 0, selective_hits: int = SELECTIVE_HITS,
+                 num_sliding_pages: int = 0) -> None:
         if policy not in WRITE_POLICIES:
             raise ValueError(f"the host tier's write policy must be one of "
                              f"{', '.join(WRITE_POLICIES)}, got {policy!r}")
@@ -50,6 +58,10 @@ class HostTier:
         self.selective_hits = selective_hits
         self._write_downs: dict[int, int] = {}  # host page -> the device page copied into it
         self._loads: list[tuple[int, int]] = []  # (host page, device page)
+        # the windows' pages and moves (sliding pages, host and device)
+        self.swa = PageAllocator(num_sliding_pages, page_size) if num_sliding_pages else None
+        self._swa_write_downs: dict[int, int] = {}
+        self._swa_loads: list[tuple[int, int]] = []
 
     @property
     def num_pages(self) -> int:
@@ -65,6 +77,26 @@ class HostTier:
 
     def plan_loads(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
         self._loads.extend(zip(host_pages, device_pages, strict=True))
+
+    def plan_window_write_down(self, sliding_pages: Sequence[int],
+                               host_pages: Sequence[int]) -> None:
+        self._swa_write_downs.update(zip(host_pages, sliding_pages, strict=True))
+
+    def plan_window_loads(self, host_pages: Sequence[int], sliding_pages: Sequence[int]) -> None:
+        self._swa_loads.extend(zip(host_pages, sliding_pages, strict=True))
+
+    def drop_window_write_downs(self, freed: Sequence[int]) -> None:
+        """``drop_write_downs`` for freed sliding host pages."""
+        for page in freed:
+            self._swa_write_downs.pop(page, None)
+
+    def take_window_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``take_moves`` for the windows' sliding pages."""
+        base = self.first_page
+        downs = [(device, base + host) for host, device in self._swa_write_downs.items()]
+        loads = [(base + host, device) for host, device in self._swa_loads]
+        self._swa_write_downs, self._swa_loads = {}, []
+        return downs, loads
 
     def drop_write_downs(self, freed: Sequence[int]) -> None:
         """Host pages that went free before their write-down was sent: nothing reads them, and
@@ -86,9 +118,17 @@ class HostTier:
     def has_moves(self) -> bool:
         return bool(self._write_downs or self._loads)
 
-    def check(self, device_refcount: np.ndarray) -> None:
-        """Every planned move names pages in use: a write-down's host page, a load's both."""
+    def check(self, device_refcount: np.ndarray,
+              sliding_refcount: np.ndarray | None = None) -> None:
+        """Every planned move names pages in use: a write-down's host page, a load's both (and
+        so for the windows' sliding pages)."""
         rc = self.allocator.refcount
         assert all(rc[h] > 0 for h in self._write_downs), "a write-down into a free host page"
         assert all(rc[h] > 0 and device_refcount[d] > 0 for h, d in self._loads), (
             "a load from or into a free page")
+        if self.swa is not None and sliding_refcount is not None:
+            rc = self.swa.refcount
+            assert all(rc[h] > 0 for h in self._swa_write_downs), (
+                "a window's write-down into a free host page")
+            assert all(rc[h] > 0 and sliding_refcount[d] > 0 for h, d in self._swa_loads), (
+                "a window's load from or into a free page")

@@ -94,14 +94,16 @@ class Lease:
     def locked(self) -> bool:
         return self._locked
 
-    def pages_to_acquire(self, num_tokens: int, loading: set[Node] | None = None) -> int:
+    def pages_to_acquire(self, num_tokens: int, loading: set[Node] | None = None, *,
+                         windows: bool = False) -> int:
         """Fresh pages ``acquire(num_tokens)`` allocates: the match's full pages are shared,
         and its part in the host tier takes device pages to load into. ``loading``: host-only
         nodes that holders acquiring before this one will load (samples of one request share
-        their prompt's); this one's are added to it."""
+        their prompt's); this one's are added to it. ``windows``: of them, those that take
+        sliding pages (of the loaded part, only the window before the match's end)."""
         tree = self.tree
         return (tree.allocator.pages_for(num_tokens) - self.match.length // tree.page_size
-                + tree._pages_to_load(self.match.node, loading))
+                + tree._pages_to_load(self.match.node, loading, windows))
 
     def acquire(self, num_tokens: int) -> tuple[list[int], PageCopy | None]:
         """A page table for positions ``[0, num_tokens)``: the match's full pages (a new reference
@@ -114,7 +116,9 @@ class Lease:
         self._check_acquire(num_tokens)
         tree = self.tree
         loads = tree._pages_to_load(self.match.node)
-        fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens))
+        windows = (self.pages_to_acquire(num_tokens, windows=True)
+                   if loads and tree.sliding is not None else None)
+        fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens), windows)
         if self.match.host_length:
             # What another holder loaded since this one matched is on the device already.
             self.match.pages = tree._load(self.match.node, fresh[:loads])
@@ -150,12 +154,13 @@ class Lease:
         nodes take the holder's device pages (an insert crossing them does). A match ending
         inside a page needs no copy-on-write here: that page is one of the holder's own.
         None when no part of the match is in the host tier only any more (another holder
-        loaded it since this one matched): ``acquire`` then. Raises ``OutOfPages`` having
+        loaded it since this one matched), or with sliding-window layers (a load gives the
+        host-only nodes their windows back): ``acquire`` then. Raises ``OutOfPages`` having
         changed nothing."""
         self._check_acquire(num_tokens)
         tree = self.tree
         path, sources = tree._host_sources(self.match.node)
-        if not path:
+        if not path or tree.sliding is not None:
             return None
         # the device part's pages now (another holder may have loaded the top of the host
         # part since this one matched), up to the first host-only node's first page index

@@ -32,10 +32,13 @@ class Node:
 
     With sliding-window layers (radix/sliding.py), ``swa_pages`` lists beside each of ``pages``
     the sliding page whose KV the node keeps for it, or -1 where it keeps none; empty without
-    them. ``swa_lock`` counts the locks on it that also hold its windows (radix/windows.py)."""
+    them. ``swa_lock`` counts the locks on it that also hold its windows (radix/windows.py).
+    ``host_swa_pages`` is the same beside ``host_pages``: the host tier's copy of the windows
+    it keeps (host sliding pages, -1 where none), empty where the node has no host copy."""
 
     __slots__ = ("key", "start", "num_tokens", "pages", "host_pages", "parent", "children",
-                 "lock_ref", "eviction_key", "evicted", "hits", "swa_pages", "swa_lock")
+                 "lock_ref", "eviction_key", "evicted", "hits", "swa_pages", "swa_lock",
+                 "host_swa_pages")
 
     def __init__(self, key: bytes, start: int, pages: array, parent: Node | None,
                  host_pages: array | None = None) -> None:
@@ -52,6 +55,7 @@ class Node:
         self.hits = 0  # matches that reached it (the host tier's write_through_selective)
         self.swa_pages = array("q")
         self.swa_lock = 0
+        self.host_swa_pages = array("q")
 
     @property
     def end(self) -> int:

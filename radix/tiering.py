@@ -46,10 +46,12 @@ def _host_candidate(node: Node) -> bool:
 class Tiering:
     """Eviction and the moves between the device and the host tier (see the module)."""
 
-    def _pages_to_load(self, node: Node, loading: set[Node] | None = None) -> int:
+    def _pages_to_load(self, node: Node, loading: set[Node] | None = None,
+                       windows: bool = False) -> int:
         """Device pages that loading the host-only end of the path to ``node`` takes, not
         counting the nodes in ``loading`` (others will load them first), to which it adds its
-        own."""
+        own. ``windows``: of them, those that take sliding pages (the window before the path's
+        end, radix/windows.py ``_load_windows``)."""
         top = None
         deepest = node
         while not node.on_device and (loading is None or node not in loading):
@@ -58,7 +60,10 @@ class Tiering:
             top, node = node, node.parent
         if top is None:
             return 0
-        return (deepest.end - 1) // self.page_size - top.start // self.page_size + 1
+        first = top.start // self.page_size
+        if windows:
+            first = max(first, self.sliding.window_start(deepest.end))
+        return (deepest.end - 1) // self.page_size - first + 1
 
     def _load(self, node: Node, fresh: list[int]) -> array:
         """Give the host-only nodes of the (locked) path to ``node`` the device pages
@@ -79,6 +84,8 @@ class Tiering:
             self._moved(n, DEVICE, stored=True)
         self.allocator.incref(held)  # the nodes' references (locked: not evictable) ...
         self.allocator.decref(fresh)  # ... replace the allocation's
+        if self.sliding is not None:
+            self._load_windows(path, device)  # (the last of ``fresh`` have sliding pages)
         self.host.plan_loads(sources.tolist(), fresh)
         self.stats.pages_loaded += len(fresh)
         return self._path_pages(path[-1])
@@ -132,6 +139,8 @@ class Tiering:
             pages = page_array(table[node.start // page_size : (node.end - 1) // page_size + 1])
             self.allocator.incref(pages, evictable=node.lock_ref == 0)
             node.pages = pages
+            if self.sliding is not None:
+                node.swa_pages = array("q", [-1]) * len(pages)
             self._moved(node, DEVICE, stored=True)
             self._push(self._host_leaves, node)
             node = node.parent
@@ -155,12 +164,17 @@ class Tiering:
             want = num_pages - freed
             while len(pages) < want and (node := self._pop(self._leaves)) is not None:
                 pages += node.pages
+                parent = node.parent
+                if node.host_pages and node.swa_pages:
+                    self._write_windows(node)  # its host copy takes its windows first
+                stored = bool(node.host_pages) or (keep and self._write_down(node))
                 if node.swa_pages:
                     self._drop_kept(node, evictable=True)  # its windows go first
-                parent = node.parent
-                if node.host_pages or (keep and self._write_down(node)):
+                if stored:
                     self._moved(node, DEVICE, stored=False)
                     node.pages = array("q")
+                    if node.swa_pages:
+                        node.swa_pages = array("q")
                     self._push(self._host_leaves, node)
                 else:
                     self._unlink(node)
@@ -185,31 +199,50 @@ class Tiering:
             host.allocator.set_evictable(pages, True, distinct=True)
         host.plan_write_down(node.pages, pages)
         node.host_pages = page_array(pages)
+        if self.sliding is not None:
+            self._write_windows(node)
         self.stats.pages_written += count
         self._moved(node, HOST, stored=True)
         self._push(self._host_leaves, node)
         return True
 
-    def _make_host_room(self, num_pages: int) -> bool:
-        """Drop host copies, least recently used first, until ``num_pages`` host pages are
-        free; False if the host tier runs out of candidates first."""
-        alloc = self.host.allocator
-        while alloc.num_free_pages < num_pages:
-            node = self._pop(self._host_leaves)
-            if node is None:
-                return False
-            parent = node.parent
-            if node.pages:
-                self._moved(node, HOST, stored=False)
-                self._drop_host_copy(node)  # it stays on the device
-            else:
-                self._unlink(node)
-                self._push(self._host_leaves, parent)
+    def _make_host_room(self, num_pages: int, num_windows: int = 0,
+                        spare: Node | None = None) -> bool:
+        """Drop host copies, least recently used first, until ``num_pages`` host pages (and
+        ``num_windows`` of the windows' host pages) are free; False if the host tier runs out
+        of candidates first. ``spare``: a node whose host copy stays (it is being written)."""
+        alloc, swa = self.host.allocator, self.host.swa
+        aside = []
+        try:
+            while alloc.num_free_pages < num_pages or (
+                    num_windows and swa.num_free_pages < num_windows):
+                node = self._pop(self._host_leaves)
+                if node is None:
+                    return False
+                if node is spare:
+                    aside.append(node)
+                    continue
+                self._drop_host_node(node)
+        finally:
+            for node in aside:
+                self._push(self._host_leaves, node)
         return True
+
+    def _drop_host_node(self, node: Node) -> None:
+        """The host tier lets ``node`` go: its host copy, or the node where it has no other."""
+        parent = node.parent
+        if node.pages:
+            self._moved(node, HOST, stored=False)
+            self._drop_host_copy(node)  # it stays on the device
+        else:
+            self._unlink(node)
+            self._push(self._host_leaves, parent)
 
     def _drop_host_copy(self, node: Node) -> None:
         host = self.host
         pages, node.host_pages = node.host_pages, array("q")
+        if node.host_swa_pages:
+            self._drop_host_windows(node)
         if host.allocator.decref(pages, evictable=not node.lock_ref) and host.has_moves:
             index = np.frombuffer(pages, dtype=np.int64)
             host.drop_write_downs(index[host.allocator.refcount[index] == 0].tolist())

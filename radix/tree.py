@@ -59,7 +59,7 @@ from radix.node import CacheStats, Node, PrefixMatch, TreeListener, page_array
 from radix.pages import OutOfPages, PageAllocator
 from radix.sliding import SlidingKV  # noqa: TC001 (the constructor's annotation)
 from radix.tiering import Tiering, _device_leaf, _host_candidate, _LeafHeap
-from radix.windows import Windows, _keeps_sliding, check_sliding
+from radix.windows import Windows, _keeps_sliding, check_host_windows, check_sliding
 
 TokenIds = Sequence[int] | np.ndarray
 
@@ -96,9 +96,6 @@ class RadixTree(Tiering, Windows):
         self.page_size = allocator.page_size
         if host is not None and host.allocator.page_size != self.page_size:
             raise ValueError("the host tier's pages must hold as many tokens as the device's")
-        if host is not None and sliding is not None:
-            raise ValueError("the host tier does not hold sliding-window layers' KV apart "
-                             "from the full layers' yet: serve such a model without it")
         self.host = host
         self.sliding = sliding
         self._swa_nodes = _LeafHeap(_keeps_sliding)
@@ -240,23 +237,26 @@ class RadixTree(Tiering, Windows):
         """Pin the path from ``node`` to its root against eviction (under
         ``write_through_selective``, then copy down what matches made hot on it)."""
         locked = node
-        newly_locked, newly_locked_host = array("q"), array("q")
+        newly_locked, newly_locked_host, newly_locked_windows = array("q"), array("q"), array("q")
         while node.parent is not None:
             if node.lock_ref == 0:
                 newly_locked += node.pages
                 newly_locked_host += node.host_pages
+                newly_locked_windows += node.host_swa_pages
             node.lock_ref += 1
             node = node.parent
         self.allocator.set_evictable(newly_locked, False, distinct=self._distinct_paths)
         if newly_locked_host:
             self.host.allocator.set_evictable(newly_locked_host, False,
                                               distinct=self._distinct_paths)
+            self._host_windows_evictable(newly_locked_windows, False)
         if self.host is not None and self.host.policy == "write_through_selective":
             # Once the path is locked: making room must not drop a node of it.
             self._write_hot(locked)
 
     def _unlock(self, node: Node) -> None:
-        newly_unlocked, newly_unlocked_host = array("q"), array("q")
+        newly_unlocked, newly_unlocked_host, newly_unlocked_windows = (array("q"), array("q"),
+                                                                       array("q"))
         deepest_on_device = None
         while node.parent is not None:
             if node.lock_ref <= 0:
@@ -265,6 +265,7 @@ class RadixTree(Tiering, Windows):
             if node.lock_ref == 0:
                 newly_unlocked += node.pages
                 newly_unlocked_host += node.host_pages
+                newly_unlocked_windows += node.host_swa_pages
                 self._push(self._host_leaves, node)
                 if deepest_on_device is None and node.pages:
                     deepest_on_device = node
@@ -273,6 +274,7 @@ class RadixTree(Tiering, Windows):
         if newly_unlocked_host:
             self.host.allocator.set_evictable(newly_unlocked_host, True,
                                               distinct=self._distinct_paths)
+            self._host_windows_evictable(newly_unlocked_windows, True)
         # Only the deepest device node of the path can be a device leaf (the others have it as
         # a child on the device).
         if deepest_on_device is not None:
@@ -311,7 +313,8 @@ class RadixTree(Tiering, Windows):
         """The deepest node matching ``query`` (split where the match ends inside it), the
         match's length and, with ``collect``, the device pages of its device part (a
         host-only node's first page index is its own, so the pages stop before it). ``swa``
-        (an empty array) receives the sliding pages the path keeps at each page index."""
+        (an empty array) receives the sliding pages the path keeps at each page index (a
+        host-only node's: the host tier's copies)."""
         page_size = self.page_size
         pages = array("q")
         pos = 0
@@ -323,7 +326,8 @@ class RadixTree(Tiering, Windows):
             if swa is not None:
                 first = pos // page_size
                 del swa[first:]  # as for pages: the deeper node's keep of a shared page wins
-                swa += child.swa_pages[: (pos + matched - 1) // page_size - first + 1]
+                kept = child.swa_pages if child.pages else child.host_swa_pages
+                swa += kept[: (pos + matched - 1) // page_size - first + 1]
             if collect:
                 first = pos // page_size
                 del pages[first:]  # the deeper node's copy of a shared boundary page wins
@@ -354,6 +358,9 @@ class RadixTree(Tiering, Windows):
         if node.swa_pages:
             upper.swa_pages = node.swa_pages[:upper_end]
             node.swa_pages = node.swa_pages[lower_start:]
+        if node.host_swa_pages:
+            upper.host_swa_pages = node.host_swa_pages[:upper_end]
+            node.host_swa_pages = node.host_swa_pages[lower_start:]
         if split_pos % page_size:
             # The page holding the split point now has two holders, in each tier.
             evictable = node.lock_ref == 0
@@ -363,6 +370,8 @@ class RadixTree(Tiering, Windows):
                 self.host.allocator.incref(lower_host[:1], evictable=evictable)
             if node.swa_pages and node.swa_pages[0] >= 0:
                 self.sliding.allocator.incref(node.swa_pages[:1], evictable=not node.swa_lock)
+            if node.host_swa_pages and node.host_swa_pages[0] >= 0:
+                self.host.swa.incref(node.host_swa_pages[:1], evictable=evictable)
         node.parent.children[node.key[:4]] = upper
         node.key = node.key[4 * at :]
         node.start = split_pos
@@ -405,3 +414,5 @@ class RadixTree(Tiering, Windows):
         check_tree(nodes, self._num_nodes, self.allocator, self.host, external_refs)
         if self.sliding is not None:
             check_sliding(nodes, self.sliding, self.allocator, external_swa_refs)
+            if self.host is not None:
+                check_host_windows(nodes, self.host, self.sliding, self.allocator.refcount)

@@ -34,6 +34,7 @@ import numpy as np
 from radix.pages import OutOfPages
 
 if TYPE_CHECKING:
+    from radix.host import HostTier
     from radix.node import Node
     from radix.pages import PageAllocator
     from radix.sliding import SlidingKV
@@ -162,6 +163,75 @@ class Windows:
             self._push(heap, node)
         return None
 
+    # ------------------------------------------------------- the host tier's windows
+    def _host_windows_evictable(self, pages: array, evictable: bool) -> None:
+        """The host copies of windows of nodes (un)locked: as their host pages."""
+        index = np.frombuffer(pages, dtype=np.int64)
+        if len(index) and self.host.swa is not None:
+            self.host.swa.set_evictable(index[index >= 0], evictable)
+
+    def _write_windows(self, node: Node) -> None:
+        """``node`` (on the device, with a host copy) is about to leave the device or was just
+        written down: its host copy takes the windows it keeps on the device and lacks, as far
+        as the host tier has or can make room (dropping other nodes' host copies)."""
+        host = self.host
+        if not node.host_swa_pages:
+            node.host_swa_pages = array("q", [-1]) * len(node.host_pages)
+        if host.swa is None:
+            return
+        kept = np.frombuffer(node.swa_pages, dtype=np.int64)
+        have = np.frombuffer(node.host_swa_pages, dtype=np.int64)
+        index = np.flatnonzero((kept >= 0) & (have < 0))
+        if not len(index) or not self._make_host_room(0, len(index), node):
+            return
+        pages = host.swa.alloc(len(index))
+        if not node.lock_ref:
+            host.swa.set_evictable(pages, True)
+        host.plan_window_write_down(kept[index].tolist(), pages)
+        for i, page in zip(index.tolist(), pages, strict=True):
+            node.host_swa_pages[i] = page
+
+    def _load_windows(self, path: list[Node], fresh: np.ndarray) -> None:
+        """``_load`` of the host-only ``path`` into device pages ``fresh``, of which those of
+        the window before the path's end (which the match reached through the host tier's
+        copies: ``_pages_to_load(..., windows=True)`` of them, the last) have sliding pages
+        (the allocation's references): that window is loaded into them and kept by the
+        nodes; the allocation's references go."""
+        sliding, page_size = self.sliding, self.page_size
+        first = path[0].start // page_size
+        sources = np.full(len(fresh), -1, dtype=np.int64)
+        for n in path:  # top-down: the deeper node's copy of a shared index wins, as in _walk
+            sources[n.start // page_size - first : (n.end - 1) // page_size - first + 1] = (
+                np.frombuffer(n.host_swa_pages, dtype=np.int64))
+        window = max(sliding.window_start(path[-1].end) - first, 0)
+        if (sources[window:] < 0).any():
+            raise RuntimeError("a match reached into the host tier past a window it lacks")
+        device = np.full(len(fresh), -1, dtype=np.int64)
+        device[window:] = sliding.live(fresh[window:])
+        assert (device[window:] >= 0).all(), "a page of the loaded window has no sliding page"
+        for n in path:
+            lo, hi = n.start // page_size - first, (n.end - 1) // page_size - first + 1
+            n.swa_pages = array("q", [-1]) * (hi - lo)
+            index = np.arange(max(lo, window), hi) - lo
+            if len(index):
+                sliding.allocator.incref(device[lo + index], evictable=not n.swa_lock)
+                for i in index.tolist():
+                    n.swa_pages[i] = int(device[lo + i])
+                self._push(self._swa_nodes, n)
+                for listener in self.listeners:
+                    listener.windows(n, index, kept=True)
+        self.host.plan_window_loads(sources[window:].tolist(), device[window:].tolist())
+        sliding.decref(fresh[window:])
+
+    def _drop_host_windows(self, node: Node) -> None:
+        """``node``'s host copy goes: so do its windows' host pages."""
+        pages, node.host_swa_pages = node.host_swa_pages, array("q")
+        index = np.frombuffer(pages, dtype=np.int64)
+        index = index[index >= 0]
+        swa = self.host.swa
+        if len(index) and swa.decref(index, evictable=not node.lock_ref):
+            self.host.drop_window_write_downs(index[swa.refcount[index] == 0].tolist())
+
     def _drop_kept(self, node: Node, evictable: bool) -> int:
         """``node`` lets every window page it keeps go (evicted, or its window evicted)."""
         kept = np.frombuffer(node.swa_pages, dtype=np.int64)
@@ -197,3 +267,27 @@ def check_sliding(nodes: list[Node], sliding: SlidingKV, full: PageAllocator,
             np.add.at(unlocked, swa[mine], 1)
     _check_tier(alloc, kept, unlocked, external_refs)
     sliding.check(full)
+
+
+def check_host_windows(nodes: list[Node], host: HostTier, sliding: SlidingKV,
+                       device_refcount: np.ndarray) -> None:
+    """``RadixTree.check`` for the host tier's windows: a node with a host copy lists a window
+    page (or -1) beside each host page; every host sliding page's count is the nodes listing
+    it, unlocked nodes' references exactly its evictable ones; planned moves name pages in
+    use."""
+    from radix.accounting import _check_tier
+
+    size = host.swa.num_pages if host.swa is not None else 0
+    refs, unlocked = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+    for node in nodes:
+        assert len(node.host_swa_pages) == len(node.host_pages), (
+            f"{node!r} keeps a misaligned host window")
+        swa = np.frombuffer(node.host_swa_pages, dtype=np.int64)
+        swa = swa[swa >= 0]
+        assert host.swa is not None or not len(swa), f"{node!r} has host windows, no pages"
+        np.add.at(refs, swa, 1)
+        if not node.lock_ref:
+            np.add.at(unlocked, swa, 1)
+    if host.swa is not None:
+        _check_tier(host.swa, refs, unlocked, np.zeros_like(refs))
+        host.check(device_refcount, sliding.allocator.refcount)

@@ -72,7 +72,9 @@ class SeqMemory:
         self.loads = loads if loads is not None else PendingLoads()
         # the host tier loads into waiting sequences' own pages on the worker's I/O thread
         # (one worker: under tensor parallel every rank must copy its share in the step)
-        self.host_loads_aside = host_loads_aside and tree.host is not None
+        # (not with sliding-window layers: a load there gives the tree's nodes the windows)
+        self.host_loads_aside = (host_loads_aside and tree.host is not None
+                                 and tree.sliding is None)
         self.alloc = tree.allocator
         self.sliding = tree.sliding
         self.page_size = tree.page_size

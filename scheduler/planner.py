@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.worker_messages import ModelInfo
-from radix import OutOfPages, RadixTree
+from radix import Lease, OutOfPages, RadixTree
 from scheduler.kv import SeqMemory, StepWork
 from scheduler.policy import long_uncached, order_waiting, shared_head
 from scheduler.request import Request, Seq, Status
@@ -278,7 +278,7 @@ class StepPlanner:
                reserved: int) -> list[Entry] | None:
         if req.seqs[0].host_pages or any(s.host_pages for s in seqs):
             return self._admit_swapped(req, seqs, work, reserved)
-        matches, need = [], 0
+        matches, need, windows = [], 0, 0
         loading: set = set()  # host-tier nodes the samples before this one will load
         waits: set[int] = set()  # sequences that wait for a load into their own pages
         for seq in seqs:
@@ -293,11 +293,12 @@ class StepPlanner:
                 extend = min(extend, self.config.chunked_prefill_size, max(budget, 1))
             budget -= extend
             matches.append((seq, extend))
-            need += lease.pages_to_acquire(lease.length + extend + self.mem.disk_tokens(seq),
-                                           loading)
+            pages, sliding = self._acquire_needs(
+                lease, lease.length + extend + self.mem.disk_tokens(seq), loading)
+            need, windows = need + pages, windows + sliding
         if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
             self.running or need > self.tree.num_available_pages
-        ) or self._short_of_sliding(need, len(seqs)):
+        ) or self._short_of_sliding(windows, len(seqs)):
             for seq, _ in matches:
                 self.mem.unpin(seq)
                 seq.disk_names = []
@@ -319,6 +320,15 @@ class StepPlanner:
             req.cached_tokens, req.cached_tokens_host = match.length, match.host_length
         return admitted
 
+    def _acquire_needs(self, lease: Lease, num_tokens: int, loading: set) -> tuple[int, int]:
+        """Fresh pages ``lease.acquire(num_tokens)`` takes (adding its loads to ``loading``),
+        and of them those that take sliding pages."""
+        before = set(loading) if self.tree.sliding is not None else loading
+        pages = lease.pages_to_acquire(num_tokens, loading)
+        if self.tree.sliding is None:
+            return pages, pages
+        return pages, lease.pages_to_acquire(num_tokens, before, windows=True)
+
     def _short_of_sliding(self, need: int, width: int) -> bool:
         """With sliding-window layers: every fresh page takes a sliding page too, and each
         running sequence may need one more as its window moves on."""
@@ -339,8 +349,8 @@ class StepPlanner:
         windows = sum(self.mem.sliding_to_resume(s) for s in swapped) if self.tree.sliding else 0
         loading: set = set()
         for seq in released:
-            acquire = self.mem.match(seq).pages_to_acquire(len(seq.tokens), loading)
-            need, windows = need + acquire, windows + acquire
+            pages, sliding = self._acquire_needs(self.mem.match(seq), len(seq.tokens), loading)
+            need, windows = need + pages, windows + sliding
         if need + (reserved if self.running else 0) > self.tree.num_available_pages or (
                 self._short_of_sliding(windows, len(seqs))):
             for seq in released:

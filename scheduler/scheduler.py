@@ -54,7 +54,8 @@ class Scheduler(Forking, Reporting):
         self.alloc = PageAllocator(info.num_pages, info.page_size)
         # The prefix cache's host tier: host pages after swap's in the worker's host pool.
         self.host = (HostTier(info.num_host_cache_pages, info.page_size,
-                              config.cache_write_policy, first_page=info.num_host_pages)
+                              config.cache_write_policy, first_page=info.num_host_pages,
+                              num_sliding_pages=info.num_host_cache_sliding_pages)
                      if info.num_host_cache_pages else None)
         self.tree = RadixTree(self.alloc, POLICIES[config.eviction_policy], host=self.host,
                               sliding=sliding_pages(info))
@@ -214,6 +215,9 @@ class Scheduler(Forking, Reporting):
             write_downs, loads = self.host.take_moves()
             plan.work.swap_out += write_downs
             plan.work.swap_in += loads
+            write_downs, loads = self.host.take_window_moves()
+            plan.work.swa_swap_out += write_downs
+            plan.work.swa_swap_in += loads
         batch = build_batch(self.batch_id, plan.entries, plan.work, self.info.page_size,
                             self.released_grammars, self.tree.sliding)
         self.released_grammars = []

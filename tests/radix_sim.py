@@ -31,9 +31,11 @@ class SimSeq:
 
 class Sim:
     def __init__(self, num_pages: int, page_size: int, host_pages: int = 0,
-                 policy: str = "write_back", window: int = 0, sliding_pages: int = 0) -> None:
+                 policy: str = "write_back", window: int = 0, sliding_pages: int = 0,
+                 host_sliding_pages: int = 0) -> None:
         self.alloc = PageAllocator(num_pages, page_size)
-        self.host = HostTier(host_pages, page_size, policy) if host_pages else None
+        self.host = (HostTier(host_pages, page_size, policy, num_sliding_pages=host_sliding_pages)
+                     if host_pages else None)
         self.sliding = (SlidingKV(sliding_pages, num_pages, page_size, window) if window
                         else None)
         self.tree = RadixTree(self.alloc, host=self.host, sliding=self.sliding)
@@ -42,6 +44,7 @@ class Sim:
         self.shadow = np.full((num_pages * page_size, 2), -1, dtype=np.int64)
         self.swa_shadow = np.full((sliding_pages * page_size, 2), -1, dtype=np.int64)
         self.host_shadow = np.full((host_pages * page_size, 2), -1, dtype=np.int64)
+        self.host_swa_shadow = np.full((host_sliding_pages * page_size, 2), -1, dtype=np.int64)
         self.running: list[SimSeq] = []
         self.moved = [0, 0]  # pages written down, loaded
 
@@ -60,7 +63,10 @@ class Sim:
             assert got == (tokens[pos], pos), f"host slot for position {pos} holds {got}"
         if self.sliding is not None:  # the window before the first computed token is live
             for pos in range(max(0, match.length + 1 - self.sliding.window), match.length):
-                got = tuple(self.swa_shadow[self.swa_slot(match.pages, pos)])
+                if pos < on_device:
+                    got = tuple(self.swa_shadow[self.swa_slot(match.pages, pos)])
+                else:  # the host tier's copy of the window
+                    got = tuple(self.host_swa_shadow[self._host_slot(match.node, pos, True)])
                 assert got == (tokens[pos], pos), f"sliding slot for position {pos} holds {got}"
 
     def swa_slot(self, pages: list[int], pos: int) -> int:
@@ -68,12 +74,15 @@ class Sim:
         assert sliding >= 0, f"the sliding KV of position {pos} is gone"
         return sliding * self.page_size + pos % self.page_size
 
-    def _host_slot(self, node: Node, pos: int) -> int:
-        """The host slot of ``pos`` on the path to ``node``: the deepest node covering it."""
+    def _host_slot(self, node: Node, pos: int, window: bool = False) -> int:
+        """The host slot of ``pos`` on the path to ``node``: the deepest node covering it
+        (``window``: of its window's host copy)."""
         index = pos // self.page_size
         while node.start // self.page_size > index:
             node = node.parent
-        page = node.host_pages[index - node.start // self.page_size]
+        pages = node.host_swa_pages if window else node.host_pages
+        page = pages[index - node.start // self.page_size]
+        assert page >= 0, f"the host tier keeps no window for position {pos}"
         return page * self.page_size + pos % self.page_size
 
     def run_moves(self) -> None:
@@ -81,13 +90,16 @@ class Sim:
         if self.host is None:
             return
         downs, loads = self.host.take_moves()
+        swa_downs, swa_loads = self.host.take_window_moves()
         size = self.page_size
-        for device, host in downs:
-            self.host_shadow[host * size : (host + 1) * size] = (
-                self.shadow[device * size : (device + 1) * size])
-        for host, device in loads:
-            self.shadow[device * size : (device + 1) * size] = (
-                self.host_shadow[host * size : (host + 1) * size])
+        for (device, host), (src, dst) in [(pair, (self.shadow, self.host_shadow))
+                                           for pair in downs] + [
+                (pair, (self.swa_shadow, self.host_swa_shadow)) for pair in swa_downs]:
+            dst[host * size : (host + 1) * size] = src[device * size : (device + 1) * size]
+        for (host, device), (src, dst) in [(pair, (self.host_shadow, self.shadow))
+                                           for pair in loads] + [
+                (pair, (self.host_swa_shadow, self.swa_shadow)) for pair in swa_loads]:
+            dst[device * size : (device + 1) * size] = src[host * size : (host + 1) * size]
         self.moved[0] += len(downs)
         self.moved[1] += len(loads)
 
@@ -252,6 +264,12 @@ class Sim:
                 bad = np.flatnonzero((kept >= 0)
                                      & (self.swa_shadow[slots] != expected).any(axis=1))
                 assert bad.size == 0, f"{node!r}: a kept sliding slot holds another token"
+            kept = np.asarray(node.host_swa_pages, dtype=np.int64)[index] if (
+                node.host_swa_pages) else np.full(0, -1)
+            mine = np.flatnonzero(kept >= 0)  # so does the host tier's copy of its windows
+            slots = kept[mine] * size + positions[mine] % size
+            bad = np.flatnonzero((self.host_swa_shadow[slots] != expected[mine]).any(axis=1))
+            assert bad.size == 0, f"{node!r}: a host window's slot holds another token"
 
     def check_holders(self) -> None:
         """Every running sequence's table holds its own tokens' KV, and its locked path is

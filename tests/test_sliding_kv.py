@@ -6,7 +6,8 @@ Greedy tokens equal transformers' cold, resent (a hit of all but the last token)
 turn (a hit of the whole history), forked (parallel samples), after the cache's windows were
 evicted and under preemption; every running sequence holds at most its window's pages plus
 one once its prompt is in; the accounting of both pools holds after every step (the harness's
-``check``). Combinations the sliding pages do not support are refused with a sentence.
+``check``). Combinations the sliding pages do not support are refused with a sentence
+(the host tier: tests/test_sliding_host.py).
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def test_windows_evicted_and_requests_preempted_keep_the_tokens(gemma_dir, hf_ge
     assert sliding.num_free_pages == sliding.num_pages
 
 
-def test_combinations_not_supported_are_refused(gemma_dir, harness_model_dir):
-    for option in ({"host_cache_gb": 1.0}, {"attention_backend": "flashinfer"}):
+def test_combinations_not_supported_are_refused(gemma_dir, harness_model_dir, tmp_path):
+    for option in ({"disk_cache_dir": str(tmp_path)}, {"attention_backend": "flashinfer"}):
         config = EngineConfig(model=gemma_dir, sliding_kv_ratio=0.5, **option)
         with pytest.raises(ValueError, match="--sliding-kv-ratio cannot be combined"):
             config.validate()

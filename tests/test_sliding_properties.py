@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis.stateful import initialize, precondition, rule
 
 import radix.pages
-from radix import Lease, OutOfPages, PageAllocator, RadixTree
+from radix import WRITE_POLICIES, Lease, OutOfPages, PageAllocator, RadixTree
 from radix.sliding import SlidingKV
 from radix.windows import usable_length
 from tests.radix_sim import Sim
@@ -31,13 +31,18 @@ from tests.test_radix_properties import RadixMachine, TestRadixMachine
 class SlidingRadixMachine(RadixMachine):
     @initialize(page_size=st.sampled_from([1, 16, 4]), num_pages=st.integers(4, 48),
                 vector_min=st.sampled_from([radix.pages.VECTOR_MIN_PAGES, 1, 10**9]),
-                window=st.integers(2, 12), sliding_share=st.sampled_from([0.3, 0.6, 1.0]))
+                window=st.integers(2, 12), sliding_share=st.sampled_from([0.3, 0.6, 1.0]),
+                host_pages=st.sampled_from([0, 0, 3, 12, 64]),
+                host_share=st.sampled_from([0.0, 0.3, 1.0]),
+                policy=st.sampled_from(WRITE_POLICIES))
     def setup(self, page_size: int, num_pages: int, vector_min: int, window: int,
-              sliding_share: float) -> None:
+              sliding_share: float, host_pages: int, host_share: float, policy: str) -> None:
         scale = 16 // page_size
         num_pages *= scale
-        self.sim = Sim(num_pages, page_size, window=window,
-                       sliding_pages=max(1, int(sliding_share * num_pages)))
+        host_pages *= scale
+        self.sim = Sim(num_pages, page_size, host_pages, policy, window=window,
+                       sliding_pages=max(1, int(sliding_share * num_pages)),
+                       host_sliding_pages=int(host_share * host_pages))
         self.external = []
         self.pins = []
         self.later = []
@@ -120,6 +125,54 @@ def test_a_resend_and_a_next_turn_hit_in_full_and_a_locked_window_survives():
         sim.tree.reset()
         assert sim.sliding.allocator.num_free_pages == 40
         assert sim.alloc.num_free_pages == 64
+
+
+def test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes():
+    """Under each write policy: a prompt and its turn's windows leave the device with their
+    nodes (the host tier's sliding pages), so the resend and the next turn still hit in full
+    through host-only nodes, and loading them gives the holder the window's KV (the sim checks
+    every slot); with no host sliding pages, no match reaches into the host part."""
+    for page_size, policy, host_windows in ((1, "write_back", 40), (4, "write_through", 40),
+                                            (16, "write_through_selective", 40),
+                                            (4, "write_back", 0)):
+        sim = Sim(64, page_size, 64, policy, window=10, sliding_pages=40,
+                  host_sliding_pages=host_windows)
+        prompt = list(range(50, 90))
+        seq = sim.admit(prompt)
+        sim.slide(seq, retain_end=len(prompt))
+        sim.commit(seq, len(prompt), keep=True)
+        sim.grow(seq, [1, 2, 3])
+        sim.slide(seq)
+        sim.finish(seq)
+        for _ in range(2):  # write_through_selective copies down what was matched twice
+            Lease(sim.tree, prompt + [1, 2, 3]).unlock()
+            sim.run_moves()
+        sim.tree.evict(1000)
+        sim.run_moves()
+        sim.check()
+        assert sim.alloc.num_free_pages == 64 and sim.sliding.allocator.num_free_pages == 40
+        resend = sim.match(prompt)
+        if not host_windows:
+            assert resend.length == 0 and resend.match.host_length == 0
+            resend.unlock()
+            continue
+        assert resend.length == len(prompt) - 1 and resend.match.host_length == resend.length
+        turn = Lease(sim.tree, prompt + [1, 2, 3, 9])
+        assert turn.length == len(prompt) + 3 and turn.match.host_length == turn.length
+        turn.unlock()
+        again = sim.take(resend, prompt)  # loads the path and its window
+        sim.check()
+        sim.finish(again)
+        sim.tree.evict(1000)  # back down: the loaded window is on the host already
+        sim.run_moves()
+        turn = sim.take(sim.match(prompt + [1, 2, 3, 9]), prompt + [1, 2, 3, 9])
+        assert turn.lease.length == len(prompt) + 3
+        sim.check()
+        sim.finish(turn)
+        sim.tree.reset()
+        sim.check()
+        for alloc in (sim.alloc, sim.sliding.allocator, sim.host.allocator, sim.host.swa):
+            assert alloc.num_free_pages == alloc.num_pages
 
 
 def test_sliding_pages_run_out_apart_from_full_ones():

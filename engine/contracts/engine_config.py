@@ -296,8 +296,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def _validate_sliding(self) -> None:
         if not self.sliding_kv_ratio:
             return
-        refused = {"--host-cache-gb": self.host_cache_gb > 0,
-                   "--disk-cache-dir": self.disk_cache_dir is not None,
+        refused = {"--disk-cache-dir": self.disk_cache_dir is not None,
                    "--attention-backend flashinfer": self.attention_backend == "flashinfer",
                    "--enable-cuda-graph": self.enable_cuda_graph}
         for name, given in refused.items():

@@ -148,6 +148,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     # pages above) and the window they see
     num_sliding_pages: int = 0
     sliding_window: int = 0
+    num_host_cache_sliding_pages: int = 0  # the host tier's windows (after swap's)
     disk_fingerprint: str = ""  # the disk tier's directory for this model and layout, if on
     disk_block_tokens: int = 0
     disk_ready: bool = False  # its store is set up (not after a full disk at start)

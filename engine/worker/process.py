@@ -64,6 +64,7 @@ class Worker:
             linear_forms=self.runner.model.linear_forms,
             num_host_cache_pages=self.runner.num_host_cache_pages,
             num_sliding_pages=self.runner.num_sliding_pages,
+            num_host_cache_sliding_pages=self.runner.num_host_cache_sliding_pages,
             sliding_window=self.runner.sliding_window,
         )
         if self.runner.lora is not None:

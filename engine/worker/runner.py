@@ -188,15 +188,21 @@ class ModelRunner:
         self.num_pages, how = self._size_pool(
             page_bytes + draft_page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes),
             c.num_pages, c.kv_cache_gb, c.mem_fraction)
-        self.num_host_cache_pages = int(c.host_cache_gb * 2**30) // page_bytes
+        # a host page pays for its share of the windows' host pages too (radix/host.py)
+        host_page_bytes = page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes)
+        self.num_host_cache_pages = int(c.host_cache_gb * 2**30) // host_page_bytes
         if self.tp is not None:
             self.num_pages = self.tp.agree_min(self.num_pages)
             self.num_host_cache_pages = self.tp.agree_min(self.num_host_cache_pages)
         # from the pages every rank agreed on: each rank's sliding pool has the same pages
         self.num_sliding_pages = self._sliding_pages(c, sliding_bytes)
+        # the host tier's pages for its nodes' windows: the device pool's share
+        self.num_host_cache_sliding_pages = (int(c.sliding_kv_ratio * self.num_host_cache_pages)
+                                             if self.num_sliding_pages else 0)
         if c.host_cache_gb and not self.num_host_cache_pages:
             raise ValueError(f"--host-cache-gb {c.host_cache_gb} holds no page of "
-                             f"{page_bytes} bytes; give at least {page_bytes / 2**30:.6f}")
+                             f"{host_page_bytes} bytes; give at least "
+                             f"{host_page_bytes / 2**30:.6f}")
         self.kv_cache_bytes = (self.num_pages * (page_bytes + draft_page_bytes)
                                + self.num_sliding_pages * sliding_bytes)
         logger.info("KV cache: %s, %d pages of %d tokens = %d tokens (%.2f GiB, %s) on %s, "
@@ -214,8 +220,10 @@ class ModelRunner:
             dtype=self.dtype, device=self.device,
             num_host_pages=c.num_host_pages + self.num_host_cache_pages, kv_dtype=self.kv_dtype,
             sliding_layers=self.sliding_layers, num_sliding_pages=self.num_sliding_pages,
-            # swap preemption moves a sequence's sliding pages with its full ones
-            num_host_sliding_pages=c.num_host_pages if self.num_sliding_pages else 0)
+            # swap preemption moves a sequence's sliding pages with its full ones, and the
+            # host tier keeps its nodes' windows
+            num_host_sliding_pages=(c.num_host_pages + self.num_host_cache_sliding_pages
+                                    if self.num_sliding_pages else 0))
 
     def _sliding_pages(self, c: EngineConfig, sliding_bytes: int) -> int:
         """The sliding layers' own pages under ``--sliding-kv-ratio`` (0: none), enough for

@@ -1,0 +1,94 @@
+"""The host tier (``--host-cache-gb``) with sliding-window layers in pages of their own
+(``--sliding-kv-ratio``), served in-process on the small Gemma-3-shaped model of
+tests/test_sliding_kv.py (a 16-token window), at page sizes 1 and 16.
+
+A node leaves the device with the windows it keeps (host sliding pages beside its host pages,
+paid from the same budget), so a match may reach through host-only nodes to where a prompt or a
+turn ended: prompts evicted to the host tier and resent, and a next turn after its history went
+to the host tier, hit in full and decode transformers' greedy tokens. The accounting of the four
+pools (device and host, full and sliding) holds after every step, and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.contracts.sampling_params import SamplingParams
+from engine.worker.kv_pool import KVPool
+from engine.worker.model.config import ModelConfig
+from tests.test_scheduler import hf_greedy
+from tests.test_sliding_kv import WindowHarness, gemma_dir, hf_gemma, prompts  # noqa: F401
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+RATIO = 0.75  # enough sliding pages for the windows of the two prompts the pool holds
+
+
+def host_cache_gb(model: str, num_pages: int, page_size: int) -> float:
+    """``--host-cache-gb`` that buys ``num_pages`` host pages in fp32, each with its
+    ``RATIO`` share of a sliding page (two sliding layers, one full)."""
+    mc = ModelConfig.from_dir(model)
+    full, sliding = (KVPool.bytes_per_page(num_layers=n, page_size=page_size,
+                                           num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                           dtype=torch.float32) for n in (1, 2))
+    return num_pages * (full + math.ceil(RATIO * sliding)) / 2**30
+
+
+@pytest.mark.parametrize(("page_size", "policy"), [(1, "write_back"), (16, "write_back"),
+                                                   (16, "write_through")])
+def test_windows_go_to_the_host_tier_and_come_back(gemma_dir, hf_gemma, page_size,  # noqa: F811
+                                                   policy):
+    """Six prompts through a device pool that holds about two: each evicts the oldest to the
+    host tier with its windows. Resent, each hits all but its last token (host hits for those
+    evicted); the first one's next turn, after its history went to the host tier again, hits
+    its whole history; every output equals transformers'."""
+    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=320 // page_size,
+                      sliding_kv_ratio=RATIO, chunked_prefill_size=24, max_prefill_tokens=64,
+                      host_cache_gb=host_cache_gb(gemma_dir, 2048 // page_size, page_size),
+                      cache_write_policy=policy)
+    tree = h.sched.tree
+    assert tree.host.swa is not None and tree.host.swa.num_pages == 1536 // page_size
+    assert h.worker.runner.pool.host_swa.shape[2] == h.config.num_host_pages + 1536 // page_size
+    cold = prompts(6, seed=11)
+    for wave in "ab":  # cold, then resent
+        for i, p in enumerate(cold):
+            h.add(f"{wave}{i}", p, GREEDY)
+            h.run()  # one at a time: each pushes the oldest off the device
+    for i, p in enumerate(cold):
+        expected = hf_greedy(hf_gemma, p, 20)
+        assert h.outputs[f"a{i}"][0] == expected and h.outputs[f"b{i}"][0] == expected, i
+        assert h.finals[f"b{i}"][0].cached_tokens == len(p) - 1, i
+    # the first prompts were evicted before their resend: read back from the host tier
+    assert h.finals["b0"][0].cached_tokens_host > 0
+    assert h.finals["b1"][0].cached_tokens_host > 0
+    stats = h.sched.stats()
+    assert stats["host_pages_written"] > 0 and stats["host_pages_loaded"] > 0
+    turn = cold[0] + h.outputs["a0"][0] + [5, 6, 7]
+    h.add("turn", turn, GREEDY)
+    h.run()
+    assert h.finals["turn"][0].cached_tokens == len(cold[0]) + 19
+    assert h.finals["turn"][0].cached_tokens_host > 0
+    assert h.outputs["turn"][0] == hf_greedy(hf_gemma, turn, 20)
+    tree.reset()  # nothing runs: every pool is free again
+    for alloc in (tree.allocator, tree.sliding.allocator, tree.host.allocator, tree.host.swa):
+        assert alloc.num_free_pages == alloc.num_pages
+
+
+def test_a_host_tier_without_room_for_windows_holds_no_match_past_them(gemma_dir):  # noqa: F811
+    """A ratio whose share of the host tier rounds to no sliding page: nodes leave the device
+    without windows, so no match reaches into the host part (it would read sliding KV nobody
+    has), and the tokens are recomputed."""
+    h = WindowHarness(gemma_dir, page_size=16, num_pages=20, sliding_kv_ratio=RATIO,
+                      chunked_prefill_size=24, max_prefill_tokens=64,
+                      host_cache_gb=host_cache_gb(gemma_dir, 1, 16))
+    assert h.sched.tree.host.swa is None
+    cold = prompts(3, seed=12)
+    for wave in "ab":
+        for i, p in enumerate(cold):
+            h.add(f"{wave}{i}", p, GREEDY)
+            h.run()
+    for i in range(3):
+        assert h.outputs[f"b{i}"][0] == h.outputs[f"a{i}"][0]
+        assert h.finals[f"b{i}"][0].cached_tokens_host == 0
