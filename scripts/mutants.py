@@ -166,6 +166,24 @@ MUTANTS = (
     Mutant("sliding-swap-in", "a swapped-in window gets its sliding KV back", "scheduler/kv.py",
            "work.swa_swap_in.append((host, int(self.sliding.of[page])))", "pass",
            ("tests/test_sliding_swap.py::test_swapped_windows_come_back_and_decode_like_transformers",)),
+    Mutant("sliding-host-window-load", "a match read from the host tier gets its window's "
+           "sliding KV back", "radix/windows.py",
+           "self.host.plan_window_loads(sources[window:].tolist(), device[window:].tolist())",
+           "None",
+           ("tests/test_sliding_properties.py::test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes",)),
+    Mutant("sliding-host-window-write", "a node leaving the device takes its windows to its "
+           "host copy (under write-through too)", "radix/tiering.py",
+           "self._write_windows(node)  # its host copy takes its windows first", "None",
+           ("tests/test_sliding_properties.py::test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes",)),
+    Mutant("sliding-host-load-windows-only", "a host load takes sliding pages for the window "
+           "before the match's end only", "radix/lease.py",
+           "if loads and tree.sliding is not None else None)", "if False else None)",
+           ("tests/test_sliding_properties.py::test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes",)),
+    Mutant("sliding-host-admission", "admission counts sliding pages for a host load's "
+           "window only", "scheduler/planner.py",
+           "return pages, lease.pages_to_acquire(num_tokens, before, windows=True)",
+           "return pages, pages",
+           ("tests/test_sliding_host.py::test_a_prompt_longer_than_the_sliding_pool_comes_back_from_the_host_tier",)),
     # ----------------------------------------------------- LoRA: rows, names
     Mutant("lora-torch-row-order", "without the op, every row gets its own adapter's update "
            "(rows out of slot order too)", "engine/worker/lora_pool.py",

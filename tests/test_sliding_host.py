@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,3 +93,24 @@ def test_a_host_tier_without_room_for_windows_holds_no_match_past_them(gemma_dir
     for i in range(3):
         assert h.outputs[f"b{i}"][0] == h.outputs[f"a{i}"][0]
         assert h.finals[f"b{i}"][0].cached_tokens_host == 0
+
+
+@pytest.mark.parametrize(("page_size", "ratio"), [(1, 0.3), (16, 0.5)])
+def test_a_prompt_longer_than_the_sliding_pool_comes_back_from_the_host_tier(
+        gemma_dir, hf_gemma, page_size, ratio):  # noqa: F811
+    """Loading a match from the host tier takes sliding pages for the window before its end
+    only, not for every loaded page: a 200-token prompt pushed to the host tier by another
+    comes back through a sliding pool smaller than it, hitting all but its last token."""
+    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=320 // page_size,
+                      sliding_kv_ratio=ratio, chunked_prefill_size=24, max_prefill_tokens=64,
+                      host_cache_gb=host_cache_gb(gemma_dir, 1024 // page_size, page_size))
+    assert h.sched.tree.sliding.allocator.num_pages * page_size < 200
+    rng = np.random.default_rng(13)
+    first, other = (rng.integers(3, 90, 200).tolist() for _ in range(2))
+    for rid, p in (("a", first), ("b", other), ("again", first)):
+        h.add(rid, p, GREEDY)
+        h.run()
+    final = h.finals["again"][0]
+    assert final.cached_tokens == 199 and final.cached_tokens_host > 0
+    expected = hf_greedy(hf_gemma, first, 20)
+    assert h.outputs["a"][0] == h.outputs["again"][0] == expected
