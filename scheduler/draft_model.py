@@ -14,18 +14,25 @@ unsure; here the per-sequence rule, as for the cache's drafts (scheduler/specula
   too many); K = 0 the best: the sequence pauses (decode steps without the draft model,
   doubling each time, a one-draft probe after), logged and counted in ``/metrics``
   (``spec_model_pauses``);
-- the batch size: where the cost measured at B running sequences is such that not even drafts
-  accepted ``CEILING`` of the time would pay (``pays``), no sequence drafts with the draft
-  model while B run (no probes either), so the draft computes nothing; logged when it turns
-  off or on, the sequence-steps counted in ``/metrics`` (``spec_model_off_steps``). The
-  costs at B are those its steps measured (the prior until then), so it turns on again where
-  other batch sizes' steps move the fitted cost of a draft.
+- the batch size: per number of running sequences B, whether the draft model drafts at all,
+  from the output tokens per second of the steps themselves (``Arms``): steps of B sequences
+  with the draft model on (its drafts, the cache's and plain decodes, as the rules above pick
+  them) against steps with it off (the cache's drafts and decodes only), each measured over
+  ``TRIAL`` steps; the better one runs for ``FIRST_HOLD`` steps where the choice changed,
+  twice the last hold (to ``LONGEST_HOLD``) where it stands, then the other is tried again. On
+  needs ``MARGIN`` more tokens per second than off. While off at B, no sequence drafts with
+  the draft model (no probes either), so the draft computes nothing; the choice logged when
+  it changes, the sequence-steps without it counted in ``/metrics``
+  (``spec_model_off_steps``). This counts everything a step costs: the draft's forwards, the
+  verify rows of both kinds of drafts and what the step's size does to the kernels.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from scheduler.drafting import (
     FIRST_PAUSE,
@@ -41,10 +48,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("radixserve.scheduler")
 
 
-# The acceptance that ``DraftModelPolicy.pays`` grants the drafts: above what the real pair
-# reaches on code (88-93%, docs/benchmarks.md), so only a batch size where drafting cannot pay
-# turns the draft model off.
-CEILING = 0.95
+# ``Arms``: the steps each try measures, the first and the longest run of the better choice
+# before the other is tried again, and how much more output per second on must bring than off.
+TRIAL, FIRST_HOLD, LONGEST_HOLD, MARGIN = 6, 48, 768, 1.03
+DECAY = 0.8  # an arm's measured steps weigh DECAY times the ones after them
 
 
 class DraftCosts(StepCosts):
@@ -73,6 +80,48 @@ def best_drafts(accept: float, share: float, most: int) -> int:
     return best
 
 
+class Arms:
+    """At one batch size: the draft model on or off, from the output tokens per second the
+    steps of each measured (decayed sums of tokens and seconds, the latest ``TRIAL`` steps or
+    so). ``choice`` is the better one; ``trying`` while the other one runs its trial; ``left``:
+    the measured steps until the next decision."""
+
+    def __init__(self) -> None:
+        self.sums = {True: np.zeros(2), False: np.zeros(2)}  # on / off: tokens, seconds
+        self.choice, self.trying = True, False
+        self.left, self.hold = TRIAL, FIRST_HOLD
+
+    def running(self) -> bool:
+        """Whether the draft model drafts now."""
+        return self.choice != self.trying
+
+    def rate(self, on: bool) -> float | None:
+        tokens, seconds = self.sums[on]
+        return float(tokens / seconds) if seconds > 0.0 else None
+
+    def observe(self, on: bool, tokens: int, seconds: float) -> bool | None:
+        """A step planned with the draft model ``on`` (or off) emitted ``tokens`` in
+        ``seconds``; the new choice where it changed (None: unchanged). A step planned before
+        the last switch is left out."""
+        if on != self.running():
+            return None
+        sums = self.sums[on]
+        sums *= DECAY
+        sums += (tokens, seconds)
+        self.left -= 1
+        if self.left > 0:
+            return None
+        if not self.trying:  # the other one's trial
+            self.trying, self.left = True, TRIAL
+            return None
+        rate_on, rate_off = self.rate(True), self.rate(False)
+        best = rate_on is not None and rate_off is not None and rate_on > MARGIN * rate_off
+        changed = best != self.choice
+        self.hold = FIRST_HOLD if changed else min(2 * self.hold, LONGEST_HOLD)
+        self.choice, self.trying, self.left = best, False, self.hold
+        return best if changed else None
+
+
 class DraftModelPolicy:
     """Per sequence, how many drafts the draft model proposes; the counters for ``/metrics``."""
 
@@ -82,23 +131,30 @@ class DraftModelPolicy:
         self.drafted_tokens = 0  # the draft model's drafts verified
         self.accepted_tokens = 0  # of those, accepted
         self.pauses = 0  # sequences' pauses of the draft model (not worth its cost)
-        self.off_steps = 0  # sequence-steps without it: no draft pays at their batch size
-        self._off: set[int] = set()  # batch sizes it is off at
+        self.off_steps = 0  # sequence-steps without it: slower with it at their batch size
+        self._arms: dict[int, Arms] = {}  # by batch size: on or off, measured
 
     def pays(self, num_running: int) -> bool:
-        """Whether the draft model drafts at all while ``num_running`` sequences run: not once
-        the steps measured at that batch size cost so much a draft that even drafts accepted
-        ``CEILING`` of the time would not pay for it."""
-        sums = self.costs.sums.get(num_running)
-        measured = sums is not None and sums[0] >= 1.0 and self.costs.slope() is not None
-        share = self.costs.share(num_running)
-        on = not measured or best_drafts(CEILING, share, self.most) > 0
-        if on == (num_running in self._off):
-            self._off.symmetric_difference_update((num_running,))
-            logger.info("the draft model is %s at %d running sequences (a draft costs %.2f "
-                        "of a step)", "on" if on else "off", num_running, share)
+        """Whether the draft model drafts at all while ``num_running`` sequences run: its
+        ``Arms`` at that batch size (on until measured)."""
+        on = self.drafting(num_running)
         self.off_steps += not on
         return on
+
+    def drafting(self, num_running: int) -> bool:
+        """Whether steps of ``num_running`` sequences are planned with the draft model on."""
+        arms = self._arms.get(num_running)
+        return arms is None or arms.running()
+
+    def step_took(self, num_running: int, on: bool, tokens: int, seconds: float) -> None:
+        """A step of decodes and verifies of ``num_running`` sequences, planned with the draft
+        model ``on`` (or off), emitted ``tokens`` in ``seconds``."""
+        arms = self._arms.setdefault(num_running, Arms())
+        changed = arms.observe(on, tokens, seconds)
+        if changed is not None:
+            logger.info("the draft model is %s at %d running sequences (%.1f output tokens/s "
+                        "with it, %.1f without)", "on" if changed else "off", num_running,
+                        arms.rate(True), arms.rate(False))
 
     def drafts_for(self, seq: Seq, room: int, num_running: int) -> int:
         """How many drafts ``seq``'s next step asks of the draft model (0: none); ``room``:

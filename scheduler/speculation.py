@@ -118,6 +118,7 @@ class Speculator:
         self.emitted_tokens = 0  # tokens verification steps produced (accepted + one each)
         self.verifications = 0  # sequence-steps that verified drafts
         self.costs = StepCosts()
+        self._step: list | None = None  # a measured step's B, on, tokens, seconds
 
     def may_draft(self, num_running: int) -> bool:
         """Whether sequences draft while ``num_running`` run (else the step is compute-bound)."""
@@ -206,6 +207,8 @@ class Speculator:
         self.accepted_tokens += accepted
         self.emitted_tokens += accepted + 1
         self.verifications += 1
+        if self._step is not None:
+            self._step[2] += accepted
         if by_model:
             self.model.accept(seq, drafted, accepted)
             return accepted + 1
@@ -218,13 +221,22 @@ class Speculator:
 
     def step_took(self, entries: list, seconds: float) -> None:
         """A step came back ``seconds`` after it was sent: a step of decodes and verifies only
-        (each entry's tokens its last one and its drafts) tells what drafts cost."""
+        (each entry's tokens its last one and its drafts) tells what drafts cost. With a draft
+        model, also the step's output tokens per second (its verifications' accepted drafts
+        counted by ``accept``, which follows; handed on at the next step)."""
+        # planned with the draft model as it stands before the previous step's measure
+        on = self.model is not None and self.model.drafting(len(entries))
+        if self._step is not None:
+            self.model.step_took(*self._step)
+            self._step = None
         if entries and all(e.extend == 1 + len(e.drafts) and e.samples == e.extend
                            for e in entries):
             modelled = [e for e in entries if e.model_drafts]
             costs = self.model.costs if modelled else self.costs
             costs.observe(len(entries), sum(len(e.drafts) for e in modelled or entries),
                           seconds)
+            if self.model is not None:
+                self._step = [len(entries), on or bool(modelled), len(entries), seconds]
 
     def check(self) -> None:
         """The suffix index's bookkeeping (with the scheduler's accounting check)."""

@@ -11,7 +11,6 @@ between the two."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import numpy as np
@@ -374,24 +373,6 @@ def test_sequences_not_drafting_cost_the_draft_nothing_and_drafting_resumes(mode
     assert draft.tokens_computed >= len(again["again"][0])
     assert h.draft_reads[0] > 0
     _assert_draft_kv_is_the_targets(h, least=len(again["again"][0]))
-
-
-def test_the_draft_model_turns_off_at_a_batch_size_where_no_draft_pays(caplog):
-    """Steps of 8 sequences where a draft row costs a third of the step (the draft's forward
-    beside a batch of decodes) and steps of one where it costs half a step: off at 8 (logged,
-    counted), on at 1 and at sizes never measured (the prior)."""
-    policy = DraftModelPolicy(4)
-    rng = np.random.default_rng(0)
-    for _ in range(30):
-        for batch, step, row in ((8, 0.15, 0.05), (1, 0.075, 0.04)):
-            drafts = int(rng.integers(0, 3))
-            policy.costs.observe(batch, drafts, step + row * drafts)
-    with caplog.at_level(logging.INFO, logger="radixserve.scheduler"):
-        assert not policy.pays(8) and not policy.pays(8)
-    assert policy.pays(1) and policy.pays(4)
-    assert policy.off_steps == 2 and policy.stats()["spec_model_off_steps"] == 2
-    assert [r.getMessage() for r in caplog.records] == [
-        "the draft model is off at 8 running sequences (a draft costs 1.00 of a step)"]
 
 
 def test_metrics_show_the_draft_models_drafts_and_pauses():

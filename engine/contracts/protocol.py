@@ -199,7 +199,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     spec_model_drafted_tokens: int = 0  # of spec_drafted_tokens, the draft model's
     spec_model_accepted_tokens: int = 0  # of those, accepted
     spec_model_pauses: int = 0  # sequences' pauses of the draft model (not worth its cost)
-    spec_model_off_steps: int = 0  # sequence-steps without it: no draft pays at the batch size
+    spec_model_off_steps: int = 0  # sequence-steps without it: slower with it at that size
     # structured output (engine/worker/grammar.py)
     constrained_requests: int = 0  # requests admitted with a constraint
     grammar_forced_tokens: int = 0  # tokens grammars forced (appended without their own step)

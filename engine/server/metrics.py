@@ -230,8 +230,9 @@ def _speculation(s: SchedulerStats) -> Iterator[Metric]:
                      "Times a sequence stopped drafting with the draft model for a while "
                      "(its drafts did not pay for their cost).", s.spec_model_pauses)
         yield family(CounterMetricFamily, "spec_decode_draft_model_off_steps",
-                     "Sequence-steps without the draft model because no draft pays for its "
-                     "measured cost at their batch size.", s.spec_model_off_steps)
+                     "Sequence-steps without the draft model because steps at their batch "
+                     "size measured more output tokens per second without it.",
+                     s.spec_model_off_steps)
     drafted, verified = s.spec_drafted_tokens, s.spec_verifications
     yield family(GaugeMetricFamily, "spec_decode_acceptance_rate",
                  "Accepted / drafted tokens.", s.spec_accepted_tokens / drafted if drafted else 0.0)
