@@ -144,9 +144,12 @@ class Windows:
 
     def _evict_sliding(self, num_pages: int) -> int:
         """Drop unlocked nodes' kept windows, least recently used first, until ``num_pages``
-        sliding pages are free or none is left; their full KV stays cached."""
+        sliding pages are free or none is left; their full KV stays cached. A node with a host
+        copy first copies them into it (``_write_windows``)."""
         freed = 0
         while freed < num_pages and (node := self._pop_window()) is not None:
+            if node.host_pages:
+                self._write_windows(node)
             freed += self._drop_kept(node, evictable=True)
         self.stats.sliding_evicted_pages += freed
         return freed

@@ -179,6 +179,11 @@ MUTANTS = (
            "before the match's end only", "radix/lease.py",
            "if loads and tree.sliding is not None else None)", "if False else None)",
            ("tests/test_sliding_properties.py::test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes",)),
+    Mutant("sliding-host-window-evicted", "a window the device drops goes to its node's host "
+           "copy first", "radix/windows.py",
+           "            if node.host_pages:\n                self._write_windows(node)\n",
+           "",
+           ("tests/test_sliding_host.py::test_windows_go_to_the_host_tier_and_come_back",)),
     Mutant("sliding-host-admission", "admission counts sliding pages for a host load's "
            "window only", "scheduler/planner.py",
            "return pages, lease.pages_to_acquire(num_tokens, before, windows=True)",

@@ -27,31 +27,36 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 RATIO = 0.75  # enough sliding pages for the windows of the two prompts the pool holds
 
 
-def host_cache_gb(model: str, num_pages: int, page_size: int) -> float:
+def host_cache_gb(model: str, num_pages: int, page_size: int, ratio: float = RATIO) -> float:
     """``--host-cache-gb`` that buys ``num_pages`` host pages in fp32, each with its
-    ``RATIO`` share of a sliding page (two sliding layers, one full)."""
+    ``ratio`` share of a sliding page (two sliding layers, one full)."""
     mc = ModelConfig.from_dir(model)
     full, sliding = (KVPool.bytes_per_page(num_layers=n, page_size=page_size,
                                            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                                            dtype=torch.float32) for n in (1, 2))
-    return num_pages * (full + math.ceil(RATIO * sliding)) / 2**30
+    return num_pages * (full + math.ceil(ratio * sliding)) / 2**30
 
 
-@pytest.mark.parametrize(("page_size", "policy"), [(1, "write_back"), (16, "write_back"),
-                                                   (16, "write_through")])
+@pytest.mark.parametrize(("page_size", "policy", "ratio"), [
+    (1, "write_back", RATIO), (16, "write_back", RATIO),
+    # fewer sliding pages than the device's cached windows need: they go to the host copies
+    # that write-through made, before the device drops them
+    (16, "write_through", 0.5)])
 def test_windows_go_to_the_host_tier_and_come_back(gemma_dir, hf_gemma, page_size,  # noqa: F811
-                                                   policy):
+                                                   policy, ratio):
     """Six prompts through a device pool that holds about two: each evicts the oldest to the
     host tier with its windows. Resent, each hits all but its last token (host hits for those
     evicted); the first one's next turn, after its history went to the host tier again, hits
     its whole history; every output equals transformers'."""
     h = WindowHarness(gemma_dir, page_size=page_size, num_pages=320 // page_size,
-                      sliding_kv_ratio=RATIO, chunked_prefill_size=24, max_prefill_tokens=64,
-                      host_cache_gb=host_cache_gb(gemma_dir, 2048 // page_size, page_size),
+                      sliding_kv_ratio=ratio, chunked_prefill_size=24, max_prefill_tokens=64,
+                      host_cache_gb=host_cache_gb(gemma_dir, 2048 // page_size, page_size,
+                                                  ratio),
                       cache_write_policy=policy)
     tree = h.sched.tree
-    assert tree.host.swa is not None and tree.host.swa.num_pages == 1536 // page_size
-    assert h.worker.runner.pool.host_swa.shape[2] == h.config.num_host_pages + 1536 // page_size
+    host_windows = int(ratio * 2048) // page_size
+    assert tree.host.swa is not None and tree.host.swa.num_pages == host_windows
+    assert h.worker.runner.pool.host_swa.shape[2] == h.config.num_host_pages + host_windows
     cold = prompts(6, seed=11)
     for wave in "ab":  # cold, then resent
         for i, p in enumerate(cold):
@@ -103,7 +108,8 @@ def test_a_prompt_longer_than_the_sliding_pool_comes_back_from_the_host_tier(
     comes back through a sliding pool smaller than it, hitting all but its last token."""
     h = WindowHarness(gemma_dir, page_size=page_size, num_pages=320 // page_size,
                       sliding_kv_ratio=ratio, chunked_prefill_size=24, max_prefill_tokens=64,
-                      host_cache_gb=host_cache_gb(gemma_dir, 1024 // page_size, page_size))
+                      host_cache_gb=host_cache_gb(gemma_dir, 1024 // page_size, page_size,
+                                                  ratio))
     assert h.sched.tree.sliding.allocator.num_pages * page_size < 200
     rng = np.random.default_rng(13)
     first, other = (rng.integers(3, 90, 200).tolist() for _ in range(2))

@@ -74,6 +74,7 @@ class SlidingRadixMachine(RadixMachine):
         """Sliding eviction drops unlocked nodes' windows only, never a full page."""
         full_free = self.sim.alloc.num_free_pages
         freed = self.sim.tree._evict_sliding(num_pages)
+        self.sim.run_moves()  # windows copied down to their nodes' host copies first
         assert self.sim.alloc.num_free_pages == full_free
         if freed < num_pages:
             assert self.sim.sliding.allocator.num_evictable_pages == 0
