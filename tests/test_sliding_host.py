@@ -120,3 +120,30 @@ def test_a_prompt_longer_than_the_sliding_pool_comes_back_from_the_host_tier(
     assert final.cached_tokens == 199 and final.cached_tokens_host > 0
     expected = hf_greedy(hf_gemma, first, 20)
     assert h.outputs["a"][0] == h.outputs["again"][0] == expected
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_beside_the_host_tier_keeps_the_tokens(gemma_dir, hf_gemma, mode):  # noqa: F811
+    """A load that preempts (swap pages are a budget apart from the tier's, in both host
+    pools), in waves that send prompts back through the host tier: every output equals
+    transformers', and every pool is free at the end."""
+    page_size = 16
+    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=20, sliding_kv_ratio=0.5,
+                      chunked_prefill_size=24, max_prefill_tokens=48, preemption_mode=mode,
+                      num_host_pages=32, host_cache_gb=host_cache_gb(gemma_dir, 64, page_size))
+    wave = prompts(6, seed=14)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for name in "ab":
+        for i, p in enumerate(wave):
+            h.add(f"{name}{i}", p, params)
+        h.run()
+    assert h.sched.num_preemptions > 0
+    assert sum(h.finals[f"b{i}"][0].cached_tokens_host for i in range(6)) > 0
+    for i, p in enumerate(wave):
+        expected = hf_greedy(hf_gemma, p, 40)
+        assert h.outputs[f"a{i}"][0] == h.outputs[f"b{i}"][0] == expected, i
+    tree = h.sched.tree
+    tree.reset()
+    for alloc in (tree.allocator, tree.sliding.allocator, tree.host.allocator, tree.host.swa):
+        assert alloc.num_free_pages == alloc.num_pages
+    assert len(h.sched.mem.host_free) == 32
