@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.checkpoints.demo_model import build_demo_model
-from engine.contracts.protocol import GenerateRequest
+from engine.contracts.protocol import GenerateRequest, RequestOutput
 from engine.contracts.sampling_params import InvalidParam, SamplingParams
 from engine.contracts.structured import StructuredOutputs
 from engine.contracts.tokenizer import load_tokenizer
@@ -183,6 +183,26 @@ def test_the_sampler_takes_only_allowed_tokens() -> None:
     assert out.token_ids[0] in (3, 4) and out.token_ids[1] == 9 and out.token_ids[2] == 7
     # logprobs stay those of the raw logits
     assert out.logprobs[1] == pytest.approx(float(torch.log_softmax(logits[1], -1)[9]))
+
+
+def test_the_tokenizer_worker_builds_the_grammar_vocabulary_once_before_requests(
+        model, monkeypatch) -> None:
+    from engine.contracts import structured
+
+    worker = TokenizerWorker(load_tokenizer(model), 0, context_len=512)
+    worker.prepare_grammar()
+    built = worker._grammar_tokenizer
+    assert built is not None
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("the grammar vocabulary was built again for a request")
+
+    monkeypatch.setattr(structured, "grammar_tokenizer", rebuilt)
+    worker.prepare_grammar()
+    out = worker.on_request(GenerateRequest(rid="x", text="hi", params=SamplingParams(
+        structured_outputs=StructuredOutputs(regex="[0-9]+"))))
+    assert not isinstance(out, RequestOutput), out
+    assert worker._grammar_tokenizer is built
 
 
 def test_bad_constraints_are_refused_with_what_is_wrong(model) -> None:

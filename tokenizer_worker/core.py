@@ -85,7 +85,16 @@ class TokenizerWorker:
         self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = None if context_len is None else context_len * self.longest_token
         self.context_len = context_len
-        self._grammar_tokenizer = None  # built for the first constrained request (about 1 s)
+        self._grammar_tokenizer = None  # prepare_grammar, else the first constrained request
+
+    def prepare_grammar(self) -> None:
+        """Build the grammar engine's view of the vocabulary now (0.45 s at 49k tokens, 3.8 s at
+        262k on a 2-core Xeon, holding the GIL): the process does it before it reports ready,
+        so the first constrained request does not stall every request on this worker."""
+        if self._grammar_tokenizer is None:
+            eos = self.tokenizer.eos_token_id
+            self._grammar_tokenizer = structured.grammar_tokenizer(
+                self.tokenizer, None, [] if eos is None else [eos])
 
     def check_constraint(self, req: GenerateRequest) -> None:
         """A request's structured output compiles against this tokenizer (a ValueError naming
@@ -93,10 +102,7 @@ class TokenizerWorker:
         spec = req.params.structured_outputs
         if spec is None:
             return
-        if self._grammar_tokenizer is None:
-            eos = self.tokenizer.eos_token_id
-            self._grammar_tokenizer = structured.grammar_tokenizer(
-                self.tokenizer, None, [] if eos is None else [eos])
+        self.prepare_grammar()
         structured.check(spec, self._grammar_tokenizer)
 
     def tokenize(self, req: GenerateRequest) -> list[int]:

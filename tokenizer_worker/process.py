@@ -230,6 +230,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     # The launcher resolved the context (--context-len, else the model's) into the config.
     worker = TokenizerWorker(tokenizer, spec.index, context_len=spec.config.context_len,
                              special_in_content=spec.config.allow_special_tokens_in_content)
+    worker.prepare_grammar()  # beside the worker's weight load, before this process is ready
     control = ctx.socket(zmq.PUSH)
     control.connect(spec.endpoints.control)
     TokenizerLoop(spec, ctx, worker).run(control)
