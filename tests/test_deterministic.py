@@ -252,7 +252,7 @@ def test_the_fast_path_is_what_the_flag_changes(model):
 
 @pytest.mark.parametrize("given", [{"device": "cuda"}, {"attention_backend": "flashinfer"},
                                    {"kv_cache_dtype": "fp8_e4m3"}, {"tp_size": 2},
-                                   {"linear_form": "widened"}, {"sliding_kv_ratio": 0.5}])
+                                   {"linear_form": "widened"}, {"linear_form": "resident"}])
 def test_combinations_it_cannot_keep_are_refused(given):
     with pytest.raises(ValueError, match="--deterministic runs on the compiled CPU kernels"):
         EngineConfig(model="demo", deterministic=True, **given).validate()

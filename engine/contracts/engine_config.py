@@ -285,9 +285,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                    "--linear-form widened or resident": self.linear_form in ("widened",
                                                                              "resident"),
                    "--kv-cache-dtype fp8_e4m3 or fp8_e5m2": self.kv_cache_dtype.startswith("fp8"),
-                   "--tp-size > 1": self.tp_size > 1,
-                   # a sliding layer's keys in pages of their own: not yet checked bit for bit
-                   "--sliding-kv-ratio > 0": self.sliding_kv_ratio > 0}
+                   "--tp-size > 1": self.tp_size > 1}
         for name, given in refused.items():
             if given:
                 raise ValueError(f"--deterministic runs on the compiled CPU kernels and cannot "
