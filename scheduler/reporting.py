@@ -41,6 +41,9 @@ class Reporting:
         return {
             "host_cache_pages_total": host.num_pages,
             "host_cache_pages_used": host.num_pages - host.num_free_pages,
+            **({"host_cache_sliding_pages_total": self.host.swa.num_pages,
+                "host_cache_sliding_pages_used": self.host.swa.num_pages
+                - self.host.swa.num_free_pages} if self.host.swa is not None else {}),
             "host_hit_tokens": s.host_hit_tokens,
             "host_pages_written": s.pages_written,
             "host_pages_loaded": s.pages_loaded,

@@ -71,6 +71,8 @@ def test_windows_go_to_the_host_tier_and_come_back(gemma_dir, hf_gemma, page_siz
     assert h.finals["b1"][0].cached_tokens_host > 0
     stats = h.sched.stats()
     assert stats["host_pages_written"] > 0 and stats["host_pages_loaded"] > 0
+    assert stats["host_cache_sliding_pages_total"] == host_windows
+    assert 0 < stats["host_cache_sliding_pages_used"] <= host_windows
     turn = cold[0] + h.outputs["a0"][0] + [5, 6, 7]
     h.add("turn", turn, GREEDY)
     h.run()

@@ -212,6 +212,9 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     # the host tier of the prefix cache (radix/host.py); pages_total is 0 when it is off
     host_cache_pages_total: int = 0
     host_cache_pages_used: int = 0  # holding KV (pinned or evictable)
+    # its pages for the sliding-window layers' kept windows (0 without them)
+    host_cache_sliding_pages_total: int = 0
+    host_cache_sliding_pages_used: int = 0
     host_hit_tokens: int = 0  # of hit_tokens, those found only in the host tier
     host_pages_written: int = 0  # device pages copied down
     host_pages_loaded: int = 0  # host pages loaded back onto the device

@@ -185,6 +185,12 @@ def _host_tier(s: SchedulerStats, info: ModelInfo | None) -> Iterator[Metric]:
                             value=s.host_cache_pages_total)
     yield GaugeMetricFamily(f"{PREFIX}_host_cache_pages_used", "Pages of the host tier holding "
                             "KV.", value=s.host_cache_pages_used)
+    if s.host_cache_sliding_pages_total:
+        yield GaugeMetricFamily(f"{PREFIX}_host_cache_sliding_pages_total", "Pages of the host "
+                                "tier for the sliding-window layers' kept windows.",
+                                value=s.host_cache_sliding_pages_total)
+        yield GaugeMetricFamily(f"{PREFIX}_host_cache_sliding_pages_used", "Of those, pages "
+                                "holding a window.", value=s.host_cache_sliding_pages_used)
     per_page = info.kv_cache_bytes / info.num_pages if info is not None and info.num_pages else 0
     moved = [("write", s.host_pages_written), ("load", s.host_pages_loaded)]
     pages = CounterMetricFamily(f"{PREFIX}_host_cache_pages_moved", "KV pages copied down to "
