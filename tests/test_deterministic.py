@@ -41,8 +41,8 @@ CONFIGS = {
 }
 
 
-def ids(seed: int, length: int) -> list[int]:
-    return random.Random(seed).choices(range(256), k=length)
+def ids(seed: int, length: int, vocab: range = range(256)) -> list[int]:
+    return random.Random(seed).choices(vocab, k=length)
 
 
 def params(seed: int, tokens: int = TOKENS, **fields) -> SamplingParams:
@@ -95,6 +95,7 @@ def cold(model: str, config: str, **options) -> LogitsHarness:
 
 
 def assert_same(reference: LogitsHarness, h: LogitsHarness, seed: int = 1) -> None:
+    """Every logits row of ``h``'s request ``r{seed}`` is the same bits as the reference's r1."""
     want, got = reference.rows(1), h.rows(seed)
     assert [length for length, _ in got] == list(range(TOKENS))
     for (length, a), (_, b) in zip(want, got, strict=True):
@@ -103,34 +104,35 @@ def assert_same(reference: LogitsHarness, h: LogitsHarness, seed: int = 1) -> No
     assert h.outputs[f"r{seed}"][0] == reference.outputs["r1"][0]
 
 
-def resend(h: LogitsHarness) -> None:
-    h.add("r0", PROMPT, params(0))
+def resend(h: LogitsHarness, prompt: list[int] = PROMPT) -> None:
+    h.add("r0", prompt, params(0))
     h.run()
-    h.add("r1", PROMPT, params(1))
+    h.add("r1", prompt, params(1))
     h.run()
-    assert h.finals["r1"][0].cached_tokens == len(PROMPT) - 1
+    assert h.finals["r1"][0].cached_tokens == len(prompt) - 1
 
 
-def cached_at(split: int) -> Callable[[LogitsHarness], None]:
+def cached_at(split: int, prompt: list[int] = PROMPT) -> Callable[[LogitsHarness], None]:
     """The prompt's first ``split`` tokens served first: the prompt then extends them."""
     def scenario(h: LogitsHarness) -> None:
-        h.add("r0", PROMPT[:split], params(0, 1))
+        h.add("r0", prompt[:split], params(0, 1))
         h.run()
-        h.add("r1", PROMPT, params(1))
+        h.add("r1", prompt, params(1))
         h.run()
         assert h.finals["r1"][0].cached_tokens == split
     return scenario
 
 
-def in_batch(others: int) -> Callable[[LogitsHarness], None]:
+def in_batch(others: int, prompt: list[int] = PROMPT,
+             vocab: range = range(256)) -> Callable[[LogitsHarness], None]:
     """The prompt joins ``others`` requests two steps in: its prefill beside their decodes and
     prefill chunks, then its decodes beside theirs (rows of 1 to 16 others)."""
     def scenario(h: LogitsHarness) -> None:
         for i in range(others):
-            h.add(f"o{i}", ids(100 + i, 20 + 13 * i), params(100 + i, 40))
+            h.add(f"o{i}", ids(100 + i, 20 + 13 * i, vocab), params(100 + i, 40))
         h.step()
         h.step()
-        h.add("r1", PROMPT, params(1))
+        h.add("r1", prompt, params(1))
         h.run()
     return scenario
 
