@@ -17,14 +17,18 @@ unsure; here the per-sequence rule, as for the cache's drafts (scheduler/specula
 - the batch size: per number of running sequences B, whether the draft model drafts at all,
   from the output tokens per second of the steps themselves (``Arms``): steps of B sequences
   with the draft model on (its drafts, the cache's and plain decodes, as the rules above pick
-  them) against steps with it off (the cache's drafts and decodes only), each measured over
-  ``TRIAL`` steps; the better one runs for ``FIRST_HOLD`` steps where the choice changed,
-  twice the last hold (to ``LONGEST_HOLD``) where it stands, then the other is tried again. On
-  needs ``MARGIN`` more tokens per second than off. While off at B, no sequence drafts with
-  the draft model (no probes either), so the draft computes nothing; the choice logged when
-  it changes, the sequence-steps without it counted in ``/metrics``
-  (``spec_model_off_steps``). This counts everything a step costs: the draft's forwards, the
-  verify rows of both kinds of drafts and what the step's size does to the kernels.
+  them; only steps where it drafted) against steps with it off (the cache's drafts and
+  decodes only): first ``OFF_TRIAL`` steps off, then a trial of on (``MIN_TRIAL`` to
+  ``TRIAL`` steps: fewer where the difference is clear); the better one then runs for
+  ``FIRST_RATIO`` times what the other's trial takes at the step times measured, twice as
+  long each time it stands (to ``LONGEST_RATIO``), then the other is tried again. On needs
+  ``MARGIN`` more tokens per second than off. A batch size not yet measured starts from the
+  closest one within a factor of two that has decided: its choice, held as long as there.
+  While off at B, no sequence drafts with the draft model (no probes either), so the draft
+  computes nothing; the choice logged when it changes, the sequence-steps without it counted
+  in ``/metrics`` (``spec_model_off_steps``). This counts everything a step costs: the
+  draft's forwards, the verify rows of both kinds of drafts and what the step's size does to
+  the kernels.
 """
 
 from __future__ import annotations
@@ -48,10 +52,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("radixserve.scheduler")
 
 
-# ``Arms``: the steps each try measures, the first and the longest run of the better choice
-# before the other is tried again, and how much more output per second on must bring than off.
-TRIAL, FIRST_HOLD, LONGEST_HOLD, MARGIN = 6, 48, 768, 1.03
-DECAY = 0.8  # an arm's measured steps weigh DECAY times the ones after them
+# ``Arms``: the steps a trial of off measures, the least and the most a trial of on measures
+# (ended early where one choice brings ``CLEAR`` times the other's output per second); the
+# better choice then holds for ``FIRST_RATIO`` times the other's trial at the step times
+# measured, twice as long each time it stands (to ``LONGEST_RATIO`` times); on must bring
+# ``MARGIN`` times the output tokens per second of off.
+OFF_TRIAL, MIN_TRIAL, TRIAL, CLEAR = 4, 2, 8, 1.3
+FIRST_RATIO, LONGEST_RATIO, MARGIN = 16, 256, 1.03
+DECAY = 0.95  # an arm's measured steps weigh DECAY times the ones after them
 
 
 class DraftCosts(StepCosts):
@@ -82,44 +90,76 @@ def best_drafts(accept: float, share: float, most: int) -> int:
 
 class Arms:
     """At one batch size: the draft model on or off, from the output tokens per second the
-    steps of each measured (decayed sums of tokens and seconds, the latest ``TRIAL`` steps or
-    so). ``choice`` is the better one; ``trying`` while the other one runs its trial; ``left``:
-    the measured steps until the next decision."""
+    steps of each measured (decayed sums of steps, tokens and seconds). ``choice`` is the
+    better one, run first off for ``OFF_TRIAL`` steps; ``trying`` while the other one runs
+    its trial (off: ``OFF_TRIAL`` steps; on: up to ``TRIAL``, ended after ``MIN_TRIAL`` where
+    one is ``CLEAR``-ly better); ``left``: the measured steps until the next decision. The
+    first step after the draft model turns on in which it drafts is not measured: it
+    computes the draft's KV of the tokens it missed."""
 
-    def __init__(self) -> None:
-        self.sums = {True: np.zeros(2), False: np.zeros(2)}  # on / off: tokens, seconds
-        self.choice, self.trying = True, False
-        self.left, self.hold = TRIAL, FIRST_HOLD
+    def __init__(self, near: Arms | None = None) -> None:
+        self.sums = {True: np.zeros(3), False: np.zeros(3)}  # on / off: steps, tokens, seconds
+        self.choice, self.trying, self.tried = False, False, 0
+        self.left, self.ratio = OFF_TRIAL, FIRST_RATIO
+        self.hold = 0  # the steps the last decision held its choice for (0: none yet)
+        if near is not None:  # a batch size close to one decided: its choice, for its hold
+            self.choice, self.left = near.choice, near.hold
+        self.warming = self.choice
 
     def running(self) -> bool:
         """Whether the draft model drafts now."""
         return self.choice != self.trying
 
     def rate(self, on: bool) -> float | None:
-        tokens, seconds = self.sums[on]
+        _, tokens, seconds = self.sums[on]
         return float(tokens / seconds) if seconds > 0.0 else None
 
-    def observe(self, on: bool, tokens: int, seconds: float) -> bool | None:
-        """A step planned with the draft model ``on`` (or off) emitted ``tokens`` in
-        ``seconds``; the new choice where it changed (None: unchanged). A step planned before
-        the last switch is left out."""
-        if on != self.running():
+    def step_seconds(self, on: bool) -> float:
+        steps, _, seconds = self.sums[on]
+        return float(seconds / steps)
+
+    def observe(self, on: bool, drafted: bool, tokens: int, seconds: float) -> bool | None:
+        """A step planned with the draft model ``on`` (or off), ``drafted`` where some of its
+        sequences verified the draft model's drafts, emitted ``tokens`` in ``seconds``; the new
+        choice where a trial ended (None: none did). Left out: a step planned before the last
+        switch, and one with the draft model on where no sequence drafted with it (all of
+        them paused or drafting from the cache: what it costs is not the draft model's)."""
+        if on != self.running() or on and not drafted:
+            return None
+        if on and self.warming:
+            self.warming = False
             return None
         sums = self.sums[on]
         sums *= DECAY
-        sums += (tokens, seconds)
+        sums += (1.0, tokens, seconds)
         self.left -= 1
-        if self.left > 0:
+        if not self.trying:
+            if self.left <= 0:  # the other one's trial
+                self._switch(self.choice, True, TRIAL if not self.choice else OFF_TRIAL)
             return None
-        if not self.trying:  # the other one's trial
-            self.trying, self.left = True, TRIAL
-            return None
+        self.tried += 1
         rate_on, rate_off = self.rate(True), self.rate(False)
-        best = rate_on is not None and rate_off is not None and rate_on > MARGIN * rate_off
+        if rate_on is None or rate_off is None:
+            return None
+        if self.left > 0 and (self.tried < MIN_TRIAL
+                              or max(rate_on / rate_off, rate_off / rate_on) < CLEAR):
+            return None
+        best = rate_on > MARGIN * rate_off
         changed = best != self.choice
-        self.hold = FIRST_HOLD if changed else min(2 * self.hold, LONGEST_HOLD)
-        self.choice, self.trying, self.left = best, False, self.hold
-        return best if changed else None
+        self.ratio = FIRST_RATIO if changed else min(2 * self.ratio, LONGEST_RATIO)
+        # the other one's next trial (on: and its first step) at the step times measured, a
+        # ``ratio``-th of the time until then
+        steps = TRIAL + 1 if not best else OFF_TRIAL
+        trial = steps * self.step_seconds(not best) / self.step_seconds(best)
+        self.hold = max(OFF_TRIAL, round(self.ratio * trial))
+        self._switch(best, False, self.hold)
+        return best
+
+    def _switch(self, choice: bool, trying: bool, left: int) -> None:
+        was = self.running()
+        self.choice, self.trying, self.left, self.tried = choice, trying, left, 0
+        if self.running() != was:
+            self.warming = self.running()
 
 
 class DraftModelPolicy:
@@ -136,25 +176,36 @@ class DraftModelPolicy:
 
     def pays(self, num_running: int) -> bool:
         """Whether the draft model drafts at all while ``num_running`` sequences run: its
-        ``Arms`` at that batch size (on until measured)."""
+        ``Arms`` at that batch size."""
         on = self.drafting(num_running)
         self.off_steps += not on
         return on
 
     def drafting(self, num_running: int) -> bool:
         """Whether steps of ``num_running`` sequences are planned with the draft model on."""
-        arms = self._arms.get(num_running)
-        return arms is None or arms.running()
+        return self._arms_at(num_running).running()
 
-    def step_took(self, num_running: int, on: bool, tokens: int, seconds: float) -> None:
+    def _arms_at(self, size: int) -> Arms:
+        """The ``Arms`` at batch size ``size``; a new one starts from the closest size within
+        a factor of two that has decided (its choice for its hold), else on."""
+        arms = self._arms.get(size)
+        if arms is None:
+            near = sorted((abs(b - size), b) for b, a in self._arms.items()
+                          if a.hold and max(b, size) <= 2 * min(b, size))
+            arms = self._arms[size] = Arms(self._arms[near[0][1]] if near else None)
+        return arms
+
+    def step_took(self, num_running: int, on: bool, drafted: bool, tokens: int,
+                  seconds: float) -> None:
         """A step of decodes and verifies of ``num_running`` sequences, planned with the draft
-        model ``on`` (or off), emitted ``tokens`` in ``seconds``."""
-        arms = self._arms.setdefault(num_running, Arms())
-        changed = arms.observe(on, tokens, seconds)
-        if changed is not None:
-            logger.info("the draft model is %s at %d running sequences (%.1f output tokens/s "
-                        "with it, %.1f without)", "on" if changed else "off", num_running,
-                        arms.rate(True), arms.rate(False))
+        model ``on`` (or off; ``drafted``: some of them drafted with it), emitted ``tokens``
+        in ``seconds``."""
+        arms = self._arms_at(num_running)
+        choice = arms.observe(on, drafted, tokens, seconds)
+        if choice is not None:
+            logger.info("the draft model is %s at %d running sequences for %d steps (%.1f "
+                        "output tokens/s with it, %.1f without)", "on" if choice else "off",
+                        num_running, arms.hold, arms.rate(True), arms.rate(False))
 
     def drafts_for(self, seq: Seq, room: int, num_running: int) -> int:
         """How many drafts ``seq``'s next step asks of the draft model (0: none); ``room``:

@@ -118,7 +118,7 @@ class Speculator:
         self.emitted_tokens = 0  # tokens verification steps produced (accepted + one each)
         self.verifications = 0  # sequence-steps that verified drafts
         self.costs = StepCosts()
-        self._step: list | None = None  # a measured step's B, on, tokens, seconds
+        self._step: list | None = None  # a measured step's B, on, drafted, tokens, seconds
 
     def may_draft(self, num_running: int) -> bool:
         """Whether sequences draft while ``num_running`` run (else the step is compute-bound)."""
@@ -208,7 +208,7 @@ class Speculator:
         self.emitted_tokens += accepted + 1
         self.verifications += 1
         if self._step is not None:
-            self._step[2] += accepted
+            self._step[3] += accepted
         if by_model:
             self.model.accept(seq, drafted, accepted)
             return accepted + 1
@@ -236,7 +236,8 @@ class Speculator:
             costs.observe(len(entries), sum(len(e.drafts) for e in modelled or entries),
                           seconds)
             if self.model is not None:
-                self._step = [len(entries), on or bool(modelled), len(entries), seconds]
+                self._step = [len(entries), on or bool(modelled), bool(modelled),
+                              len(entries), seconds]
 
     def check(self) -> None:
         """The suffix index's bookkeeping (with the scheduler's accounting check)."""

@@ -63,10 +63,12 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def untimed_steps(monkeypatch):
-    """The steps' times are not fed to the drafting rules (their priors decide), so which
-    drafts run does not hang on how loaded the machine is; the rules' use of measured times
-    is tested on given ones."""
+    """The steps' times are not fed to the drafting rules (their priors decide; the draft
+    model is on at every batch size), so which drafts run does not hang on how loaded the
+    machine is; the rules' use of measured times is tested on given ones
+    (tests/test_draft_model_off.py)."""
     monkeypatch.setattr(Speculator, "step_took", lambda self, entries, seconds: None)
+    monkeypatch.setattr(DraftModelPolicy, "drafting", lambda self, num_running: True)
 
 
 def spec(model: str, k: int = 4, **extra) -> str:
