@@ -14,21 +14,21 @@ unsure; here the per-sequence rule, as for the cache's drafts (scheduler/specula
   too many); K = 0 the best: the sequence pauses (decode steps without the draft model,
   doubling each time, a one-draft probe after), logged and counted in ``/metrics``
   (``spec_model_pauses``);
-- the batch size: per number of running sequences B, whether the draft model drafts at all,
-  from the output tokens per second of the steps themselves (``Arms``): steps of B sequences
-  with the draft model on (its drafts, the cache's and plain decodes, as the rules above pick
-  them; only steps where it drafted) against steps with it off (the cache's drafts and
-  decodes only): first ``OFF_TRIAL`` steps off, then a trial of on (``MIN_TRIAL`` to
-  ``TRIAL`` steps: fewer where the difference is clear); the better one then runs for
-  ``FIRST_RATIO`` times what the other's trial takes at the step times measured, twice as
-  long each time it stands (to ``LONGEST_RATIO``), then the other is tried again. On needs
-  ``MARGIN`` more tokens per second than off. A batch size not yet measured starts from the
-  closest one within a factor of two that has decided: its choice, held as long as there.
-  While off at B, no sequence drafts with the draft model (no probes either), so the draft
-  computes nothing; the choice logged when it changes, the sequence-steps without it counted
-  in ``/metrics`` (``spec_model_off_steps``). This counts everything a step costs: the
-  draft's forwards, the verify rows of both kinds of drafts and what the step's size does to
-  the kernels.
+- the batch size: per number of running sequences B, whether sequences draft at all, from
+  the output tokens per second of the steps themselves (``Arms``): steps of B sequences with
+  drafting on (the draft model's drafts, the cache's and plain decodes, as the rules above
+  pick them; only steps where the draft model drafted) against steps with it off (decodes
+  only, as an engine without speculation runs them): first ``OFF_TRIAL`` steps off, then a
+  trial of on (``MIN_TRIAL`` to ``TRIAL`` steps: fewer where the difference is clear); the
+  better one then runs for ``FIRST_RATIO`` times what the other's trial takes at the step
+  times measured, twice as long each time it stands (to ``LONGEST_RATIO``), then the other
+  is tried again. On needs ``MARGIN`` more tokens per second than off. A batch size not yet
+  measured starts from the closest one within a factor of two that has decided: its choice,
+  held as long as there. While off at B, no sequence drafts (no probes either), so the draft
+  computes nothing and no step verifies; each decision logged, the sequence-steps off
+  counted in ``/metrics`` (``spec_model_off_steps``). This counts everything a step costs:
+  the draft's forwards, the verify rows of both kinds of drafts and what the step's size
+  does to the kernels.
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ class DraftModelPolicy:
         self._arms: dict[int, Arms] = {}  # by batch size: on or off, measured
 
     def pays(self, num_running: int) -> bool:
-        """Whether the draft model drafts at all while ``num_running`` sequences run: its
-        ``Arms`` at that batch size."""
+        """Whether sequences draft at all (the draft model's drafts or the cache's) while
+        ``num_running`` run: its ``Arms`` at that batch size."""
         on = self.drafting(num_running)
         self.off_steps += not on
         return on

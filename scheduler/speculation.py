@@ -155,12 +155,15 @@ class Speculator:
         cache's continuation where the suffix method finds one whose expected tokens per
         unit of time (its acceptance and its verify rows' cost; no draft forward) are at least
         what the draft model's best K brings (its acceptance, its drafts' cost), else the
-        draft model's."""
+        draft model's; none at a batch size where drafting is off (``DraftModelPolicy.pays``)."""
+        if self.model is not None and self.may_draft(num_running) and (
+                seq.req.params.structured_outputs is None) and not self.model.pays(num_running):
+            return [], False  # no drafts of either kind at this batch size
         drafts = self.drafts_for(seq, limit, num_running)
         if self.model is None or not self.may_draft(num_running) or (
                 seq.req.params.structured_outputs is not None) or (
                 drafts and self._cache_rate(seq, len(drafts), num_running)
-                >= self.model.rate(seq, num_running)) or not self.model.pays(num_running):
+                >= self.model.rate(seq, num_running)):
             return drafts, False
         k = self.model.drafts_for(seq, limit - len(seq.tokens) - 1, num_running)
         return [0] * k, k > 0
