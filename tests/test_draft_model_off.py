@@ -71,7 +71,8 @@ def test_faked_step_times_turn_the_draft_model_off_where_it_loses(models, monkey
     """Steps' times faked from what they hold: 0.1 s, and ``row_cost`` for each of the draft
     model's drafts (its forward and verify row). At 0.5 s a draft, the steps with it emit
     fewer tokens per second than those without, though every draft is accepted: the draft
-    model stops drafting and, while off, computes nothing (no draft forward); at 0.001 s it
+    model stops drafting and, while off, computes nothing (no draft forward) and no sequence
+    verifies drafts (not the cache's either); at 0.001 s it
     drafts after its first steps without it. Greedy outputs are those without it."""
     step_took = Speculator.step_took
     monkeypatch.setattr(Speculator, "step_took", lambda self, entries, seconds: step_took(
@@ -85,10 +86,11 @@ def test_faked_step_times_turn_the_draft_model_off_where_it_loses(models, monkey
     draft, model = h.worker.draft, h.sched.speculator.model
     for rid, (prompt, params) in requests.items():
         h.add(rid, prompt, params)
-    computed = []  # after each step: whether it is on, the draft's tokens computed
+    computed = []  # after each step: whether it is on, the draft's tokens computed, verifies
     while not h.sched.idle:
         h.step()
-        computed.append((model.drafting(4), draft.tokens_computed))
+        computed.append((model.drafting(4), draft.tokens_computed,
+                         h.sched.speculator.verifications))
         assert len(computed) < 2000, "the scheduler did not finish"
     h.assert_idle_clean()
     assert h.outputs == base.outputs
@@ -98,8 +100,9 @@ def test_faked_step_times_turn_the_draft_model_off_where_it_loses(models, monkey
         runs = itertools.groupby(range(1, len(computed)), lambda i: computed[i - 1][0])
         off = max((list(steps) for on, steps in runs if not on), key=len)
         assert len(off) >= 64 and model.off_steps >= 4 * 64
-        # two steps after the switch (one planned before it, one in flight), nothing more
-        assert all(computed[i][1] == computed[off[2]][1] for i in off[2:])
+        # two steps after the switch (one planned before it, one in flight), no draft forward
+        # and no verification (of the draft model's drafts or the cache's)
+        assert all(computed[i][1:] == computed[off[2]][1:] for i in off[2:])
         assert model.drafted_tokens < sum(len(o[0]) for o in h.outputs.values()) // 2
     else:
         # its first steps without it (and up to two planned before they were measured)
