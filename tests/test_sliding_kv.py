@@ -70,14 +70,9 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, 90, int(rng.integers(60, 140))).tolist() for _ in range(count)]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_windows_decode_like_transformers_cold_resent_as_next_turn_and_forked(
-        gemma_dir, hf_gemma, page_size):
-    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=2048 // page_size,
-                      sliding_kv_ratio=0.5, chunked_prefill_size=24, max_prefill_tokens=64)
-    pool = h.worker.runner.pool
-    assert pool.kv.shape[0] == 1 and pool.swa.shape[0] == 2  # the full layer, the sliding two
-    assert pool.swa.shape[2] == pool.kv.shape[2] // 2
+def serve_cold_and_resent(h: Harness, hf_gemma) -> list[list[int]]:
+    """Three prompts of several windows served cold (greedy tokens equal transformers'), then
+    resent (all but each one's last token hit, the same tokens); the prompts."""
     cold = prompts(3, seed=0)
     for i, p in enumerate(cold):
         h.add(f"a{i}", p, GREEDY)
@@ -90,6 +85,18 @@ def test_windows_decode_like_transformers_cold_resent_as_next_turn_and_forked(
     for i, p in enumerate(cold):
         assert h.finals[f"b{i}"][0].cached_tokens == len(p) - 1
         assert h.outputs[f"b{i}"][0] == h.outputs[f"a{i}"][0]
+    return cold
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_windows_decode_like_transformers_cold_resent_as_next_turn_and_forked(
+        gemma_dir, hf_gemma, page_size):
+    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=2048 // page_size,
+                      sliding_kv_ratio=0.5, chunked_prefill_size=24, max_prefill_tokens=64)
+    pool = h.worker.runner.pool
+    assert pool.kv.shape[0] == 1 and pool.swa.shape[0] == 2  # the full layer, the sliding two
+    assert pool.swa.shape[2] == pool.kv.shape[2] // 2
+    cold = serve_cold_and_resent(h, hf_gemma)
     turn = cold[0] + h.outputs["a0"][0] + [5, 6, 7]  # the next turn: history, a new message
     h.add("turn", turn, GREEDY)
     forked = prompts(1, seed=3)[0]
@@ -131,7 +138,7 @@ def test_windows_evicted_and_requests_preempted_keep_the_tokens(gemma_dir, hf_ge
 
 
 def test_combinations_not_supported_are_refused(gemma_dir, harness_model_dir, tmp_path):
-    for option in ({"disk_cache_dir": str(tmp_path)}, {"attention_backend": "flashinfer"}):
+    for option in ({"disk_cache_dir": str(tmp_path)}, {"enable_cuda_graph": True}):
         config = EngineConfig(model=gemma_dir, sliding_kv_ratio=0.5, **option)
         with pytest.raises(ValueError, match="--sliding-kv-ratio cannot be combined"):
             config.validate()

@@ -295,7 +295,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not self.sliding_kv_ratio:
             return
         refused = {"--disk-cache-dir": self.disk_cache_dir is not None,
-                   "--attention-backend flashinfer": self.attention_backend == "flashinfer",
                    "--enable-cuda-graph": self.enable_cuda_graph}
         for name, given in refused.items():
             if given:

@@ -115,11 +115,8 @@ class ModelRunner:
         self._load_model(config)
         self._make_lora_pool(config)
         self._make_pool(config, draft_page_bytes)
-        # FlashInfer's plans over the sliding layers' own pages are not built: with them, auto
-        # means torch (an explicit flashinfer is refused with the option)
-        backend = "torch" if self.num_sliding_pages else config.attention_backend
         self.attention = make_backend(
-            backend, self.pool, num_heads=self.model.plan.num_heads,
+            config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
             num_kv_heads=self.model.plan.num_kv_heads, head_dim=self.config.head_dim,
             sliding_windows=self.config.sliding_windows, scale=self.config.attention_scale,
             decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch,

@@ -56,7 +56,8 @@ class AttentionBackend(ABC):
         # with sliding pages: each layer kind's plan (full, sliding) and the one set now
         self._kind_plans: tuple[dict, dict] | None = None
         self._kind = False
-        self._plan_window: int | None = None  # set while planning the sliding layers' step
+        # set while staging and planning the sliding layers' step
+        self._plan_window: int | None = None
 
     def plan(self, batch: BatchInput, out_slots: torch.Tensor | None = None, *,
              staged: Sequence[Staged] = (), graph: bool = False) -> None:
@@ -74,12 +75,12 @@ class AttentionBackend(ABC):
         if batch.has_sliding_pages:
             full = {name: getattr(self, name) for name in self._step_state}
             view = batch.sliding_view()
-            slots, *staged = self._sliding_staging.stage([view.out_slots.astype(np.int64),
-                                                          *self.staged_arrays(view)])
-            self._out_slots = slots.on_device
             self._plan_window = next(w for w, sliding in zip(
                 self.sliding_windows, self.pool.sliding_layers, strict=True) if sliding)
             try:
+                slots, *staged = self._sliding_staging.stage([view.out_slots.astype(np.int64),
+                                                              *self.staged_arrays(view)])
+                self._out_slots = slots.on_device
                 self._plan(view, graph, staged)
             finally:
                 self._plan_window = None

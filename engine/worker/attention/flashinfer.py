@@ -10,7 +10,15 @@ causal mask, which FlashInfer aligns to the end of each sequence (query j of an 
 sits at position seq_len - n + j), exactly the position convention of ``BatchInput``.
 
 A wrapper is planned once per step and per distinct sliding window (FlashInfer fixes
-``window_left`` at plan time), then run by every layer with that window. ``plan`` gets every
+``window_left`` at plan time), then run by every layer with that window. A pool whose sliding
+layers have pages of their own (``--sliding-kv-ratio``) is planned once per layer kind (base.py):
+the full layers' wrappers over the step's page tables, the sliding layers' over its sliding
+page tables (``BatchInput.swa_page_indices``) cut to each sequence's window, as the torch
+backend gathers them: pages before ``(seq_len - extend + 1 - window) // page_size`` are left
+out of ``kv_indices`` (those read as sliding page 0 once freed), which shortens every
+sequence's KV by whole pages and so leaves the end-aligned causal mask and ``window_left``
+relative to the same keys; each layer runs its kind's wrappers over its own pool tensor
+(``KVPool.layer``: ``swa`` for the sliding layers). ``plan`` gets every
 index array staged with the step's others (engine/worker/staging.py): the page indices on the
 device, the page-table offsets and last page lengths (and the query offsets of a prefill) as
 pinned host views, which FlashInfer reads on the host and copies to the device without waiting.
@@ -164,6 +172,7 @@ def jit_specs(dtype: torch.dtype, head_dim: int, windowed_kinds: Sequence[bool],
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
+    _step_state = ("_out_slots", "_active")
 
     def __init__(self, pool: KVPool, *, decode_backend: str = "fa2", graph_max_batch: int = 0,
                  **shape) -> None:
@@ -262,17 +271,31 @@ class FlashInferBackend(AttentionBackend):
 
     def staged_arrays(self, batch: BatchInput) -> list[np.ndarray]:
         """Page indices (read on the device), then page-table offsets, last page lengths and
-        query offsets (read on the host by ``plan``), all int32."""
+        query offsets (read on the host by ``plan``), all int32. Planning the sliding layers
+        (``_plan_window`` set), each sequence's pages start at its first query's window."""
         qo_indptr = np.zeros(batch.num_seqs + 1, dtype=np.int32)
         np.cumsum(batch.extend_lens, out=qo_indptr[1:])
-        return [batch.page_indices.astype(np.int32, copy=False),
-                batch.page_indptr.astype(np.int32, copy=False),
+        indptr, indices = batch.page_indptr, batch.page_indices
+        if self._plan_window is not None:
+            # never past a sequence's last page: a window holds at least its query
+            first = np.maximum(batch.seq_lens - batch.extend_lens + 1 - self._plan_window,
+                               0) // self.pool.page_size
+            counts = np.diff(indptr) - first
+            indptr = np.zeros(batch.num_seqs + 1, dtype=np.int64)
+            np.cumsum(counts, out=indptr[1:])
+            starts = batch.page_indptr[:-1].astype(np.int64) + first
+            indices = indices[np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1])]
+        return [indices.astype(np.int32, copy=False), indptr.astype(np.int32, copy=False),
                 batch.last_page_lens(self.pool.page_size).astype(np.int32, copy=False),
                 qo_indptr]
 
     def prepare_graphs(self, max_batch: int) -> None:
         """One set of fixed index buffers for every captured batch size (each uses a prefix),
         once the workspace is known to hold the largest batch's split partial outputs."""
+        if self.pool.num_sliding_pages:
+            # one set of buffers holds one page table; a sliding step plans two
+            raise ValueError("CUDA graphs cannot run the sliding layers' own pages yet: serve "
+                             "with --sliding-kv-ratio 0 or without --enable-cuda-graph")
         if max_batch > self.graph_max_batch:
             raise ValueError(
                 f"the flashinfer workspace ({self.workspace_bytes / 2**20:.0f} MiB) was sized "
@@ -298,19 +321,32 @@ class FlashInferBackend(AttentionBackend):
         kv_indptr, last_page_len = indptr.pinned, last_page_lens.pinned
         common = dict(pos_encoding_mode="NONE", q_data_type=self.pool.dtype,
                       kv_data_type=self.pool.kv_dtype, sm_scale=self.scale)
+        windows = self._windows_planned(batch)
         if graph or batch.is_decode:
             wrappers = self._graph_wrappers(batch.num_seqs) if graph else self._decode
+            wrappers = {w: wrappers[w] for w in windows}
             for window, wrapper in wrappers.items():
                 wrapper.plan(kv_indptr, kv_indices, last_page_len, self.num_heads,
                              self.num_kv_heads, self.head_dim, page_size,
                              window_left=_window_left(window), **common)
             self._active = dict(wrappers)
             return
-        for window, wrapper in self._prefill.items():
+        wrappers = {w: self._prefill[w] for w in windows}
+        for window, wrapper in wrappers.items():
             wrapper.plan(qo_offsets.pinned, kv_indptr, kv_indices, last_page_len, self.num_heads,
                          self.num_kv_heads, self.head_dim, page_size, causal=True,
                          window_left=_window_left(window), **common)
-        self._active = dict(self._prefill)
+        self._active = wrappers
+
+    def _windows_planned(self, batch: BatchInput) -> set[int | None]:
+        """The windows this plan serves: the sliding layers' while planning their own pages,
+        the other layers' beside them, every layer's otherwise."""
+        if self._plan_window is not None:
+            return {self._plan_window}
+        if batch.has_sliding_pages:
+            return {w for w, sliding in zip(self.sliding_windows, self.pool.sliding_layers,
+                                            strict=True) if not sliding}
+        return set(self.sliding_windows)
 
     def _graph_wrappers(self, batch_size: int) -> dict[int | None, object]:
         """Batch size ``batch_size``'s CUDA-graph decode wrappers, made at its capture."""
