@@ -115,8 +115,12 @@ class ModelRunner:
         self._load_model(config)
         self._make_lora_pool(config)
         self._make_pool(config, draft_page_bytes)
+        # FlashInfer's plans over the sliding layers' own pages are checked against
+        # tests/fake_flashinfer.py only: auto takes torch with them until a GPU run checks them
+        backend = ("torch" if self.num_sliding_pages and config.attention_backend == "auto"
+                   else config.attention_backend)
         self.attention = make_backend(
-            config.attention_backend, self.pool, num_heads=self.model.plan.num_heads,
+            backend, self.pool, num_heads=self.model.plan.num_heads,
             num_kv_heads=self.model.plan.num_kv_heads, head_dim=self.config.head_dim,
             sliding_windows=self.config.sliding_windows, scale=self.config.attention_scale,
             decode_backend=config.flashinfer_decode_backend, graph_max_batch=self.graph_max_batch,
