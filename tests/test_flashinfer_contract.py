@@ -147,7 +147,7 @@ def test_graph_steps_use_the_shared_fixed_buffers_correctly(fake, checkpoint) ->
 def test_graphs_leave_steps_with_too_many_pages_to_eager(fake, checkpoint) -> None:
     runner = ModelRunner(fake_runner_config(checkpoint, 16))
     graphs = DecodeGraphs(runner, 8, capture=False)
-    capacity = len(runner.attention._graph_buffers[1])  # 4 per pool page, plus 8
+    capacity = len(runner.attention._graph_buffers[False][1])  # 4 per pool page, plus 8
     pages = list(range(16))
     fits = BatchInput.build([(pages, 60, [1])] * 4, 4)
     assert graphs.bucket_for(fits) == 4

@@ -6,17 +6,17 @@ head_dim 64, a size FlashInfer has kernels for) served in-process at ratio 0.5, 
 equal transformers' cold, resent and as a next turn, at page sizes 1 and 16. Every plan of the
 sliding layers lists only the pages of each sequence's window (``window_left`` 15) and every
 plan of the full layer all of its pages with no window; each layer runs its kind's wrappers
-over its own pool tensor.
+over its own pool tensor. With CUDA graphs (through ``DecodeGraphs(capture=False)``: the
+replay's padding, fixed buffers and plans, run eagerly) the same tokens come out, each layer
+kind planning over its own fixed buffers and the padding rows writing only the scratch pages.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from engine.worker.attention.flashinfer import FlashInferBackend
-from engine.worker.kv_pool import KVPool
+from engine.worker.cuda_graphs import DecodeGraphs
 from tests import fake_flashinfer
 from tests.conftest_models import load_reference, one_torch_thread, write_checkpoint
 from tests.test_flashinfer_contract import fake
@@ -91,12 +91,49 @@ def test_flashinfer_serves_the_sliding_pool_like_transformers(monkeypatch, gemma
         assert np.all(pages <= bound), (pages, new)
 
 
-def test_cuda_graphs_over_sliding_pages_are_refused():
-    """One set of fixed graph buffers holds one page table; a sliding step plans two."""
-    pool = KVPool(num_layers=2, num_pages=32, page_size=1, num_kv_heads=2, head_dim=64,
-                  dtype=torch.float32, device="cpu", sliding_layers=(True, False),
-                  num_sliding_pages=16)
-    flash = FlashInferBackend(pool, num_heads=4, num_kv_heads=2, head_dim=64,
-                              sliding_windows=(WINDOW, None), graph_max_batch=8)
-    with pytest.raises(ValueError, match="CUDA graphs cannot run the sliding layers' own"):
-        flash.prepare_graphs(8)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_decode_over_the_sliding_pool_like_transformers(monkeypatch, gemma_dir,
+                                                                   hf_gemma, page_size):
+    """Decode steps through the graphs' padded fixed buffers (``capture=False``: the replay's
+    padding, buffers and plans, run eagerly): greedy tokens equal transformers' cold, resent
+    and as a next turn, three sequences padded to the bucket of 4; the padding rows write only
+    the two scratch pages, and every page comes back."""
+    import engine.worker.runner
+
+    monkeypatch.setattr(engine.worker.runner.ModelRunner, "_why_no_graphs", lambda self: None)
+    monkeypatch.setattr(engine.worker.runner, "DecodeGraphs",
+                        lambda runner, max_batch: DecodeGraphs(runner, max_batch, capture=False))
+    buckets = []
+    run = DecodeGraphs.run
+
+    def counted(self, batch, bucket, **kwargs):
+        buckets.append((batch.num_seqs, bucket))
+        return run(self, batch, bucket, **kwargs)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counted)
+    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=2048 // page_size,
+                      sliding_kv_ratio=0.5, attention_backend="flashinfer", chunked_prefill_size=24,
+                      max_prefill_tokens=64, enable_cuda_graph=True, cuda_graph_max_bs=8)
+    runner = h.worker.runner
+    assert runner.graphs is not None and runner.swa_scratch_page == runner.num_sliding_pages
+    assert runner.pool.swa.shape[2] == runner.num_sliding_pages + 1
+    cold = serve_cold_and_resent(h, hf_gemma)
+    turn = cold[0] + h.outputs["a0"][0] + [5, 6, 7]
+    h.add("turn", turn, GREEDY)
+    h.run()
+    assert h.outputs["turn"][0] == hf_greedy(hf_gemma, turn, 20)
+    assert (3, 4) in buckets and (1, 1) in buckets  # padded and unpadded graph steps
+    # the padding rows wrote the scratch pages of both pools, nothing else of theirs
+    assert runner.pool.kv[:, :, runner.scratch_page].abs().sum() > 0
+    assert runner.pool.swa[:, :, runner.swa_scratch_page].abs().sum() > 0
+    # each kind's graph wrappers plan over that kind's own fixed index buffer
+    buffers = {kind: b[1].data_ptr() for kind, b in runner.attention._graph_buffers.items()}
+    planned = {(w.planned["window_left"], w.indices.data_ptr())
+               for w in fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper.instances
+               if w.use_cuda_graph and w.indices.data_ptr() in buffers.values()}
+    assert planned == {(WINDOW - 1, buffers[True]), (-1, buffers[False])}
+    sliding = h.sched.tree.sliding.allocator
+    assert sliding.num_pinned_pages == 0
+    h.sched.tree.reset()
+    assert sliding.num_free_pages == sliding.num_pages
+    assert h.sched.alloc.num_free_pages == h.sched.alloc.num_pages

@@ -294,13 +294,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def _validate_sliding(self) -> None:
         if not self.sliding_kv_ratio:
             return
-        refused = {"--disk-cache-dir": self.disk_cache_dir is not None,
-                   "--enable-cuda-graph": self.enable_cuda_graph}
-        for name, given in refused.items():
-            if given:
-                raise ValueError(f"--sliding-kv-ratio cannot be combined with {name} yet: "
-                                 "that path does not hold the sliding-window layers' pages "
-                                 "apart (serve with --sliding-kv-ratio 0)")
+        if self.disk_cache_dir is not None:
+            raise ValueError("--sliding-kv-ratio cannot be combined with --disk-cache-dir yet: "
+                             "that path does not hold the sliding-window layers' pages apart "
+                             "(serve with --sliding-kv-ratio 0)")
         if self.kv_events_block != self.page_size:
             # the events name each page whose window the tree keeps (scheduler/kv_events.py)
             raise ValueError(f"--sliding-kv-ratio publishes KV events in blocks of one page: "

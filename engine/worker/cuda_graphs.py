@@ -8,7 +8,10 @@ graph, one launch for the whole step.
 
 Padding: a step of B < bucket sequences is filled to the bucket with padding sequences of one
 token each. They read and write only the pool's scratch page (a page past the ``num_pages``
-the scheduler sees, so it never holds anyone's KV), and their logits rows are dropped.
+the scheduler sees, so it never holds anyone's KV), and their logits rows are dropped. With
+sliding pages of their own (``--sliding-kv-ratio``) the padding rows' sliding page is the
+sliding pool's scratch page (past its ``num_sliding_pages``), and the sliding layers' slots
+sit in a fixed buffer of their own beside ``out_slots``.
 
 Which steps run as graphs: decode steps (every sequence adds one token) of at most the largest
 bucket, sampling each sequence once in order, whose page lists fit the page-index buffer. Anything
@@ -38,16 +41,25 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
-def pad_decode(batch: BatchInput, bucket: int, scratch_page: int, page_size: int) -> BatchInput:
+def pad_decode(batch: BatchInput, bucket: int, scratch_page: int, page_size: int,
+               swa_scratch_page: int | None = None) -> BatchInput:
     """``batch`` (a decode step) with ``bucket - num_seqs`` padding sequences appended: one
-    token at position 0 in the scratch page."""
+    token at position 0 in the scratch page (and in the sliding pool's, ``swa_scratch_page``,
+    where the sliding layers have pages of their own)."""
     pad = bucket - batch.num_seqs
     if pad == 0:
         return batch
     ones = np.ones(pad, dtype=np.int32)
     last = int(batch.page_indptr[-1])
     scratch_slot = scratch_page * page_size
+    sliding = {}
+    if swa_scratch_page is not None:
+        sliding = dict(
+            swa_page_indices=np.concatenate([batch.swa_page_indices, swa_scratch_page * ones]),
+            swa_out_slots=np.concatenate([batch.swa_out_slots,
+                                          swa_scratch_page * page_size * ones]))
     return BatchInput(
+        **sliding,
         input_ids=np.concatenate([batch.input_ids, 0 * ones]),
         positions=np.concatenate([batch.positions, 0 * ones]),
         extend_lens=np.concatenate([batch.extend_lens, ones]),
@@ -73,6 +85,9 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.out_slots = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        self.swa_scratch_page = runner.swa_scratch_page
+        self.swa_out_slots = (None if self.swa_scratch_page is None else
+                              torch.zeros(self.max_batch, dtype=torch.int64, device=device))
         self.rows = torch.arange(self.max_batch, dtype=torch.int64, device=device)
         runner.attention.prepare_graphs(self.max_batch)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -94,20 +109,30 @@ class DecodeGraphs:
         same padded step over the same buffers and plan, run op by op instead of replayed (what
         the graph must reproduce bit for bit: scripts/check_cuda_graphs.py)."""
         runner = self.runner
-        padded = pad_decode(batch, bucket, runner.scratch_page, runner.page_size)
+        padded = pad_decode(batch, bucket, runner.scratch_page, runner.page_size,
+                            self.swa_scratch_page)
+        sliding = self.swa_out_slots is not None
         ids, positions, slots, *staged = runner.staging.stage(
             [padded.input_ids.astype(np.int64), padded.positions.astype(np.int64),
-             padded.out_slots.astype(np.int64), *runner.attention.staged_arrays(padded)])
+             padded.out_slots.astype(np.int64),
+             *([padded.swa_out_slots.astype(np.int64)] if sliding else []),
+             *runner.attention.staged_arrays(padded)])
         self.input_ids[:bucket].copy_(ids.on_device)
         self.positions[:bucket].copy_(positions.on_device)
         self.out_slots[:bucket].copy_(slots.on_device)
-        runner.attention.plan(padded, self.out_slots[:bucket], staged=staged, graph=True)
+        if sliding:
+            self.swa_out_slots[:bucket].copy_(staged.pop(0).on_device)
+        runner.attention.plan(padded, self.out_slots[:bucket], staged=staged, graph=True,
+                              swa_out_slots=self._swa_slots(bucket))
         if self.capture and not eager:
             graph, logits = self._graphs[bucket]
             graph.replay()
         else:
             logits = self._forward(bucket)
         return logits[: batch.num_seqs]
+
+    def _swa_slots(self, bucket: int) -> torch.Tensor | None:
+        return None if self.swa_out_slots is None else self.swa_out_slots[:bucket]
 
     def _forward(self, bucket: int) -> torch.Tensor:
         return self.runner.model(self.input_ids[:bucket], self.positions[:bucket],
@@ -141,11 +166,15 @@ class DecodeGraphs:
         empty = BatchInput(input_ids=none, positions=none, extend_lens=none, seq_lens=none,
                            page_indptr=np.zeros(1, dtype=np.int32), page_indices=none,
                            out_slots=none)
-        padded = pad_decode(empty, bucket, runner.scratch_page, runner.page_size)
+        padded = pad_decode(empty, bucket, runner.scratch_page, runner.page_size,
+                            self.swa_scratch_page)
         self.out_slots[:bucket].fill_(runner.scratch_page * runner.page_size)
+        if self.swa_out_slots is not None:
+            self.swa_out_slots[:bucket].fill_(self.swa_scratch_page * runner.page_size)
         self.input_ids.zero_()
         self.positions.zero_()
-        runner.attention.plan(padded, self.out_slots[:bucket], graph=True)
+        runner.attention.plan(padded, self.out_slots[:bucket], graph=True,
+                              swa_out_slots=self._swa_slots(bucket))
         stream.wait_stream(torch.cuda.current_stream(runner.device))
         with torch.cuda.stream(stream):
             for _ in range(2):

@@ -14,7 +14,8 @@ hold), and ``forward`` returns logits on rank 0 only.
 A step's index arrays reach the device in one copy (engine/worker/staging.py). With CUDA graphs
 (``enable_cuda_graph``, the flashinfer backend, no tensor parallel) decode steps of up to
 ``cuda_graph_max_bs`` sequences replay graphs captured at start (engine/worker/cuda_graphs.py);
-asking for them gives the pool one scratch page past ``num_pages`` for the padding rows.
+asking for them gives the pool one scratch page past ``num_pages`` for the padding rows
+(and one past the sliding pages under ``--sliding-kv-ratio``).
 """
 
 from __future__ import annotations
@@ -212,15 +213,20 @@ class ModelRunner:
                     c.page_size, self.num_pages * c.page_size, self.kv_cache_bytes / 2**30, how,
                     self.device, c.num_host_pages, self.num_host_cache_pages,
                     self.num_host_cache_pages * page_bytes / 2**30)
-        # With CUDA graphs, a scratch page past the pages the scheduler sees: the graphs'
-        # padding rows write and read it, and nothing else does.
+        # With CUDA graphs, a scratch page past the pages the scheduler sees (and one past the
+        # sliding pages, where there are any): the graphs' padding rows write and read it, and
+        # nothing else does.
         self.scratch_page = self.num_pages if self.graph_max_batch > 0 else None
+        self.swa_scratch_page = (self.num_sliding_pages
+                                 if self.scratch_page is not None and self.num_sliding_pages
+                                 else None)
         self.pool = KVPool(
             num_layers=mc.num_layers, num_pages=self.num_pages + (self.scratch_page is not None),
             page_size=c.page_size, num_kv_heads=plan.num_kv_heads, head_dim=mc.head_dim,
             dtype=self.dtype, device=self.device,
             num_host_pages=c.num_host_pages + self.num_host_cache_pages, kv_dtype=self.kv_dtype,
-            sliding_layers=self.sliding_layers, num_sliding_pages=self.num_sliding_pages,
+            sliding_layers=self.sliding_layers,
+            num_sliding_pages=self.num_sliding_pages + (self.swa_scratch_page is not None),
             # swap preemption moves a sequence's sliding pages with its full ones, and the
             # host tier keeps its nodes' windows
             num_host_sliding_pages=(c.num_host_pages + self.num_host_cache_sliding_pages
@@ -231,9 +237,6 @@ class ModelRunner:
         a prompt chunk and its window at least."""
         if not sliding_bytes:
             return 0
-        if self.graph_max_batch:
-            raise ValueError("--sliding-kv-ratio does not run with CUDA graphs yet: give "
-                             "--enable-cuda-graph false")
         pages = int(c.sliding_kv_ratio * self.num_pages)
         least = -(-(c.chunked_prefill_size + self.sliding_window) // c.page_size) + 2
         if pages < least:

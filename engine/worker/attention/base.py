@@ -60,11 +60,14 @@ class AttentionBackend(ABC):
         self._plan_window: int | None = None
 
     def plan(self, batch: BatchInput, out_slots: torch.Tensor | None = None, *,
-             staged: Sequence[Staged] = (), graph: bool = False) -> None:
+             staged: Sequence[Staged] = (), graph: bool = False,
+             swa_out_slots: torch.Tensor | None = None) -> None:
         """Prepare the step. The runner stages the step's arrays in one copy
         (engine/worker/staging.py): ``out_slots`` is ``batch.out_slots`` on the device as int64
         and ``staged`` holds ``staged_arrays(batch)``; given no ``out_slots``, the backend
-        stages both itself, the same way."""
+        stages both itself, the same way. ``swa_out_slots``: ``batch.swa_out_slots`` already
+        on the device (a CUDA graph's fixed buffer), else staged here with the sliding plan's
+        arrays."""
         if out_slots is None:
             slots, *staged = self._staging.stage([batch.out_slots.astype(np.int64),
                                                   *self.staged_arrays(batch)])
@@ -80,7 +83,7 @@ class AttentionBackend(ABC):
             try:
                 slots, *staged = self._sliding_staging.stage([view.out_slots.astype(np.int64),
                                                               *self.staged_arrays(view)])
-                self._out_slots = slots.on_device
+                self._out_slots = slots.on_device if swa_out_slots is None else swa_out_slots
                 self._plan(view, graph, staged)
             finally:
                 self._plan_window = None

@@ -50,7 +50,9 @@ prefill and decode take FA2 (FA3's fp8 kernels want fp8 queries too).
 
 CUDA graphs (engine/worker/cuda_graphs.py): each captured batch size gets its own decode wrappers in
 CUDA-graph mode, all over one set of fixed index buffers sized for the largest batch;
-``plan(batch, graph=True)`` fills them before the replay.
+``plan(batch, graph=True)`` fills them before the replay. With sliding pages of their own, each
+layer kind has its own set of fixed buffers (the sliding one sized from the sliding pool) and
+its own wrappers per batch size, so a step's two plans fill two sets.
 """
 
 from __future__ import annotations
@@ -209,19 +211,21 @@ class FlashInferBackend(AttentionBackend):
         self._decode = {w: self._decode_wrapper() for w in windows}
         self._prefill = {w: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, "NHD", backend=self.prefill_kernel) for w in windows}
-        self._graph_decode: dict[int, dict[int | None, object]] = {}
-        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # per (batch size, layer kind (sliding: True), window): CUDA-graph decode wrappers; per
+        # layer kind: their fixed (indptr, indices, last page lengths) buffers
+        self._graph_decode: dict[tuple[int, bool, int | None], object] = {}
+        self._graph_buffers: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._active: dict[int | None, object] = {}
         # Each layer's (K, V) pages as the kernels read them: fp8 views of an fp8 pool's bytes.
         self._kv = [tuple(t.view(pool.kv_dtype) for t in pool.layer(i))
                     for i in range(pool.num_layers)]
 
-    def _decode_wrapper(self, batch_size: int | None = None):
-        """A decode wrapper; with ``batch_size``, in CUDA-graph mode over the shared fixed
-        buffers' first ``batch_size`` rows."""
+    def _decode_wrapper(self, batch_size: int | None = None, sliding: bool = False):
+        """A decode wrapper; with ``batch_size``, in CUDA-graph mode over the first
+        ``batch_size`` rows of the fixed buffers its layer kind (``sliding``) shares."""
         graph = {}
         if batch_size is not None:
-            indptr, indices, last_page_len = self._graph_buffers
+            indptr, indices, last_page_len = self._graph_buffers[sliding]
             graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr[: batch_size + 1],
                          paged_kv_indices_buffer=indices,
                          paged_kv_last_page_len_buffer=last_page_len[:batch_size])
@@ -291,28 +295,35 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare_graphs(self, max_batch: int) -> None:
         """One set of fixed index buffers for every captured batch size (each uses a prefix),
-        once the workspace is known to hold the largest batch's split partial outputs."""
-        if self.pool.num_sliding_pages:
-            # one set of buffers holds one page table; a sliding step plans two
-            raise ValueError("CUDA graphs cannot run the sliding layers' own pages yet: serve "
-                             "with --sliding-kv-ratio 0 or without --enable-cuda-graph")
+        per layer kind, once the workspace is known to hold the largest batch's split partial
+        outputs."""
         if max_batch > self.graph_max_batch:
             raise ValueError(
                 f"the flashinfer workspace ({self.workspace_bytes / 2**20:.0f} MiB) was sized "
                 f"for CUDA graphs up to batch {self.graph_max_batch}, not {max_batch}: build "
                 "the backend with graph_max_batch set to the largest batch")
-        capacity = _GRAPH_INDICES_PER_PAGE * self.pool.num_pages + max_batch
-        self._graph_buffers = (
-            torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device),
-            torch.zeros(capacity, dtype=torch.int32, device=self.device),
-            torch.zeros(max_batch, dtype=torch.int32, device=self.device),
-        )
+        kinds = {False: self.pool.num_pages}
+        if self.pool.num_sliding_pages:
+            kinds[True] = self.pool.num_sliding_pages
+        for sliding, num_pages in kinds.items():
+            self._graph_buffers[sliding] = (
+                torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device),
+                torch.zeros(_GRAPH_INDICES_PER_PAGE * num_pages + max_batch, dtype=torch.int32,
+                            device=self.device),
+                torch.zeros(max_batch, dtype=torch.int32, device=self.device),
+            )
 
     def graph_fits(self, batch: BatchInput) -> bool:
-        if self._graph_buffers is None:
+        if not self._graph_buffers:
             return False
-        max_batch, capacity = len(self._graph_buffers[2]), len(self._graph_buffers[1])
-        return len(batch.page_indices) + max_batch - batch.num_seqs <= capacity
+        tables = {False: batch.page_indices}
+        if batch.has_sliding_pages:  # the sliding plan lists at most these (cut to windows)
+            tables[True] = batch.swa_page_indices
+        for sliding, indices in tables.items():
+            _, buffer, last_page_len = self._graph_buffers[sliding]
+            if len(indices) + len(last_page_len) - batch.num_seqs > len(buffer):
+                return False
+        return True
 
     def _plan(self, batch: BatchInput, graph: bool, staged: Sequence[Staged]) -> None:
         page_size = self.pool.page_size
@@ -323,8 +334,8 @@ class FlashInferBackend(AttentionBackend):
                       kv_data_type=self.pool.kv_dtype, sm_scale=self.scale)
         windows = self._windows_planned(batch)
         if graph or batch.is_decode:
-            wrappers = self._graph_wrappers(batch.num_seqs) if graph else self._decode
-            wrappers = {w: wrappers[w] for w in windows}
+            wrappers = ({w: self._graph_wrapper(batch.num_seqs, w) for w in windows} if graph
+                        else {w: self._decode[w] for w in windows})
             for window, wrapper in wrappers.items():
                 wrapper.plan(kv_indptr, kv_indices, last_page_len, self.num_heads,
                              self.num_kv_heads, self.head_dim, page_size,
@@ -348,13 +359,15 @@ class FlashInferBackend(AttentionBackend):
                                             strict=True) if not sliding}
         return set(self.sliding_windows)
 
-    def _graph_wrappers(self, batch_size: int) -> dict[int | None, object]:
-        """Batch size ``batch_size``'s CUDA-graph decode wrappers, made at its capture."""
-        wrappers = self._graph_decode.get(batch_size)
-        if wrappers is None:
-            wrappers = {w: self._decode_wrapper(batch_size) for w in set(self.sliding_windows)}
-            self._graph_decode[batch_size] = wrappers
-        return wrappers
+    def _graph_wrapper(self, batch_size: int, window: int | None):
+        """Batch size ``batch_size``'s CUDA-graph decode wrapper for ``window``, made at its
+        capture, over the fixed buffers of the layer kind being planned."""
+        key = (batch_size, self._plan_window is not None, window)
+        wrapper = self._graph_decode.get(key)
+        if wrapper is None:
+            wrapper = self._decode_wrapper(batch_size, sliding=key[1])
+            self._graph_decode[key] = wrapper
+        return wrapper
 
     def warm_up(self) -> None:
         """Build the kernels, then plan and run a prefill and a decode over the first pages, for
