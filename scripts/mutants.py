@@ -204,7 +204,7 @@ MUTANTS = (
     # ------------------------------------------------------------ kernels' precision bounds
     Mutant("int8-activation-digits", "8-bit weights get two activation digits",
            "engine/worker/model/quant.py",
-           "DIGITS = {8: 2, 4: 1}", "DIGITS = {8: 1, 4: 1}",
+           "DIGITS = {8: 2, 6: 2, 5: 2, 4: 1}", "DIGITS = {8: 1, 6: 2, 5: 2, 4: 1}",
            ("tests/test_quant.py::test_a_layer_gives_8_bit_weights_two_activation_digits_and_4_bit_ones_one",)),
     Mutant("int8-rounded-step", "int8 values are computed from the float16 step they are "
            "stored with", "engine/checkpoints/quant_formats.py",
