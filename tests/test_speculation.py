@@ -33,6 +33,15 @@ def model_dir() -> str:
     return str(build_demo_model())
 
 
+@pytest.fixture(autouse=True)
+def untimed_steps(monkeypatch):
+    """The steps' times are not fed to the drafting rules (their priors decide), so which
+    steps verify drafts, and so which rows' logits come from a verify step, does not hang on
+    how loaded the machine is; the rules' use of measured times is tested on given ones
+    (tests/test_speculation_rules.py)."""
+    monkeypatch.setattr(speculation.Speculator, "step_took", lambda self, entries, seconds: None)
+
+
 def spec(k: int = 4, **extra) -> str:
     return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                        "prompt_lookup_max": 3, **extra})
