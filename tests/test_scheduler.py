@@ -195,11 +195,15 @@ def test_beam_search_matches_transformers(model_dir, hf_model):
     h = Harness(model_dir, num_pages=256, page_size=4)
     h.add("beam", prompt, SamplingParams(max_tokens=6, beam_width=3, n=2))
     h.run()
+    assert [h.outputs["beam"][i] for i in range(2)] == hf_beams(hf_model, prompt, 6)
+
+
+def hf_beams(hf_model, prompt: list[int], max_new_tokens: int) -> list[list[int]]:
+    """transformers' two best of 3 beams for ``prompt`` (no early stop, no length penalty)."""
     ref = hf_model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=2,
-                            max_new_tokens=6, do_sample=False, early_stopping=False,
-                            length_penalty=1.0, pad_token_id=0)
-    expected = [[t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
-    assert [h.outputs["beam"][i] for i in range(2)] == expected
+                            max_new_tokens=max_new_tokens, do_sample=False,
+                            early_stopping=False, length_penalty=1.0, pad_token_id=0)
+    return [[t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
 
 
 def test_bad_requests_get_clear_errors(model_dir):

@@ -20,7 +20,7 @@ from engine.contracts.engine_config import EngineConfig
 from engine.contracts.sampling_params import SamplingParams
 from engine.worker.process import Worker
 from tests.conftest_models import load_reference, write_checkpoint
-from tests.test_scheduler import Harness, hf_greedy
+from tests.test_scheduler import Harness, hf_beams, hf_greedy
 
 WINDOW = 16
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -166,11 +166,7 @@ def test_beams_over_windows_match_transformers(gemma_dir, hf_gemma, page_size):
                       sliding_kv_ratio=0.5, chunked_prefill_size=24, max_prefill_tokens=64)
     h.add("beam", prompt, SamplingParams(max_tokens=24, beam_width=3, n=2))
     h.run()
-    ref = hf_gemma.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=2,
-                            max_new_tokens=24, do_sample=False, early_stopping=False,
-                            length_penalty=1.0, pad_token_id=0)
-    expected = [[t for t in row[len(prompt):].tolist() if t != 0] for row in ref]
-    assert [h.outputs["beam"][i] for i in range(2)] == expected
+    assert [h.outputs["beam"][i] for i in range(2)] == hf_beams(hf_gemma, prompt, 24)
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float32", "int8"),
