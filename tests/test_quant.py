@@ -136,6 +136,25 @@ def test_each_build_computes_what_the_format_and_the_activations_say(variants, f
                 assert err < bound, (name, rows, cols, dtype, err)
 
 
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0", "q5_0"])
+def test_a_rows_result_is_the_same_in_a_call_of_any_size(variants, fmt, digits):
+    """Calls of 1 to 17 rows share each unpacked block between up to 8 rows (a verify step's
+    K + 1 in one pass): every row of each call is bit for bit the row computed alone, in every
+    build (what ``--deterministic`` relies on)."""
+    p = random_weight(fmt, 40, 512, seed=11)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(12))
+    for name, ops in variants.items():
+        kernel = ops.quant_repack(*p.repack_args())
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = x.to(dtype)
+            alone = torch.cat([ops.quant_linear(xs[m:m + 1], *kernel, p.bits, 40, digits)
+                               for m in range(17)])
+            for count in range(2, 18):
+                out = ops.quant_linear(xs[:count], *kernel, p.bits, 40, digits)
+                assert torch.equal(out, alone[:count]), (name, dtype, count)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantizing_rows_gives_the_formats_numbers(variants, fmt):
     """dequantize_weight over the repacked layout (the embedding's lookups, any row order)

@@ -320,6 +320,26 @@ void write_rows(const Weights& w, const Activations& a, int64_t g, int64_t m0, T
   }
 }
 
+// Rows m0 .. m0 + rows (fewer than kTile) in one pass over the weight's row group: each block
+// is read and unpacked once for all of them. A row's sums are the same whatever R (integer
+// dot products, then the same float steps per block), so a row's result does not depend on
+// the rows beside it.
+template <typename T>
+void write_tail(const Weights& w, const Activations& a, int64_t g, int64_t m0, int64_t rows,
+                T* out) {
+  switch (rows) {
+    case 1: return write_rows<T, 1>(w, a, g, m0, out);
+    case 2: return write_rows<T, 2>(w, a, g, m0, out);
+    case 3: return write_rows<T, 3>(w, a, g, m0, out);
+#if defined(RADIXSERVE_VNNI)
+    case 4: return write_rows<T, 4>(w, a, g, m0, out);
+    case 5: return write_rows<T, 5>(w, a, g, m0, out);
+    case 6: return write_rows<T, 6>(w, a, g, m0, out);
+    case 7: return write_rows<T, 7>(w, a, g, m0, out);
+#endif
+    default: TORCH_CHECK(false, "quant_linear: a tail of ", rows, " rows");
+  }
+}
 
 template <typename T>
 void run(const at::Tensor& x, const Weights& w, bool two, at::Tensor& out) {
@@ -334,12 +354,8 @@ void run(const at::Tensor& x, const Weights& w, bool two, at::Tensor& out) {
     for (int64_t g = begin; g < end; ++g) {
       int64_t m = 0;
       for (; m + kTile <= M; m += kTile) write_rows<T, kTile>(w, a, g, m, o);
-      if (kTile > 4 && m + 4 <= M) {  // a verify step's K + 1 rows in as few passes as fit
-        write_rows<T, 4>(w, a, g, m, o);
-        m += 4;
-      }
-      for (; m + 2 <= M; m += 2) write_rows<T, 2>(w, a, g, m, o);
-      if (m < M) write_rows<T, 1>(w, a, g, m, o);
+      // the rest (a verify step's K + 1 rows, a decode step's few) in one more pass
+      if (m < M) write_tail<T>(w, a, g, m, M - m, o);
     }
   });
 }
