@@ -95,29 +95,47 @@ class Lease:
         return self._locked
 
     def pages_to_acquire(self, num_tokens: int, loading: set[Node] | None = None, *,
-                         windows: bool = False) -> int:
+                         windows: bool = False, reads_from: int | None = None) -> int:
         """Fresh pages ``acquire(num_tokens)`` allocates: the match's full pages are shared,
         and its part in the host tier takes device pages to load into. ``loading``: host-only
         nodes that holders acquiring before this one will load (samples of one request share
         their prompt's); this one's are added to it. ``windows``: of them, those that take
-        sliding pages (of the loaded part, only the window before the match's end)."""
+        sliding pages (of the loaded part, only the window before the match's end; of the
+        rest, those from the window of ``reads_from`` on, as ``acquire``)."""
         tree = self.tree
-        return (tree.allocator.pages_for(num_tokens) - self.match.length // tree.page_size
+        first = self.match.length // tree.page_size
+        if windows and reads_from is not None:
+            first = max(first, tree.sliding.window_start(reads_from))
+        return (tree.allocator.pages_for(num_tokens) - first
                 + tree._pages_to_load(self.match.node, loading, windows))
 
-    def acquire(self, num_tokens: int) -> tuple[list[int], PageCopy | None]:
+    def acquire(self, num_tokens: int, *,
+                reads_from: int | None = None) -> tuple[list[int], PageCopy | None]:
         """A page table for positions ``[0, num_tokens)``: the match's full pages (a new reference
         each), then fresh pages, evicting unlocked leaves when short. A match that reaches into
         the host tier first gets device pages for that part, whose loads the host tier plans
         (they run before the copy below); its nodes then live on the device too. When the match
         ends inside a page, the first fresh page is to receive that page's matched slots: the
-        returned copy, whose source holds one more reference for the holder. Raises
-        ``OutOfPages`` having changed nothing."""
+        returned copy, whose source holds one more reference for the holder. ``reads_from``:
+        the holder's first query is there, not at the match's end (a disk load fills the
+        fresh pages up to it): with sliding-window layers, only the fresh pages of that
+        query's window take sliding pages, and the holder holds the sliding KV from that
+        window on. Raises ``OutOfPages`` having changed nothing."""
         self._check_acquire(num_tokens)
         tree = self.tree
         loads = tree._pages_to_load(self.match.node)
-        windows = (self.pages_to_acquire(num_tokens, windows=True)
-                   if loads and tree.sliding is not None else None)
+        reads = self.match.length if reads_from is None else reads_from
+        windows = None
+        if tree.sliding is not None and (loads or reads > self.match.length):
+            if reads > self.match.length and self.match.partial_len:
+                raise ValueError("a holder that reads past its match starts at a page's start")
+            # the loaded window's pages (the last of the loads), then the fresh pages of the
+            # first query's window
+            total = self.pages_to_acquire(num_tokens)
+            skip = max(tree.sliding.window_start(reads) - self.match.length // tree.page_size, 0)
+            host = tree._pages_to_load(self.match.node, windows=True)
+            windows = np.concatenate((np.arange(loads - host, loads),
+                                      np.arange(loads + skip, total)))
         fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens), windows)
         if self.match.host_length:
             # What another holder loaded since this one matched is on the device already.
@@ -137,7 +155,7 @@ class Lease:
         if tree.sliding is not None:
             # The matched pages the holder's first query sees, and the copy's source, are
             # live (the match ended where they are, and the lock keeps them).
-            self.swa_from = tree.sliding.window_start(self.match.length)
+            self.swa_from = tree.sliding.window_start(reads)
             tree.sliding.incref(full[self.swa_from :])
             if copy is not None:
                 tree.sliding.incref([copy.src])

@@ -38,12 +38,16 @@ class SlidingKV:
     """``num_pages`` sliding pages of ``page_size`` slots beside a full pool of
     ``num_full_pages``, for layers that see the last ``window`` positions."""
 
-    def __init__(self, num_pages: int, num_full_pages: int, page_size: int, window: int) -> None:
+    def __init__(self, num_pages: int, num_full_pages: int, page_size: int, window: int,
+                 align: int = 1) -> None:
+        """``align``: a kept window also covers the window before the last multiple of
+        ``align`` at or before its end, from that block's start (the disk tier's blocks: a
+        disk match ends at a block's end, scheduler/disk.py)."""
         if window < 2:
             raise ValueError(f"a sliding window to keep apart sees at least 2 positions, got "
                              f"{window}")
         self.allocator = PageAllocator(num_pages, page_size)
-        self.page_size, self.window = page_size, window
+        self.page_size, self.window, self.align = page_size, window, align
         self.of = np.full(num_full_pages, -1, dtype=np.int64)
         self.owner = np.full(num_pages, -1, dtype=np.int64)
 
@@ -58,8 +62,14 @@ class SlidingKV:
     def keep_from(self, end: int) -> int:
         """The first page of the window a cache keeps where a prompt of ``end`` tokens ends:
         positions ``[end - W, end)``, what both a resend (matched to ``end - 1``) and a next turn
-        (matched to ``end``) read."""
-        return max(0, end - self.window) // self.page_size
+        (matched to ``end``) read; with ``align``, from the start of the aligned block that
+        holds the window before the last aligned point at or before ``end`` (the blocks a
+        disk load ending there reads windows of, whole)."""
+        start = end - self.window
+        if self.align > 1:
+            aligned = end - end % self.align + 1 - self.window
+            start = min(start, aligned - aligned % self.align)
+        return max(0, start) // self.page_size
 
     def attach(self, full_pages: Sequence[int]) -> None:
         """Fresh sliding pages for fresh full pages, one reference each (the allocating

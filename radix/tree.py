@@ -280,10 +280,10 @@ class RadixTree(Tiering, Windows):
         if deepest_on_device is not None:
             self._push(self._leaves, deepest_on_device)
 
-    def _alloc_pages(self, n: int, windows: int | None = None) -> list[int]:
+    def _alloc_pages(self, n: int, windows: int | np.ndarray | None = None) -> list[int]:
         """Allocate ``n`` pages, evicting unlocked leaves when free pages run short; with
         sliding-window layers, each with a sliding page (``Windows._alloc_sliding``), or only
-        the last ``windows`` of them."""
+        the last ``windows`` of them (or those at the positions it lists)."""
         short = n - self.allocator.num_free_pages
         if short > 0:
             self.evict(short)

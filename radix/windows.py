@@ -126,20 +126,22 @@ class Windows:
         if len(index):
             self.sliding.allocator.set_evictable(index[index >= 0], step < 0)
 
-    def _alloc_sliding(self, n: int, windows: int) -> list[int]:
+    def _alloc_sliding(self, n: int, windows: int | np.ndarray) -> list[int]:
         """``n`` full pages (free: ``_alloc_pages`` made sure), the last ``windows`` of them
-        each with a fresh sliding page, evicting unlocked nodes' windows when sliding pages
-        run short."""
+        (or those at the positions ``windows`` lists) each with a fresh sliding page, evicting
+        unlocked nodes' windows when sliding pages run short."""
         sliding = self.sliding.allocator
-        short = windows - sliding.num_free_pages
+        at = np.arange(n - windows, n) if isinstance(windows, int) else windows
+        short = len(at) - sliding.num_free_pages
         if short > 0:
             self._evict_sliding(short)
-        if windows > sliding.num_free_pages:
+        if len(at) > sliding.num_free_pages:
             raise OutOfPages(
-                f"asked for {windows} sliding-window pages: {sliding.num_free_pages} free and "
+                f"asked for {len(at)} sliding-window pages: {sliding.num_free_pages} free and "
                 f"nothing more evictable ({sliding.num_pinned_pages} held by running requests)")
         pages = self.allocator.alloc(n)
-        self.sliding.attach(pages[n - windows :])
+        if len(at):
+            self.sliding.attach(np.asarray(pages, dtype=np.int64)[at])
         return pages
 
     def _evict_sliding(self, num_pages: int) -> int:

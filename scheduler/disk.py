@@ -13,26 +13,42 @@ crash, and read back when a request's prompt continues past what the tree holds:
 A request whose prompt the disk continues is admitted with pages up to the end of those blocks
 and waits for their load (scheduler/loads.py) while the tree keeps serving the prefix below;
 a block that was missing or failed its checks ends the load there and is computed.
+
+With sliding-window layers in pages of their own (radix/sliding.py), a block holds the full
+layers' KV only, and a *window file* beside it (``window_name``) the sliding layers' KV of its
+pages, written where a window the tree keeps covers it (the window before each save's last
+block end: a prompt's, a finished sequence's) and its sliding KV is live. A load ends only
+where the sliding KV of the window before its end is there: the tree's (live, up to the
+load's start) and the window files of the blocks after it; only those pages take sliding
+pages, and the load reads their window files into them. A load that ends early is dropped
+whole (the request is admitted again): the window before where it stopped was not read::
+
+    blocks      [ tree ...... start | block | block | block | block | block ]
+    windows                                        [ file  | file  | file  ]
+    load        ends at a block end whose window (W tokens before it) has files or is the tree's
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from engine.contracts.disk_blocks import DiskView, block_hashes
+from engine.contracts.disk_blocks import DiskView, block_hashes, window_name
 from engine.contracts.protocol import pack_ids
 from engine.contracts.worker_messages import DiskLoad, DiskSave
+from radix.sliding import SlidingKV
 from scheduler.loads import PendingLoads
 from scheduler.request import Seq
 
 
 class DiskTier:
     """``ready``: the worker's store is set up (until then no lookups: nothing could be read;
-    saves are still offered, and the worker sets the store up again when it writes)."""
+    saves are still offered, and the worker sets the store up again when it writes).
+    ``sliding``: the sliding-window layers' pages, when they are held apart (window files)."""
 
     def __init__(self, store: DiskView, block_tokens: int, page_size: int,
-                 pending: PendingLoads, ready: bool) -> None:
+                 pending: PendingLoads, ready: bool, sliding: SlidingKV | None = None) -> None:
         self.store = store
+        self.sliding = sliding
         self.ready = ready
         self.block = block_tokens
         self.pages_per_block = block_tokens // page_size
@@ -53,41 +69,82 @@ class DiskTier:
         return bool(self.saves or self.loads)
 
     def lookup(self, tokens: Sequence[int], namespace: Hashable, cached: int,
-               limit: int) -> list[str]:
+               limit: int, start: int | None = None) -> list[str]:
         """The blocks to load after the tree's ``cached`` tokens: from the block holding
-        ``cached`` on, as many as the directory holds one after another within ``limit``
-        tokens; empty unless they reach past ``cached``."""
-        first, last = cached // self.block, limit // self.block
+        ``cached`` (or from ``start``, a block boundary at or below it where the tree's match
+        may end) on, as many as the directory holds one after another within ``limit``
+        tokens; empty unless they reach past ``cached``. With window files, they end at the
+        last block whose window is there (``_window_end``)."""
+        start = cached - cached % self.block if start is None else start
+        first, last = start // self.block, limit // self.block
         if last * self.block <= cached or not self.on:
             return []
         names = block_hashes(self.store.fingerprint, namespace, tokens[: last * self.block],
                              self.block, first)
         found = self.store.present(names)
+        if self.sliding is not None:
+            found = self._window_end(names[:found], first, cached)
         return names[:found] if (first + found) * self.block > cached else []
 
+    def _window_end(self, names: list[str], first: int, cached: int) -> int:
+        """How many of ``names`` (blocks from block ``first`` on, each present) a load may
+        take: the most whose end's window lies in the tree (before block ``first``, whose
+        match holds it live) or in blocks whose window file is there."""
+        has: dict[int, bool] = {}
+        for count in range(len(names), 0, -1):
+            end = (first + count) * self.block
+            if end <= cached:
+                break
+            lo = max(self.sliding.window_start(end) * self.page_size // self.block, first)
+            for k in range(lo, first + count):
+                if k not in has:
+                    has[k] = self.store.contains(window_name(names[k - first]))
+                if not has[k]:
+                    break
+            else:
+                return count
+        return 0
+
     def plan_load(self, seq: Seq, start: int, names: list[str]) -> None:
-        """Load ``names`` into ``seq``'s pages from token ``start`` (a block boundary) on."""
+        """Load ``names`` into ``seq``'s pages from token ``start`` (a block boundary) on (and
+        their windows' files into the sliding pages those pages have: the window before the
+        load's end, ``Lease.acquire(..., reads_from=...)``)."""
         load_id = self.pending.register(seq, start, self.block, len(names), "disk")
         first = start // self.page_size
         pages = seq.pages[first : first + len(names) * self.pages_per_block]
-        self.loads.append(DiskLoad(load_id, names, pack_ids(pages)))
+        swa = pack_ids(self.sliding.live(pages)) if self.sliding is not None else b""
+        self.loads.append(DiskLoad(load_id, names, pack_ids(pages), swa))
 
     def plan_saves(self, namespace: Hashable, tokens: Sequence[int], table: Sequence[int],
                    start: int, end: int) -> None:
         """Save the whole blocks of ``tokens[:end]`` from the one holding ``start`` on (their
         KV in ``table``) that the directory lacks (a ``stat`` each: files another server wrote,
-        or the capacity trimmed, are seen as they are now)."""
+        or the capacity trimmed, are seen as they are now); with window files, also the window
+        files it lacks of the blocks of the window before the last block's end whose sliding
+        KV is live (the earlier blocks of that window were saved with an earlier save's
+        window, which covered them)."""
         first = start // self.block
-        count = end // self.block - first
+        whole = end - end % self.block
+        count = whole // self.block - first
         if count <= 0 or not self.store.enabled:
             return
-        names = block_hashes(self.store.fingerprint, namespace, tokens[: end - end % self.block],
-                             self.block, first)
-        per = self.pages_per_block
+        names = block_hashes(self.store.fingerprint, namespace, tokens[:whole], self.block,
+                             first)
+        per, contains = self.pages_per_block, self.store.contains
+        window = None
+        if self.sliding is not None:
+            window = self.sliding.window_start(whole) * self.page_size // self.block
         for k, name in enumerate(names, first):
-            if not self.store.contains(name):
-                self.saves.append(DiskSave(name, pack_ids(table[k * per : (k + 1) * per])))
-                self.blocks_saved += 1
+            pages = table[k * per : (k + 1) * per]
+            swa = b""
+            if window is not None and k >= window:
+                live = self.sliding.live(pages)
+                if (live >= 0).all() and not contains(window_name(name)):
+                    swa = pack_ids(live)
+            full = not contains(name)
+            if full or swa:
+                self.saves.append(DiskSave(name, pack_ids(pages) if full else b"", swa))
+                self.blocks_saved += full
 
     def take(self) -> tuple[list[DiskSave], list[DiskLoad]]:
         """The saves and loads planned since the last batch, for the next one."""

@@ -35,10 +35,12 @@ from scheduler.request import Seq
 
 
 def sliding_pages(info: ModelInfo) -> SlidingKV | None:
-    """The sliding-window layers' pages the worker made, if it made them."""
+    """The sliding-window layers' pages the worker made, if it made them (with a disk tier,
+    kept windows cover the window before a prompt's last disk block's end too)."""
     if not info.num_sliding_pages:
         return None
-    return SlidingKV(info.num_sliding_pages, info.num_pages, info.page_size, info.sliding_window)
+    return SlidingKV(info.num_sliding_pages, info.num_pages, info.page_size, info.sliding_window,
+                     align=max(info.disk_block_tokens, 1))
 
 
 def sliding_stats(tree: RadixTree) -> dict[str, int]:
@@ -94,15 +96,33 @@ class SeqMemory:
         seq.disk_names = []
         if disk and self.disk is not None:
             cached = self.tree.peek_prefix(seq.tokens, seq.req.namespace, limit)
-            seq.disk_names = self.disk.lookup(seq.tokens, seq.req.namespace, cached, limit)
+            start = self._disk_start(seq, cached)
+            seq.disk_names = self.disk.lookup(seq.tokens, seq.req.namespace, cached, limit,
+                                              start)
             if seq.disk_names:
-                limit = cached - cached % self.disk.block
+                limit = start
         seq.lease = Lease(self.tree, seq.tokens, seq.req.namespace, max_len=limit)
         return seq.lease
+
+    def _disk_start(self, seq: Seq, cached: int) -> int:
+        """Where a disk load after the tree's ``cached`` tokens starts: the block boundary at or
+        below it, or with sliding-window layers the last one where the tree's match may end
+        (the window before it live)."""
+        block, tokens, namespace = self.disk.block, seq.tokens, seq.req.namespace
+        start = cached - cached % block
+        while self.sliding is not None and start and (
+                usable := self.tree.peek_prefix(tokens, namespace, start)) < start:
+            start = usable - usable % block
+        return start
 
     def disk_tokens(self, seq: Seq) -> int:
         """Tokens the disk tier found for ``seq`` past its lease (0 when none)."""
         return len(seq.disk_names) * self.disk.block if seq.disk_names else 0
+
+    def reads_from(self, seq: Seq) -> int | None:
+        """Where ``seq``'s first query is when its disk blocks have loaded (None: at its
+        lease's end)."""
+        return seq.lease.length + self.disk_tokens(seq) if seq.disk_names else None
 
     def loads_host_part(self, seq: Seq) -> bool:
         """Whether ``seq`` (matched, one sequence of its request) loads its match's host part
@@ -121,7 +141,7 @@ class SeqMemory:
         seq.disk_saved = 0
         if wait and not seq.disk_names and self._take_unloaded(seq, upto):
             return
-        seq.pages, copy = seq.lease.acquire(upto)
+        seq.pages, copy = seq.lease.acquire(upto, reads_from=self.reads_from(seq))
         seq.computed = seq.settled = seq.lease.length
         if copy is not None:
             seq.pending_refs.append(copy.src)
@@ -147,16 +167,28 @@ class SeqMemory:
 
     def load_ended(self, load_id: int, arrived: int) -> Pending | None:
         """A load ended with ``arrived`` units in the pages: they are cached like a prefilled
-        chunk, and its sequence computes on from there. None if it ended meanwhile."""
-        pending, dropped = self.loads.ended(load_id, arrived)
+        chunk, and its sequence computes on from there. None if it ended meanwhile. With
+        sliding-window layers a disk load that ended early caches nothing (the window before
+        where it stopped was not read; a failed load, counted): the caller admits its request
+        again (``StepPlanner.admit_again``)."""
+        pending, dropped, windows = self.loads.ended(load_id, arrived)
         if dropped:
+            if windows:
+                self.sliding.decref(windows)
             self.alloc.decref(dropped)
         if pending is not None:
             seq = pending.seq
+            if self.loads_again(pending, arrived):
+                self.disk.loaded(0, pending.asked)
+                return pending
             seq.computed = seq.settled = upto = pending.start + arrived * pending.unit
             if arrived:
                 self.commit(seq, upto)
         return pending
+
+    def loads_again(self, pending: Pending, arrived: int) -> bool:
+        """Whether the load ``pending`` ended too early to be used (``load_ended``)."""
+        return self.sliding is not None and pending.kind == "disk" and arrived < pending.asked
 
     def commit(self, seq: Seq, upto: int) -> None:
         """Cache ``seq``'s first ``upto`` tokens, whose batch came back (a prefilled chunk):
@@ -248,7 +280,8 @@ class SeqMemory:
         self.copies_done(seq)
         if seq.load_id >= 0:
             # Its load may still be writing its pages: they wait for the load to end.
-            self.loads.abandon(seq)
+            self.loads.abandon(seq, seq.pages[seq.lease.swa_from :]
+                               if self.sliding is not None else None)
             seq.pages = []
             cache = False
         elif cache:
@@ -328,6 +361,8 @@ class SeqMemory:
                 held = self.sliding.live(window + seq.pending_refs)
                 assert (held >= 0).all(), f"sequence {seq.req.rid} lost its window's KV"
                 np.add.at(refs, held, 1)
+        for pages in self.loads.orphan_windows.values():
+            np.add.at(refs, self.sliding.live(pages), 1)
         return refs
 
     def check(self, seqs: list[Seq]) -> None:

@@ -33,6 +33,8 @@ class PendingLoads:
     def __init__(self) -> None:
         self.waiting: dict[int, Pending] = {}
         self.orphans: dict[int, list[int]] = {}
+        # of an orphan's pages, those whose sliding KV it holds (with sliding-window layers)
+        self.orphan_windows: dict[int, list[int]] = {}
         self.host: list[HostLoad] = []  # host loads planned since the last batch
         self._next_id = 0
 
@@ -52,18 +54,23 @@ class PendingLoads:
         loads, self.host = self.host, []
         return loads
 
-    def abandon(self, seq: Seq) -> None:
-        """``seq`` ends while its load runs: its pages stay here until the load has ended."""
+    def abandon(self, seq: Seq, windows: list[int] | None = None) -> None:
+        """``seq`` ends while its load runs: its pages stay here until the load has ended (and
+        the sliding KV it holds of ``windows``, its pages from its window on)."""
         self.orphans[seq.load_id] = seq.pages
+        if windows:
+            self.orphan_windows[seq.load_id] = windows
         self.waiting.pop(seq.load_id)
         seq.load_id = -1
 
-    def ended(self, load_id: int, arrived: int) -> tuple[Pending | None, list[int]]:
+    def ended(self, load_id: int, arrived: int
+              ) -> tuple[Pending | None, list[int], list[int]]:
         """A load ended with ``arrived`` units in the pages: what it was (None if its sequence
-        ended meanwhile) and the pages to drop (that sequence's)."""
+        ended meanwhile), the pages to drop (that sequence's) and those whose sliding KV to
+        drop."""
         orphan = self.orphans.pop(load_id, None)
         if orphan is not None:
-            return None, orphan
+            return None, orphan, self.orphan_windows.pop(load_id, [])
         pending = self.waiting.pop(load_id)
         pending.seq.load_id = -1
-        return pending, []
+        return pending, [], []

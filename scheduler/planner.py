@@ -294,7 +294,8 @@ class StepPlanner:
             budget -= extend
             matches.append((seq, extend))
             pages, sliding = self._acquire_needs(
-                lease, lease.length + extend + self.mem.disk_tokens(seq), loading)
+                lease, lease.length + extend + self.mem.disk_tokens(seq), loading,
+                self.mem.reads_from(seq))
             need, windows = need + pages, windows + sliding
         if need + reserved + self._request_reserve(req) > self.tree.num_available_pages and (
             self.running or need > self.tree.num_available_pages
@@ -320,14 +321,16 @@ class StepPlanner:
             req.cached_tokens, req.cached_tokens_host = match.length, match.host_length
         return admitted
 
-    def _acquire_needs(self, lease: Lease, num_tokens: int, loading: set) -> tuple[int, int]:
-        """Fresh pages ``lease.acquire(num_tokens)`` takes (adding its loads to ``loading``),
-        and of them those that take sliding pages."""
+    def _acquire_needs(self, lease: Lease, num_tokens: int, loading: set,
+                       reads_from: int | None = None) -> tuple[int, int]:
+        """Fresh pages ``lease.acquire(num_tokens, reads_from=...)`` takes (adding its loads to
+        ``loading``), and of them those that take sliding pages."""
         before = set(loading) if self.tree.sliding is not None else loading
         pages = lease.pages_to_acquire(num_tokens, loading)
         if self.tree.sliding is None:
             return pages, pages
-        return pages, lease.pages_to_acquire(num_tokens, before, windows=True)
+        return pages, lease.pages_to_acquire(num_tokens, before, windows=True,
+                                             reads_from=reads_from)
 
     def _short_of_sliding(self, need: int, width: int) -> bool:
         """With sliding-window layers: every fresh page takes a sliding page too, and each
@@ -380,6 +383,14 @@ class StepPlanner:
                     seq.status = Status.WAITING
                     released = True
         return released
+
+    def admit_again(self, req: Request) -> None:
+        """``req`` (running or loading) drops its pages and waits to be admitted again."""
+        for seq in req.live_seqs():
+            self.mem.release(seq, cache=False)
+            seq.status = Status.WAITING
+        self.running.remove(req)
+        self.waiting.append(req)
 
     def _preempt(self, req: Request, work: StepWork) -> None:
         self.num_preemptions += 1

@@ -64,7 +64,7 @@ class Scheduler(Forking, Reporting):
         self.loads = PendingLoads()
         self.disk = (DiskTier(DiskView(config.disk_cache_dir, info.disk_fingerprint),
                               info.disk_block_tokens, info.page_size, self.loads,
-                              info.disk_ready)
+                              info.disk_ready, self.tree.sliding)
                      if info.disk_block_tokens else None)
         self.disk_io = BatchResult(batch_id=0)  # the worker's latest disk totals
         self.mem = SeqMemory(self.tree, info.num_host_pages, self.disk, self.loads,
@@ -337,6 +337,9 @@ class Scheduler(Forking, Reporting):
             if pending is None:
                 continue
             seq, req = pending.seq, pending.seq.req
+            if self.mem.loads_again(pending, arrived):
+                self.planner.admit_again(req)  # it looks the disk up again, or computes
+                continue
             if pending.kind == "disk":
                 self.disk.loaded(arrived, pending.asked)
                 # admitted again after a preemption: the first load's counts hold

@@ -109,6 +109,10 @@ MUTANTS = (
            "engine/contracts/disk_blocks.py",
            'seed += b"\\x01" + str(namespace).encode()', 'seed += b"\\x01"',
            ("tests/test_disk_fingerprint.py::test_an_adapters_blocks_are_named_by_its_content",)),
+    Mutant("disk-fingerprint-sliding", "a disk directory is named by which layers keep their "
+           "KV apart (sliding windows)", "engine/worker/tier_io.py",
+           '"sliding_layers": split or None,', '"sliding_layers": None,',
+           ("tests/test_sliding_disk.py::test_a_windowed_directory_is_not_read_by_a_full_kv_engine",)),
     # ------------------------------------------- cache keys of converted and quantized weights
     Mutant("quantized-key-size-mtime", "an edited checkpoint is quantized again",
            "engine/checkpoints/quantized.py",
@@ -177,7 +181,8 @@ MUTANTS = (
            ("tests/test_sliding_properties.py::test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes",)),
     Mutant("sliding-host-load-windows-only", "a host load takes sliding pages for the window "
            "before the match's end only", "radix/lease.py",
-           "if loads and tree.sliding is not None else None)", "if False else None)",
+           "if tree.sliding is not None and (loads or reads > self.match.length):",
+           "if False:",
            ("tests/test_sliding_properties.py::test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes",)),
     Mutant("sliding-host-window-evicted", "a window the device drops goes to its node's host "
            "copy first", "radix/windows.py",
@@ -186,9 +191,23 @@ MUTANTS = (
            ("tests/test_sliding_host.py::test_windows_go_to_the_host_tier_and_come_back",)),
     Mutant("sliding-host-admission", "admission counts sliding pages for a host load's "
            "window only", "scheduler/planner.py",
-           "return pages, lease.pages_to_acquire(num_tokens, before, windows=True)",
-           "return pages, pages",
+           "lease.pages_to_acquire(num_tokens, before, windows=True,\n"
+           "                                             reads_from=reads_from)",
+           "pages",
            ("tests/test_sliding_host.py::test_a_prompt_longer_than_the_sliding_pool_comes_back_from_the_host_tier",)),
+    Mutant("sliding-disk-window-end", "a disk match ends where the window before it is read "
+           "too", "scheduler/disk.py",
+           "found = self._window_end(names[:found], first, cached)", "pass",
+           ("tests/test_sliding_disk.py::test_a_disk_match_never_ends_where_its_window_is_missing",)),
+    Mutant("sliding-disk-window-load", "a disk load reads its window's files into its "
+           "sliding pages", "engine/worker/tier_io.py",
+           "if payload is not None and (mine >= 0).any():", "if False:",
+           ("tests/test_sliding_disk.py::test_windows_go_to_disk_and_a_restart_reads_them",)),
+    Mutant("sliding-disk-admission", "a disk load takes sliding pages for the window before "
+           "its end only", "scheduler/kv.py",
+           "seq.pages, copy = seq.lease.acquire(upto, reads_from=self.reads_from(seq))",
+           "seq.pages, copy = seq.lease.acquire(upto)",
+           ("tests/test_sliding_disk.py::test_a_prompt_longer_than_the_sliding_pool_comes_back_from_disk",)),
     # ----------------------------------------------------- LoRA: rows, names
     Mutant("lora-torch-row-order", "without the op, every row gets its own adapter's update "
            "(rows out of slot order too)", "engine/worker/lora_pool.py",

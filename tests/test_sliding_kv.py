@@ -7,7 +7,7 @@ turn (a hit of the whole history), forked (parallel samples), after the cache's 
 evicted and under preemption; every running sequence holds at most its window's pages plus
 one once its prompt is in; the accounting of both pools holds after every step (the harness's
 ``check``). Combinations the sliding pages do not support are refused with a sentence
-(the host tier: tests/test_sliding_host.py).
+(the host tier: tests/test_sliding_host.py; the disk tier: tests/test_sliding_disk.py).
 """
 
 from __future__ import annotations
@@ -138,9 +138,7 @@ def test_windows_evicted_and_requests_preempted_keep_the_tokens(gemma_dir, hf_ge
 
 
 def test_combinations_not_supported_are_refused(gemma_dir, harness_model_dir, tmp_path):
-    config = EngineConfig(model=gemma_dir, sliding_kv_ratio=0.5, disk_cache_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="--sliding-kv-ratio cannot be combined"):
-        config.validate()
+    EngineConfig(model=gemma_dir, sliding_kv_ratio=0.5, disk_cache_dir=str(tmp_path)).validate()
     EngineConfig(model=gemma_dir, sliding_kv_ratio=0.5, enable_cuda_graph=True).validate()
     with pytest.raises(ValueError, match="needs a model with sliding-window layers"):
         Worker(EngineConfig(model=harness_model_dir, sliding_kv_ratio=0.5, dtype="float32",

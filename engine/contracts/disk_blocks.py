@@ -6,7 +6,8 @@ with the store's fingerprint in its seed), so equal names mean equal prefixes in
 namespace (``cache_salt`` and LoRA namespaces, which hold the adapter's content hash, hash
 apart) on the same model, weight formats and layout (the fingerprint: ``fingerprint`` of
 engine/worker/tier_io.py's ``identity``). Block ``<hash>`` is ``DIR/<fingerprint>/<hh>/<hash>.kv``,
-``<hh>`` its name's first two digits. ``DiskView`` is what the scheduler needs: whether blocks
+``<hh>`` its name's first two digits; with sliding-window layers stored apart, its window file
+(``window_name``) is one more such file. ``DiskView`` is what the scheduler needs: whether blocks
 are there, a ``stat`` each, nothing read or written.
 """
 
@@ -55,6 +56,13 @@ def block_hashes(fingerprint_hex: str, namespace: Hashable, tokens: np.ndarray |
         if k >= start_block:
             names.append(parent.hex())
     return names
+
+
+def window_name(name: str) -> str:
+    """The name of block ``name``'s window file: the sliding-window layers' KV of its pages
+    (written beside the block where a kept window covers it, engine/worker/tier_io.py), a file
+    of the store like any block."""
+    return blake2b(bytes.fromhex(name) + b"sliding-window", digest_size=16).hexdigest()
 
 
 class DiskView:

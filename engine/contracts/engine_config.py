@@ -294,10 +294,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def _validate_sliding(self) -> None:
         if not self.sliding_kv_ratio:
             return
-        if self.disk_cache_dir is not None:
-            raise ValueError("--sliding-kv-ratio cannot be combined with --disk-cache-dir yet: "
-                             "that path does not hold the sliding-window layers' pages apart "
-                             "(serve with --sliding-kv-ratio 0)")
         if self.kv_events_block != self.page_size:
             # the events name each page whose window the tree keeps (scheduler/kv_events.py)
             raise ValueError(f"--sliding-kv-ratio publishes KV events in blocks of one page: "

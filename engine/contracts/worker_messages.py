@@ -31,10 +31,13 @@ class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class DiskSave(msgspec.Struct, array_like=True):
     """Write one disk-tier block (engine/contracts/disk_cache.py): its name and its device pages
-    (int32), copied out before the step's page writes."""
+    (int32), copied out before the step's page writes; empty when only its window is written.
+    ``swa``: the sliding pages of its pages (int32), whose KV goes to its window file
+    (``disk_blocks.window_name``); empty: no window file."""
 
     name: str
     pages: bytes
+    swa: bytes = b""
 
 
 class DiskLoad(msgspec.Struct, array_like=True):
@@ -45,6 +48,9 @@ class DiskLoad(msgspec.Struct, array_like=True):
     load_id: int
     names: list[str]
     pages: bytes
+    # sliding pages, one per page of ``pages`` (-1: none): a block with any reads its window
+    # file into them (the load ends before a block whose window file is missing)
+    swa: bytes = b""
 
 
 class HostLoad(msgspec.Struct, array_like=True):

@@ -333,14 +333,15 @@ class ModelRunner:
 
     def write_down(self, batch: BatchInput) -> None:
         """Run ``batch``'s copies to host pages now (``forward`` then finds none): what a
-        disk load is about to overwrite must be read first."""
-        if len(batch.swap_out):
+        disk load is about to overwrite must be read first (and so for the sliding pages)."""
+        if len(batch.swap_out) or len(batch.swa_swap_out):
             self.check(batch)
             started = time.perf_counter()
             with torch.inference_mode():
                 self.pool.swap_out(batch.swap_out)
+                self.pool.swap_out(batch.swa_swap_out, sliding=True)
             self._written_down = time.perf_counter() - started
-            batch.swap_out = batch.swap_out[:0]
+            batch.swap_out, batch.swa_swap_out = batch.swap_out[:0], batch.swa_swap_out[:0]
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput, *, checked: bool = False) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine.checkpoints.quantized import QUANTIZER_VERSION
-from engine.contracts.disk_blocks import block_tokens, fingerprint
+from engine.contracts.disk_blocks import block_tokens, fingerprint, window_name
 from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import unpack_ids
@@ -43,8 +43,9 @@ MAX_PENDING_BYTES = 256 << 20  # snapshots waiting to be written, at most
 FLUSH_SECONDS = 30.0  # how long shutting down waits for the saves still queued
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json")
 # A block's payload (the pool's pages) and the code computing it: raised when either changes,
-# which moves every store to a directory of its own (3: weight formats in the identity).
-KV_LAYOUT_VERSION = 3
+# which moves every store to a directory of its own (3: weight formats in the identity; 4: which
+# layers keep their KV in sliding pages, stored apart in window files).
+KV_LAYOUT_VERSION = 4
 
 # Every EngineConfig option, by whether it changes a KV block's bytes (a test holds every option
 # to one of the two). These do; the identity holds each as the worker resolved it, under:
@@ -55,12 +56,14 @@ IN_IDENTITY = {
     # the batch-invariant kernels' KV is the same bits however it was batched; a fast server's
     # differs from it by rounding, which would break a deterministic server's hits
     "deterministic": "deterministic",
+    # whether (and for which layers) the sliding-window layers' KV is held apart: a block then
+    # holds the full layers' KV only, its window file the sliding layers'
+    "sliding_kv_ratio": "sliding_layers",
 }
 # These do not, for the reason given.
 NOT_IN_IDENTITY = {
     **dict.fromkeys((
         "num_pages", "kv_cache_gb", "mem_fraction", "num_host_pages", "host_cache_gb",
-        "sliding_kv_ratio",
         "cache_write_policy", "eviction_policy", "disk_cache_dir", "disk_cache_gb",
         "max_pinned_tokens"), "how much is kept, and where"),
     **dict.fromkeys((
@@ -100,9 +103,11 @@ def identity(c: EngineConfig, runner: ModelRunner) -> dict:
     """Everything that changes a KV block's bytes, as this worker resolved it (the fingerprint
     of the disk tier's directory): the code's KV layout, the model's shapes, its weights
     (``checkpoint_identity``) and the format each is served in (``weight_formats``), random
-    weights' seed, the dtypes, the page size and the tensor-parallel split. Every option is
-    in ``IN_IDENTITY`` or ``NOT_IN_IDENTITY``."""
+    weights' seed, the dtypes, the page size, the tensor-parallel split and which layers keep
+    their KV in sliding pages (none without ``--sliding-kv-ratio``). Every option is in
+    ``IN_IDENTITY`` or ``NOT_IN_IDENTITY``."""
     mc = runner.config
+    split = [i for i, s in enumerate(runner.pool.sliding_layers) if s]
     formats = weight_formats(runner.model)
     return {
         "kv_layout": KV_LAYOUT_VERSION, "architecture": mc.architecture,
@@ -114,7 +119,7 @@ def identity(c: EngineConfig, runner: ModelRunner) -> dict:
         # int8 and int4 blocks are this engine's own quantization of the weights
         "quantizer": QUANTIZER_VERSION if set(formats.values()) & {"int8", "int4"} else None,
         "dtype": str(runner.dtype), "kv_dtype": str(runner.kv_dtype), "page_size": c.page_size,
-        "tp_size": c.tp_size, "deterministic": c.deterministic,
+        "tp_size": c.tp_size, "deterministic": c.deterministic, "sliding_layers": split or None,
     }
 
 
@@ -151,14 +156,17 @@ class TierIO:
         self.store, self.pool = store, pool
         self.block_tokens = block_tokens
         self.pages_per_block = block_tokens // pool.page_size
-        kv = pool.kv
-        # A block's bytes: its pages one after another, each page every layer's K and V.
-        self.page_shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
-        self.block_shape = (self.pages_per_block, *self.page_shape)
+        kv, swa = pool.kv, pool.swa
+        # A block's bytes: its pages one after another, each page every layer's K and V (the
+        # full layers' only, with sliding pages of their own); a window file's: the same for
+        # the sliding layers.
+        self.block_shape = (self.pages_per_block, kv.shape[0], kv.shape[1], *kv.shape[3:])
         self.payload_bytes = int(np.prod(self.block_shape)) * kv.element_size()
+        self.window_shape = (self.pages_per_block, swa.shape[0], swa.shape[1], *swa.shape[3:])
+        self.window_bytes = int(np.prod(self.window_shape)) * swa.element_size()
         self._cond = threading.Condition()
         self._loads: deque[DiskLoad | HostLoad] = deque()
-        self._saves: deque[tuple[str, memoryview]] = deque()
+        self._saves: deque[tuple[str, memoryview]] = deque()  # a block's or a window's file
         self._pending_bytes = 0
         self._done: list[tuple[int, int, torch.cuda.Event | None]] = []
         self._busy = False
@@ -170,28 +178,37 @@ class TierIO:
 
     # ----------------------------------------------------------- the step's
     def save(self, saves: list[DiskSave]) -> None:
-        """Copy the named blocks' pages out now (the step's page writes come after) and queue
-        them for writing."""
+        """Copy the named blocks' pages (and their windows' sliding pages) out now (the step's
+        page writes come after) and queue them for writing."""
         if not saves or self.store is None or not self.store.writing:
             return  # off, or waiting out a full disk: no copy for a write that would not run
-        pages = np.concatenate([unpack_ids(s.pages) for s in saves]).astype(np.int64)
-        index = torch.from_numpy(pages).to(self.pool.device)
-        # [pages, L, 2, ...] in one copy (synchronous): each block is a run of its rows
-        data = self.pool.kv.index_select(2, index).movedim(2, 0).contiguous().cpu()
-        rows = data.view(torch.uint8).numpy()
-        per_block = self.pages_per_block
+        files = self._copy_out(self.pool.kv, [(s.name, s.pages) for s in saves if s.pages])
+        files += self._copy_out(self.pool.swa, [(window_name(s.name), s.swa)
+                                                for s in saves if s.swa])
         with self._cond:
-            for i, s in enumerate(saves):
-                if self._pending_bytes + self.payload_bytes > MAX_PENDING_BYTES:
+            for i, (name, data) in enumerate(files):
+                if self._pending_bytes + len(data) > MAX_PENDING_BYTES:
                     # the disk writes slower than the cache fills: these blocks stay unsaved
                     # (a later commit of the same prefix offers them again)
-                    logger.debug("disk tier: %d block saves dropped, %d bytes queued",
-                                 len(saves) - i, self._pending_bytes)
+                    logger.debug("disk tier: %d file saves dropped, %d bytes queued",
+                                 len(files) - i, self._pending_bytes)
                     break
-                block = rows[i * per_block : (i + 1) * per_block].reshape(-1)  # a view
-                self._saves.append((s.name, memoryview(block)))
-                self._pending_bytes += self.payload_bytes
+                self._saves.append((name, data))
+                self._pending_bytes += len(data)
             self._cond.notify()
+
+    def _copy_out(self, pool: torch.Tensor, named: list[tuple[str, bytes]]
+                  ) -> list[tuple[str, memoryview]]:
+        """Each named file's pages of ``pool`` ([L, 2, pages, ...]) as its bytes, in one copy."""
+        if not named:
+            return []
+        pages = np.concatenate([unpack_ids(p) for _, p in named]).astype(np.int64)
+        index = torch.from_numpy(pages).to(self.pool.device)
+        # [pages, L, 2, ...] in one copy (synchronous): each file is a run of its rows
+        rows = pool.index_select(2, index).movedim(2, 0).contiguous().cpu().view(torch.uint8)
+        rows, per = rows.numpy(), self.pages_per_block
+        return [(name, memoryview(rows[i * per : (i + 1) * per].reshape(-1)))  # views
+                for i, (name, _) in enumerate(named)]
 
     def load(self, loads: list[DiskLoad | HostLoad]) -> None:
         if loads:
@@ -241,7 +258,7 @@ class TierIO:
                     job, kind = self._loads.popleft(), "load"
                 elif self._saves:
                     job, kind = self._saves.popleft(), "save"
-                    self._pending_bytes -= self.payload_bytes
+                    self._pending_bytes -= len(job[1])
                 else:
                     return
                 self._busy = True
@@ -262,19 +279,36 @@ class TierIO:
                     self._cond.notify_all()
 
     def _read_into_pages(self, job: DiskLoad) -> None:
+        """The blocks, one after another until one is missing or fails its checks (or its
+        window file does, where the load names sliding pages for its pages), into the pages."""
         started = time.perf_counter()
         pages = unpack_ids(job.pages).astype(np.int64)
-        blocks = []
-        for name in job.names:
-            payload = self.store.read(name, self.block_tokens, self.payload_bytes)
+        swa = unpack_ids(job.swa).astype(np.int64) if job.swa else None
+        per, store = self.pages_per_block, self.store
+        blocks, windows, targets = [], [], []
+        for k, name in enumerate(job.names):
+            payload = store.read(name, self.block_tokens, self.payload_bytes)
+            mine = swa[k * per : (k + 1) * per] if swa is not None else np.empty(0)
+            window = None
+            if payload is not None and (mine >= 0).any():
+                window = store.read(window_name(name), self.block_tokens, self.window_bytes)
+                if window is None:
+                    payload = None
             if payload is None:
                 break
             blocks.append(torch.frombuffer(payload, dtype=self.pool.kv.dtype)
                           .view(self.block_shape))
+            if window is not None:
+                rows = torch.frombuffer(window, dtype=self.pool.swa.dtype).view(self.window_shape)
+                windows.append(rows[torch.from_numpy(np.flatnonzero(mine >= 0))])
+                targets.append(mine[mine >= 0])
         event = None
         if blocks:
             data = torch.cat(blocks).movedim(0, 2)  # [L, 2, pages, ...]
-            event = self._place(pages[: len(blocks) * self.pages_per_block], data)
+            event = self._place(self.pool.kv, pages[: len(blocks) * per], data)
+        if windows:
+            event = self._place(self.pool.swa, np.concatenate(targets),
+                                torch.cat(windows).movedim(0, 2)) or event
         self.load_seconds += time.perf_counter() - started
         self._report(job.load_id, len(blocks), event)
 
@@ -282,19 +316,22 @@ class TierIO:
         """Host-tier pages (locked in the tree while this runs) into the request's own."""
         host = torch.from_numpy(unpack_ids(job.host_pages).astype(np.int64))
         data = self.pool.host.index_select(2, host)
-        self._report(job.load_id, 1, self._place(unpack_ids(job.pages).astype(np.int64), data))
+        self._report(job.load_id, 1, self._place(self.pool.kv,
+                                                 unpack_ids(job.pages).astype(np.int64), data))
 
-    def _place(self, pages: np.ndarray, data: torch.Tensor) -> torch.cuda.Event | None:
-        """``data`` ([L, 2, pages, ...], on the CPU) into device ``pages``; on CUDA through pinned
-        memory on this thread's stream, with the event that says when it has run."""
+    def _place(self, pool: torch.Tensor, pages: np.ndarray,
+               data: torch.Tensor) -> torch.cuda.Event | None:
+        """``data`` ([L, 2, pages, ...], on the CPU) into ``pages`` of ``pool`` (the full or the
+        sliding pages); on CUDA through pinned memory on this thread's stream, with the event
+        that says when it has run (the stream runs in order: the last event covers both)."""
         index = torch.from_numpy(pages)
         with torch.inference_mode():
             if self.stream is None:
-                self.pool.kv.index_copy_(2, index, data)
+                pool.index_copy_(2, index, data)
                 return None
             with torch.cuda.stream(self.stream):
                 device_data = data.pin_memory().to(self.pool.device, non_blocking=True)
-                self.pool.kv.index_copy_(2, index.to(self.pool.device), device_data)
+                pool.index_copy_(2, index.to(self.pool.device), device_data)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             return event
