@@ -271,17 +271,20 @@ def test_seeded_samples_are_those_without_a_draft(models):
     assert h.sched.speculator.model.accepted_tokens > 0
 
 
-def test_rejection_sampling_keeps_the_targets_distribution(models, monkeypatch):
+@pytest.mark.parametrize("vocab", [0, 48])
+def test_rejection_sampling_keeps_the_targets_distribution(models, monkeypatch, vocab):
     """Unseeded samples at temperature 1, the third token often from a verify row after an
     accepted draft and otherwise from the next step: its distribution, given the most frequent
     first two, is the target's (transformers' float32 model); chi-square at 99.9%. Every
-    sequence drafts (2000 in a step would not pay)."""
+    sequence drafts (2000 in a step would not pay). With the draft's whole vocabulary and with
+    its first 48 ids (and those it read: ``draft_vocab_size``)."""
     monkeypatch.setattr(DraftModelPolicy, "drafts_for",
                         lambda self, seq, room, num_running: min(2, room))
     prompt = np.random.default_rng(11).integers(3, VOCAB, 10).tolist()
     torch.manual_seed(0)
     h = Harness(models["target"], page_size=4, num_pages=6000,
-                speculative_config=spec(models["near"], k=2, disable_by_batch_size=4096))
+                speculative_config=spec(models["near"], k=2, disable_by_batch_size=4096,
+                                        draft_vocab_size=vocab))
     count = 2000
     for i in range(count):
         h.add(f"q{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))

@@ -22,7 +22,10 @@ weights, and a draft costs as much as a token).
 ``model`` (``method`` "draft_model", implied): a smaller model of the same tokenizer drafts,
 in the model worker (engine/worker/draft.py), where the suffix method (its keys and defaults)
 finds no continuation first; it stops drafting a sequence's step once its own probability of
-its next token falls under ``draft_min_token_prob``.
+its next token falls under ``draft_min_token_prob``. Its drafts come from the first
+``draft_vocab_size`` token ids (default ``DEFAULT_DRAFT_VOCAB_SIZE``; 0: all of them) and the
+ids of the text it read (engine/worker/draft_vocab.py), so that its LM head reads only their
+rows; the target verifies each draft, so outputs do not depend on it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ MIN_SUFFIX_MATCH = 2  # the shortest match the suffix method drafts from (schedu
 # A draft model's proposals end where its own probability of its next token falls under this:
 # such a draft is accepted less often than it costs (scripts/bench_speculation.py --draft).
 DEFAULT_DRAFT_MIN_TOKEN_PROB = 0.4
+# The token ids a draft model's drafts come from: the first this many, and those of the text it
+# read (engine/worker/draft_vocab.py); its LM head reads only their rows.
+DEFAULT_DRAFT_VOCAB_SIZE = 32768
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -58,6 +64,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     method: Literal["ngram", "suffix", "draft_model"] | None = None
     model: str | None = None  # the draft model (method "draft_model")
     draft_min_token_prob: Annotated[float, Meta(ge=0, le=1)] | None = None
+    draft_vocab_size: Annotated[int, Meta(ge=0)] | None = None  # 0: the whole vocabulary
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=16)]
     prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None
@@ -79,9 +86,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         except msgspec.ValidationError as exc:
             raise ValueError(f"--speculative-config is not valid: {exc}") from None
         config._check_model()
-        others = (*SUFFIX_DEFAULTS, "draft_min_token_prob") if config.method == "ngram" else (
-            NGRAM_KEYS if config.method == "draft_model" else (*NGRAM_KEYS,
-                                                               "draft_min_token_prob"))
+        draft_keys = ("draft_min_token_prob", "draft_vocab_size")
+        others = (*SUFFIX_DEFAULTS, *draft_keys) if config.method == "ngram" else (
+            NGRAM_KEYS if config.method == "draft_model" else (*NGRAM_KEYS, *draft_keys))
         given = [key for key in others if getattr(config, key) is not None]
         if given:
             raise ValueError(f"--speculative-config: the {config.method!r} method does not "

@@ -23,8 +23,9 @@ has not computed, and a prefix the draft did compute is cached for it as for the
     target's verify     t  d0 d1 d2        placeholders filled; those of drafts not made
                                            dropped from the step (``trimmed``)
 
-Drafts are the draft's argmax (a point mass: the verify step's rule then keeps the target's
-distribution, scheduler/speculation.py). A sequence's drafts end once the draft's probability
+Drafts are the draft's argmax over its vocabulary (its first ``draft_vocab_size`` ids and the
+ids of the text it read, engine/worker/draft_vocab.py): a point mass, so the verify step's
+rule keeps the target's distribution (scheduler/speculation.py). A sequence's drafts end once the draft's probability
 of its next token falls under ``draft_min_token_prob`` (the first is always proposed: its
 forward runs anyway). The scheduler reads the drafts from the result
 (``BatchResult.draft_ids``).
@@ -43,8 +44,10 @@ import torch
 
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import pack_ids
+from engine.contracts.speculative import DEFAULT_DRAFT_VOCAB_SIZE
 from engine.contracts.step import BatchInput, StepBuilder
 from engine.contracts.worker_messages import BatchResult
+from engine.worker.draft_vocab import DraftVocab
 from engine.worker.kv_pool import KVPool
 from engine.worker.kv_quant import resolve_kv_dtype
 from engine.worker.model.config import ModelConfig
@@ -62,7 +65,19 @@ def draft_checkpoint(c: EngineConfig) -> str | None:
 
     path = resolve_model(spec.model).path
     check_same_vocabulary(c.model, path)
+    draft_vocab_size(spec.draft_vocab_size, ModelConfig.from_dir(path).vocab_size)
     return path
+
+
+def draft_vocab_size(given: int | None, vocab: int) -> int:
+    """The ids the draft's drafts come from (``draft_vocab_size``; engine/worker/draft_vocab.py):
+    ``given``, or DEFAULT_DRAFT_VOCAB_SIZE where not given; 0 where that is the whole
+    vocabulary of ``vocab`` ids. ValueError with a sentence for more ids than it has."""
+    if given is not None and given > vocab:
+        raise ValueError(f"--speculative-config: draft_vocab_size {given} exceeds the draft "
+                         f"model's vocabulary of {vocab} token ids (0 drafts from all of them)")
+    size = DEFAULT_DRAFT_VOCAB_SIZE if given is None else given
+    return 0 if size >= vocab else size
 
 
 def draft_page_bytes(c: EngineConfig, draft_dir: str | None) -> int:
@@ -186,6 +201,8 @@ class DraftModel:
             enable_lora=False, lora_modules=[], enable_cuda_graph=False,
             speculative_config=None, sliding_kv_ratio=0.0)  # full KV at the target's pages
         self.runner = ModelRunner(config)
+        size = draft_vocab_size(spec.draft_vocab_size, self.runner.model.config.vocab_size)
+        self.vocab = DraftVocab(self.runner.model, size) if size else None
         self.page_size = c.page_size
         self.slots = DraftSlots(num_pages, c.page_size)
         self._step: _Drafting | None = None
@@ -230,6 +247,8 @@ class DraftModel:
     def _forward(self, batch: BatchInput, drafting: _Drafting) -> torch.Tensor:
         drafting.wrote.append(np.asarray(batch.out_slots, np.int64))
         self.tokens_computed += batch.num_tokens
+        if self.vocab is not None:
+            self.vocab.read(batch.input_ids)
         return self.runner.forward(batch)
 
     def _draft(self, step: BatchInput, starts: np.ndarray, draft_lens: np.ndarray,
@@ -331,8 +350,12 @@ class DraftModel:
         return pages, int(step.seq_lens[i]) - extend, ids
 
     def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-        """Each row's argmax and whether the draft's probability of it reaches
-        ``min_prob`` (one copy to the host)."""
+        """Each row's argmax (over the draft's vocabulary, ``vocab``) and whether the draft's
+        probability of it reaches ``min_prob`` (one copy to the host)."""
+        if self.vocab is not None:
+            logits = self.vocab.columns(logits)
         best, token = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        if self.vocab is not None:
+            token = self.vocab.ids(token.device)[token]
         host = torch.stack([token.double(), best.double()]).cpu().numpy()
         return host[0].astype(np.int64).tolist(), (host[1] >= self.min_prob).tolist()

@@ -13,6 +13,7 @@ batch). Nothing else dense is kept.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -89,6 +90,17 @@ class QuantizedLinear:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return self.rows_dense(self._all_rows, dtype)
+
+    def first_rows(self, rows: int) -> QuantizedLinear:
+        """The layer of this weight's first ``rows`` rows (a draft model's LM head over its
+        first token ids): the same blocks, read only as far as their row groups reach."""
+        view = copy.copy(self)
+        groups = -(-rows // self.kernel[1].shape[-1])  # kRows interleaved rows a group
+        view.kernel = tuple(t[:groups] if t.numel() else t for t in self.kernel)
+        view.rows, view.resident = rows, None
+        view.forms = tuple("blocks" if form == "resident" else form for form in self.forms)
+        view._all_rows = self._all_rows[:rows]
+        return view
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), in x's dtype, in the form chosen for x's row count."""
