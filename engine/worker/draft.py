@@ -25,10 +25,10 @@ has not computed, and a prefix the draft did compute is cached for it as for the
 
 Drafts are the draft's argmax over its vocabulary (its first ``draft_vocab_size`` ids and the
 ids of the text it read, engine/worker/draft_vocab.py): a point mass, so the verify step's
-rule keeps the target's distribution (scheduler/speculation.py). A sequence's drafts end once the draft's probability
-of its next token falls under ``draft_min_token_prob`` (the first is always proposed: its
-forward runs anyway). The scheduler reads the drafts from the result
-(``BatchResult.draft_ids``).
+rule keeps the target's distribution (scheduler/speculation.py). A sequence's drafts end
+once the draft's probability of its next token falls under ``draft_min_token_prob`` (the
+first is always proposed: its forward runs anyway). The scheduler reads the drafts from the
+result (``BatchResult.draft_ids``).
 """
 
 from __future__ import annotations
