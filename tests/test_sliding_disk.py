@@ -7,8 +7,9 @@ A block holds the full layer's KV, and its window file (engine/contracts/disk_bl
 match ends only where the window before its end is read too: prompts evicted from the device
 to disk, and read back by a restarted engine, hit up to their last whole block and decode
 transformers' greedy tokens, then continue as a next turn; with a window file missing, the
-match ends where the windows are (or nowhere) and the scheduler computes the rest. A
-windowed directory is another store than a full-KV engine's. The accounting of both pools
+match ends where the windows are (or nowhere) and the scheduler computes the rest. Beside a
+host tier, a match read from host-only nodes continues with a disk load. A windowed
+directory is another store than a full-KV engine's. The accounting of both pools
 (the orphaned loads' sliding pages included) holds after every step, and nothing leaks.
 """
 
@@ -38,6 +39,14 @@ def harness(model: str, directory: Path, page_size: int, **options) -> WindowHar
 def close(h: Harness) -> None:
     """What a stopping worker does: write what is queued."""
     h.worker.io.close()
+
+
+def flush(h: Harness) -> None:
+    """Write what is queued, and serve on with a fresh I/O thread."""
+    from engine.worker.tier_io import open_tier_io
+
+    close(h)
+    h.worker.io = open_tier_io(h.config, h.worker.runner)
 
 
 def long_prompts(seed: int) -> list[list[int]]:
@@ -217,3 +226,70 @@ def test_a_prompt_longer_than_the_sliding_pool_comes_back_from_disk(
     assert second.finals["b"][0].cached_tokens_disk == 192
     assert second.outputs["b"][0] == first.outputs["a"][0] == hf_greedy(hf_gemma, prompt, 20)
     free_at_the_end(second)
+
+
+def test_host_and_disk_tiers_together(gemma_dir, hf_gemma, tmp_path):  # noqa: F811
+    """Prompts that share prefixes through a device pool that holds about two, a host tier
+    that holds a few more and the disk: matches reach through host-only nodes and loads of
+    disk blocks after them (the host part's window and the disk load's each get sliding
+    pages); every output equals transformers', every pool is free at the end."""
+    from tests.test_sliding_host import host_cache_gb
+
+    rng = np.random.default_rng(26)
+    heads = [rng.integers(3, 90, 64).tolist() for _ in range(3)]
+    batch = [head + rng.integers(3, 90, int(rng.integers(30, 60))).tolist()
+             for head in heads for _ in range(2)]
+    h = harness(gemma_dir, tmp_path, 16, num_pages=20,
+                host_cache_gb=host_cache_gb(gemma_dir, 24, 16))
+    for wave, order in (("a", range(6)), ("b", range(5, -1, -1))):  # resent newest first
+        for i in order:
+            h.add(f"{wave}{i}", batch[i], GREEDY)
+            h.run()
+    close(h)
+    for i, p in enumerate(batch):
+        expected = hf_greedy(hf_gemma, p, 20)
+        assert h.outputs[f"a{i}"][0] == h.outputs[f"b{i}"][0] == expected, i
+    finals = [h.finals[f"b{i}"][0] for i in range(len(batch))]
+    assert sum(f.cached_tokens_disk for f in finals) > 0
+    assert sum(f.cached_tokens_host for f in finals) > 0
+    tree = h.sched.tree
+    tree.reset()
+    for alloc in (tree.allocator, tree.sliding.allocator, tree.host.allocator, tree.host.swa):
+        assert alloc.num_free_pages == alloc.num_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_host_match_continued_by_a_disk_load(gemma_dir, hf_gemma, tmp_path,  # noqa: F811
+                                               page_size):
+    """A prompt whose first turn is in the host tier only (with the window kept where it
+    ended) and whose continuation the disk holds: the match loads the host part with its
+    window, the disk load follows it with the window before its own end, and the tokens are
+    transformers'."""
+    from tests.test_sliding_host import host_cache_gb
+
+    rng = np.random.default_rng(27)
+    turn = rng.integers(3, 90, 96).tolist()
+    longer = turn + rng.integers(3, 90, 70).tolist()
+    h = harness(gemma_dir, tmp_path, page_size,
+                host_cache_gb=host_cache_gb(gemma_dir, 512 // page_size, page_size))
+    for rid, p in (("a", turn), ("b", longer)):
+        h.add(rid, p, GREEDY)
+        h.run()
+    flush(h)
+    tree = h.sched.tree
+    tree.evict(tree.allocator.num_pages)  # every node to the host tier (write-back)
+    head = tree._roots[None]
+    while head.end < len(turn):  # the path's node that ends where the first turn ended
+        (head,) = head.children.values()
+    assert not head.pages and head.host_pages and head.end == len(turn)
+    for tail in list(head.children.values()):
+        tree._drop_host_node(tail)  # the continuation is on disk only
+    h.add("again", longer, GREEDY)
+    h.run()
+    final = h.finals["again"][0]
+    assert final.cached_tokens_host == len(turn)
+    assert final.cached_tokens_disk == (len(longer) - 1) // 16 * 16 - len(turn)
+    assert h.outputs["again"][0] == h.outputs["b"][0] == hf_greedy(hf_gemma, longer, 20)
+    tree.reset()
+    for alloc in (tree.allocator, tree.sliding.allocator, tree.host.allocator, tree.host.swa):
+        assert alloc.num_free_pages == alloc.num_pages
