@@ -83,6 +83,10 @@ def test_windows_go_to_disk_and_a_restart_reads_them(gemma_dir, hf_gemma, tmp_pa
     windows = [n for n in (block_hashes(store.fingerprint, None, p, 16)[-1] for p in cold)
                if store.contains(window_name(n))]
     assert len(windows) == len(cold)  # each prompt's last block has its window file
+    # window files are files of the store: the shared count (and so the capacity) has them
+    files = list(tmp_path.glob("*/*/*.kv"))
+    assert first.worker.io.store.used == sum(f.stat().st_size for f in files)
+    assert {store.path(window_name(n)) for n in windows} <= set(files)
     free_at_the_end(first)
 
     second = harness(gemma_dir, tmp_path, page_size)
