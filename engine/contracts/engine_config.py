@@ -160,8 +160,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "'{\"model\": \"draft.gguf\", \"num_speculative_tokens\": 4}' drafts with a smaller "
         "model of the same tokenizer where the suffix method finds nothing "
         "(\"draft_min_token_prob\", default 0.4, ends a step's drafts where the draft is "
-        "less sure); \"disable_by_batch_size\" (default 16) stops drafting while more "
-        "sequences run"))
+        "less sure; \"draft_vocab_size\", default 32768, 0 for all: the draft picks from the "
+        "first ids and those of the text it read); \"disable_by_batch_size\" (default 16) "
+        "stops drafting while more sequences run"))
         ] | None = None
     # sessions
     max_sessions: Annotated[int, Meta(ge=0, description=(
