@@ -82,10 +82,11 @@ class StepPlanner:
         self._num_running = 0  # sequences running when this plan began (speculation reads it)
         self._adapters: set[int] = set()  # the LoRA adapters this plan's entries use
 
-    def plan(self, lookahead: bool = False) -> Plan:
+    def plan(self, lookahead: bool = False, admit: bool = True) -> Plan:
         """Plan the next step (its entries are empty when nothing can run). ``lookahead``: a
         batch is still in flight; sequences it ends for certain (at their length limit) are left
-        out, and growth short of pages skips the sequence instead of preempting (``starved``)."""
+        out, and growth short of pages skips the sequence instead of preempting (``starved``).
+        ``admit``: False leaves the waiting requests waiting (scheduler/refill.py)."""
         self._lookahead, self._starved = lookahead, False
         self._adapters = set()
         work, self.carry = self.carry, StepWork()
@@ -107,7 +108,7 @@ class StepPlanner:
         if preempted:
             self.new_token_ratio = NEW_TOKEN_RATIO[0]  # pages are short: no drafts either
         else:
-            blocked = self._admit_waiting(entries, work, budget)
+            blocked = self._admit_waiting(entries, work, budget) if admit else None
             for entry in decoding:
                 self._draft(entry, work)
         if entries:

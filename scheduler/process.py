@@ -30,6 +30,7 @@ from engine.contracts.protocol import (
 )
 from engine.contracts.worker_messages import BatchResult, WorkerReady
 from scheduler.kv_events import BlockEvents, KVEventPublisher
+from scheduler.refill import RefillWait, ends_next_step
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -39,7 +40,8 @@ STATS_INTERVAL = 0.25  # seconds between stats messages while the scheduler is b
 
 class SchedulerLoop:
     """The sockets around one ``Scheduler``: what arrives goes in, batches and outputs go out.
-    The policy is the Scheduler's; this class only moves messages."""
+    The policy is the Scheduler's; this class moves messages, and holds a step back while
+    finished requests' replacements are awaited (scheduler/refill.py: when, and how long)."""
 
     def __init__(self, spec: LaunchSpec, ctx: zmq.Context) -> None:
         ep, config = spec.endpoints, spec.config
@@ -74,12 +76,36 @@ class SchedulerLoop:
         self.checked = True  # the accounting was checked since the last request arrived
         self.last_stats: SchedulerStats | None = None
         self.next_stats = 0.0
+        self.refill = RefillWait()
+
+    def _hold(self) -> float:
+        """Seconds the next step still waits for finished requests' replacements, while
+        nothing runs or is in flight (scheduler/refill.py)."""
+        sched = self.sched
+        if sched.running or sched.inflight or not sched.waiting:
+            return 0.0
+        return self.refill.hold_seconds()
+
+    def _settling(self) -> bool:
+        """Every running request ends at its next step (True when none runs)."""
+        context_len = self.sched.info.context_len
+        return all(ends_next_step(r, context_len) for r in self.sched.running)
+
+    def _admits(self) -> bool:
+        """Whether the next step may admit waiting requests: not while the running ones all
+        end at it and their replacements are awaited (scheduler/refill.py)."""
+        sched = self.sched
+        return not (sched.waiting and sched.running and not sched.inflight
+                    and self.refill.hold_seconds() and self._settling())
 
     def run(self) -> None:
         sched = self.sched
         while True:
-            runnable = sched.can_schedule()
+            hold = self._hold()
+            runnable = not hold and sched.can_schedule()
             timeout = 0.0 if runnable else sched.sessions.seconds_to_next_expiry(time.monotonic())
+            if hold:
+                timeout = hold if timeout is None else min(timeout, hold)
             events = dict(self.poller.poll(None if timeout is None else math.ceil(1000 * timeout)))
             sched.sessions.expire(time.monotonic())
             if self.inbox in events and not self._receive_requests():
@@ -92,7 +118,7 @@ class SchedulerLoop:
                 # step after it is planned. Without a batch in flight, planning comes first.
                 self._flush(result_at)
                 result_at = 0.0
-            if len(sched.inflight) <= 1:
+            if len(sched.inflight) <= 1 and not self._hold():
                 self._step()
             self._flush(result_at)
 
@@ -101,6 +127,7 @@ class SchedulerLoop:
         for msg in _drain(self.inbox):
             if isinstance(msg, TokenizedRequest):
                 self.sched.add_request(msg)
+                self.refill.arrived()
                 self.checked = False
             elif isinstance(msg, AbortRequest):
                 self.aborts.append(msg)
@@ -128,7 +155,9 @@ class SchedulerLoop:
                 continue
             assert isinstance(result, BatchResult)
             result_at = time.monotonic()
+            before = len(self.sched.requests)
             self.sched.process_result(result)
+            self.refill.finished(before - len(self.sched.requests), self._settling())
         return result_at
 
     def _step(self) -> None:
@@ -139,7 +168,7 @@ class SchedulerLoop:
         for msg in self.aborts:
             sched.abort(msg.rid, msg.reason, msg.index)
         self.aborts.clear()
-        batch = sched.schedule()
+        batch = sched.schedule(admit=self._admits())
         if batch is not None:
             self.to_worker.send(encode(batch))
         elif sched.idle and not self.checked:

@@ -182,8 +182,9 @@ class Scheduler(Forking, Reporting):
             self._retire(req)
 
     # ---------------------------------------------------------------- steps
-    def schedule(self) -> ForwardBatch | None:
-        """Plan the next step; None when there is nothing to run now.
+    def schedule(self, admit: bool = True) -> ForwardBatch | None:
+        """Plan the next step; None when there is nothing to run now. ``admit``: False plans
+        the running requests only (scheduler/refill.py).
 
         Overlap: while the worker runs batch k, the next step is planned and sent, so the worker
         starts it the moment k ends while k's outputs are handled here. Each sequence is advanced
@@ -195,7 +196,7 @@ class Scheduler(Forking, Reporting):
         if not self.can_schedule():
             return None
         lookahead = bool(self.inflight)
-        plan = self.planner.plan(lookahead=lookahead)
+        plan = self.planner.plan(lookahead=lookahead, admit=admit)
         self._serial_next = plan.starved
         if plan.unschedulable is not None:
             self._fail(plan.unschedulable, 503,

@@ -1,0 +1,149 @@
+"""Waiting for finished requests' replacements (scheduler/refill.py): the rule with a fake
+clock, and the scheduler process's decisions driven in process over the real model runner (the
+loop's own methods, without its sockets), outputs against transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.contracts.protocol import decode, encode, unpack_ids
+from engine.contracts.sampling_params import SamplingParams
+from scheduler.process import SchedulerLoop
+from scheduler.refill import REFILL_WAIT_S, RefillWait, ends_next_step
+from scheduler.request import Request, Seq, Status
+from tests.test_scheduler import Harness, hf_greedy, hf_model, model_dir  # noqa: F401
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_waits_for_as_many_arrivals_as_finished_within_the_bound():
+    clock = Clock()
+    refill = RefillWait(clock=clock)
+    refill.finished(3, settling=True)
+    assert refill.hold_seconds() == pytest.approx(REFILL_WAIT_S)
+    refill.arrived()
+    refill.arrived()
+    clock.now += 0.01
+    assert refill.hold_seconds() == pytest.approx(REFILL_WAIT_S - 0.01)
+    refill.arrived()
+    assert refill.hold_seconds() == 0.0
+    # finishes add up while the engine settles; the bound runs from the last one
+    refill.finished(2, settling=True)
+    refill.arrived()
+    clock.now += REFILL_WAIT_S / 2
+    refill.finished(1, settling=True)
+    assert refill.expected == 2 and refill.hold_seconds() == pytest.approx(REFILL_WAIT_S)
+    clock.now += REFILL_WAIT_S
+    assert refill.hold_seconds() == 0.0 and refill.expected == 0
+    # anything running on past its next step: no wait; nor with a bound of 0
+    refill.finished(4, settling=False)
+    assert refill.hold_seconds() == 0.0
+    off = RefillWait(wait_s=0.0, clock=clock)
+    off.finished(4, settling=True)
+    assert off.hold_seconds() == 0.0
+
+
+def test_ends_next_step_only_at_the_last_token():
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def running(outputs: int, **fields) -> Request:
+        req = Request("r", np.array([5, 6, 7, 8]), params, 0, None, 0.0, **fields)
+        seq = Seq(req, 0, [5, 6, 7, 8] + [9] * outputs, status=Status.RUNNING)
+        seq.computed = len(seq.tokens) - 1
+        req.seqs.append(seq)
+        return req
+
+    assert ends_next_step(running(2), context_len=100)
+    assert not ends_next_step(running(1), context_len=100)
+    assert ends_next_step(running(1), context_len=6)  # the context ends it
+    assert not ends_next_step(running(2, session_id="s"), context_len=100)  # a closing step follows
+    closing = running(2)
+    closing.seqs[0].closing = True
+    assert not ends_next_step(closing, context_len=100)
+
+
+def _loop(h: Harness, clock: Clock) -> SchedulerLoop:
+    """The scheduler process's decisions over ``h``'s scheduler, without its sockets."""
+    loop = SchedulerLoop.__new__(SchedulerLoop)
+    loop.sched, loop.refill = h.sched, RefillWait(clock=clock)
+    return loop
+
+
+def _arrive(h: Harness, loop: SchedulerLoop, rid: str, prompt: list[int], params) -> None:
+    h.add(rid, prompt, params)
+    loop.refill.arrived()
+
+
+def _iterate(h: Harness, loop: SchedulerLoop) -> list[str] | None:
+    """One pass of the loop with nothing in flight: the rids of the step it ran (None: held)."""
+    if loop._hold():
+        return None
+    batch = h.sched.schedule(admit=loop._admits())
+    if batch is None:
+        return None
+    rids = [e.seq.req.rid for e in h.sched.inflight[-1][1]]
+    result = h.worker.step(decode(encode(batch)))
+    before = len(h.sched.requests)
+    h.sched.process_result(decode(encode(result)))
+    loop.refill.finished(before - len(h.sched.requests), loop._settling())
+    h.sched.check()
+    for out in h.sched.take_outputs().get(0, []):
+        seqs = h.outputs.setdefault(out.rid, {})
+        seqs[out.index] = seqs.get(out.index, []) + unpack_ids(out.token_ids).tolist()
+    return rids
+
+
+def test_replacements_prefill_together_and_decode_as_transformers(model_dir, hf_model):  # noqa: F811
+    clock = Clock()
+    h = Harness(model_dir, overlap_schedule="off")
+    loop = _loop(h, clock)
+    prompts = [[11 + i, 22, 33 + 2 * i, 44, 55 + i] for i in range(6)]
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    longer = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    _arrive(h, loop, "a1", prompts[0], short)
+    _arrive(h, loop, "a2", prompts[1], short)
+    _arrive(h, loop, "b", prompts[2], longer)
+    assert _iterate(h, loop) == ["a1", "a2", "b"]  # nothing had finished: no wait
+    assert _iterate(h, loop) == ["a1", "a2", "b"]
+    assert _iterate(h, loop) == ["a1", "a2", "b"]  # a1 and a2 end; b ends at its next step
+    assert loop.refill.expected == 2
+    _arrive(h, loop, "c", prompts[3], short)
+    # b runs its last token alone: c waits for the other replacement
+    assert _iterate(h, loop) == ["b"]
+    assert not h.sched.running and loop.refill.expected == 2  # 2 - c + b
+    assert _iterate(h, loop) is None  # idle: held
+    _arrive(h, loop, "d", prompts[4], short)
+    assert _iterate(h, loop) is None
+    _arrive(h, loop, "e", prompts[5], short)
+    assert _iterate(h, loop) == ["c", "d", "e"]  # all three prefill in one step
+    while h.sched.running or h.sched.waiting:
+        _iterate(h, loop)
+    for rid, prompt, n in zip("a1 a2 b c d e".split(), prompts, (3, 3, 4, 3, 3, 3), strict=True):
+        assert h.outputs[rid][0] == hf_greedy(hf_model, prompt, n), rid
+    h.assert_idle_clean()
+
+
+def test_the_wait_ends_at_its_bound(model_dir):  # noqa: F811
+    clock = Clock()
+    h = Harness(model_dir, overlap_schedule="off")
+    loop = _loop(h, clock)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        _arrive(h, loop, f"a{i}", [7 + i, 8, 9], params)
+    while h.sched.running or h.sched.waiting:
+        assert _iterate(h, loop)
+    assert loop.refill.expected == 3
+    _arrive(h, loop, "late", [5, 6, 7], params)
+    assert _iterate(h, loop) is None
+    clock.now += REFILL_WAIT_S
+    assert _iterate(h, loop) == ["late"]
+    while h.sched.running:
+        _iterate(h, loop)
+    h.assert_idle_clean()
