@@ -109,6 +109,10 @@ def cost(args: argparse.Namespace) -> list[dict]:
         runner.forward(b).float().sum().item()
         return time.perf_counter() - start
 
+    if args.draft_vocab:
+        from engine.worker.draft_vocab import DraftVocab
+
+        DraftVocab(runner.model, args.draft_vocab)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     runner._max_threads = runner._threads = args.threads
@@ -118,8 +122,9 @@ def cost(args: argparse.Namespace) -> list[dict]:
         builder.add(list(range(i * per_seq, (i + 1) * per_seq)), 0,
                     rng.integers(3, 1000, context).tolist())
         runner.forward(builder.finish())
-    print(f"{source.name} ({', '.join(runner.weight_formats)} weights, {runner.dtype}), context "
-          f"{context}, {args.threads} thread(s); ms per step (median of {args.iters}); "
+    head = f", LM head over the first {args.draft_vocab} ids" if args.draft_vocab else ""
+    print(f"{source.name} ({', '.join(runner.weight_formats)} weights, {runner.dtype}{head}), "
+          f"context {context}, {args.threads} thread(s); ms per step (median of {args.iters}); "
           "ratios to the decode step")
     rows = []
     for size in args.batches:
@@ -308,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8],
                     help="drafts per sequence (--cost)")
     ap.add_argument("--quantization", default="auto", help="the weights' format (--cost)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="--cost: the LM head over this many first ids, as a draft model's "
+                         "draft_vocab_size makes it (0: the whole head)")
     ap.add_argument("--k", type=int, default=5, help="drafts per sequence (--serve)")
     ap.add_argument("--context", type=int, default=300, help="tokens cached per sequence")
     ap.add_argument("--iters", type=int, default=15)
