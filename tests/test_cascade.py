@@ -50,6 +50,8 @@ def test_cascade_equals_plain_attention(page_size, dtype):
     plan = plan_cascade(table, counts, seq_lens, (seq_lens - 1)[:, None], page_size,
                         torch.device("cpu"), dtype)
     assert plan is not None and plan.num_groups == 3  # the single sequence shares nothing
+    # groups sharing different runs: the shorter ones' padding is masked; members are selected
+    assert plan.shared_mask is not None and not plan.whole
     q = torch.randn(len(tables), 1, heads, dim, dtype=torch.float64)
     got = attend_cascade(q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), plan, dim**-0.5)
     assert got.dtype == dtype
@@ -58,8 +60,10 @@ def test_cascade_equals_plain_attention(page_size, dtype):
     torch.testing.assert_close(got[:, 0].double(), want, rtol=tol, atol=tol)
 
 
-def test_cascade_extend_is_causal_within_own_pages():
-    """Several query rows per sequence (a prefill chunk over a shared cached prefix)."""
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_cascade_extend_is_causal_within_own_pages(dtype):
+    """Several query rows per sequence (a prefill chunk over a shared cached prefix); one
+    group of every sequence sharing all its pages: unmasked, no rows selected or scattered."""
     page_size, kv, heads, dim, extend = 4, 2, 4, 8, 5
     k_pages = torch.randn(64, page_size, kv, dim, dtype=torch.float64)
     v_pages = torch.randn(64, page_size, kv, dim, dtype=torch.float64)
@@ -71,16 +75,18 @@ def test_cascade_extend_is_causal_within_own_pages():
     counts = np.array([12, 12])
     table = np.array(tables)
     plan = plan_cascade(table, counts, seq_lens, query_pos, page_size, torch.device("cpu"),
-                        torch.float64)
-    assert plan is not None
+                        dtype)
+    assert plan is not None and plan.whole and plan.shared_mask is None
     q = torch.randn(2, extend, heads, dim, dtype=torch.float64)
-    got = attend_cascade(q, k_pages, v_pages, plan, dim**-0.5)
+    got = attend_cascade(q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), plan, dim**-0.5)
+    assert got.dtype == dtype
+    tol = TOLERANCES[dtype] if dtype != torch.float64 else 1e-10
     for b in range(2):
         for row in range(extend):
             pos = int(query_pos[b, row])
             want = reference(q[b : b + 1, row], k_pages, v_pages, [tables[b]], [pos + 1],
                              dim**-0.5)
-            torch.testing.assert_close(got[b, row], want[0], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(got[b, row].double(), want[0], rtol=tol, atol=tol)
 
 
 def test_no_plan_without_enough_sharing():

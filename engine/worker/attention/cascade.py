@@ -34,7 +34,9 @@ MIN_SHARED_PAGES = 4
 @dataclass
 class CascadePlan:
     shared_table: torch.Tensor  # int64 [groups * max_shared] pages (padding repeats a real page)
-    shared_mask: torch.Tensor  # float [groups, 1, 1, max_shared * P]: 0 or -inf
+    # float [groups, 1, 1, max_shared * P]: 0 or -inf; None when every group shares all
+    # max_shared pages (nothing to hide: the fused kernel runs unmasked)
+    shared_mask: torch.Tensor | None
     member_index: torch.Tensor  # int64 [groups * max_members]: seq of each slot (padding: 0)
     member_slot: torch.Tensor  # int64 [seqs in groups]: their slot in [groups * max_members]
     member_seqs: torch.Tensor  # int64 [seqs in groups]
@@ -49,6 +51,9 @@ class CascadePlan:
     # The compiled CPU kernel's (indptr, indices, seq_lens, starts) when it attends the own
     # parts of a decode step (starts = shared_tokens); None: gathered and attended by SDPA.
     own_paged: tuple[torch.Tensor, ...] | None = None
+    # One group of every sequence, in order (a wave of requests over one cached head): the
+    # members' slots are the sequences themselves, so no rows are selected or scattered.
+    whole: bool = False
 
 
 def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
@@ -124,19 +129,21 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
         mask = torch.zeros(valid.shape, dtype=dtype, device=device)
         return mask.masked_fill_(~valid, float("-inf"))
 
+    full = all(int(shared[m[0]]) == max_shared for m in groups)
     return CascadePlan(
         shared_table=shared_table_t,
-        shared_mask=additive(shared_valid_t)[:, None, None, :],
+        shared_mask=None if full else additive(shared_valid_t)[:, None, None, :],
         member_index=member_index_t, member_slot=member_slot_t,
         member_seqs=member_seqs_t, own_table=own_table_t,
         own_mask=additive(own_valid_t)[:, None, :, None, :], num_groups=len(groups),
         max_members=max_members, max_shared=max_shared, max_own=max_own,
         shared_tokens=shared * page_size,
         saved_keys=saved_keys,
+        whole=len(groups) == 1 and len(groups[0]) == num_seqs,
     )
 
 
-def partial_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def partial_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over one part of the keys: (output, log-sum-exp [..., rows, 1]).
 
@@ -145,17 +152,22 @@ def partial_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     bf16 attention); the output is cast back to ``q``'s dtype once, the log-sum-exp stays wide
     for ``merge_partials``."""
     wide = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)).mul_(scale).add_(mask)
+    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.add_(mask)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.matmul(scores.sub_(lse).exp_(), v.to(wide)).to(q.dtype), lse
 
 
-def partial_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def partial_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The same through torch's fused CPU kernel, which returns the log-sum-exp and never
-    holds the [rows, keys] scores (7x faster than ``partial_math`` on a shared prefix)."""
+    holds the [rows, keys] scores (7x faster than ``partial_math`` on a shared prefix;
+    unmasked, 12% faster again: 768 rows over 512 keys)."""
+    if mask is not None:
+        mask = mask.expand(q.shape[0], 1, q.shape[2], -1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask.expand(q.shape[0], 1, q.shape[2], -1), scale=scale)
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     return out, lse.unsqueeze(-1)
 
 
@@ -170,8 +182,8 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     wide = torch.promote_types(out_a.dtype, torch.float32)
     lse_a, lse_b = lse_a.to(wide), lse_b.to(wide)
     total = torch.logaddexp(lse_a, lse_b)
-    merged = out_a.to(wide) * (lse_a - total).exp() + out_b.to(wide) * (lse_b - total).exp()
-    return merged.to(out_a.dtype)
+    merged = out_a.to(wide) * (lse_a - total).exp_()
+    return merged.addcmul_(out_b.to(wide), (lse_b - total).exp_()).to(out_a.dtype)
 
 
 def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -213,20 +225,24 @@ def attend_cascade(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     # Each group's shared pages, once, for all its members' queries together.
     groups, members = plan.num_groups, plan.max_members
     width = rows * per_kv
-    qg = q4.index_select(0, plan.member_index).view(groups, members, num_kv, width, head_dim)
-    qg = qg.transpose(1, 2).reshape(groups, num_kv, members * width, head_dim)
+    qg = q4 if plan.whole else q4.index_select(0, plan.member_index)
+    qg = qg.view(groups, members, num_kv, width, head_dim).transpose(1, 2).reshape(
+        groups, num_kv, members * width, head_dim)
     shared_out, shared_lse = attend_part(qg, gather(k_pages, plan.shared_table, groups),
                                          gather(v_pages, plan.shared_table, groups),
                                          plan.shared_mask, scale)
 
     def per_member(x: torch.Tensor) -> torch.Tensor:
         x = x.view(groups, num_kv, members, width, -1).transpose(1, 2)
-        return x.reshape(groups * members, num_kv, width, -1).index_select(0, plan.member_slot)
+        x = x.reshape(groups * members, num_kv, width, -1)
+        return x if plan.whole else x.index_select(0, plan.member_slot)
 
-    seqs = plan.member_seqs
     s_out, s_lse = per_member(shared_out), per_member(shared_lse)
-    o_out, o_lse = own_out.index_select(0, seqs), own_lse.index_select(0, seqs)
-    merged = merge_partials(s_out, s_lse, o_out, o_lse)
-    own_out.index_copy_(0, seqs, merged)
+    if plan.whole:
+        own_out = merge_partials(s_out, s_lse, own_out, own_lse)
+    else:
+        seqs = plan.member_seqs
+        o_out, o_lse = own_out.index_select(0, seqs), own_lse.index_select(0, seqs)
+        own_out.index_copy_(0, seqs, merge_partials(s_out, s_lse, o_out, o_lse))
     out = own_out.view(num_seqs, num_kv, rows, per_kv, head_dim).transpose(1, 2)
     return out.reshape(num_seqs, rows, num_heads, head_dim)
