@@ -136,7 +136,8 @@ class TreeListener(Protocol):
     tree but its KV was stored in (``stored``) or dropped from the device (``DEVICE``) or the
     host tier (``HOST``). ``windows``: with sliding-window layers, ``node`` now keeps
     (``kept``) or no longer keeps the sliding KV of its pages at ``index`` (positions in
-    ``node.pages``; radix/windows.py). ``cleared``: a reset left the tree empty."""
+    ``node.pages``; radix/windows.py) on the device, or (``tier`` ``HOST``) in its host copy
+    (positions in ``node.host_pages``). ``cleared``: a reset left the tree empty."""
 
     def inserted(self, leaf: Node, key: bytes, cached: int, namespace: Hashable) -> None: ...
 
@@ -144,6 +145,6 @@ class TreeListener(Protocol):
 
     def moved(self, node: Node, tier: str, stored: bool) -> None: ...
 
-    def windows(self, node: Node, index: np.ndarray, kept: bool) -> None: ...
+    def windows(self, node: Node, index: np.ndarray, kept: bool, tier: str = DEVICE) -> None: ...
 
     def cleared(self) -> None: ...

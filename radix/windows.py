@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from radix.node import HOST
 from radix.pages import OutOfPages
 
 if TYPE_CHECKING:
@@ -195,6 +196,8 @@ class Windows:
         host.plan_window_write_down(kept[index].tolist(), pages)
         for i, page in zip(index.tolist(), pages, strict=True):
             node.host_swa_pages[i] = page
+        for listener in self.listeners:
+            listener.windows(node, index, kept=True, tier=HOST)
 
     def _load_windows(self, path: list[Node], fresh: np.ndarray) -> None:
         """``_load`` of the host-only ``path`` into device pages ``fresh``, of which those of
@@ -232,6 +235,9 @@ class Windows:
         """``node``'s host copy goes: so do its windows' host pages."""
         pages, node.host_swa_pages = node.host_swa_pages, array("q")
         index = np.frombuffer(pages, dtype=np.int64)
+        if (index >= 0).any():
+            for listener in self.listeners:
+                listener.windows(node, np.flatnonzero(index >= 0), kept=False, tier=HOST)
         index = index[index >= 0]
         swa = self.host.swa
         if len(index) and swa.decref(index, evictable=not node.lock_ref):

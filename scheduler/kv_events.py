@@ -26,7 +26,8 @@ cache group (engine/contracts/kv_events.py): group 0's blocks follow the tree's 
 group 1's the windows the nodes keep (``TreeListener.windows``), a block for each page whose
 sliding KV a node keeps (the node that holds the block's last token: the one a match through it
 reads). Blocks are then pages (``--kv-events-block-size`` equal to ``--page-size``), so the
-windows a consumer sees are the tree's exactly::
+windows a consumer sees are the tree's exactly; the windows a node's host copy keeps are group
+1's blocks on ``"CPU"`` (a match through a host-only node reads those)::
 
     path        [ p0 ][ p1 ][ p2 ][ p3 ][ p4 ][ p5 ]       window 2 pages
     group 0     [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ][ b5 ]       stored by the insert
@@ -136,22 +137,29 @@ class BlockEvents:
                 event.kv_cache_spec_sliding_window = self.window
         self.pending.append(event)
 
-    def windows(self, node: Node, index: np.ndarray, kept: bool) -> None:
-        """The sliding KV ``node`` keeps for its pages at ``index``: group 1's blocks, those
-        whose last token the node holds (blocks are pages here), stored in contiguous runs."""
+    def windows(self, node: Node, index: np.ndarray, kept: bool, tier: str = DEVICE) -> None:
+        """The sliding KV ``node`` keeps for its pages at ``index`` (on the device, or in its
+        host copy): group 1's blocks on that tier's medium, those whose last token the node
+        holds (blocks are pages here), stored in contiguous runs. An evicted node's host
+        windows went with its eviction's events."""
+        if not node.evicted:
+            self._window_blocks(node, index, kept, MEDIUM if tier == DEVICE else HOST_MEDIUM,
+                                self._namespaces[self._root(node)])
+
+    def _window_blocks(self, node: Node, index: np.ndarray, kept: bool, medium: str,
+                       namespace: Hashable) -> None:
         first = node.start // self.block_size
         blocks = first + index[first + index < node.end // self.block_size]
         if not len(blocks):
             return
-        namespace = self._namespaces[self._root(node)]
         tokens = self._path_tokens(node, int(blocks[-1]) + 1)
         if not kept:
             hashes = chain_hashes(namespace, tokens, self.block_size)
-            self._append_removed([hashes[k] for k in blocks.tolist()], MEDIUM, SLIDING_GROUP)
+            self._append_removed([hashes[k] for k in blocks.tolist()], medium, SLIDING_GROUP)
             return
         for run in np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1):
             end = (int(run[-1]) + 1) * self.block_size
-            self._stored(tokens[:end], int(run[0]), namespace, MEDIUM, SLIDING_GROUP)
+            self._stored(tokens[:end], int(run[0]), namespace, medium, SLIDING_GROUP)
 
     def evicted(self, node: Node) -> None:
         root = self._root(node)
@@ -161,6 +169,9 @@ class BlockEvents:
         for medium, held in ((MEDIUM, node.pages), (HOST_MEDIUM, node.host_pages)):
             if held:
                 self._removed(node, namespace, medium)
+        host = np.flatnonzero(np.frombuffer(node.host_swa_pages, dtype=np.int64) >= 0)
+        if len(host):  # the windows of its host copy go with it
+            self._window_blocks(node, host, False, HOST_MEDIUM, namespace)
 
     def moved(self, node: Node, tier: str, stored: bool) -> None:
         medium = MEDIUM if tier == DEVICE else HOST_MEDIUM

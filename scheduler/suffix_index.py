@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.contracts.speculative import MIN_SUFFIX_MATCH
-from radix.node import Node
+from radix.node import DEVICE, Node
 from radix.tree import RadixTree
 
 WIDTHS = (8, 4, MIN_SUFFIX_MATCH)  # hashed context lengths, longest first
@@ -157,7 +157,7 @@ class SuffixIndex:
     def moved(self, node: Node, tier: str, stored: bool) -> None:
         """A node moving between tiers stays in the tree: its tokens stay draftable."""
 
-    def windows(self, node: Node, index: np.ndarray, kept: bool) -> None:
+    def windows(self, node: Node, index: np.ndarray, kept: bool, tier: str = DEVICE) -> None:
         """Sliding-window KV kept or dropped: the tokens stay in the tree, draftable."""
 
     def cleared(self) -> None:

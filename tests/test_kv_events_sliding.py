@@ -33,8 +33,9 @@ from tokenizer_worker.dispatch import Dispatcher
 from tokenizer_worker.replica_cache import ReplicaCache
 
 
-def kept_blocks(tree, block_size: int) -> set[int]:
-    """Every block whose sliding KV the node holding its last token keeps, from scratch."""
+def kept_blocks(tree, block_size: int, host: bool = False) -> set[int]:
+    """Every block whose sliding KV the node holding its last token keeps (``host``: in its
+    host copy), from scratch."""
     kept = set()
     for namespace, root in tree._roots.items():
         stack = [(root, [])]
@@ -43,8 +44,9 @@ def kept_blocks(tree, block_size: int) -> set[int]:
             path = prefix + np.frombuffer(node.key, dtype=np.int32).tolist()
             hashes = chain_hashes(namespace, np.asarray(path), block_size)
             first = node.start // block_size
+            held = node.host_swa_pages if host else node.swa_pages
             for k in range(first, node.end // block_size):
-                if node.swa_pages and node.swa_pages[k - first] >= 0:
+                if held and held[k - first] >= 0:
                     kept.add(hashes[k])
             stack.extend((child, path) for child in node.children.values())
     return kept
@@ -64,18 +66,23 @@ class Feed:
         return taken
 
 
-@pytest.mark.parametrize("page_size,window", [(1, 6), (4, 8), (4, 6)])
-def test_a_consumer_computes_the_engines_usable_match(page_size, window):
-    rng = random.Random(page_size * 10 + window)
+@pytest.mark.parametrize("page_size,window,host", [(1, 6, False), (4, 8, False), (4, 6, False),
+                                                   (1, 6, True), (4, 6, True)])
+def test_a_consumer_computes_the_engines_usable_match(page_size, window, host):
+    """``host``: beside a host tier (write-back) whose copies carry windows: a match through
+    host-only nodes reads their host copies' windows, and the consumer, told of them by
+    group 1's ``CPU`` events, agrees."""
+    rng = random.Random(page_size * 10 + window + host)
     sim = Sim(num_pages=320 // page_size, page_size=page_size, window=window,
-              sliding_pages=140 // page_size)
+              sliding_pages=140 // page_size, host_pages=(400 // page_size) * host,
+              host_sliding_pages=(200 // page_size) * host)
     events = BlockEvents(page_size)
     events.attach(sim.tree)
     cache = ReplicaCache(page_size)
     feed = Feed(events, cache.apply)
     heads = [[rng.randrange(30) for _ in range(rng.randrange(8, 40))] for _ in range(5)]
     asked: list[tuple[list[int], str | None]] = []
-    dropped = 0
+    dropped = hits_through_host = 0
     for step in range(400):
         op = rng.random()
         if op < 0.45 or not sim.running:
@@ -102,6 +109,8 @@ def test_a_consumer_computes_the_engines_usable_match(page_size, window):
             sim.finish(seq, cache=rng.random() < 0.9)
         else:
             sim.tree.evict(rng.randrange(1, 12))
+            if host:
+                sim.run_moves()
         for event in feed():
             if isinstance(event, BlockStored) and event.group_idx == 1:
                 assert event.kv_cache_spec_kind == SLIDING_WINDOW
@@ -109,6 +118,7 @@ def test_a_consumer_computes_the_engines_usable_match(page_size, window):
             dropped += type(event).__name__ == "BlockRemoved" and event.group_idx == 1
         assert set(cache.held) == set(tree_blocks(sim.tree, page_size)), f"step {step}"
         assert cache.windows == kept_blocks(sim.tree, page_size), f"step {step}"
+        assert cache.host_windows == kept_blocks(sim.tree, page_size, host=True), f"step {step}"
         for tokens, namespace in rng.sample(asked, min(len(asked), 6)):
             # a resend, a next turn (windows are kept where prompts end) or a shorter prompt
             query = rng.choice([tokens, tokens + [99],
@@ -120,9 +130,14 @@ def test_a_consumer_computes_the_engines_usable_match(page_size, window):
             expected = sim.tree.peek_prefix(query, namespace, max_len=whole)
             got = cache.match(chain_hashes(namespace, np.asarray(query), page_size))
             assert got * page_size == expected, f"step {step}: {query}"
+            hits_through_host += expected > sim.tree._device_end(
+                sim.tree._walk(root, _as_key(query), expected, collect=False,
+                               split=False)[0]) if expected else 0
         sim.check()
     assert dropped, "no window was dropped"
     assert cache.window == window
+    if host:
+        assert hits_through_host, "no match read windows from the host tier"
 
 
 def test_events_name_their_group_only_with_sliding_pages():

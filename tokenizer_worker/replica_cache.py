@@ -32,7 +32,10 @@ Sliding-window layers in pages of their own (``--sliding-kv-ratio``): the events
 window. A match then ends where the replica's would: at the most leading cached blocks ``k``
 whose window, blocks ``(k x size + 1 - W) // size`` to ``k - 1``, is kept (radix/windows.py's
 ``usable_length`` rule, over blocks, which are the replica's pages; the tests hold the two to
-the same answers). A prompt on its way keeps the window where it ends::
+the same answers). A block's window counts where the replica reads it: the device's
+(medium ``GPU``) while the block is on the device, else its host copy's (``CPU``: a match
+through host-only nodes loads their windows with them). A prompt on its way keeps the window
+where it ends::
 
     prompt's blocks    h0  h1  h2  h3  h4  h5        window 2 blocks
     held               h0  h1  h2  h3  h4  h5
@@ -47,6 +50,8 @@ from collections import Counter
 import msgspec
 
 from engine.contracts.kv_events import (
+    HOST_MEDIUM,
+    MEDIUM,
     SLIDING_GROUP,
     AllBlocksCleared,
     BlockRemoved,
@@ -66,9 +71,11 @@ class ReplicaCache:
         self.media: dict[str | None, set[int]] = {}
         self.held: Counter[int] = Counter()
         self.coming: Counter[int] = Counter()
-        # sliding-window layers: the blocks whose sliding KV is kept, or will be (a prompt on
-        # its way), and the window (None: the replica has no such layers' pages)
+        # sliding-window layers: the blocks whose sliding KV is kept on the device, in the
+        # host tier, or will be (a prompt on its way), and the window (None: the replica has
+        # no such layers' pages)
         self.windows: set[int] = set()
+        self.host_windows: set[int] = set()
         self.coming_windows: Counter[int] = Counter()
         self.window: int | None = None
         self.next_sequence = 0
@@ -86,7 +93,7 @@ class ReplicaCache:
                                      f"{self.block_size}")
                 if event.group_idx == SLIDING_GROUP:
                     self.window = event.kv_cache_spec_sliding_window
-                    self.windows.update(event.block_hashes)
+                    self._windows(event.medium).update(event.block_hashes)
                     continue
                 tier = self.media.setdefault(event.medium, set())
                 new = [h for h in dict.fromkeys(event.block_hashes) if h not in tier]
@@ -94,7 +101,7 @@ class ReplicaCache:
                 self.held.update(new)
             elif isinstance(event, BlockRemoved):
                 if event.group_idx == SLIDING_GROUP:
-                    self.windows.difference_update(event.block_hashes)
+                    self._windows(event.medium).difference_update(event.block_hashes)
                     continue
                 tier = self.media.get(event.medium, set())
                 for h in event.block_hashes:
@@ -105,6 +112,9 @@ class ReplicaCache:
                             del self.held[h]
             elif isinstance(event, AllBlocksCleared):
                 self._clear()
+
+    def _windows(self, medium: str | None) -> set[int]:
+        return self.host_windows if medium == HOST_MEDIUM else self.windows
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +130,7 @@ class ReplicaCache:
         self.media.clear()
         self.held.clear()
         self.windows.clear()
+        self.host_windows.clear()
 
     def match(self, hashes: list[int]) -> int:
         """Leading blocks of a prompt (its chained hashes) cached here or coming, up to where
@@ -133,9 +144,11 @@ class ReplicaCache:
         if self.window is None:
             return found
         windows, coming, size = self.windows, self.coming_windows, self.block_size
+        device, host = self.media.get(MEDIUM, ()), self.host_windows
         usable = run = 0  # run: kept blocks ending at block k - 1
         for k, h in enumerate(hashes[:found], 1):
-            run = run + 1 if h in windows or h in coming else 0
+            kept = h in windows if h in device else h in host
+            run = run + 1 if kept or h in coming else 0
             if run >= k - max(0, k * size + 1 - self.window) // size:
                 usable = k
         return usable
