@@ -66,8 +66,9 @@ class DraftCosts(StepCosts):
     """``StepCosts`` of the steps that verify the draft model's drafts: a draft row there
     costs the draft's forward too (a third of the model's at 0.5B drafting 1.5B)."""
 
-    # a 0.5B draft's decode step costs 0.37 of a 1.5B's, and each verify row 0.15 of it
-    # (scripts/bench_speculation.py --cost, Qwen2.5-Coder Q4_K_M, 2 cores)
+    # a 0.5B draft's decode step costs 0.50 of a 1.5B's (its LM head over 32768 ids; 0.58
+    # over all), and each verify row 0.09 of it (scripts/bench_speculation.py --cost,
+    # Qwen2.5-Coder Q4_K_M, 2 cores, docs/benchmarks.md)
     PRIOR_SHARE, PRIOR_MAX = 0.5, 0.7
 
 
