@@ -76,7 +76,7 @@ class SchedulerLoop:
         self.checked = True  # the accounting was checked since the last request arrived
         self.last_stats: SchedulerStats | None = None
         self.next_stats = 0.0
-        self.refill = RefillWait()
+        self.refill = RefillWait(config.refill_wait_ms / 1000)
 
     def _hold(self) -> float:
         """Seconds the next step still waits for finished requests' replacements, while

@@ -11,13 +11,13 @@ cohorts stay split: each finishes a step apart from the other, and so are their 
 So the scheduler process (scheduler/process.py) holds back:
 
 - the whole next step, while nothing runs and fewer requests have arrived than finished since
-  the engine began to settle, for at most ``REFILL_WAIT_S`` after the last finish;
+  the engine began to settle, for at most ``--refill-wait-ms`` (default 50) after the last finish;
 - the admission of waiting requests (the running ones decode on), while every running request
   ends at its next step (its last token by ``max_tokens``): the engine is settling, and the
   requests waiting now prefill beside the replacements of those about to end, one step later.
 
 A step with anything running that does not end at its next step never waits; nor does one once
-as many requests have arrived as finished. What it costs: at most ``REFILL_WAIT_S`` and one
+as many requests have arrived as finished. What it costs: at most ``--refill-wait-ms`` and one
 step of first-token time, only where requests arrive while the engine settles and fewer than
 finished (a single client sending one request at a time replaces its one request: no wait).
 """
@@ -28,8 +28,6 @@ import time
 from collections.abc import Callable
 
 from scheduler.request import Request, Status
-
-REFILL_WAIT_S = 0.05  # longest wait for finished requests' replacements past the last finish
 
 
 def ends_next_step(req: Request, context_len: int) -> bool:
@@ -42,8 +40,8 @@ def ends_next_step(req: Request, context_len: int) -> bool:
 
 
 class RefillWait:
-    def __init__(self, wait_s: float = REFILL_WAIT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """``wait_s``: the longest wait past the last finish (0: never wait)."""
         self.wait_s, self.clock = wait_s, clock
         self.expected = 0  # replacements still awaited
         self.deadline = 0.0

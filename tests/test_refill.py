@@ -10,9 +10,11 @@ import pytest
 from engine.contracts.protocol import decode, encode, unpack_ids
 from engine.contracts.sampling_params import SamplingParams
 from scheduler.process import SchedulerLoop
-from scheduler.refill import REFILL_WAIT_S, RefillWait, ends_next_step
+from scheduler.refill import RefillWait, ends_next_step
 from scheduler.request import Request, Seq, Status
 from tests.test_scheduler import Harness, hf_greedy, hf_model, model_dir  # noqa: F401
+
+WAIT = 0.05  # seconds (the default --refill-wait-ms)
 
 
 class Clock:
@@ -25,22 +27,22 @@ class Clock:
 
 def test_waits_for_as_many_arrivals_as_finished_within_the_bound():
     clock = Clock()
-    refill = RefillWait(clock=clock)
+    refill = RefillWait(WAIT, clock=clock)
     refill.finished(3, settling=True)
-    assert refill.hold_seconds() == pytest.approx(REFILL_WAIT_S)
+    assert refill.hold_seconds() == pytest.approx(WAIT)
     refill.arrived()
     refill.arrived()
     clock.now += 0.01
-    assert refill.hold_seconds() == pytest.approx(REFILL_WAIT_S - 0.01)
+    assert refill.hold_seconds() == pytest.approx(WAIT - 0.01)
     refill.arrived()
     assert refill.hold_seconds() == 0.0
     # finishes add up while the engine settles; the bound runs from the last one
     refill.finished(2, settling=True)
     refill.arrived()
-    clock.now += REFILL_WAIT_S / 2
+    clock.now += WAIT / 2
     refill.finished(1, settling=True)
-    assert refill.expected == 2 and refill.hold_seconds() == pytest.approx(REFILL_WAIT_S)
-    clock.now += REFILL_WAIT_S
+    assert refill.expected == 2 and refill.hold_seconds() == pytest.approx(WAIT)
+    clock.now += WAIT
     assert refill.hold_seconds() == 0.0 and refill.expected == 0
     # anything running on past its next step: no wait; nor with a bound of 0
     refill.finished(4, settling=False)
@@ -72,7 +74,7 @@ def test_ends_next_step_only_at_the_last_token():
 def _loop(h: Harness, clock: Clock) -> SchedulerLoop:
     """The scheduler process's decisions over ``h``'s scheduler, without its sockets."""
     loop = SchedulerLoop.__new__(SchedulerLoop)
-    loop.sched, loop.refill = h.sched, RefillWait(clock=clock)
+    loop.sched, loop.refill = h.sched, RefillWait(WAIT, clock=clock)
     return loop
 
 
@@ -142,7 +144,7 @@ def test_the_wait_ends_at_its_bound(model_dir):  # noqa: F811
     assert loop.refill.expected == 3
     _arrive(h, loop, "late", [5, 6, 7], params)
     assert _iterate(h, loop) is None
-    clock.now += REFILL_WAIT_S
+    clock.now += WAIT
     assert _iterate(h, loop) == ["late"]
     while h.sched.running:
         _iterate(h, loop)

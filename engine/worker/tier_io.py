@@ -76,7 +76,8 @@ NOT_IN_IDENTITY = {
     **dict.fromkeys(("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
                     "an adapter's blocks hash apart by its content (lora_namespace)"),
     **dict.fromkeys((
-        "served_model_name", "policy", "max_waiting_requests", "context_len", "max_sessions",
+        "served_model_name", "policy", "max_waiting_requests", "refill_wait_ms", "context_len",
+        "max_sessions",
         "session_ttl", "tokenizer_workers", "kv_events_endpoint", "kv_events_block_size",
         "dp_size", "dp_policy", "dp_cache_threshold", "dp_balance_abs", "dp_balance_rel",
         "nnodes", "node_rank", "dist_init_addr", "allow_special_tokens_in_content",
