@@ -16,12 +16,13 @@ a block that was missing or failed its checks ends the load there and is compute
 
 With sliding-window layers in pages of their own (radix/sliding.py), a block holds the full
 layers' KV only, and a *window file* beside it (``window_name``) the sliding layers' KV of its
-pages, written where a window the tree keeps covers it (the window before each save's last
-block end: a prompt's, a finished sequence's) and its sliding KV is live. A load ends only
-where the sliding KV of the window before its end is there: the tree's (live, up to the
-load's start) and the window files of the blocks after it; only those pages take sliding
-pages, and the load reads their window files into them. A load that ends early is dropped
-whole (the request is admitted again): the window before where it stopped was not read::
+pages, written where a window the tree keeps covers it (the window before the last block end
+of a prompt, of a finished sequence; not of every prefilled chunk) and its sliding KV is
+live. A load ends only where the sliding KV of the window before its end is there: the
+tree's (live, up to the load's start) and the window files of the blocks after it; only
+those pages take sliding pages, and the load reads their window files into them. A load
+that ends early is dropped whole (the request is admitted again): the window before where
+it stopped was not read::
 
     blocks      [ tree ...... start | block | block | block | block | block ]
     windows                                        [ file  | file  | file  ]
@@ -116,32 +117,32 @@ class DiskTier:
         self.loads.append(DiskLoad(load_id, names, pack_ids(pages), swa))
 
     def plan_saves(self, namespace: Hashable, tokens: Sequence[int], table: Sequence[int],
-                   start: int, end: int) -> None:
+                   start: int, end: int, windows: bool = False) -> None:
         """Save the whole blocks of ``tokens[:end]`` from the one holding ``start`` on (their
         KV in ``table``) that the directory lacks (a ``stat`` each: files another server wrote,
-        or the capacity trimmed, are seen as they are now); with window files, also the window
+        or the capacity trimmed, are seen as they are now). ``windows`` (where the tree keeps
+        a window: a prompt's end, a finished sequence's): with window files, also the window
         files it lacks of the blocks of the window before the last block's end whose sliding
-        KV is live (the earlier blocks of that window were saved with an earlier save's
-        window, which covered them)."""
-        first = start // self.block
+        KV is live, saved earlier or not."""
         whole = end - end % self.block
-        count = whole // self.block - first
-        if count <= 0 or not self.store.enabled:
+        fresh = start // self.block  # the first block not saved before
+        windows = windows and self.sliding is not None
+        window = (self.sliding.window_start(whole) * self.page_size // self.block if windows
+                  else fresh)
+        first = min(fresh, window)
+        if whole // self.block <= first or not self.store.enabled:
             return
         names = block_hashes(self.store.fingerprint, namespace, tokens[:whole], self.block,
                              first)
         per, contains = self.pages_per_block, self.store.contains
-        window = None
-        if self.sliding is not None:
-            window = self.sliding.window_start(whole) * self.page_size // self.block
         for k, name in enumerate(names, first):
             pages = table[k * per : (k + 1) * per]
             swa = b""
-            if window is not None and k >= window:
+            if windows and k >= window:
                 live = self.sliding.live(pages)
                 if (live >= 0).all() and not contains(window_name(name)):
                     swa = pack_ids(live)
-            full = not contains(name)
+            full = k >= fresh and not contains(name)
             if full or swa:
                 self.saves.append(DiskSave(name, pack_ids(pages) if full else b"", swa))
                 self.blocks_saved += full

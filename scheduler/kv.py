@@ -194,13 +194,16 @@ class SeqMemory:
         """Cache ``seq``'s first ``upto`` tokens, whose batch came back (a prefilled chunk):
         waiting requests that share them hit them from the next step on, long before ``seq``
         finishes, and its lock holds them until then."""
-        seq.lease.commit(seq.pages, seq.tokens[:upto], keep=upto >= seq.req.prompt_len)
-        self._save(seq, upto)
+        keep = upto >= seq.req.prompt_len
+        seq.lease.commit(seq.pages, seq.tokens[:upto], keep=keep)
+        self._save(seq, upto, windows=keep)
 
-    def _save(self, seq: Seq, upto: int) -> None:
-        """Write ``seq``'s blocks up to ``upto`` tokens through to the disk tier."""
+    def _save(self, seq: Seq, upto: int, windows: bool = True) -> None:
+        """Write ``seq``'s blocks up to ``upto`` tokens through to the disk tier (``windows``:
+        with the window files of the window before them, where the tree keeps it)."""
         if self.disk is not None and upto > seq.disk_saved:
-            self.disk.plan_saves(seq.req.namespace, seq.tokens, seq.pages, seq.disk_saved, upto)
+            self.disk.plan_saves(seq.req.namespace, seq.tokens, seq.pages, seq.disk_saved, upto,
+                                 windows)
             seq.disk_saved = upto
 
     def unpin(self, seq: Seq) -> None:

@@ -10,6 +10,9 @@ Three measurements, each run for both settings side by side:
               (hit / looked-up prompt tokens) for the turns and for the resends
     decode    B prompts of L tokens decoding D tokens together: output tok/s over the steps
               where every sequence decodes, in ABBA order (full, sliding, sliding, full)
+    disk      one prompt of L tokens served with --disk-cache-dir, then sent to a new
+              scheduler and worker on the directory (a restart): the bytes of its block files
+              and window files, and the tokens the restart reads back from disk
 
     python scripts/bench_sliding_kv.py --model ~/.cache/radixserve/models/gemma-3-270m-q4_k_m.gguf
 """
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -64,6 +69,7 @@ class Engine:
             self.outputs.setdefault(out.rid, []).extend(unpack_ids(out.token_ids).tolist())
             if out.finish_reason is not None:
                 self.cached[out.rid] = out.cached_tokens
+                self.cached[f"{out.rid}.disk"] = out.cached_tokens_disk or 0
         decoding = bool(np.all(batch.step.extend_lens == 1))
         return batch.step.num_seqs if decoding else -batch.step.num_seqs, seconds
 
@@ -134,6 +140,35 @@ def decode(args, ratio: float) -> float:
     return args.batch * len(full) / sum(full)
 
 
+def disk(args, ratio: float) -> dict:
+    from engine.contracts.disk_blocks import block_hashes, window_name
+
+    prompt = np.random.default_rng(args.seed + 2).integers(10, 20000, args.length).tolist()
+    with tempfile.TemporaryDirectory() as directory:
+        report = {}
+        for run in ("first", "restart"):
+            engine = Engine(args.model, ratio, kv_cache_gb=args.hits_kv_cache_gb,
+                            chunked_prefill_size=args.chunk, max_prefill_tokens=args.chunk,
+                            disk_cache_dir=directory)
+            rid = engine.add(prompt, args.reply)
+            engine.run()
+            engine.worker.io.close()  # what a stopping server does: write what is queued
+            if run == "first":  # what the prompt and its reply left on disk
+                store = engine.sched.disk.store
+                blocks = block_hashes(store.fingerprint, None, prompt + engine.outputs[rid],
+                                      engine.sched.disk.block)
+                windows = [f for f in (store.path(window_name(n)) for n in blocks)
+                           if f.exists()]
+                files = list(Path(directory).glob("*/*/*.kv"))
+                window_bytes = sum(f.stat().st_size for f in windows)
+                report = {"block_files": len(files) - len(windows), "window_files": len(windows),
+                          "block_mib": (sum(f.stat().st_size for f in files) - window_bytes)
+                          / 2**20, "window_mib": window_bytes / 2**20,
+                          "prompt_tokens": len(prompt)}
+        report["restart_disk_tokens"] = engine.cached[f"{rid}.disk"]
+        return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -156,10 +191,11 @@ def main() -> None:
     parser.add_argument("--decode-length", type=int, default=1200)
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=["capacity", "hits", "decode"], action="append")
+    parser.add_argument("--only", choices=["capacity", "hits", "decode", "disk"],
+                        action="append")
     args = parser.parse_args()
     args.model = resolve_model(args.model).path
-    only = set(args.only or ["capacity", "hits", "decode"])
+    only = set(args.only or ["capacity", "hits", "decode", "disk"])
     report: dict = {"ratio": args.ratio}
     if "capacity" in only:
         report["capacity"] = {
@@ -176,6 +212,9 @@ def main() -> None:
         report["decode_tok_s"] = {name: float(np.mean(v)) for name, v in runs.items()}
         report["decode_tok_s"]["sliding_over_full"] = (
             report["decode_tok_s"]["sliding"] / report["decode_tok_s"]["full"])
+    if "disk" in only:
+        report["disk"] = {name: disk(args, ratio)
+                          for name, ratio in (("full", 0.0), ("sliding", args.ratio))}
     print(json.dumps(report, indent=1))
 
 

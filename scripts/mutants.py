@@ -203,6 +203,11 @@ MUTANTS = (
            "sliding pages", "engine/worker/tier_io.py",
            "if payload is not None and (mine >= 0).any():", "if False:",
            ("tests/test_sliding_disk.py::test_windows_go_to_disk_and_a_restart_reads_them",)),
+    Mutant("sliding-disk-windows-where-kept", "window files are written where the tree keeps "
+           "a window, not at every chunk's end", "scheduler/disk.py",
+           "windows = windows and self.sliding is not None",
+           "windows = self.sliding is not None",
+           ("tests/test_sliding_disk.py::test_a_disk_match_never_ends_where_its_window_is_missing",)),
     Mutant("sliding-disk-admission", "a disk load takes sliding pages for the window before "
            "its end only", "scheduler/kv.py",
            "seq.pages, copy = seq.lease.acquire(upto, reads_from=self.reads_from(seq))",

@@ -24,7 +24,7 @@ from engine.contracts.disk_blocks import block_hashes, fingerprint, window_name
 from engine.contracts.sampling_params import SamplingParams
 from tests.test_disk_fingerprint import served_identity
 from tests.test_scheduler import Harness, hf_greedy
-from tests.test_sliding_kv import WINDOW, WindowHarness, gemma_dir, hf_gemma  # noqa: F401
+from tests.test_sliding_kv import WindowHarness, gemma_dir, hf_gemma  # noqa: F401
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 LENGTHS = (70, 101, 133, 150)  # several windows each, none a whole number of blocks
@@ -111,31 +111,30 @@ def test_windows_go_to_disk_and_a_restart_reads_them(gemma_dir, hf_gemma, tmp_pa
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_disk_match_never_ends_where_its_window_is_missing(gemma_dir, hf_gemma, tmp_path,  # noqa: F811
                                                              page_size):
-    """The window file of a prompt's last block removed: a restarted engine's match ends at
-    an earlier block whose window's files are there (a chunk's end, where its block's sliding
-    KV was live when saved: every one at page size 16), or reads nothing, and the scheduler
-    computes from there; with every window file removed, nothing is read from disk (the
-    blocks of full KV alone would leave the sliding layers nothing to read)."""
+    """Window files are written where the tree keeps windows (prompts' and sequences' ends),
+    not at every chunk's end. A prompt and, before it, its first 100 tokens as a prompt of
+    their own: with the window file of the long one's last block removed, a restarted
+    engine's match ends where the short one's window is (its last whole block, at 96), and
+    the scheduler computes from there; with every window file removed, nothing is read from
+    disk (the blocks of full KV alone would leave the sliding layers nothing to read)."""
     prompt = long_prompts(22)[3]
     expected = hf_greedy(hf_gemma, prompt, 20)
     first = harness(gemma_dir, tmp_path, page_size)
-    first.add("a", prompt, GREEDY)
-    first.run()
+    for rid, p in (("short", prompt[:100]), ("a", prompt)):
+        first.add(rid, p, GREEDY)
+        first.run()
     close(first)
     store = first.sched.disk.store
     names = block_hashes(store.fingerprint, None, prompt, 16)
+    assert [store.contains(window_name(n)) for n in names] == [k in (5, 8) for k in range(9)]
     store.path(window_name(names[-1])).unlink()
     second = harness(gemma_dir, tmp_path, page_size)
     found = second.sched.disk.lookup(prompt, None, 0, len(prompt) - 1)
-    assert len(found) < len(names) - 1
-    end = len(found) * 16
-    window = max(0, end + 1 - WINDOW) // 16
-    assert all(store.contains(window_name(n)) for n in names[window : len(found)])
-    assert found or page_size == 1
+    assert found == names[:6]
     second.add("b", prompt, GREEDY)
     second.run()
     close(second)
-    assert second.finals["b"][0].cached_tokens_disk == len(found) * 16
+    assert second.finals["b"][0].cached_tokens_disk == 96
     assert second.outputs["b"][0] == expected
     for name in names:
         store.path(window_name(name)).unlink(missing_ok=True)
