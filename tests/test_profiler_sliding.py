@@ -10,6 +10,7 @@ import pytest
 
 from engine.cli import main
 from engine.profiler.kv_bytes import KVBytes, KVShape
+from engine.profiler.replay import Tiers
 from engine.profiler.simulate import run_profile
 from engine.profiler.sliding import SlidingLayers, SlidingPools, read_layers
 from engine.profiler.trace import ReplayRequest
@@ -122,6 +123,71 @@ def test_the_command_reports_both_pools_and_full_kv(tmp_path, capsys):
     assert summary["full_kv_hit_rate"] == pytest.approx(107 / total)
 
 
+B, C = list(range(100, 140)), list(range(200, 240))  # two more 40-token prompts
+# Three prompts, then a resend of A, B's next turn and C's first 36 tokens: a 24-page device
+# cache holds two requests' pages (11 each), so A and B have left it by the time they return.
+HOST_TRACE = [req("a0", A, [1] * 4), req("b0", B, [2] * 4), req("c0", C, [3] * 4),
+              req("a1", A, [4] * 4), req("b1", B + [5] * 8, [6] * 4), req("c1", C[:36], [7] * 4)]
+
+
+def test_a_host_tier_keeps_what_the_device_lets_go_with_its_windows():
+    """Without a host tier nothing hits (each prompt has left the device when it returns).
+    With one (64 pages, 32 for windows) A's resend hits 39 tokens and B's next turn 40, loaded
+    from the host tier: each node took the windows it kept where its prompt and its request
+    ended down with it. C's first 36 tokens hit nothing: the window before 35 (positions 28-34)
+    was never kept, where full KV in the same memory (14 pages, a 36-page host tier) hits 35."""
+    alone = run_profile(HOST_TRACE, 24, PAGE, sliding=POOLS)
+    assert alone.radix.cached.sum() == 0 and alone.radix.host_cached is None
+    profile = run_profile(HOST_TRACE, 24, PAGE, sliding=POOLS, tiers=Tiers(64))
+    assert profile.radix.cached.tolist() == [0] * 6
+    assert profile.radix.host_cached.tolist() == [0, 0, 0, 39, 40, 0]
+    assert profile.radix.sliding["host_pages"] == 64
+    assert profile.radix.sliding["host_window_pages"] == 32
+    assert profile.full_kv.capacity_tokens == 14 * PAGE
+    assert profile.full_kv.host_cached.tolist() == [0, 0, 0, 39, 40, 35]
+    # a host tier with too few window pages for both: B's windows push A's out
+    short = run_profile(HOST_TRACE, 24, PAGE, sliding=POOLS, tiers=Tiers(16))
+    assert short.radix.sliding["host_window_pages"] == 8
+    assert short.radix.host_cached.tolist() == [0, 0, 0, 39, 0, 0]
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_where_windows_are_never_the_limit_the_tiers_hit_what_full_kv_hits(policy):
+    """Ratio 1 (as many sliding pages as full ones: full KV's memory) on resends and next
+    turns only, every match ends where a kept window does: device and host hits equal the
+    full-KV replay's, split between the tiers alike."""
+    trace = HOST_TRACE[:5]
+    pools = SlidingPools(POOLS.layers, 1.0, CHUNK)
+    for pages, host in ((24, 16), (64, 64), (24, 64)):
+        profile = run_profile(trace, pages, PAGE, sliding=pools, tiers=Tiers(host, policy))
+        assert profile.full_kv.capacity_tokens == pages * PAGE
+        assert profile.radix.cached.tolist() == profile.full_kv.cached.tolist()
+        assert profile.radix.host_cached.tolist() == profile.full_kv.host_cached.tolist()
+    assert profile.radix.host_cached.sum() == 79  # (24, 64): A's resend and B's next turn
+
+
+def test_a_host_tier_in_gib_is_sized_as_the_engines(tmp_path, capsys):
+    """--host-cache-gb with --sliding-kv-ratio: a host page pays for its share of a window
+    page, as engine/worker/runner.py sizes it."""
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, HOST_TRACE)
+    out = tmp_path / "out"
+    gib = 64 * 3584 / (1 << 30)  # a host page: 1,024 bytes of its layer + 2,560 of windows'
+    assert main(["profile", str(trace), "--num-pages", "24", "--page-size", str(PAGE),
+                 "--sliding-kv-ratio", "0.5", "--sliding-window", str(WINDOW),
+                 "--sliding-layers", "5/6", "--chunked-prefill-size", str(CHUNK),
+                 "--kv-bytes-per-token", "1536", "--host-cache-gb", repr(gib),
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert ("host tier: full pool 64 pages (64.0 KiB) + sliding pool 32 pages (160.0 KiB): "
+            "hit rate device 0.0% + host 32.4% = 32.4%; full KV in the same memory: 37 pages "
+            "(222.0 KiB): 0.0% + 46.7% = 46.7%") in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["host_tier"]["capacity_tokens"] == 64 * PAGE
+    assert summary["host_tier"]["capacity_bytes"] == 64 * 3584
+    assert summary["sliding"]["host_hit_rate"] == pytest.approx(79 / 244)
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--sliding-window", "8"], "describe the model for --sliding-kv-ratio"),
     (["--sliding-kv-ratio", "0.5"], "needs the model's sliding layers"),
@@ -133,6 +199,11 @@ def test_the_command_reports_both_pools_and_full_kv(tmp_path, capsys):
       "--sweep"], "drop --sweep"),
     (["--sliding-kv-ratio", "0.5", "--sliding-window", "8", "--sliding-layers", "5/6",
       "--prefill-tps", "1000"], "one request at a time"),
+    (["--sliding-kv-ratio", "0.5", "--sliding-window", "8", "--sliding-layers", "5/6",
+      "--disk-cache-tokens", "1024"], "replayed without a disk tier"),
+    (["--sliding-kv-ratio", "0.5", "--sliding-window", "8", "--sliding-layers", "5/6",
+      "--kv-bytes-per-token", "1536", "--host-cache-gb", "0.000001"],
+     "--host-cache-gb 1e-06 holds no page of both pools"),
 ])
 def test_bad_sliding_flags_are_sentences(tmp_path, capsys, flags, message):
     trace = tmp_path / "trace.jsonl"

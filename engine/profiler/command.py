@@ -161,9 +161,16 @@ def _kv_bytes(args: argparse.Namespace) -> Any:
     return None
 
 
-def _pages_in(kv: Any, gib: float, flag: str, page_size: int) -> int:
+def _pages_in(kv: Any, gib: float, flag: str, page_size: int, sliding: Any = None) -> int:
+    """Whole pages in ``gib`` GiB: of every layer's KV, or with ``sliding`` (a
+    ``SlidingPools``) of the full layers' and their share of the sliding pool's."""
     from engine.profiler.kv_bytes import format_bytes
 
+    if sliding is not None:
+        pages = sliding.pages_in(kv, gib, page_size)
+        if pages < 1:
+            raise ValueError(f"{flag} {gib:g} holds no page of both pools")
+        return pages
     pages = kv.pages(gib, page_size)
     if pages < 1:
         raise ValueError(f"{flag} {gib:g} holds no page: a page of {page_size} tokens takes "
@@ -173,7 +180,7 @@ def _pages_in(kv: Any, gib: float, flag: str, page_size: int) -> int:
 
 def _sliding(args: argparse.Namespace) -> Any:
     """The two pools of ``--sliding-kv-ratio`` (a ``SlidingPools``), or None without it."""
-    from engine.profiler.sliding import SlidingLayers, SlidingPools, read_layers
+    from engine.profiler.sliding import NO_DISK, SlidingLayers, SlidingPools, read_layers
 
     given = args.sliding_window is not None or args.sliding_layers is not None
     if args.sliding_kv_ratio is not None and not 0 <= args.sliding_kv_ratio <= 1:
@@ -187,6 +194,8 @@ def _sliding(args: argparse.Namespace) -> Any:
     if args.sweep or args.url:
         raise ValueError("--sliding-kv-ratio replays one cache size offline: drop "
                          + ("--sweep" if args.sweep else "--url"))
+    if args.disk_cache_tokens or args.disk_cache_gb:
+        raise ValueError(NO_DISK)
     if given:
         if args.sliding_window is None or args.sliding_layers is None:
             raise ValueError("--sliding-window W and --sliding-layers K/L go together")
@@ -203,23 +212,20 @@ def _sliding(args: argparse.Namespace) -> Any:
 def _num_pages(args: argparse.Namespace, kv: Any, sliding: Any = None) -> int:
     if args.num_pages is not None:
         return args.num_pages
-    if args.cache_gb is not None and sliding is not None:
-        pages = sliding.pages_in(kv, args.cache_gb, args.page_size)
-        if pages < 1:
-            raise ValueError(f"--cache-gb {args.cache_gb:g} holds no page of both pools")
-        return pages
     if args.cache_gb is not None:
-        return _pages_in(kv, args.cache_gb, "--cache-gb", args.page_size)
+        return _pages_in(kv, args.cache_gb, "--cache-gb", args.page_size, sliding)
     cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
     return max(1, cache_tokens // args.page_size)
 
 
-def _tier_tokens(args: argparse.Namespace, kv: Any, tier: str) -> int | None:
-    """A tier's size in tokens (``tier``: host or disk), whole pages when given in GiB; None:
-    no such tier."""
+def _tier_tokens(args: argparse.Namespace, kv: Any, tier: str, sliding: Any = None) -> int | None:
+    """A tier's size in tokens (``tier``: host or disk), whole pages when given in GiB (a host
+    page with ``sliding`` as the engine's: its share of window pages too); None: no such
+    tier."""
     gb = getattr(args, f"{tier}_cache_gb")
     if gb is not None:
-        return _pages_in(kv, gb, f"--{tier}-cache-gb", args.page_size) * args.page_size
+        return _pages_in(kv, gb, f"--{tier}-cache-gb", args.page_size,
+                         sliding if tier == "host" else None) * args.page_size
     return getattr(args, f"{tier}_cache_tokens")
 
 
@@ -248,7 +254,8 @@ def _offline(args: argparse.Namespace, requests: list, sizes: list[int] | str | 
     measured = read_measured(args.durations) if args.durations else None
     service = ServiceModel(args.prefill_tps, args.decode_tps, measured, args.max_concurrency,
                            head_wait=not args.no_head_wait)
-    host_tokens, disk_tokens = _tier_tokens(args, kv, "host"), _tier_tokens(args, kv, "disk")
+    host_tokens = _tier_tokens(args, kv, "host", sliding)
+    disk_tokens = _tier_tokens(args, kv, "disk")
     tiers = Tiers(-(-(host_tokens or 0) // args.page_size), args.cache_write_policy,
                   disk_tokens or 0)
     profile = run_profile(requests, _num_pages(args, kv, sliding), args.page_size, args.policy,

@@ -163,9 +163,12 @@ class _Tree:
     goes through a lease."""
 
     def __init__(self, num_pages: int, page_size: int, policy: str = "lru", host_pages: int = 0,
-                 write_policy: str = "write_back", sliding: SlidingKV | None = None) -> None:
+                 write_policy: str = "write_back", sliding: SlidingKV | None = None,
+                 host_windows: int = 0) -> None:
+        """``host_windows``: the host tier's pages for its nodes' windows (radix/host.py)."""
         self.alloc = PageAllocator(num_pages, page_size)
-        self.host = HostTier(host_pages, page_size, write_policy) if host_pages else None
+        self.host = (HostTier(host_pages, page_size, write_policy, num_sliding_pages=host_windows)
+                     if host_pages else None)
         self.tree = RadixTree(self.alloc, eviction_key=POLICIES[policy], host=self.host,
                               sliding=sliding)
 
@@ -200,6 +203,7 @@ class _Tree:
         """The host tier's planned copies have run (nothing to copy in a replay)."""
         if self.host is not None:
             self.host.take_moves()
+            self.host.take_window_moves()
 
 
 class _Disk:

@@ -15,7 +15,7 @@ import numpy as np
 from engine.profiler.attribution import attribute, per_request
 from engine.profiler.kv_bytes import KVBytes, format_bytes
 from engine.profiler.simulate import Profile, SweepPoint
-from engine.profiler.sliding import sliding_lines, sliding_summary
+from engine.profiler.sliding import pools_bytes, sliding_lines, sliding_summary
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -96,9 +96,7 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
                               profile.num_pages, profile.page_size, kv)
     # with sliding-window layers, the two pools' bytes (a token of the full pool holds fewer
     # layers)
-    radix_bytes = (sliding["bytes"]["full_pool"] + sliding["bytes"]["sliding_pool"]
-                   if sliding and sliding["bytes"]
-                   else in_bytes(profile.num_pages * profile.page_size))
+    radix_bytes = pools_bytes(sliding) or in_bytes(profile.num_pages * profile.page_size)
     requests = profile.requests
     attribution = attribute(profile)
     total = max(1, int(prompt.sum()))
@@ -108,7 +106,8 @@ def summarize(profile: Profile, trace_name: str, windows: int = 10,
         concurrency = {"model": service_label, "peak_running": profile.radix.peak_running,
                        "waited_s": round(profile.radix.waited_s, 3)}
     if profile.radix.host_cached is not None:
-        host_tier = {"capacity_tokens": host_tokens, "capacity_bytes": in_bytes(host_tokens),
+        host_tier = {"capacity_tokens": host_tokens,
+                     "capacity_bytes": pools_bytes(sliding, "host_") or in_bytes(host_tokens),
                      "host_hit_tokens": attribution.host_hit,
                      "host_hit_rate": attribution.host_hit / total,
                      "total_hit_rate": all_tiers}

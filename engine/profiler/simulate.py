@@ -112,14 +112,15 @@ def run_profile(requests: list[ReplayRequest], num_pages: int, page_size: int, p
                 progress: bool = False, service: ServiceModel | None = None,
                 tiers: Tiers | None = None, sliding: SlidingPools | None = None) -> Profile:
     """The configured radix cache (with ``service``'s concurrency and the tiers if given, or
-    ``sliding``'s pool beside it and then full KV in the same memory too), the same capacity
+    ``sliding``'s pool beside it and then full KV in the same memory, tiers too), the same capacity
     in 16-token hash blocks, and both without a capacity limit, serially (the upper bounds of
     token and of block matching)."""
     label = f"radix p{page_size} {policy}"
     full_kv = None
     if sliding is not None:
         full_kv = replay_radix(requests, sliding.full_kv_pages(num_pages), page_size, policy,
-                               f"{label} full KV, same memory", progress)
+                               f"{label} full KV, same memory", progress,
+                               tiers=sliding.full_kv_tiers(tiers))
         label += f" sliding {sliding.ratio:g}"
     radix = replay_radix(requests, num_pages, page_size, policy, label, progress, service,
                          tiers, sliding)

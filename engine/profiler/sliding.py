@@ -16,6 +16,14 @@ release keeping the last window. So a match ends where the engine's would (a who
 kept sliding KV before it), and the sliding pool evicts kept windows before full pages as the
 engine's does. Requests run one at a time (the serial replay): a prompt is committed when its
 prefill ends, before any later request is admitted.
+
+A host tier (``--host-cache-tokens`` / ``--host-cache-gb``) is the tree's own ``HostTier`` with
+the engine's window pages beside its pages (``int(R x host pages)``, a host page paying for
+its share as a device page does): nodes leaving the device take the windows they keep with
+them, and a match reaches into the host tier where a window of kept sliding KV precedes its
+end there too, the load giving the window back (radix/windows.py). Full KV in the same memory
+gets a host tier in the same host memory. The disk tier is refused (``NO_DISK``): its window
+files (scheduler/disk.py) are not modelled.
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ from radix.sliding import SlidingKV
 
 if TYPE_CHECKING:
     from engine.profiler.kv_bytes import KVBytes
+
+
+NO_DISK = ("--sliding-kv-ratio is replayed without a disk tier (the engine's window files, "
+           "scheduler/disk.py, are not modelled): drop --disk-cache-tokens and --disk-cache-gb")
 
 
 @dataclass(frozen=True)
@@ -138,9 +150,8 @@ class SlidingPools:
 
     def tree(self, num_pages: int, page_size: int, policy: str, tiers: Tiers,
              service: ServiceModel) -> SlidingTree:
-        if tiers.host_pages or tiers.disk_tokens:
-            raise ValueError("--sliding-kv-ratio is replayed without host or disk tiers: "
-                             "drop --host-cache-* and --disk-cache-*")
+        if tiers.disk_tokens:
+            raise ValueError(NO_DISK)
         if service.overlaps:
             raise ValueError("--sliding-kv-ratio is replayed one request at a time: drop "
                              "--prefill-tps, --decode-tps and --durations")
@@ -150,17 +161,27 @@ class SlidingPools:
                 f"--sliding-kv-ratio {self.ratio:g} gives the sliding layers {pages:,} pages, "
                 f"fewer than one prompt chunk and its window need ({least:,}); give a larger "
                 "ratio or cache, or a smaller --chunked-prefill-size")
-        return SlidingTree(num_pages, page_size, policy, self)
+        return SlidingTree(num_pages, page_size, policy, self, tiers)
+
+    def full_kv_tiers(self, tiers: Tiers | None) -> Tiers | None:
+        """The tiers of full KV in the same memory: a host tier of the pages of every layer
+        that the host tier's full and window pages hold."""
+        if tiers is None or not tiers.host_pages:
+            return tiers
+        return Tiers(self.full_kv_pages(tiers.host_pages), tiers.write_policy, tiers.disk_tokens)
 
 
 class SlidingTree(_Tree):
-    """The replay's tree with the sliding layers' pool, each request holding what the engine's
-    scheduler would hold (the module's docstring)."""
+    """The replay's tree with the sliding layers' pool (and a host tier's pages for windows:
+    the host pool's share, as engine/worker/runner.py sizes it), each request holding what
+    the engine's scheduler would hold (the module's docstring)."""
 
-    def __init__(self, num_pages: int, page_size: int, policy: str, pools: SlidingPools) -> None:
+    def __init__(self, num_pages: int, page_size: int, policy: str, pools: SlidingPools,
+                 tiers: Tiers) -> None:
         sliding = SlidingKV(pools.sliding_pages(num_pages), num_pages, page_size,
                             pools.layers.window)
-        super().__init__(num_pages, page_size, policy, sliding=sliding)
+        super().__init__(num_pages, page_size, policy, tiers.host_pages, tiers.write_policy,
+                         sliding, pools.sliding_pages(tiers.host_pages))
         self.sliding, self.chunk, self.peak = sliding, pools.chunk, 0
 
     def admit(self, prompt: np.ndarray, namespace: str | None, num_tokens: int,
@@ -171,9 +192,10 @@ class SlidingTree(_Tree):
         try:
             computed = min(prompt_len, lease.length + self.chunk)
             pages, copy = lease.acquire(computed)
-            if copy is not None:  # the copy has run
+            if copy is not None:  # the copy has run (after the host tier's loads)
                 self.alloc.decref([copy.src])
                 self.sliding.decref([copy.src])
+            self.moved()
             self._held()
             while computed < prompt_len:  # the next prefill chunk
                 lease.slide(pages, computed, retain_end=prompt_len)
@@ -200,20 +222,35 @@ class SlidingTree(_Tree):
         self.peak = max(self.peak, self.sliding.allocator.num_pinned_pages)
 
     def usage(self) -> dict[str, Any]:
-        alloc = self.sliding.allocator
+        alloc, host = self.sliding.allocator, self.host
         return {"pages": alloc.num_pages, "peak_pages": self.peak,
-                "evicted_window_pages": self.tree.stats.sliding_evicted_pages}
+                "evicted_window_pages": self.tree.stats.sliding_evicted_pages,
+                **({"host_pages": host.num_pages,
+                    "host_window_pages": host.swa.num_pages if host.swa is not None else 0}
+                   if host is not None else {})}
+
+
+def _host_hit_rate(run: CacheRun, prompt: np.ndarray) -> float | None:
+    total = int(prompt.sum())
+    if run.host_cached is None:
+        return None
+    return int(run.host_cached.sum()) / total if total else 0.0
 
 
 def sliding_summary(pools: SlidingPools | None, radix: CacheRun, full_kv: CacheRun | None,
                     prompt: np.ndarray, num_pages: int, page_size: int,
                     kv: KVBytes | None) -> dict[str, Any] | None:
     """The sliding-window section of the report (None without ``--sliding-kv-ratio``): the
-    replay with ``pools`` (``radix``, ``num_pages`` full pages) and ``full_kv``'s in the same
-    memory, on prompts of ``prompt`` tokens."""
+    replay with ``pools`` (``radix``, ``num_pages`` full pages, and its host tier's pages if
+    it has one) and ``full_kv``'s in the same memory, on prompts of ``prompt`` tokens."""
     if pools is None or full_kv is None or radix.sliding is None:
         return None
     layers = pools.layers
+    host_pages = radix.sliding.get("host_pages")
+    size = None if kv is None else pools.pool_bytes(kv, num_pages, page_size)
+    if size is not None and host_pages:
+        size.update({f"host_{key}": value
+                     for key, value in pools.pool_bytes(kv, host_pages, page_size).items()})
     return {"ratio": pools.ratio, "window": layers.window, "sliding_layers": layers.num_sliding,
             "layers": layers.num_layers, "source": layers.source,
             "chunked_prefill_size": pools.chunk,
@@ -224,7 +261,22 @@ def sliding_summary(pools: SlidingPools | None, radix: CacheRun, full_kv: CacheR
             "hit_rate": radix.hit_rate(prompt),
             "full_kv_pages": full_kv.capacity_tokens // page_size,
             "full_kv_hit_rate": full_kv.hit_rate(prompt),
-            "bytes": None if kv is None else pools.pool_bytes(kv, num_pages, page_size)}
+            # a host tier (None without): its full and window pages, the hits found there
+            "host_pages": host_pages,
+            "host_window_pages": radix.sliding.get("host_window_pages"),
+            "host_hit_rate": _host_hit_rate(radix, prompt),
+            "full_kv_host_pages": pools.full_kv_pages(host_pages) if host_pages else None,
+            "full_kv_host_hit_rate": _host_hit_rate(full_kv, prompt),
+            "bytes": size}
+
+
+def pools_bytes(s: dict[str, Any] | None, tier: str = "") -> int | None:
+    """The bytes of both pools in ``sliding_summary`` ``s`` (``tier`` "host_": of the host
+    tier's); None where they are not known."""
+    size = (s or {}).get("bytes") or {}
+    if f"{tier}full_pool" not in size:
+        return None
+    return size[f"{tier}full_pool"] + size[f"{tier}sliding_pool"]
 
 
 def sliding_lines(s: dict[str, Any]) -> list[str]:
@@ -236,11 +288,24 @@ def sliding_lines(s: dict[str, Any]) -> list[str]:
     def pages(count: int, key: str) -> str:
         return f"{count:,} pages" + (f" ({format_bytes(size[key])})" if key in size else "")
 
-    return [f"sliding-window layers: {s['sliding_layers']} of {s['layers']} layers see the last "
-            f"{s['window']:,} positions ({s['source']}); --sliding-kv-ratio {s['ratio']:g}",
-            f"  full pool {pages(s['full_pool_pages'], 'full_pool')} + sliding pool "
-            f"{pages(s['sliding_pool_pages'], 'sliding_pool')}: hit rate {100 * s['hit_rate']:.1f}%"
-            f"; the running request held at most {s['sliding_peak_running_pages']:,} sliding "
-            f"pages, {s['sliding_evicted_window_pages']:,} kept windows' pages were evicted",
-            f"  full KV in the same memory: {pages(s['full_kv_pages'], 'full_kv')}: hit rate "
-            f"{100 * s['full_kv_hit_rate']:.1f}%"]
+    def pct(rate: float) -> str:
+        return f"{100 * rate:.1f}%"
+
+    lines = [f"sliding-window layers: {s['sliding_layers']} of {s['layers']} layers see the last "
+             f"{s['window']:,} positions ({s['source']}); --sliding-kv-ratio {s['ratio']:g}",
+             f"  full pool {pages(s['full_pool_pages'], 'full_pool')} + sliding pool "
+             f"{pages(s['sliding_pool_pages'], 'sliding_pool')}: hit rate {pct(s['hit_rate'])}"
+             f"; the running request held at most {s['sliding_peak_running_pages']:,} sliding "
+             f"pages, {s['sliding_evicted_window_pages']:,} kept windows' pages were evicted",
+             f"  full KV in the same memory: {pages(s['full_kv_pages'], 'full_kv')}: hit rate "
+             f"{pct(s['full_kv_hit_rate'])}"]
+    if s.get("host_pages"):
+        lines.append(
+            f"  host tier: full pool {pages(s['host_pages'], 'host_full_pool')} + sliding pool "
+            f"{pages(s['host_window_pages'], 'host_sliding_pool')}: hit rate device "
+            f"{pct(s['hit_rate'])} + host {pct(s['host_hit_rate'])} = "
+            f"{pct(s['hit_rate'] + s['host_hit_rate'])}; full KV in the same memory: "
+            f"{pages(s['full_kv_host_pages'], 'host_full_kv')}: {pct(s['full_kv_hit_rate'])} + "
+            f"{pct(s['full_kv_host_hit_rate'])} = "
+            f"{pct(s['full_kv_hit_rate'] + s['full_kv_host_hit_rate'])}")
+    return lines
