@@ -157,7 +157,8 @@ class SchedulerLoop:
             result_at = time.monotonic()
             before = len(self.sched.requests)
             self.sched.process_result(result)
-            self.refill.finished(before - len(self.sched.requests), self._settling())
+            self.refill.finished(before - len(self.sched.requests), self._settling(),
+                                 len(self.sched.waiting))
         return result_at
 
     def _step(self) -> None:

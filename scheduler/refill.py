@@ -11,7 +11,8 @@ cohorts stay split: each finishes a step apart from the other, and so are their 
 So the scheduler process (scheduler/process.py) holds back:
 
 - the whole next step, while nothing runs and fewer requests have arrived than finished since
-  the engine began to settle, for at most ``--refill-wait-ms`` (default 50) after the last finish;
+  the engine began to settle (those already waiting then, a backlog, count as arrived), for at
+  most ``--refill-wait-ms`` (default 50, at most 1000) after the last finish;
 - the admission of waiting requests (the running ones decode on), while every running request
   ends at its next step (its last token by ``max_tokens``): the engine is settling, and the
   requests waiting now prefill beside the replacements of those about to end, one step later.
@@ -46,12 +47,17 @@ class RefillWait:
         self.expected = 0  # replacements still awaited
         self.deadline = 0.0
 
-    def finished(self, count: int, settling: bool) -> None:
+    def finished(self, count: int, settling: bool, waiting: int = 0) -> None:
         """A step's result ended ``count`` requests; ``settling``: every request still running
-        ends at its next step (none running: the engine is idle)."""
+        ends at its next step (none running: the engine is idle); ``waiting``: requests waiting
+        now. Those waiting as the engine begins to settle (a backlog) take as many finished
+        requests' places: fewer replacements are awaited, none where the backlog fills them."""
         if not settling or self.wait_s <= 0:
             self.expected = 0
-        elif count:
+            return
+        if not self.expected:
+            count -= waiting
+        if count > 0:
             self.expected += count
             self.deadline = self.clock() + self.wait_s
 

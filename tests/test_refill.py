@@ -94,7 +94,7 @@ def _iterate(h: Harness, loop: SchedulerLoop) -> list[str] | None:
     result = h.worker.step(decode(encode(batch)))
     before = len(h.sched.requests)
     h.sched.process_result(decode(encode(result)))
-    loop.refill.finished(before - len(h.sched.requests), loop._settling())
+    loop.refill.finished(before - len(h.sched.requests), loop._settling(), len(h.sched.waiting))
     h.sched.check()
     for out in h.sched.take_outputs().get(0, []):
         seqs = h.outputs.setdefault(out.rid, {})
@@ -149,3 +149,32 @@ def test_the_wait_ends_at_its_bound(model_dir):  # noqa: F811
     while h.sched.running:
         _iterate(h, loop)
     h.assert_idle_clean()
+
+
+def test_a_backlog_is_not_held_for_replacements(model_dir):  # noqa: F811
+    """Requests already waiting when a cohort finishes (a backlog: more than a step takes) run
+    at once: none of them is a replacement to wait for, and the engine would idle beside them."""
+    clock = Clock()
+    h = Harness(model_dir, overlap_schedule="off", max_running_requests=2)
+    loop = _loop(h, clock)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        _arrive(h, loop, f"r{i}", [7 + i, 8, 9], params)
+    assert _iterate(h, loop) == ["r0", "r1"]
+    assert _iterate(h, loop) == ["r0", "r1"]  # they end; r2 and r3 waited all along
+    assert not h.sched.running and len(h.sched.waiting) == 2
+    assert _iterate(h, loop) == ["r2", "r3"]  # not held: no clock moves
+    while h.sched.running:
+        _iterate(h, loop)
+    h.assert_idle_clean()
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e12, -1.0])
+def test_a_wait_past_its_bound_is_refused(value):
+    """An endless (or negative) wait is refused with a sentence, not taken: the loop would hold
+    an idle engine's waiting requests that long (inf: poll's timeout cannot be an int)."""
+    from engine.contracts.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="--refill-wait-ms must be"):
+        EngineConfig(model="demo", refill_wait_ms=value).validate()
+    EngineConfig(model="demo", refill_wait_ms=1000).validate()

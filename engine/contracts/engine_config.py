@@ -147,10 +147,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "a GPU, off on CPU (the forward uses every core, so there is nothing to overlap with, "
         "and a request arriving during a step would wait one step more for its first "
         "token)"))] = "auto"
-    refill_wait_ms: Annotated[float, Meta(ge=0, description=(
+    refill_wait_ms: Annotated[float, Meta(ge=0, le=1000, description=(
         "when requests finish and nothing else runs, how long the next step may wait for as "
         "many new requests to arrive, so that a client's replacements prefill in one step "
-        "(scheduler/refill.py); 0 starts at once"))] = 50.0
+        "(scheduler/refill.py); 0 starts at once, at most 1000"))] = 50.0
     context_len: Annotated[int, Meta(ge=1, description=(
         "override the model's context length"))] | None = None
     speculative_config: Annotated[str, Meta(description=(
