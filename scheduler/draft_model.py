@@ -7,7 +7,8 @@ unsure; here the per-sequence rule, as for the cache's drafts (scheduler/specula
   (decayed counts behind a prior, ``ModelDrafts``);
 - cost: a draft row of a step with the draft model's drafts costs ``share`` of the step's time
   per token (``DraftCosts``: the steps' measured times, fitted as for the cache's drafts, with
-  a prior of what a draft a third the size of the model costs: its forward and a verify row);
+  a prior of what a draft a third the size of the model costs: its forward and a verify row;
+  not the step in which the draft catches up after turning on, ``catching_up``);
 - K, at most ``num_speculative_tokens``, the one with the most tokens per unit of time: a
   verification of K drafts yields ``1 + a + ... + a ** K`` tokens for ``1 + share * K`` of a
   step's time (a draft here costs far more than the cache's, whose marginal rule would draft
@@ -185,6 +186,13 @@ class DraftModelPolicy:
     def drafting(self, num_running: int) -> bool:
         """Whether steps of ``num_running`` sequences are planned with the draft model on."""
         return self._arms_at(num_running).running()
+
+    def catching_up(self, num_running: int) -> bool:
+        """Whether a step of ``num_running`` sequences with the draft model's drafts is the
+        first since it turned on there: its draft computes the KV of the tokens it missed,
+        so its time is no measure of what a draft costs (``DraftCosts`` leaves it out; taken
+        in, it bent the fit of a draft row's cost)."""
+        return self._arms_at(num_running).warming
 
     def _arms_at(self, size: int) -> Arms:
         """The ``Arms`` at batch size ``size``; a new one starts from the closest size within

@@ -236,8 +236,10 @@ class Speculator:
                            for e in entries):
             modelled = [e for e in entries if e.model_drafts]
             costs = self.model.costs if modelled else self.costs
-            costs.observe(len(entries), sum(len(e.drafts) for e in modelled or entries),
-                          seconds)
+            # not the step in which the draft catches up (the KV of every token it missed)
+            if not (modelled and self.model.catching_up(len(entries))):
+                costs.observe(len(entries), sum(len(e.drafts) for e in modelled or entries),
+                              seconds)
             if self.model is not None:
                 self._step = [len(entries), on or bool(modelled), bool(modelled),
                               len(entries), seconds]

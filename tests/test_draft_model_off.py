@@ -108,3 +108,40 @@ def test_faked_step_times_turn_the_draft_model_off_where_it_loses(models, monkey
         # its first steps without it (and up to two planned before they were measured)
         assert 4 * OFF_TRIAL <= model.off_steps <= 4 * (OFF_TRIAL + 2) and model.drafting(4)
         assert model.accepted_tokens > sum(len(o[0]) for o in h.outputs.values()) // 2
+
+
+def test_the_drafts_catch_up_is_not_taken_for_what_a_draft_costs(models, monkeypatch):  # noqa: F811
+    """The first step with the draft model's drafts after it turns on at a batch size also
+    computes the draft's KV of every token it missed (the prompts, the steps without it): its
+    time is no measure of what a draft costs (taken for one, it bent the fit of a draft row's
+    cost: here to a share of 0, the later steps having more drafts in less time than it).
+    Steps' times faked: 0.1 s, 0.005 s for each of the draft model's drafts, and 1 s more
+    where the draft computed more than one token of each sequence beyond its drafts (a
+    catch-up). The draft row's share of a step of 4 sequences is then that of the drafts
+    alone, 0.005 * 4 / 0.1."""
+    step_took = Speculator.step_took
+    computed = [0]
+
+    def timed(self, entries, seconds):
+        draft = h.worker.draft
+        extra = draft.tokens_computed - computed[0]
+        computed[0] = draft.tokens_computed
+        drafts = sum(len(e.drafts) for e in entries if e.model_drafts)
+        caught_up = extra - drafts > len(entries)
+        catch_ups.append(caught_up)
+        step_took(self, entries, 0.1 + 0.005 * drafts + caught_up)
+
+    catch_ups: list[bool] = []
+    monkeypatch.setattr(Speculator, "step_took", timed)
+    monkeypatch.setattr(Speculator, "_cache_rate", lambda self, seq, count, n: 0.0)
+    requests = {rid: (prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+                for rid, (prompt, _) in workload(seed=7, count=4).items()}
+    h = Harness(models["target"], page_size=4, num_pages=400,
+                speculative_config=spec(models["same"]))
+    for rid, (prompt, params) in requests.items():
+        h.add(rid, prompt, params)
+    h.run()
+    h.assert_idle_clean()
+    model = h.sched.speculator.model
+    assert any(catch_ups) and model.accepted_tokens == model.drafted_tokens > 0
+    assert model.costs.share(4) == pytest.approx(0.005 * 4 / 0.1)
