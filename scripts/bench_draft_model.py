@@ -5,7 +5,8 @@ coding prompts that rewrite given code and that write new code, greedy, ``--max-
 The engines take turns request by request (ABBA over the repeats); each request's output
 tok/s is its tokens over the time from sending it to its last token, its decode tok/s over the
 time from its first token to its last; medians by prompt kind, the ratios, and whether the
-greedy outputs were identical.
+greedy outputs were identical. The same prompts over HTTP to running servers (radixserve's,
+llama.cpp's): scripts/bench_draft_servers.py.
 
     python scripts/bench_draft_model.py \\
         --model ~/.cache/radixserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
