@@ -21,7 +21,8 @@ of a prompt, of a finished sequence; not of every prefilled chunk) and its slidi
 live. A load ends only where the sliding KV of the window before its end is there: the
 tree's (live, up to the load's start) and the window files of the blocks after it; only
 those pages take sliding pages, and the load reads their window files into them. A load
-that ends early is dropped whole (the request is admitted again): the window before where
+that ends early is dropped whole (the request is admitted again, its lookups ending where
+that load stopped: a file that fails every read is not loaded again): the window before where
 it stopped was not read::
 
     blocks      [ tree ...... start | block | block | block | block | block ]

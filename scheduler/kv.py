@@ -97,7 +97,8 @@ class SeqMemory:
         if disk and self.disk is not None:
             cached = self.tree.peek_prefix(seq.tokens, seq.req.namespace, limit)
             start = self._disk_start(seq, cached)
-            seq.disk_names = self.disk.lookup(seq.tokens, seq.req.namespace, cached, limit,
+            reach = limit if seq.disk_reach is None else min(limit, seq.disk_reach)
+            seq.disk_names = self.disk.lookup(seq.tokens, seq.req.namespace, cached, reach,
                                               start)
             if seq.disk_names:
                 limit = start
@@ -180,6 +181,7 @@ class SeqMemory:
             seq = pending.seq
             if self.loads_again(pending, arrived):
                 self.disk.loaded(0, pending.asked)
+                seq.disk_reach = pending.start + arrived * pending.unit
                 return pending
             seq.computed = seq.settled = upto = pending.start + arrived * pending.unit
             if arrived:

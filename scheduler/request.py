@@ -64,6 +64,9 @@ class Seq:
     load_id: int = -1
     disk_names: list[str] = field(default_factory=list)
     disk_saved: int = 0
+    # where a disk load of its that ended early stopped (its lookups stay below: a file that
+    # fails every read is not loaded again and again; None: none did)
+    disk_reach: int | None = None
 
     @property
     def num_outputs(self) -> int:

@@ -296,3 +296,36 @@ def test_a_host_match_continued_by_a_disk_load(gemma_dir, hf_gemma, tmp_path,  #
     tree.reset()
     for alloc in (tree.allocator, tree.sliding.allocator, tree.host.allocator, tree.host.swa):
         assert alloc.num_free_pages == alloc.num_pages
+
+
+def test_a_window_file_that_cannot_be_read_is_not_loaded_forever(gemma_dir, hf_gemma,  # noqa: F811
+                                                                  tmp_path, monkeypatch):
+    """A window file that is there but fails every read (an I/O error: the store keeps it) ends
+    its load early each time: the request is admitted again at most once more with that load,
+    then computes past it, its output transformers' (it does not load, fail and retry forever)."""
+    import errno
+
+    from engine.contracts.disk_cache import DiskStore
+
+    prompt = long_prompts(23)[2]
+    first = harness(gemma_dir, tmp_path, 16)
+    first.add("a", prompt, GREEDY)
+    first.run()
+    close(first)
+    store = first.sched.disk.store
+    bad = window_name(block_hashes(store.fingerprint, None, prompt, 16)[-1])
+    read_in = DiskStore._read_in
+
+    def failing(self, directory, name, tokens, payload_bytes):
+        if name == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_in(self, directory, name, tokens, payload_bytes)
+
+    monkeypatch.setattr(DiskStore, "_read_in", failing)
+    second = harness(gemma_dir, tmp_path, 16)
+    second.add("b", prompt, GREEDY)
+    second.run(max_steps=200)
+    close(second)
+    assert second.outputs["b"][0] == hf_greedy(hf_gemma, prompt, 20)
+    assert second.sched.stats()["disk_load_failures"] == 1
+    free_at_the_end(second)
