@@ -54,6 +54,18 @@ def long_prompts(seed: int) -> list[list[int]]:
     return [rng.integers(3, 90, n).tolist() for n in LENGTHS]
 
 
+def saved_once(model: str, directory: Path):
+    """A prompt served once at page size 16 and written to ``directory``: the prompt, the
+    store, and the name of its last block's window file."""
+    prompt = long_prompts(23)[2]
+    first = harness(model, directory, 16)
+    first.add("a", prompt, GREEDY)
+    first.run()
+    close(first)
+    store = first.sched.disk.store
+    return prompt, store, window_name(block_hashes(store.fingerprint, None, prompt, 16)[-1])
+
+
 def free_at_the_end(h: Harness) -> None:
     tree = h.sched.tree
     tree.reset()
@@ -154,13 +166,8 @@ def test_a_load_whose_window_file_fails_is_admitted_again(gemma_dir, hf_gemma, t
     """A window file removed between the lookup and the load (or a request aborted while its
     load runs): the load ends early, caches nothing, and the request is admitted again and
     computes (its tokens unchanged); the pages it held, sliding ones included, come back."""
-    prompt = long_prompts(23)[2]
-    first = harness(gemma_dir, tmp_path, 16)
-    first.add("a", prompt, GREEDY)
-    first.run()
-    close(first)
-    store = first.sched.disk.store
-    victim = store.path(window_name(block_hashes(store.fingerprint, None, prompt, 16)[-1]))
+    prompt, store, last = saved_once(gemma_dir, tmp_path)
+    victim = store.path(last)
     second = harness(gemma_dir, tmp_path, 16)
     second.add("b", prompt, GREEDY)
     second.step()  # admitted: the lookup found every block and window, the load is on its way
@@ -307,13 +314,7 @@ def test_a_window_file_that_cannot_be_read_is_not_loaded_forever(gemma_dir, hf_g
 
     from engine.contracts.disk_cache import DiskStore
 
-    prompt = long_prompts(23)[2]
-    first = harness(gemma_dir, tmp_path, 16)
-    first.add("a", prompt, GREEDY)
-    first.run()
-    close(first)
-    store = first.sched.disk.store
-    bad = window_name(block_hashes(store.fingerprint, None, prompt, 16)[-1])
+    prompt, _, bad = saved_once(gemma_dir, tmp_path)
     read_in = DiskStore._read_in
 
     def failing(self, directory, name, tokens, payload_bytes):
