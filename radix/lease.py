@@ -101,13 +101,21 @@ class Lease:
         nodes that holders acquiring before this one will load (samples of one request share
         their prompt's); this one's are added to it. ``windows``: of them, those that take
         sliding pages (of the loaded part, only the window before the match's end; of the
-        rest, those from the window of ``reads_from`` on, as ``acquire``)."""
+        rest, those from the window of ``reads_from`` on, as ``acquire``), and the sliding
+        pages that the windows of the match's device part kept only in the host tier take
+        (``acquire`` loads them back; their nodes join ``loading`` too)."""
         tree = self.tree
         first = self.match.length // tree.page_size
         if windows and reads_from is not None:
             first = max(first, tree.sliding.window_start(reads_from))
-        return (tree.allocator.pages_for(num_tokens) - first
-                + tree._pages_to_load(self.match.node, loading, windows))
+        count = (tree.allocator.pages_for(num_tokens) - first
+                 + tree._pages_to_load(self.match.node, loading, windows))
+        if tree.sliding is not None and tree.host is not None:
+            reads = self.match.length if reads_from is None else reads_from
+            device = tree._device_window_loads(self.match.node, reads, loading)
+            if windows:
+                count += sum(len(index) for _, index in device)
+        return count
 
     def acquire(self, num_tokens: int, *,
                 reads_from: int | None = None) -> tuple[list[int], PageCopy | None]:
@@ -116,7 +124,9 @@ class Lease:
         the host tier first gets device pages for that part, whose loads the host tier plans
         (they run before the copy below); its nodes then live on the device too. When the match
         ends inside a page, the first fresh page is to receive that page's matched slots: the
-        returned copy, whose source holds one more reference for the holder. ``reads_from``:
+        returned copy, whose source holds one more reference for the holder. Windows of the
+        match's device part that only the host tier kept (the sliding pool evicted them) are
+        loaded into fresh sliding pages, and their nodes keep them again. ``reads_from``:
         the holder's first query is there, not at the match's end (a disk load fills the
         fresh pages up to it): with sliding-window layers, only the fresh pages of that
         query's window take sliding pages, and the holder holds the sliding KV from that
@@ -136,7 +146,12 @@ class Lease:
             host = tree._pages_to_load(self.match.node, windows=True)
             windows = np.concatenate((np.arange(loads - host, loads),
                                       np.arange(loads + skip, total)))
-        fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens), windows)
+        device_windows = (tree._device_window_loads(self.match.node, reads)
+                          if tree.sliding is not None and tree.host is not None else [])
+        fresh = tree._alloc_pages(self.pages_to_acquire(num_tokens), windows,
+                                  sum(len(index) for _, index in device_windows))
+        if device_windows:
+            tree._load_device_windows(device_windows)
         if self.match.host_length:
             # What another holder loaded since this one matched is on the device already.
             self.match.pages = tree._load(self.match.node, fresh[:loads])

@@ -116,6 +116,7 @@ class CacheStats:
     pages_loaded: int = 0  # host pages loaded back onto the device
     # sliding-window layers (radix/sliding.py): kept windows' pages evicted
     sliding_evicted_pages: int = 0
+    sliding_loaded_pages: int = 0  # windows of device nodes loaded back from the host tier
 
     @property
     def hit_rate(self) -> float:

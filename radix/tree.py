@@ -280,10 +280,12 @@ class RadixTree(Tiering, Windows):
         if deepest_on_device is not None:
             self._push(self._leaves, deepest_on_device)
 
-    def _alloc_pages(self, n: int, windows: int | np.ndarray | None = None) -> list[int]:
+    def _alloc_pages(self, n: int, windows: int | np.ndarray | None = None,
+                     spare: int = 0) -> list[int]:
         """Allocate ``n`` pages, evicting unlocked leaves when free pages run short; with
         sliding-window layers, each with a sliding page (``Windows._alloc_sliding``), or only
-        the last ``windows`` of them (or those at the positions it lists)."""
+        the last ``windows`` of them (or those at the positions it lists), leaving ``spare``
+        more sliding pages free (windows to load under device pages the caller holds)."""
         short = n - self.allocator.num_free_pages
         if short > 0:
             self.evict(short)
@@ -293,7 +295,7 @@ class RadixTree(Tiering, Windows):
                 f"evictable ({self.allocator.num_pinned_pages} pinned by running requests)"
             )
         if self.sliding is not None:
-            return self._alloc_sliding(n, n if windows is None else windows)
+            return self._alloc_sliding(n, n if windows is None else windows, spare)
         return self.allocator.alloc(n)
 
     # -------------------------------------------------------------- internals
@@ -313,8 +315,9 @@ class RadixTree(Tiering, Windows):
         """The deepest node matching ``query`` (split where the match ends inside it), the
         match's length and, with ``collect``, the device pages of its device part (a
         host-only node's first page index is its own, so the pages stop before it). ``swa``
-        (an empty array) receives the sliding pages the path keeps at each page index (a
-        host-only node's: the host tier's copies)."""
+        (an empty array) receives, at each page index, whether the path keeps that page's
+        window, on the device or in the host tier (``Windows._kept_windows``: >= 0 where it
+        does)."""
         page_size = self.page_size
         pages = array("q")
         pos = 0
@@ -326,7 +329,7 @@ class RadixTree(Tiering, Windows):
             if swa is not None:
                 first = pos // page_size
                 del swa[first:]  # as for pages: the deeper node's keep of a shared page wins
-                kept = child.swa_pages if child.pages else child.host_swa_pages
+                kept = self._kept_windows(child)
                 swa += kept[: (pos + matched - 1) // page_size - first + 1]
             if collect:
                 first = pos // page_size

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radix.node import HOST
+from radix.node import HOST, page_array
 from radix.pages import OutOfPages
 
 if TYPE_CHECKING:
@@ -127,19 +127,20 @@ class Windows:
         if len(index):
             self.sliding.allocator.set_evictable(index[index >= 0], step < 0)
 
-    def _alloc_sliding(self, n: int, windows: int | np.ndarray) -> list[int]:
+    def _alloc_sliding(self, n: int, windows: int | np.ndarray, spare: int = 0) -> list[int]:
         """``n`` full pages (free: ``_alloc_pages`` made sure), the last ``windows`` of them
         (or those at the positions ``windows`` lists) each with a fresh sliding page, evicting
-        unlocked nodes' windows when sliding pages run short."""
+        unlocked nodes' windows when sliding pages run short; ``spare`` more stay free."""
         sliding = self.sliding.allocator
         at = np.arange(n - windows, n) if isinstance(windows, int) else windows
-        short = len(at) - sliding.num_free_pages
+        short = len(at) + spare - sliding.num_free_pages
         if short > 0:
             self._evict_sliding(short)
-        if len(at) > sliding.num_free_pages:
+        if len(at) + spare > sliding.num_free_pages:
             raise OutOfPages(
-                f"asked for {len(at)} sliding-window pages: {sliding.num_free_pages} free and "
-                f"nothing more evictable ({sliding.num_pinned_pages} held by running requests)")
+                f"asked for {len(at) + spare} sliding-window pages: {sliding.num_free_pages} "
+                f"free and nothing more evictable ({sliding.num_pinned_pages} held by running "
+                f"requests)")
         pages = self.allocator.alloc(n)
         if len(at):
             self.sliding.attach(np.asarray(pages, dtype=np.int64)[at])
@@ -148,11 +149,16 @@ class Windows:
     def _evict_sliding(self, num_pages: int) -> int:
         """Drop unlocked nodes' kept windows, least recently used first, until ``num_pages``
         sliding pages are free or none is left; their full KV stays cached. A node with a host
-        copy first copies them into it (``_write_windows``)."""
+        copy first copies them into it (``_write_windows``); under ``write_back`` one without
+        gets a host copy first (``_write_down``: its pages and these windows), as when the
+        device evicts it, so a later match reads the windows back (``_load_device_windows``)."""
         freed = 0
+        host = self.host
         while freed < num_pages and (node := self._pop_window()) is not None:
             if node.host_pages:
                 self._write_windows(node)
+            elif host is not None and host.write_back and host.swa is not None:
+                self._write_down(node)  # (which copies its windows too, where there is room)
             freed += self._drop_kept(node, evictable=True)
         self.stats.sliding_evicted_pages += freed
         return freed
@@ -170,6 +176,68 @@ class Windows:
         return None
 
     # ------------------------------------------------------- the host tier's windows
+    @staticmethod
+    def _kept_windows(node: Node) -> array:
+        """Beside each page of ``node``, >= 0 where its window is kept: on the device, or in
+        its host copy (a host-only node's, or a device node's whose window the sliding pool
+        evicted: a lease loads it back, ``_load_device_windows``)."""
+        if not node.pages or not node.host_swa_pages:
+            return node.swa_pages if node.pages else node.host_swa_pages
+        device = np.frombuffer(node.swa_pages, dtype=np.int64)
+        return page_array(np.maximum(device, np.frombuffer(node.host_swa_pages,
+                                                           dtype=np.int64)))
+
+    def _device_window_loads(self, node: Node, reads: int,
+                             loading: set[Node] | None = None) -> list[tuple[Node, np.ndarray]]:
+        """The device nodes of the (matched) path to ``node`` whose windows a query at
+        ``reads`` sees are kept only by their host copies: each with the positions in its
+        pages of those windows (at each page index, the deepest node's, as ``_walk`` reads
+        them). ``loading``: nodes another holder loads first, left out; these are added."""
+        page_size = self.page_size
+        first = self.sliding.window_start(reads)
+        out = []
+        limit = None  # the first page index a deeper node covers
+        while node.parent is not None and (node.end - 1) // page_size >= first:
+            lo = node.start // page_size
+            hi = (node.end - 1) // page_size + 1 if limit is None else min(
+                limit, (node.end - 1) // page_size + 1)
+            limit = lo
+            if (node.pages and node.host_swa_pages
+                    and (loading is None or node not in loading)):
+                index = np.arange(max(first, lo), hi) - lo
+                device = np.frombuffer(node.swa_pages, dtype=np.int64)[index]
+                host = np.frombuffer(node.host_swa_pages, dtype=np.int64)[index]
+                index = index[(device < 0) & (host >= 0)]
+                if len(index):
+                    out.append((node, index))
+                    if loading is not None:
+                        loading.add(node)
+            node = node.parent
+        return out
+
+    def _load_device_windows(self, loads: list[tuple[Node, np.ndarray]]) -> None:
+        """The nodes (on a locked path) keep the windows ``_device_window_loads`` listed
+        again: a page whose sliding KV is still live (a running holder's) as it is, the others
+        from fresh sliding pages (``_alloc_pages(..., spare=...)`` left them free) into which
+        their host copies are loaded."""
+        sliding = self.sliding
+        for node, index in loads:
+            pages = np.frombuffer(node.pages, dtype=np.int64)[index]
+            gone = sliding.live(pages) < 0
+            if gone.any():
+                sliding.attach(pages[gone])  # one reference each, the allocation's
+                host = np.frombuffer(node.host_swa_pages, dtype=np.int64)[index[gone]]
+                self.host.plan_window_loads(host.tolist(), sliding.live(pages[gone]).tolist())
+            live = sliding.live(pages)
+            sliding.allocator.incref(live, evictable=not node.swa_lock)
+            sliding.drop(live[gone])  # the allocation's references go
+            for i, page in zip(index.tolist(), live.tolist(), strict=True):
+                node.swa_pages[i] = page
+            self._push(self._swa_nodes, node)
+            for listener in self.listeners:
+                listener.windows(node, index, kept=True)
+            self.stats.sliding_loaded_pages += int(gone.sum())
+
     def _host_windows_evictable(self, pages: array, evictable: bool) -> None:
         """The host copies of windows of nodes (un)locked: as their host pages."""
         index = np.frombuffer(pages, dtype=np.int64)

@@ -63,9 +63,9 @@ class Sim:
             assert got == (tokens[pos], pos), f"host slot for position {pos} holds {got}"
         if self.sliding is not None:  # the window before the first computed token is live
             for pos in range(max(0, match.length + 1 - self.sliding.window), match.length):
-                if pos < on_device:
+                if pos < on_device and self.sliding.of[match.pages[pos // self.page_size]] >= 0:
                     got = tuple(self.swa_shadow[self.swa_slot(match.pages, pos)])
-                else:  # the host tier's copy of the window
+                else:  # the host tier's copy of the window (acquire loads it)
                     got = tuple(self.host_swa_shadow[self._host_slot(match.node, pos, True)])
                 assert got == (tokens[pos], pos), f"sliding slot for position {pos} holds {got}"
 

@@ -180,8 +180,9 @@ def test_a_host_tier_in_gib_is_sized_as_the_engines(tmp_path, capsys):
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert ("host tier: full pool 64 pages (64.0 KiB) + sliding pool 32 pages (160.0 KiB): "
-            "hit rate device 0.0% + host 32.4% = 32.4%; full KV in the same memory: 37 pages "
-            "(222.0 KiB): 0.0% + 46.7% = 46.7%") in text
+            "hit rate device 0.0% + host 32.4% = 32.4% (0 windows' pages read back under "
+            "device nodes); full KV in the same memory: 37 pages (222.0 KiB): 0.0% + 46.7% = "
+            "46.7%") in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["host_tier"]["capacity_tokens"] == 64 * PAGE
     assert summary["host_tier"]["capacity_bytes"] == 64 * 3584

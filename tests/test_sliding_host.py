@@ -149,3 +149,37 @@ def test_preemption_beside_the_host_tier_keeps_the_tokens(gemma_dir, hf_gemma, m
     for alloc in (tree.allocator, tree.sliding.allocator, tree.host.allocator, tree.host.swa):
         assert alloc.num_free_pages == alloc.num_pages
     assert len(h.sched.mem.host_free) == 32
+
+
+@pytest.mark.parametrize(("page_size", "policy"), [
+    (1, "write_back"), (16, "write_back"), (16, "write_through")])
+def test_a_window_the_sliding_pool_evicted_comes_back_from_the_host_tier(
+        gemma_dir, hf_gemma, page_size, policy):  # noqa: F811
+    """A device pool that holds every prompt beside a sliding pool that keeps few windows: the
+    sliding pool evicts the first prompts' windows while their full KV stays on the device,
+    and they go to the host tier (under write_back with a host copy of their nodes made then).
+    Resent, each prompt hits all but its last token on the device, the windows the sliding
+    pool let go are loaded back from the host tier, and every output equals transformers'."""
+    h = WindowHarness(gemma_dir, page_size=page_size, num_pages=1280 // page_size,
+                      sliding_kv_ratio=0.1, chunked_prefill_size=24, max_prefill_tokens=64,
+                      host_cache_gb=host_cache_gb(gemma_dir, 5120 // page_size, page_size, 0.1),
+                      cache_write_policy=policy)
+    tree = h.sched.tree
+    assert tree.host.swa.num_pages * page_size >= 512  # room for every prompt's window
+    cold = prompts(5, seed=15)
+    for wave in "ab":  # cold, then resent
+        for i, p in enumerate(cold):
+            h.add(f"{wave}{i}", p, GREEDY)
+            h.run()
+        if wave == "a":
+            assert tree.stats.evicted_pages == 0  # every prompt's full KV stayed
+            assert tree.stats.sliding_evicted_pages > 0
+    assert tree.stats.sliding_loaded_pages > 0
+    for i, p in enumerate(cold):
+        expected = hf_greedy(hf_gemma, p, 20)
+        assert h.outputs[f"a{i}"][0] == h.outputs[f"b{i}"][0] == expected, i
+        assert h.finals[f"b{i}"][0].cached_tokens == len(p) - 1, i
+        assert h.finals[f"b{i}"][0].cached_tokens_host == 0, i
+    tree.reset()
+    for alloc in (tree.allocator, tree.sliding.allocator, tree.host.allocator, tree.host.swa):
+        assert alloc.num_free_pages == alloc.num_pages

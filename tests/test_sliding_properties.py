@@ -25,7 +25,7 @@ from radix import WRITE_POLICIES, Lease, OutOfPages, PageAllocator, RadixTree
 from radix.sliding import SlidingKV
 from radix.windows import usable_length
 from tests.radix_sim import Sim
-from tests.test_radix_properties import RadixMachine, TestRadixMachine
+from tests.test_radix_properties import RadixMachine, TestRadixMachine, token_lists
 
 
 class SlidingRadixMachine(RadixMachine):
@@ -46,6 +46,7 @@ class SlidingRadixMachine(RadixMachine):
         self.external = []
         self.pins = []
         self.later = []
+        self.finished = []  # (tokens, namespace) of sequences finished and cached
         self.saved_vector_min = radix.pages.VECTOR_MIN_PAGES
         radix.pages.VECTOR_MIN_PAGES = vector_min
 
@@ -78,6 +79,46 @@ class SlidingRadixMachine(RadixMachine):
         assert self.sim.alloc.num_free_pages == full_free
         if freed < num_pages:
             assert self.sim.sliding.allocator.num_evictable_pages == 0
+
+    @precondition(lambda self: self.sim.running)
+    @rule(index=st.integers(0, 1000), cache=st.booleans())
+    def finish(self, index: int, cache: bool) -> None:
+        seq = self.sim.running[index % len(self.sim.running)]
+        if cache:
+            self.finished.append((list(seq.tokens), seq.namespace))
+        self.sim.finish(seq, cache=cache)
+
+    @precondition(lambda self: self.finished)
+    @rule(index=st.integers(0, 1000), evict=st.booleans())
+    def resend(self, index: int, evict: bool) -> None:
+        """A finished sequence's tokens asked again, maybe after the sliding pool let every
+        unlocked window go: the match may read windows that only the host tier kept for nodes
+        on the device (``acquire`` loads them back)."""
+        tokens, namespace = self.finished[index % len(self.finished)]
+        if evict:
+            self.sim.tree._evict_sliding(self.sim.sliding.allocator.num_pages)
+            self.sim.run_moves()
+        self.admit(tokens, namespace)
+
+    @rule(prompts=st.lists(token_lists, min_size=1, max_size=3))
+    def admit_together(self, prompts: list[list[int]]) -> None:
+        """As the radix machine's, counting the sliding pages apart, as the planner does
+        (windows loaded back from the host tier included): when both fit, every acquire
+        succeeds."""
+        leases = [self.sim.match(tokens) for tokens in prompts]
+        loading: set = set()
+        need = windows = 0
+        for lease, tokens in zip(leases, prompts, strict=True):
+            before = set(loading)
+            need += lease.pages_to_acquire(len(tokens), loading)
+            windows += lease.pages_to_acquire(len(tokens), before, windows=True)
+        if (need > self.sim.tree.num_available_pages
+                or windows > self.sim.sliding.num_available_pages):
+            for lease in leases:
+                lease.unlock()
+            return
+        for lease, tokens in zip(leases, prompts, strict=True):
+            self.sim.take(lease, tokens)
 
 
 TestSlidingRadixMachine = SlidingRadixMachine.TestCase
@@ -128,6 +169,32 @@ def test_a_resend_and_a_next_turn_hit_in_full_and_a_locked_window_survives():
         assert sim.alloc.num_free_pages == 64
 
 
+def _serve_a_prompt_and_its_turn(sim: Sim) -> list[int]:
+    """A 40-token prompt served as the scheduler serves it (its window kept until the tree
+    keeps it), three tokens decoded and the sequence cached; returns the prompt."""
+    prompt = list(range(50, 90))
+    seq = sim.admit(prompt)
+    sim.slide(seq, retain_end=len(prompt))
+    sim.commit(seq, len(prompt), keep=True)
+    sim.grow(seq, [1, 2, 3])
+    sim.slide(seq)
+    sim.finish(seq)
+    return prompt
+
+
+def _next_turn_then_reset(sim: Sim, prompt: list[int]) -> None:
+    """The next turn of ``prompt`` (served with three more tokens) hits its whole history;
+    then a reset leaves all four pools free."""
+    turn = sim.take(sim.match(prompt + [1, 2, 3, 9]), prompt + [1, 2, 3, 9])
+    assert turn.lease.length == len(prompt) + 3
+    sim.check()
+    sim.finish(turn)
+    sim.tree.reset()
+    sim.check()
+    for alloc in (sim.alloc, sim.sliding.allocator, sim.host.allocator, sim.host.swa):
+        assert alloc.num_free_pages == alloc.num_pages
+
+
 def test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes():
     """Under each write policy: a prompt and its turn's windows leave the device with their
     nodes (the host tier's sliding pages), so the resend and the next turn still hit in full
@@ -138,13 +205,7 @@ def test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes():
                                             (4, "write_back", 0)):
         sim = Sim(64, page_size, 64, policy, window=10, sliding_pages=40,
                   host_sliding_pages=host_windows)
-        prompt = list(range(50, 90))
-        seq = sim.admit(prompt)
-        sim.slide(seq, retain_end=len(prompt))
-        sim.commit(seq, len(prompt), keep=True)
-        sim.grow(seq, [1, 2, 3])
-        sim.slide(seq)
-        sim.finish(seq)
+        prompt = _serve_a_prompt_and_its_turn(sim)
         for _ in range(2):  # write_through_selective copies down what was matched twice
             Lease(sim.tree, prompt + [1, 2, 3]).unlock()
             sim.run_moves()
@@ -166,14 +227,7 @@ def test_windows_go_down_to_the_host_tier_and_come_back_with_their_nodes():
         sim.finish(again)
         sim.tree.evict(1000)  # back down: the loaded window is on the host already
         sim.run_moves()
-        turn = sim.take(sim.match(prompt + [1, 2, 3, 9]), prompt + [1, 2, 3, 9])
-        assert turn.lease.length == len(prompt) + 3
-        sim.check()
-        sim.finish(turn)
-        sim.tree.reset()
-        sim.check()
-        for alloc in (sim.alloc, sim.sliding.allocator, sim.host.allocator, sim.host.swa):
-            assert alloc.num_free_pages == alloc.num_pages
+        _next_turn_then_reset(sim, prompt)
 
 
 def test_sliding_pages_run_out_apart_from_full_ones():
@@ -215,3 +269,34 @@ def test_a_running_sequence_holds_its_window_and_a_pin_holds_the_kept_one():
         pin.unlock()
         assert sim.tree._evict_sliding(1000) > 0
         sim.check()
+
+
+def test_a_device_nodes_window_the_sliding_pool_evicted_comes_back_from_the_host_tier():
+    """The sliding pool evicts a prompt's kept window while its full KV stays on the device:
+    the window goes down to the host tier (under write_back with a host copy of the node made
+    then), a resend and a next turn still hit in full, and acquiring loads the window into
+    fresh sliding pages (the sim checks every slot), counted by ``pages_to_acquire``."""
+    for page_size in (1, 4, 16):
+        for policy in ("write_back", "write_through"):
+            sim = Sim(64, page_size, 64, policy, window=10, sliding_pages=40,
+                      host_sliding_pages=40)
+            prompt = _serve_a_prompt_and_its_turn(sim)
+            full_free = sim.alloc.num_free_pages
+            assert sim.tree._evict_sliding(1000) > 0
+            sim.run_moves()
+            sim.check()
+            assert sim.alloc.num_free_pages == full_free  # the full KV stayed on the device
+            assert sim.sliding.allocator.num_free_pages == 40
+            resend = sim.match(prompt)
+            assert resend.length == len(prompt) - 1 and resend.match.host_length == 0
+            window = -(-10 // page_size) + 1
+            needs = resend.pages_to_acquire(len(prompt), windows=True)
+            assert needs - resend.pages_to_acquire(len(prompt)) <= window
+            loaded = sim.tree.stats.sliding_loaded_pages
+            again = sim.take(resend, prompt)
+            assert sim.tree.stats.sliding_loaded_pages > loaded
+            sim.check()
+            sim.finish(again)
+            sim.tree._evict_sliding(1000)  # down again: its host copy has it already
+            sim.run_moves()
+            _next_turn_then_reset(sim, prompt)

@@ -147,7 +147,9 @@ class ReplicaCache:
         device, host = self.media.get(MEDIUM, ()), self.host_windows
         usable = run = 0  # run: kept blocks ending at block k - 1
         for k, h in enumerate(hashes[:found], 1):
-            kept = h in windows if h in device else h in host
+            # a block on the device keeps its window there or in its host copy (a match
+            # loads that back), a host-only one in its host copy
+            kept = h in host or h in device and h in windows
             run = run + 1 if kept or h in coming else 0
             if run >= k - max(0, k * size + 1 - self.window) // size:
                 usable = k

@@ -226,7 +226,8 @@ class SlidingTree(_Tree):
         return {"pages": alloc.num_pages, "peak_pages": self.peak,
                 "evicted_window_pages": self.tree.stats.sliding_evicted_pages,
                 **({"host_pages": host.num_pages,
-                    "host_window_pages": host.swa.num_pages if host.swa is not None else 0}
+                    "host_window_pages": host.swa.num_pages if host.swa is not None else 0,
+                    "loaded_window_pages": self.tree.stats.sliding_loaded_pages}
                    if host is not None else {})}
 
 
@@ -264,6 +265,8 @@ def sliding_summary(pools: SlidingPools | None, radix: CacheRun, full_kv: CacheR
             # a host tier (None without): its full and window pages, the hits found there
             "host_pages": host_pages,
             "host_window_pages": radix.sliding.get("host_window_pages"),
+            # windows the sliding pool evicted under device nodes, read back from the host tier
+            "host_loaded_window_pages": radix.sliding.get("loaded_window_pages"),
             "host_hit_rate": _host_hit_rate(radix, prompt),
             "full_kv_host_pages": pools.full_kv_pages(host_pages) if host_pages else None,
             "full_kv_host_hit_rate": _host_hit_rate(full_kv, prompt),
@@ -304,7 +307,8 @@ def sliding_lines(s: dict[str, Any]) -> list[str]:
             f"  host tier: full pool {pages(s['host_pages'], 'host_full_pool')} + sliding pool "
             f"{pages(s['host_window_pages'], 'host_sliding_pool')}: hit rate device "
             f"{pct(s['hit_rate'])} + host {pct(s['host_hit_rate'])} = "
-            f"{pct(s['hit_rate'] + s['host_hit_rate'])}; full KV in the same memory: "
+            f"{pct(s['hit_rate'] + s['host_hit_rate'])} ({s['host_loaded_window_pages']:,} "
+            f"windows' pages read back under device nodes); full KV in the same memory: "
             f"{pages(s['full_kv_host_pages'], 'host_full_kv')}: {pct(s['full_kv_hit_rate'])} + "
             f"{pct(s['full_kv_host_hit_rate'])} = "
             f"{pct(s['full_kv_hit_rate'] + s['full_kv_host_hit_rate'])}")
