@@ -50,7 +50,8 @@ def sliding_stats(tree: RadixTree) -> dict[str, int]:
     alloc = tree.sliding.allocator
     return {"sliding_pages_total": alloc.num_pages, "sliding_pages_used": alloc.num_pinned_pages,
             "sliding_pages_cached": alloc.num_evictable_pages,
-            "sliding_evicted_pages": tree.stats.sliding_evicted_pages}
+            "sliding_evicted_pages": tree.stats.sliding_evicted_pages,
+            "sliding_loaded_pages": tree.stats.sliding_loaded_pages}
 
 
 class StepWork:

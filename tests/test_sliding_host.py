@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine.contracts.protocol import SchedulerStats
 from engine.contracts.sampling_params import SamplingParams
+from engine.server.metrics import _sliding_pages
 from engine.worker.kv_pool import KVPool
 from engine.worker.model.config import ModelConfig
 from tests.test_scheduler import hf_greedy
@@ -175,6 +177,11 @@ def test_a_window_the_sliding_pool_evicted_comes_back_from_the_host_tier(
             assert tree.stats.evicted_pages == 0  # every prompt's full KV stayed
             assert tree.stats.sliding_evicted_pages > 0
     assert tree.stats.sliding_loaded_pages > 0
+    # and /metrics counts them
+    stats = SchedulerStats(**{k: v for k, v in h.sched.stats().items()
+                              if k in SchedulerStats.__struct_fields__})
+    loaded = {m.name: m.samples[0].value for m in _sliding_pages(stats)}
+    assert loaded["radixserve_sliding_kv_loaded_pages"] == tree.stats.sliding_loaded_pages
     for i, p in enumerate(cold):
         expected = hf_greedy(hf_gemma, p, 20)
         assert h.outputs[f"a{i}"][0] == h.outputs[f"b{i}"][0] == expected, i

@@ -209,6 +209,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     sliding_pages_used: int = 0  # held by running requests' windows or locked nodes
     sliding_pages_cached: int = 0  # windows the prefix cache keeps, evictable
     sliding_evicted_pages: int = 0
+    sliding_loaded_pages: int = 0  # evicted windows of cached prefixes read back from the host tier
     # the host tier of the prefix cache (radix/host.py); pages_total is 0 when it is off
     host_cache_pages_total: int = 0
     host_cache_pages_used: int = 0  # holding KV (pinned or evictable)

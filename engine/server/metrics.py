@@ -105,6 +105,9 @@ def _sliding_pages(s: SchedulerStats) -> Iterator[Metric]:
     yield CounterMetricFamily(f"{PREFIX}_sliding_kv_evicted_pages", "Sliding-window pages "
                               "of cached windows evicted (their full KV stays cached).",
                               value=s.sliding_evicted_pages)
+    yield CounterMetricFamily(f"{PREFIX}_sliding_kv_loaded_pages", "Sliding-window pages of "
+                              "evicted cached windows read back from their host copies.",
+                              value=s.sliding_loaded_pages)
 
 
 def _kv_cache(info: ModelInfo, pages: int) -> Iterator[Metric]:
