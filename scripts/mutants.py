@@ -187,7 +187,7 @@ MUTANTS = (
     Mutant("sliding-host-window-evicted", "a window the device drops goes to its node's host "
            "copy first", "radix/windows.py",
            "            if node.host_pages:\n                self._write_windows(node)\n",
-           "",
+           "            if node.host_pages:\n                pass\n",
            ("tests/test_sliding_host.py::test_windows_go_to_the_host_tier_and_come_back",)),
     Mutant("sliding-host-admission", "admission counts sliding pages for a host load's "
            "window only", "scheduler/planner.py",

@@ -1,9 +1,11 @@
 """scripts/mutants.py's list, without running it (``make mutants`` does): every mutant's
-snippet is found exactly once in its file and changes it, its name is its own, and the tests it
-names exist and are fast ones, so that code moving on shows here first."""
+snippet is found exactly once in its file and changes it into code that still parses (a mutant
+that breaks the syntax tests nothing), its name is its own, and the tests it names exist and
+are fast ones, so that code moving on shows here first."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 import sys
@@ -23,6 +25,8 @@ def test_every_mutant_changes_one_place_and_names_fast_tests_that_exist():
         text = (ROOT / m.path).read_text()
         assert text.count(m.original) == 1, f"{m.name}: its snippet is not in {m.path} once"
         assert m.replacement != m.original and m.tests and m.invariant, m.name
+        if m.path.endswith(".py"):
+            ast.parse(text.replace(m.original, m.replacement), m.path)  # SyntaxError: it names the line
         for test in m.tests:
             file, _, function = test.partition("::")
             source = (ROOT / file).read_text()
