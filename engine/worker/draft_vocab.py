@@ -60,9 +60,9 @@ class DraftVocab:
             return
         self.extra = np.concatenate([self.extra, new])[-MAX_EXTRA:]
         self._columns = None
-        if self._head is not None:
-            self._extra_rows = self._full.rows_dense(torch.from_numpy(self.extra),
-                                                     torch.float32)
+        if self._head is not None:  # widen the new rows only; the oldest drop out as the ids
+            rows = self._full.rows_dense(torch.from_numpy(new), torch.float32)
+            self._extra_rows = torch.cat([self._extra_rows, rows])[-MAX_EXTRA:]
 
     def ids(self, device: torch.device | None = None) -> torch.Tensor:
         """The token id of each of the subset's logits columns (on ``device``)."""
