@@ -28,7 +28,7 @@ from engine.contracts.protocol import (
     decode,
     encode,
 )
-from engine.contracts.worker_messages import BatchResult, WorkerReady
+from engine.contracts.worker_messages import BatchResult, ForwardBatch, WorkerReady
 from scheduler.kv_events import BlockEvents, KVEventPublisher
 from scheduler.refill import RefillWait, ends_next_step
 from scheduler.scheduler import Scheduler
@@ -157,9 +157,17 @@ class SchedulerLoop:
             result_at = time.monotonic()
             before = len(self.sched.requests)
             self.sched.process_result(result)
-            self.refill.finished(before - len(self.sched.requests), self._settling(),
-                                 len(self.sched.waiting))
+            self.refill.finished(before - len(self.sched.requests), self._settling())
         return result_at
+
+    def _plan(self) -> ForwardBatch | None:
+        """The next step's batch (None: nothing to run); what a step with admission open
+        leaves waiting is a backlog, nobody's replacement (scheduler/refill.py)."""
+        admit = self._admits()
+        batch = self.sched.schedule(admit=admit)
+        if admit:
+            self.refill.admitted(len(self.sched.waiting))
+        return batch
 
     def _step(self) -> None:
         sched = self.sched
@@ -169,7 +177,7 @@ class SchedulerLoop:
         for msg in self.aborts:
             sched.abort(msg.rid, msg.reason, msg.index)
         self.aborts.clear()
-        batch = sched.schedule(admit=self._admits())
+        batch = self._plan()
         if batch is not None:
             self.to_worker.send(encode(batch))
         elif sched.idle and not self.checked:

@@ -11,8 +11,10 @@ cohorts stay split: each finishes a step apart from the other, and so are their 
 So the scheduler process (scheduler/process.py) holds back:
 
 - the whole next step, while nothing runs and fewer requests have arrived than finished since
-  the engine began to settle (those already waiting then, a backlog, count as arrived), for at
-  most ``--refill-wait-ms`` (default 50, at most 1000) after the last finish;
+  the engine began to settle, for at most ``--refill-wait-ms`` (default 50, at most 1000) after
+  the last finish. A backlog (requests a step planned with admission open left waiting: more
+  than it takes) counts as arrived; requests that came after that step are replacements, also
+  where they replaced a cohort that ended a step before the last one;
 - the admission of waiting requests (the running ones decode on), while every running request
   ends at its next step (its last token by ``max_tokens``): the engine is settling, and the
   requests waiting now prefill beside the replacements of those about to end, one step later.
@@ -46,17 +48,25 @@ class RefillWait:
         self.wait_s, self.clock = wait_s, clock
         self.expected = 0  # replacements still awaited
         self.deadline = 0.0
+        self.backlog = 0  # requests the last step planned with admission open left waiting
 
-    def finished(self, count: int, settling: bool, waiting: int = 0) -> None:
+    def admitted(self, waiting: int) -> None:
+        """A step was planned with admission open and left ``waiting`` requests waiting: they
+        did not fit (a backlog), so they are nobody's replacements."""
+        self.backlog = waiting
+
+    def finished(self, count: int, settling: bool) -> None:
         """A step's result ended ``count`` requests; ``settling``: every request still running
-        ends at its next step (none running: the engine is idle); ``waiting``: requests waiting
-        now. Those waiting as the engine begins to settle (a backlog) take as many finished
-        requests' places: fewer replacements are awaited, none where the backlog fills them."""
+        ends at its next step (none running: the engine is idle). The backlog takes as many
+        finished requests' places: fewer replacements are awaited, none where it fills them.
+        A cohort that ended a step earlier and was replaced already does not make the next
+        cohort's replacements a backlog: those arrivals came after the last admitting step."""
         if not settling or self.wait_s <= 0:
             self.expected = 0
             return
-        if not self.expected:
-            count -= waiting
+        taken = min(self.backlog, count)
+        self.backlog -= taken
+        count -= taken
         if count > 0:
             self.expected += count
             self.deadline = self.clock() + self.wait_s

@@ -83,18 +83,21 @@ def _arrive(h: Harness, loop: SchedulerLoop, rid: str, prompt: list[int], params
     loop.refill.arrived()
 
 
-def _iterate(h: Harness, loop: SchedulerLoop) -> list[str] | None:
-    """One pass of the loop with nothing in flight: the rids of the step it ran (None: held)."""
+def _iterate(h: Harness, loop: SchedulerLoop, during=None) -> list[str] | None:
+    """One pass of the loop with nothing in flight: the rids of the step it ran (None: held);
+    ``during``, if given, is called while the step runs (after it was planned)."""
     if loop._hold():
         return None
-    batch = h.sched.schedule(admit=loop._admits())
+    batch = loop._plan()
     if batch is None:
         return None
     rids = [e.seq.req.rid for e in h.sched.inflight[-1][1]]
+    if during is not None:
+        during()
     result = h.worker.step(decode(encode(batch)))
     before = len(h.sched.requests)
     h.sched.process_result(decode(encode(result)))
-    loop.refill.finished(before - len(h.sched.requests), loop._settling(), len(h.sched.waiting))
+    loop.refill.finished(before - len(h.sched.requests), loop._settling())
     h.sched.check()
     for out in h.sched.take_outputs().get(0, []):
         seqs = h.outputs.setdefault(out.rid, {})
@@ -164,6 +167,50 @@ def test_a_backlog_is_not_held_for_replacements(model_dir):  # noqa: F811
     assert _iterate(h, loop) == ["r0", "r1"]  # they end; r2 and r3 waited all along
     assert not h.sched.running and len(h.sched.waiting) == 2
     assert _iterate(h, loop) == ["r2", "r3"]  # not held: no clock moves
+    while h.sched.running:
+        _iterate(h, loop)
+    h.assert_idle_clean()
+
+
+def test_a_backlog_is_what_an_admitting_step_left_waiting():
+    clock = Clock()
+    refill = RefillWait(WAIT, clock=clock)
+    refill.admitted(2)  # two did not fit
+    refill.finished(3, settling=True)
+    assert refill.expected == 1  # the backlog takes two of the three places
+    refill.arrived()
+    refill.finished(2, settling=True)  # no step admitted since: nothing is a backlog now
+    assert refill.expected == 2
+
+
+def test_a_cohort_replaced_a_step_early_waits_for_the_next_cohorts_replacements(model_dir):  # noqa: F811
+    """Cohorts ending a step apart: the first cohort's replacements, in before the second
+    cohort's last step ends, are not a backlog; the second's are awaited, and all prefill in
+    one step (counting them as a backlog ran the early ones beside only some of the rest, and
+    the cohorts stayed split: docs/benchmarks.md, "Prefill on AMX")."""
+    clock = Clock()
+    h = Harness(model_dir, overlap_schedule="off")
+    loop = _loop(h, clock)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    longer = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        _arrive(h, loop, f"a{i}", [7 + i, 8, 9], short)
+    for i in range(3):
+        _arrive(h, loop, f"b{i}", [17 + i, 8, 9], longer)
+    assert len(_iterate(h, loop)) == 5
+    assert len(_iterate(h, loop)) == 5  # the a's end; the b's end at their next step
+    assert loop.refill.expected == 2
+
+    def replace_the_as() -> None:
+        for i in range(2):
+            _arrive(h, loop, f"c{i}", [27 + i, 8, 9], short)
+
+    assert _iterate(h, loop, during=replace_the_as) == ["b0", "b1", "b2"]
+    assert not h.sched.running and loop.refill.expected == 3
+    assert _iterate(h, loop) is None  # held for the b's replacements
+    for i in range(3):
+        _arrive(h, loop, f"d{i}", [37 + i, 8, 9], short)
+    assert _iterate(h, loop) == ["c0", "c1", "d0", "d1", "d2"]
     while h.sched.running:
         _iterate(h, loop)
     h.assert_idle_clean()
