@@ -29,6 +29,7 @@ class SampledRows:
         # the draft model's drafts, for the entries that asked for them (engine/worker/draft.py)
         self.draft_counts = unpack_ids(result.draft_counts)
         self.draft_ids = unpack_ids(result.draft_ids)
+        self.grammar_drafts = unpack_ids(result.grammar_drafts)  # kept under a grammar
 
     def after(self, row: int) -> list[int]:
         """Row ``row``'s sample followed by the tokens its grammar forced."""

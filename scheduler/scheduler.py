@@ -259,7 +259,8 @@ class Scheduler(Forking, Reporting):
         refused = dict(result.grammar_failures)  # row: why its grammar did not compile
         next_row = 0  # an entry's logits rows follow the previous entry's
         beam_rows: dict[int, list[tuple[Seq, int]]] = {}
-        accepted = self._accepted(entries, rows)
+        # each verification's drafts and those accepted (scheduler/speculation.py)
+        verified = self.speculator.verified(entries, rows) if self.speculator else {}
         for entry in entries:
             seq, row = entry.seq, next_row
             next_row += entry.samples
@@ -277,15 +278,16 @@ class Scheduler(Forking, Reporting):
                 # last token's KV (its sample is dropped), so the turn is cached to its end.
                 self._finish(seq, seq.finish_reason)
                 continue
-            if entry.drafts:
+            if row in verified:
                 # Verification: the accepted drafts' KV is kept, the rest rolls back.
-                kept = self.speculator.accept(seq, len(entry.drafts), accepted[row],
-                                              entry.model_drafts)
+                kept = self.speculator.accept(seq, *verified[row], entry.model_drafts)
                 seq.computed = seq.settled = entry.end + kept - 1
                 self.mem.trim(seq, seq.computed + 1)
-                self._append(seq, rows.tokens[row : row + kept].tolist(), rows, row)
+                last = row + kept - 1  # the tokens a grammar forced follow the last
+                self._append(seq, [*rows.tokens[row:last].tolist(), *rows.after(last)], rows, row)
                 if seq.status is Status.RUNNING:  # a stop inside the drafts ends the tokens
                     seq.computed = seq.settled = min(seq.computed, len(seq.tokens) - 1)
+                self._grammar_ended(seq, last in rows.grammar_ended)
                 continue
             if entry.extend > 1:
                 self.mem.commit(seq, entry.end)
@@ -311,20 +313,6 @@ class Scheduler(Forking, Reporting):
                            "log has the details")
         for req in [r for r in self.running if not r.live_seqs()]:
             self._retire(req)
-
-    def _accepted(self, entries: list[Entry], rows: SampledRows) -> dict[int, int]:
-        """Drafts accepted by each verification of the step (the draft model's filled in
-        first), by its first logits row: all of them in one pass (scheduler/speculation.py)."""
-        Speculator.fill_model_drafts(entries, rows.draft_counts, rows.draft_ids)
-        verifies, row = [], 0
-        for entry in entries:
-            if entry.drafts:
-                verifies.append((row, entry.drafts))
-            row += entry.samples
-        if not verifies:
-            return {}
-        counts = self.speculator.accepted(rows.tokens, verifies).tolist()
-        return {first: count for (first, _), count in zip(verifies, counts, strict=True)}
 
     def _loads_ended(self, result: BatchResult) -> None:
         """Sequences whose loads ended run from the tokens that arrived."""

@@ -39,6 +39,12 @@ Adaptive rules, so that drafting never costs more than it brings:
   happens again (back to the first length once half of a verification's drafts are
   accepted), then drafts one token as a probe, whatever it costs.
 
+A constrained sequence (structured output) drafts too: the model worker keeps its drafts up to
+the first its grammar does not (refused, or ending the grammar or making it force tokens),
+verifies each row under the grammar's mask after the drafts before it, and says how many it
+kept (``BatchResult.grammar_drafts``; a cut draft counts as rejected, engine/worker/
+grammar_drafts.py); the tokens the grammar forces after the emitted ones follow them.
+
 The state is the sequence's: preemption (recompute or swap) keeps it. No sequence drafts while
 more than ``disable_by_batch_size`` run. Not drafted: beams, rows with penalties (their
 sampler reads the whole history), a session's closing step, prefill chunks, a step that
@@ -72,6 +78,7 @@ from scheduler.suffix_index import SuffixIndex
 
 if TYPE_CHECKING:
     from radix.tree import RadixTree
+    from scheduler.outputs import SampledRows
     from scheduler.request import Seq
 
 
@@ -128,8 +135,8 @@ class Speculator:
         """Draft tokens for ``seq``'s next decode step (empty: decode as usual); ``limit`` is
         the length the sequence may reach, ``num_running`` the sequences running."""
         c = self.config
-        if not self.may_draft(num_running) or seq.req.params.structured_outputs is not None:
-            return []  # a constrained row's grammar state advances one sampled token a step
+        if not self.may_draft(num_running):
+            return []
         if seq.draft_pause > 0:
             seq.draft_pause -= 1
             return []
@@ -156,12 +163,11 @@ class Speculator:
         unit of time (its acceptance and its verify rows' cost; no draft forward) are at least
         what the draft model's best K brings (its acceptance, its drafts' cost), else the
         draft model's; none at a batch size where drafting is off (``DraftModelPolicy.pays``)."""
-        if self.model is not None and self.may_draft(num_running) and (
-                seq.req.params.structured_outputs is None) and not self.model.pays(num_running):
+        if self.model is not None and self.may_draft(num_running) and not self.model.pays(
+                num_running):
             return [], False  # no drafts of either kind at this batch size
         drafts = self.drafts_for(seq, limit, num_running)
         if self.model is None or not self.may_draft(num_running) or (
-                seq.req.params.structured_outputs is not None) or (
                 drafts and self._cache_rate(seq, len(drafts), num_running)
                 >= self.model.rate(seq, num_running)):
             return drafts, False
@@ -173,15 +179,28 @@ class Speculator:
         return draft_rate(acceptance(seq), max(self.costs.share(num_running), MIN_SHARE),
                           count)
 
-    @staticmethod
-    def fill_model_drafts(entries: list, counts: np.ndarray, ids: np.ndarray) -> None:
-        """The drafts the draft model made (a result's ``draft_counts`` and ``draft_ids``, in
-        the order of the entries that asked for them) in place of their placeholders."""
-        at = 0
-        for entry, count in zip((e for e in entries if e.model_drafts), counts.tolist(),
-                                strict=True):
-            entry.drafts = ids[at : at + count].tolist()
-            at += count
+    def verified(self, entries: list, rows: SampledRows) -> dict[int, tuple[int, int]]:
+        """Each verification of a step's result, by its first logits row: the drafts it
+        proposed (the draft model's as the worker made them, ``draft_counts`` and
+        ``draft_ids``, in the order of the entries that asked for them) and how many it
+        accepted, all in one pass (``accepted``). A constrained verification accepts only
+        among the drafts its grammar kept (``grammar_drafts``): a draft cut is one rejected."""
+        made = iter(np.split(rows.draft_ids, np.cumsum(rows.draft_counts)[:-1])
+                    if len(rows.draft_counts) else ())
+        verifies, proposed, row = [], {}, 0
+        for i, entry in enumerate(entries):
+            if entry.drafts:
+                drafts = next(made).tolist() if entry.model_drafts else entry.drafts
+                proposed[row] = len(drafts)
+                if len(rows.grammar_drafts) and rows.grammar_drafts[i] >= 0:
+                    drafts = drafts[: rows.grammar_drafts[i]]
+                if drafts:
+                    verifies.append((row, drafts))
+            row += entry.samples
+        accepted = dict.fromkeys(proposed, 0)
+        accepted.update(zip((r for r, _ in verifies),
+                            self.accepted(rows.tokens, verifies).tolist(), strict=True))
+        return {r: (count, accepted[r]) for r, count in proposed.items()}
 
     @staticmethod
     def accepted(tokens: np.ndarray, verifies: list[tuple[int, list[int]]]) -> np.ndarray:

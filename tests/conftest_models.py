@@ -10,6 +10,7 @@ weight matters.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,20 @@ def write_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def noisy_copy(source: str | Path, dest: str | Path, scale: float, seed: int) -> str:
+    """A copy of the checkpoint at ``source`` in ``dest``, its matrices with Gaussian noise of
+    ``scale`` times each one's spread added: a draft model that mostly agrees with it."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    weights = load_file(f"{dest}/model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {k: v + scale * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v
+             for k, v in weights.items()}
+    save_file(noisy, f"{dest}/model.safetensors", metadata={"format": "pt"})
+    return str(dest)
 
 
 def load_reference(path: str | Path) -> torch.nn.Module:

@@ -25,7 +25,7 @@ from engine.server.metrics import FrontendState, Metrics
 from engine.worker.draft import check_same_vocabulary
 from scheduler.draft_model import DraftModelPolicy
 from scheduler.speculation import Speculator
-from tests.conftest_models import load_reference, write_checkpoint
+from tests.conftest_models import load_reference, noisy_copy, write_checkpoint
 from tests.test_scheduler import Harness
 from tests.tokenizer_fixtures import byte_level_tokenizer, metaspace_tokenizer
 
@@ -47,15 +47,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     target = _model(root / "target", seed=0)
     same = str(root / "same")
     shutil.copytree(target, same)
-    near = str(root / "near")
-    shutil.copytree(target, near)
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(f"{near}/model.safetensors")
-    gen = torch.Generator().manual_seed(3)
-    noisy = {k: v + 0.12 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v
-             for k, v in weights.items()}
-    save_file(noisy, f"{near}/model.safetensors", metadata={"format": "pt"})
+    near = noisy_copy(target, root / "near", 0.12, seed=3)
     return {"target": target, "same": same, "near": near,
             "other": _model(root / "other", seed=1, num_hidden_layers=1),
             "foreign": _model(root / "foreign", seed=1, tokenizer=metaspace_tokenizer())}
@@ -193,9 +185,9 @@ def watch_draft_reads(h: Harness) -> list[int]:
         written.update(np.asarray(batch.out_slots).tolist())
         return forward(batch)
 
-    def checked_propose(step):
+    def checked_propose(step, guide=None):
         written.clear()
-        return propose(step)
+        return propose(step, guide)
 
     draft.runner.forward, draft.propose = checked_forward, checked_propose
     return read

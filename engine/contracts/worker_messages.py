@@ -117,6 +117,9 @@ class BatchResult(msgspec.Struct, tag=True, kw_only=True):
     # draft_lens named (int32, batch order; fewer where it was unsure) and the ids, in order
     draft_counts: bytes = b""
     draft_ids: bytes = b""
+    # per sequence of the step (int32, batch order): the drafts a constrained verification's
+    # grammar kept (engine/worker/grammar_drafts.py), -1 for the others; empty when none
+    grammar_drafts: bytes = b""
     error: str | None = None
     # loads ended since the last result, (load id, units that arrived: disk blocks, or 1 for
     # a host load), and the disk tier's running totals

@@ -21,7 +21,7 @@ has not computed, and a prefix the draft did compute is cached for it as for the
     the step's tokens   t  _  _  _         t: the last sampled token; _: placeholders
     draft forwards      [missing..]t->d0  d0->d1  d1->d2   (the first catches up, then decodes)
     target's verify     t  d0 d1 d2        placeholders filled; those of drafts not made
-                                           dropped from the step (``trimmed``)
+                                           dropped from the step (``unused``)
 
 Drafts are the draft's argmax over its vocabulary (its first ``draft_vocab_size`` ids and the
 ids of the text it read, engine/worker/draft_vocab.py): a point mass, so the verify step's
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -48,6 +48,7 @@ from engine.contracts.speculative import DEFAULT_DRAFT_VOCAB_SIZE
 from engine.contracts.step import BatchInput, StepBuilder
 from engine.contracts.worker_messages import BatchResult
 from engine.worker.draft_vocab import DraftVocab
+from engine.worker.grammar_drafts import Guide
 from engine.worker.kv_pool import KVPool
 from engine.worker.kv_quant import resolve_kv_dtype
 from engine.worker.model.config import ModelConfig
@@ -209,10 +210,11 @@ class DraftModel:
         self.tokens_computed = 0  # tokens the draft's forwards ran, catching up included
         self.rows_trimmed = 0  # verify rows of drafts never made, dropped from the steps
 
-    def propose(self, step: BatchInput) -> None:
+    def propose(self, step: BatchInput, guide: Guide | None = None) -> None:
         """The step's page moves in the draft's pool, and the drafts of the sequences its
         ``draft_lens`` names into their placeholders (the draft's forwards: what each lacks,
-        then one decode step at a time)."""
+        then one decode step at a time); ``guide``: the constrained sequences' grammars,
+        which mask their drafts (engine/worker/grammar_drafts.py)."""
         drafting = self._step = _Drafting()
         self.slots.move(step)
         starts = np.cumsum(step.extend_lens) - step.extend_lens
@@ -238,7 +240,7 @@ class DraftModel:
             moves = ()
         if drafting.seqs:
             logits = self._forward(builder.finish(*moves), drafting)
-            self._draft(step, starts, draft_lens, drafting, logits)
+            self._draft(step, starts, draft_lens, drafting, logits, guide)
         elif moves and any(len(m) for m in moves):
             self.runner.forward(StepBuilder(self.page_size).finish(*moves))
         wrote = np.concatenate(drafting.wrote) if drafting.wrote else np.zeros(0, np.int64)
@@ -252,86 +254,52 @@ class DraftModel:
         return self.runner.forward(batch)
 
     def _draft(self, step: BatchInput, starts: np.ndarray, draft_lens: np.ndarray,
-               drafting: _Drafting, logits: torch.Tensor) -> None:
+               drafting: _Drafting, logits: torch.Tensor, guide: Guide | None) -> None:
         """The drafts from the first forward's logits on, one decode step of the draft at a
-        time, into the step's placeholders."""
-        tokens, sure = self._pick(logits)
+        time, into the step's placeholders. A constrained sequence's draft is the argmax of
+        what its grammar allows after its drafts so far; its drafts end at the first one the
+        grammar does not keep (proposed, then cut: engine/worker/grammar_drafts.py)."""
+        guide = guide or Guide([], 0, None, None)  # no constrained sequence
+        tokens, sure = self._pick(logits, guide.allowed(drafting.seqs, logits.device,
+                                                        logits.shape[-1]))
         drafting.drafts = [[t] for t in tokens]  # the first draft: always proposed
-        active = [n for n, ok in enumerate(sure) if ok and draft_lens[drafting.seqs[n]] > 1]
+        active = [n for n, ok in enumerate(sure) if ok and draft_lens[drafting.seqs[n]] > 1
+                  and guide.take(drafting.seqs[n], tokens[n])]
         while active:
             builder = StepBuilder(self.page_size)
             for n in active:
                 pages, cached, _ = self._seq(step, starts, drafting.seqs[n])
                 made = drafting.drafts[n]
                 builder.add(pages, cached + len(made), made[-1:])
-            tokens, sure = self._pick(self._forward(builder.finish(), drafting))
+            logits = self._forward(builder.finish(), drafting)
+            tokens, sure = self._pick(logits, guide.allowed(
+                [drafting.seqs[n] for n in active], logits.device, logits.shape[-1]))
             still = []
             for n, token, ok in zip(active, tokens, sure, strict=True):
                 if not ok:
                     continue  # unsure: this draft and any after it are not proposed
                 drafting.drafts[n].append(token)
-                if len(drafting.drafts[n]) < draft_lens[drafting.seqs[n]]:
+                if len(drafting.drafts[n]) < draft_lens[drafting.seqs[n]] and guide.take(
+                        drafting.seqs[n], token):
                     still.append(n)
             active = still
+        guide.rewind()
         step.input_ids = step.input_ids.copy()  # a received step's arrays are read-only
         for n, i in enumerate(drafting.seqs):
             made, k = drafting.drafts[n], int(draft_lens[i])
             first = int(starts[i] + step.extend_lens[i]) - k
             step.input_ids[first : first + k] = made + made[-1:] * (k - len(made))
 
-    def trimmed(self, step: BatchInput) -> tuple[BatchInput, np.ndarray | None]:
-        """``step`` (after ``propose``) without the placeholders no draft filled (a sequence
-        whose draft stopped early: the verify rows of drafts never made), and which of its
-        logits rows the trimmed step keeps (None: ``step`` itself, nothing to trim). Their
-        samples are never read (a verification accepts at most the drafts made), nor their
-        KV (past the kept tokens)."""
-        drafting = self._step
-        if drafting is None or not drafting.seqs:
-            return step, None
+    def unused(self, step: BatchInput) -> np.ndarray:
+        """Per sequence of ``step`` (after ``propose``), the placeholders no draft filled (a
+        sequence whose draft stopped early: the verify rows of drafts never made, which
+        engine/worker/verify_rows.py drops from the model's step)."""
         unused = np.zeros(step.num_seqs, np.int64)
-        for n, i in enumerate(drafting.seqs):
+        drafting = self._step
+        for n, i in enumerate(drafting.seqs if drafting is not None else ()):
             unused[i] = int(step.draft_lens[i]) - len(drafting.drafts[n])
-        if not unused.any():
-            return step, None
         self.rows_trimmed += int(unused.sum())
-        ends = np.cumsum(step.extend_lens)
-        tokens = np.ones(step.num_tokens, bool)
-        for i in np.flatnonzero(unused).tolist():
-            tokens[ends[i] - unused[i] : ends[i]] = False
-        rows = step.resolved_logits_rows()
-        keep = np.flatnonzero(tokens[rows])
-        seq_lens = step.seq_lens - unused
-        needed = -(-seq_lens // self.page_size)
-        pages = np.concatenate([np.arange(a, a + n) for a, n in
-                                zip(step.page_indptr[:-1].tolist(), needed.tolist())])
-        per_token = ("input_ids", "positions", "out_slots") + (
-            ("swa_out_slots",) if len(step.swa_out_slots) else ())
-        return msgspec.structs.replace(
-            step, **{name: np.asarray(getattr(step, name))[tokens] for name in per_token},
-            extend_lens=(step.extend_lens - unused).astype(np.int32),
-            seq_lens=seq_lens.astype(np.int32),
-            page_indptr=np.concatenate([[0], np.cumsum(needed)]).astype(np.int32),
-            page_indices=step.page_indices[pages],
-            swa_page_indices=(step.swa_page_indices[pages] if len(step.swa_page_indices)
-                              else step.swa_page_indices),
-            logits_rows=((np.cumsum(tokens) - 1)[rows[keep]]).astype(np.int32),
-            draft_lens=(step.draft_lens - unused).astype(np.int32)), keep
-
-    @staticmethod
-    def untrimmed(out, keep: np.ndarray | None, num_rows: int):
-        """The sampler's ``out`` of a trimmed step (``trimmed``'s ``keep``) at the full step's
-        ``num_rows`` logits rows: the rows it dropped hold zeros."""
-        if keep is None:
-            return out
-        wide = {}
-        for f in fields(out):
-            value = getattr(out, f.name)
-            if isinstance(value, np.ndarray):
-                full = np.zeros((num_rows, *value.shape[1:]), value.dtype)
-                full[keep] = value
-                value = full
-            wide[f.name] = value
-        return replace(out, **wide)
+        return unused
 
     def settle(self, step: BatchInput, sampled: np.ndarray, result: BatchResult) -> None:
         """After the sampler: the step's drafts into ``result``."""
@@ -349,11 +317,17 @@ class DraftModel:
         ids = step.input_ids[starts[i] : starts[i] + extend].tolist()
         return pages, int(step.seq_lens[i]) - extend, ids
 
-    def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-        """Each row's argmax (over the draft's vocabulary, ``vocab``) and whether the draft's
-        probability of it reaches ``min_prob`` (one copy to the host)."""
+    def _pick(self, logits: torch.Tensor,
+              allowed: torch.Tensor | None = None) -> tuple[list[int], list[bool]]:
+        """Each row's argmax (over the draft's vocabulary, ``vocab``; of the tokens
+        ``allowed`` where given, [rows, vocab] bool) and whether the draft's probability of it
+        (among those) reaches ``min_prob`` (one copy to the host)."""
         if self.vocab is not None:
             logits = self.vocab.columns(logits)
+            if allowed is not None:
+                allowed = allowed[:, self.vocab.ids(allowed.device)]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         best, token = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         if self.vocab is not None:
             token = self.vocab.ids(token.device)[token]

@@ -116,6 +116,7 @@ class Worker:
 
     def step(self, msg: ForwardBatch) -> BatchResult:
         from engine.worker.sampler import sample
+        from engine.worker.verify_rows import kept_rows, widened, without_drafts
 
         # Until this batch samples, a failure leaves placeholder rows for the next batch to read
         # (their sequences fail with this batch; the scheduler drops what the next one computes
@@ -128,19 +129,23 @@ class Worker:
         self.grammars.release(msg.released_grammars)
         masks, grammar_failure = None, None
         try:
-            masks = self.grammars.start_masks(msg.sampling)  # filled while the forward runs
+            masks = self.grammars.start_masks(msg.sampling, step)  # filled during the forward
         except Exception as exc:
             # Raised after the forward: the batch's page moves (copies down to the host tier,
             # loads, copy-on-write) must run, since the scheduler's tree already counts on them.
             grammar_failure = exc
         prompt_rows = unpack_ids(msg.prompt_rows)
         sampling, keep = msg.sampling, None
+        unused = np.zeros(step.num_seqs, np.int64)  # verify rows of drafts not made or cut
         if self.draft is not None:
-            self.draft.propose(step)  # its page moves and forwards; the drafts into the step
-            if not len(prompt_rows) and masks is None:  # their rows are the full step's
-                step, keep = self.draft.trimmed(step)  # no verify rows of drafts not made
-                if keep is not None:
-                    sampling = [msg.sampling[r] for r in keep.tolist()]
+            # its page moves and forwards; the drafts into the step
+            self.draft.propose(step, self.grammars.guide(masks))
+            unused += self.draft.unused(step)
+        if masks is not None and masks.verifies:
+            unused += self.grammars.cut_drafts(masks, step, unused)
+        if unused.any() and not len(prompt_rows):  # prompt rows are the full step's
+            step, keep = without_drafts(step, unused, self.runner.page_size)
+            sampling = [msg.sampling[r] for r in keep.tolist()]
         if len(prompt_rows):
             # Prompt logprobs: the logits of those rows too, after the sampled rows'.
             step.logits_rows = np.concatenate([step.resolved_logits_rows(), prompt_rows])
@@ -153,10 +158,9 @@ class Worker:
             logits, prompt_logits = logits[: len(msg.sampling)], logits[len(msg.sampling):]
         allowed = None
         if masks is not None and masks.rows:
-            allowed = masks.rows, self.grammars.allowed(masks, logits.device, logits.shape[-1])
-        out = sample(logits, rows, allowed)
-        if keep is not None:
-            out = self.draft.untrimmed(out, keep, len(msg.sampling))
+            allowed = kept_rows(masks.rows, self.grammars.allowed(
+                masks, logits.device, logits.shape[-1]), keep, len(msg.sampling))
+        out = widened(sample(logits, rows, allowed), keep, len(msg.sampling))
         self.last_tokens = out.token_ids.astype(np.int32, copy=False)
         result = BatchResult(
             batch_id=msg.batch_id,
@@ -180,8 +184,13 @@ class Worker:
     def _grammar_outputs(self, result: BatchResult, msg: ForwardBatch, masks,
                          token_ids: np.ndarray) -> None:
         """The grammars take the sampled tokens: what each forced after its sample, and which
-        can take nothing more, go into ``result``."""
+        can take nothing more, go into ``result``; so do the drafts each constrained
+        verification's grammar kept."""
         advanced = self.grammars.advance(msg.sampling, masks, token_ids)
+        if masks.verifies:
+            kept = np.full(msg.step.num_seqs, -1, np.int32)
+            kept[[v.seq for v in masks.verifies]] = [v.kept for v in masks.verifies]
+            result.grammar_drafts = kept.tobytes()
         if advanced.forced:
             counts = np.zeros(len(msg.sampling), dtype=np.int32)
             counts[list(advanced.forced)] = [len(ids) for ids in advanced.forced.values()]
