@@ -69,9 +69,13 @@ class StepWork:
 class SeqMemory:
     def __init__(self, tree: RadixTree, num_host_pages: int = 0,
                  disk: DiskTier | None = None, loads: PendingLoads | None = None,
-                 host_loads_aside: bool = False) -> None:
+                 host_loads_aside: bool = False, saves_at_release: bool = False) -> None:
         self.tree = tree
         self.disk = disk
+        # A draft model computes its KV of a prompt once the sequence drafts, after the
+        # prefilled chunks were cached: its blocks then go to disk when the sequence is
+        # released, with the draft's KV beside the model's (engine/worker/draft_tiers.py).
+        self.saves_at_release = saves_at_release
         self.loads = loads if loads is not None else PendingLoads()
         # the host tier loads into waiting sequences' own pages on the worker's I/O thread
         # (one worker: under tensor parallel every rank must copy its share in the step)
@@ -199,7 +203,8 @@ class SeqMemory:
         finishes, and its lock holds them until then."""
         keep = upto >= seq.req.prompt_len
         seq.lease.commit(seq.pages, seq.tokens[:upto], keep=keep)
-        self._save(seq, upto, windows=keep)
+        if not self.saves_at_release:
+            self._save(seq, upto, windows=keep)
 
     def _save(self, seq: Seq, upto: int, windows: bool = True) -> None:
         """Write ``seq``'s blocks up to ``upto`` tokens through to the disk tier (``windows``:

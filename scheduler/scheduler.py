@@ -67,13 +67,15 @@ class Scheduler(Forking, Reporting):
                               info.disk_ready, self.tree.sliding)
                      if info.disk_block_tokens else None)
         self.disk_io = BatchResult(batch_id=0)  # the worker's latest disk totals
+        speculative = config.speculative()
         self.mem = SeqMemory(self.tree, info.num_host_pages, self.disk, self.loads,
-                             host_loads_aside=config.tp_size == 1)
+                             host_loads_aside=config.tp_size == 1,
+                             saves_at_release=speculative is not None
+                             and speculative.model is not None)
         pinnable = config.max_pinned_tokens
         if pinnable is None:
             pinnable = info.num_pages * info.page_size // 2
         self.sessions = SessionPins(self.tree, pinnable)
-        speculative = config.speculative()
         self.speculator = (Speculator(speculative, self.tree) if speculative is not None
                            else None)
         self.planner = StepPlanner(config, info, self.mem, self.sessions, self.speculator)

@@ -254,7 +254,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         check_declared(self)
         speculative = self.speculative()
         if speculative is not None:
-            speculative.check_serving(self.tp_size, self.host_cache_gb, self.disk_cache_dir)
+            speculative.check_serving(self.tp_size)
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError("--preemption-mode swap needs --num-host-pages > 0")
         if self.cache_write_policy != "write_back" and not self.host_cache_gb:

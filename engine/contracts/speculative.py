@@ -127,17 +127,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ValueError("--speculative-config: the draft_model method needs the draft's "
                              "\"model\" (a checkpoint directory or a .gguf file)")
 
-    def check_serving(self, tp_size: int, host_cache_gb: float | None,
-                      disk_cache_dir: str | None) -> None:
+    def check_serving(self, tp_size: int) -> None:
         """ValueError with a sentence for an option a draft model does not run with: its KV
-        pages are neither sharded over tensor-parallel ranks nor copied to the host or disk
-        tiers."""
-        if self.model is None:
-            return
-        for given, option in ((tp_size > 1, "--tp-size above 1"),
-                              (bool(host_cache_gb), "--host-cache-gb"),
-                              (disk_cache_dir is not None, "--disk-cache-dir")):
-            if given:
-                raise ValueError(f"--speculative-config: a draft model does not run with "
-                                 f"{option} (its KV is neither sharded nor copied to the "
-                                 f"cache's host and disk tiers)")
+        pages are not sharded over tensor-parallel ranks (the host and disk tiers carry them
+        with the model's: engine/worker/draft_tiers.py)."""
+        if self.model is not None and tp_size > 1:
+            raise ValueError("--speculative-config: a draft model does not run with --tp-size "
+                             "above 1 (its KV is not sharded over the ranks)")

@@ -131,25 +131,43 @@ class DraftSlots:
     """Per slot of the pool's pages: the token whose KV the model's pool holds there and
     whether the draft's pool holds that token's KV too (``ok``). Every step writes the model's
     slots; the draft's only for the sequences it drafts for. Page moves carry the record with
-    the KV (a page swapped out keeps its record in ``host``), so a prefix the radix tree
-    matches tells the draft which of its slots it still has to compute, and from which
-    tokens."""
+    the KV (a page swapped out or written down to the host tier keeps its record in
+    ``host_tokens`` / ``host_ok``; the tiers' loads beside the steps and disk blocks carry it
+    too: engine/worker/draft_tiers.py), so a prefix the radix tree matches tells the draft
+    which of its slots it still has to compute, and from which tokens.
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    A page's host copy may be older than the draft's KV of it (a write-through policy copies a
+    prompt down when it is cached, before the sequence drafts): ``host_of`` names, per device
+    page, the host page holding a copy of the model's KV there (written down or loaded from),
+    until the model writes the page again or the host page is written over; the draft's KV
+    computed later into such a page goes to its host copy too (``written``)."""
+
+    def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0) -> None:
         self.page_size = page_size
         self.tokens = np.zeros(num_pages * page_size, np.int32)
         self.ok = np.zeros(num_pages * page_size, bool)
-        self.host: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.host_tokens = np.zeros(num_host_pages * page_size, np.int32)
+        self.host_ok = np.zeros(num_host_pages * page_size, bool)
+        self.host_of = np.full(num_pages, -1, np.int64)
+
+    def page_slots(self, pages: np.ndarray) -> np.ndarray:
+        """Every slot of ``pages``, page after page."""
+        return (np.asarray(pages, np.int64)[:, None] * self.page_size
+                + np.arange(self.page_size)).reshape(-1)
 
     def move(self, step: BatchInput) -> None:
         """The step's swaps, then its copies (the order the runners move the KV in)."""
         size = self.page_size
-        for device, host in np.asarray(step.swap_out).tolist():
-            at = slice(device * size, (device + 1) * size)
-            self.host[host] = (self.tokens[at].copy(), self.ok[at].copy())
-        for host, device in np.asarray(step.swap_in).tolist():
-            at = slice(device * size, (device + 1) * size)
-            self.tokens[at], self.ok[at] = self.host[host]
+        out = np.asarray(step.swap_out).reshape(-1, 2)
+        back = np.asarray(step.swap_in).reshape(-1, 2)
+        self.copied_down(out)
+        if len(out):
+            self.host_of[np.isin(self.host_of, out[:, 1])] = -1  # host pages written over
+            self.host_of[out[:, 0]] = out[:, 1]
+        host, device = self.page_slots(back[:, 0]), self.page_slots(back[:, 1])
+        self.tokens[device], self.ok[device] = self.host_tokens[host], self.host_ok[host]
+        self.host_of[back[:, 1]] = back[:, 0]
+        self.host_of[np.asarray(step.copies).reshape(-1, 3)[:, 1]] = -1
         for src, dst, n in np.asarray(step.copies).tolist():
             self.tokens[dst * size : dst * size + n] = self.tokens[src * size : src * size + n]
             self.ok[dst * size : dst * size + n] = self.ok[src * size : src * size + n]
@@ -166,12 +184,22 @@ class DraftSlots:
         ok = self.ok[self.slots(pages, 0, cached)]
         return cached if ok.all() else int(ok.argmin())
 
-    def written(self, slots: np.ndarray, ids: np.ndarray, drafted: np.ndarray) -> None:
+    def copied_down(self, pairs: np.ndarray) -> None:
+        """(device page, host page) rows: the host pages' record is now the device pages'."""
+        device, host = self.page_slots(pairs[:, 0]), self.page_slots(pairs[:, 1])
+        self.host_tokens[host], self.host_ok[host] = self.tokens[device], self.ok[device]
+
+    def written(self, slots: np.ndarray, ids: np.ndarray, drafted: np.ndarray) -> np.ndarray:
         """The model wrote ``ids`` at ``slots``; the draft wrote the same ids at ``drafted``
-        (some of ``slots`` and slots it caught up on)."""
+        (some of ``slots`` and slots it caught up on). Returns the (device page, host page)
+        rows whose host copies the draft's new KV is to reach (``copied_down`` once it has)."""
         self.tokens[slots] = ids
         self.ok[slots] = False
         self.ok[drafted] = True
+        self.host_of[slots // self.page_size] = -1  # the model's KV there is newer than a copy
+        pages = np.unique(drafted // self.page_size)
+        pages = pages[self.host_of[pages] >= 0]
+        return np.stack([pages, self.host_of[pages]], axis=1)
 
 
 @dataclass
@@ -192,20 +220,25 @@ class DraftModel:
     nothing. No forward of the draft reads a slot that it has not written with the token the
     model's KV there is of."""
 
-    def __init__(self, c: EngineConfig, draft_dir: str, num_pages: int) -> None:
+    def __init__(self, c: EngineConfig, draft_dir: str, num_pages: int,
+                 num_host_pages: int) -> None:
+        """``num_pages``, ``num_host_pages``: the target's pages and host pages (swap's and
+        the host tier's), which the draft's pool holds at the same numbers."""
         from engine.worker.runner import ModelRunner
 
         spec = c.speculative()
         self.min_prob = spec.draft_min_token_prob
         config = msgspec.structs.replace(
             c, model=draft_dir, num_pages=num_pages, kv_cache_gb=None, host_cache_gb=0.0,
-            enable_lora=False, lora_modules=[], enable_cuda_graph=False,
-            speculative_config=None, sliding_kv_ratio=0.0)  # full KV at the target's pages
+            num_host_pages=num_host_pages, enable_lora=False, lora_modules=[],
+            enable_cuda_graph=False, speculative_config=None,
+            sliding_kv_ratio=0.0)  # full KV at the target's pages (host pages too)
         self.runner = ModelRunner(config)
+        self.checkpoint = draft_dir  # what the disk tier's identity names
         size = draft_vocab_size(spec.draft_vocab_size, self.runner.model.config.vocab_size)
         self.vocab = DraftVocab(self.runner.model, size) if size else None
         self.page_size = c.page_size
-        self.slots = DraftSlots(num_pages, c.page_size)
+        self.slots = DraftSlots(num_pages, c.page_size, num_host_pages)
         self._step: _Drafting | None = None
         self.tokens_computed = 0  # tokens the draft's forwards ran, catching up included
         self.rows_trimmed = 0  # verify rows of drafts never made, dropped from the steps
@@ -244,7 +277,11 @@ class DraftModel:
         elif moves and any(len(m) for m in moves):
             self.runner.forward(StepBuilder(self.page_size).finish(*moves))
         wrote = np.concatenate(drafting.wrote) if drafting.wrote else np.zeros(0, np.int64)
-        self.slots.written(np.asarray(step.out_slots, np.int64), step.input_ids, wrote)
+        stale = self.slots.written(np.asarray(step.out_slots, np.int64), step.input_ids, wrote)
+        if len(stale):  # its KV, then its record: a load beside the steps reads them reversed
+            with torch.inference_mode():
+                self.runner.pool.swap_out(stale)
+            self.slots.copied_down(stale)
 
     def _forward(self, batch: BatchInput, drafting: _Drafting) -> torch.Tensor:
         drafting.wrote.append(np.asarray(batch.out_slots, np.int64))

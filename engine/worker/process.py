@@ -49,7 +49,8 @@ class Worker:
 
         draft_dir = draft_checkpoint(c)  # --speculative-config's draft model, if any
         self.runner = make_runner(c, tp, draft_page_bytes(c, draft_dir))
-        self.draft = (DraftModel(c, draft_dir, self.runner.num_pages)
+        self.draft = (DraftModel(c, draft_dir, self.runner.num_pages,
+                                 self.runner.num_host_pages + self.runner.num_host_cache_pages)
                       if draft_dir is not None else None)
         mc = self.runner.config
         self.info = ModelInfo(
@@ -72,7 +73,8 @@ class Worker:
             self.info.max_loras = self.runner.lora.max_loras
         from engine.worker.tier_io import open_tier_io
 
-        self.io = open_tier_io(c, self.runner)  # the tiers' I/O thread, if there are tiers
+        # the tiers' I/O thread, if there are tiers (a draft's KV travels with the model's)
+        self.io = open_tier_io(c, self.runner, self.draft)
         if self.io is not None and self.io.store is not None:
             self.info.disk_fingerprint = self.io.store.fingerprint
             self.info.disk_block_tokens = self.io.block_tokens
@@ -122,6 +124,9 @@ class Worker:
         # (their sequences fail with this batch; the scheduler drops what the next one computes
         # for them).
         step = msg.step
+        if self.io is not None:
+            # the disk saves' pages are read before anything writes them (the draft's too)
+            self.io.save(msg.disk_saves)
         if not step.num_seqs:
             return self._move_pages(msg)
         sampled, self.last_tokens = self.last_tokens, np.zeros(len(msg.sampling), dtype=np.int32)
@@ -218,13 +223,12 @@ class Worker:
             return self.report_loads(BatchResult(batch_id=msg.batch_id, error=type(exc).__name__))
 
     def _forward(self, msg: ForwardBatch, step):
-        """The step's page moves and forward, after the disk tier's saves (their pages are read
-        before anything writes) and with its loads running beside it: they start once the
-        step's write-downs have read the pages they may reuse, and write only pages that no
+        """The step's page moves and forward, after the disk tier's saves (``step`` copied their
+        pages out before anything writes) and with its loads running beside it: they start once
+        the step's write-downs have read the pages they may reuse, and write only pages that no
         batch reads until the load is reported (neither runs under tensor parallel, whose
         ranks would each need their share)."""
         if self.io is not None:
-            self.io.save(msg.disk_saves)
             if msg.disk_loads or msg.host_loads:
                 self.runner.write_down(step)
                 self.io.load([*msg.host_loads, *msg.disk_loads])

@@ -190,8 +190,10 @@ class ModelRunner:
         self.num_pages, how = self._size_pool(
             page_bytes + draft_page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes),
             c.num_pages, c.kv_cache_gb, c.mem_fraction)
-        # a host page pays for its share of the windows' host pages too (radix/host.py)
-        host_page_bytes = page_bytes + math.ceil(c.sliding_kv_ratio * sliding_bytes)
+        # a host page pays for its share of the windows' host pages too (radix/host.py), and
+        # for the draft model's KV of its positions (its host pages have the same numbers)
+        host_page_bytes = (page_bytes + draft_page_bytes
+                           + math.ceil(c.sliding_kv_ratio * sliding_bytes))
         self.num_host_cache_pages = int(c.host_cache_gb * 2**30) // host_page_bytes
         if self.tp is not None:
             self.num_pages = self.tp.agree_min(self.num_pages)
@@ -212,7 +214,7 @@ class ModelRunner:
                     str(self.kv_dtype).removeprefix("torch."), self.num_pages,
                     c.page_size, self.num_pages * c.page_size, self.kv_cache_bytes / 2**30, how,
                     self.device, c.num_host_pages, self.num_host_cache_pages,
-                    self.num_host_cache_pages * page_bytes / 2**30)
+                    self.num_host_cache_pages * host_page_bytes / 2**30)
         # With CUDA graphs, a scratch page past the pages the scheduler sees (and one past the
         # sliding pages, where there are any): the graphs' padding rows write and read it, and
         # nothing else does.

@@ -32,9 +32,11 @@ from engine.contracts.disk_cache import DiskStore
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.protocol import unpack_ids
 from engine.contracts.worker_messages import DiskLoad, DiskSave, HostLoad
+from engine.worker.draft_tiers import DraftBlocks
 from engine.worker.kv_pool import KVPool
 
 if TYPE_CHECKING:
+    from engine.worker.draft import DraftModel
     from engine.worker.runner import ModelRunner
 
 logger = logging.getLogger("radixserve.worker")
@@ -44,8 +46,9 @@ FLUSH_SECONDS = 30.0  # how long shutting down waits for the saves still queued
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json")
 # A block's payload (the pool's pages) and the code computing it: raised when either changes,
 # which moves every store to a directory of its own (3: weight formats in the identity; 4: which
-# layers keep their KV in sliding pages, stored apart in window files).
-KV_LAYOUT_VERSION = 4
+# layers keep their KV in sliding pages, stored apart in window files; 5: a draft model's KV and
+# slot record after the model's, engine/worker/draft_tiers.py).
+KV_LAYOUT_VERSION = 5
 
 # Every EngineConfig option, by whether it changes a KV block's bytes (a test holds every option
 # to one of the two). These do; the identity holds each as the worker resolved it, under:
@@ -59,6 +62,9 @@ IN_IDENTITY = {
     # whether (and for which layers) the sliding-window layers' KV is held apart: a block then
     # holds the full layers' KV only, its window file the sliding layers'
     "sliding_kv_ratio": "sliding_layers",
+    # a draft model's KV (and its record of it) follows the model's in each block: its
+    # checkpoint, shapes and weight formats (its other keys change no byte of a block)
+    "speculative_config": "draft",
 }
 # These do not, for the reason given.
 NOT_IN_IDENTITY = {
@@ -69,7 +75,7 @@ NOT_IN_IDENTITY = {
     **dict.fromkeys((
         "device", "attention_backend", "flashinfer_decode_backend", "enable_cuda_graph",
         "cuda_graph_max_bs", "worker_threads", "max_running_requests", "max_prefill_tokens",
-        "chunked_prefill_size", "overlap_schedule", "speculative_config", "preemption_mode",
+        "chunked_prefill_size", "overlap_schedule", "preemption_mode",
         "linear_form", "resident_weights_gb"),
         "kernels and step shapes: KV differs by rounding at most, as batching already makes "
         "it (the dtypes they run in are in the identity)"),
@@ -86,41 +92,51 @@ NOT_IN_IDENTITY = {
 }
 
 
-def open_tier_io(c: EngineConfig, runner: ModelRunner) -> TierIO | None:
-    """The I/O thread ``c``'s tiers need over ``runner``'s pool (None without a host or a disk
-    tier), with the disk tier's store in the directory of this model and layout (its
-    fingerprint: ``identity``)."""
+def open_tier_io(c: EngineConfig, runner: ModelRunner,
+                 draft: DraftModel | None = None) -> TierIO | None:
+    """The I/O thread ``c``'s tiers need over ``runner``'s pool and ``draft``'s (None without a
+    host or a disk tier), with the disk tier's store in the directory of this model, draft and
+    layout (its fingerprint: ``identity``)."""
     store = None
     if c.disk_cache_dir is not None:
-        ident = identity(c, runner)
+        ident = identity(c, runner, draft)
         store = DiskStore(c.disk_cache_dir, fingerprint(ident), int(c.disk_cache_gb * 2**30),
                           ident)
     elif not runner.num_host_cache_pages or c.tp_size > 1:
         return None  # under tensor parallel the host tier loads in the step, on every rank
-    return TierIO(store, runner.pool, block_tokens(c.page_size))
+    return TierIO(store, runner.pool, block_tokens(c.page_size), draft)
 
 
-def identity(c: EngineConfig, runner: ModelRunner) -> dict:
+def identity(c: EngineConfig, runner: ModelRunner, draft: DraftModel | None = None) -> dict:
     """Everything that changes a KV block's bytes, as this worker resolved it (the fingerprint
     of the disk tier's directory): the code's KV layout, the model's shapes, its weights
     (``checkpoint_identity``) and the format each is served in (``weight_formats``), random
-    weights' seed, the dtypes, the page size, the tensor-parallel split and which layers keep
-    their KV in sliding pages (none without ``--sliding-kv-ratio``). Every option is in
-    ``IN_IDENTITY`` or ``NOT_IN_IDENTITY``."""
-    mc = runner.config
+    weights' seed, the dtypes, the page size, the tensor-parallel split, which layers keep
+    their KV in sliding pages (none without ``--sliding-kv-ratio``) and the draft model whose
+    KV the blocks hold too (none without one). Every option is in ``IN_IDENTITY`` or
+    ``NOT_IN_IDENTITY``."""
     split = [i for i, s in enumerate(runner.pool.sliding_layers) if s]
-    formats = weight_formats(runner.model)
     return {
-        "kv_layout": KV_LAYOUT_VERSION, "architecture": mc.architecture,
-        "num_layers": mc.num_layers, "num_kv_heads": runner.model.plan.num_kv_heads,
-        "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
-        "weights": checkpoint_identity(c.model), "load_format": c.load_format,
+        "kv_layout": KV_LAYOUT_VERSION, **_model_identity(c.model, runner),
+        "vocab_size": runner.config.vocab_size, "load_format": c.load_format,
         "seed": c.seed if c.load_format == "dummy" else None,
-        "weight_formats": formats,
-        # int8 and int4 blocks are this engine's own quantization of the weights
-        "quantizer": QUANTIZER_VERSION if set(formats.values()) & {"int8", "int4"} else None,
         "dtype": str(runner.dtype), "kv_dtype": str(runner.kv_dtype), "page_size": c.page_size,
         "tp_size": c.tp_size, "deterministic": c.deterministic, "sliding_layers": split or None,
+        "draft": (_model_identity(draft.checkpoint, draft.runner)
+                  if draft is not None else None),
+    }
+
+
+def _model_identity(model_dir: str, runner: ModelRunner) -> dict:
+    """One model's part of ``identity``: its shapes, weights and their formats."""
+    mc = runner.config
+    formats = weight_formats(runner.model)
+    return {
+        "architecture": mc.architecture, "num_layers": mc.num_layers,
+        "num_kv_heads": runner.model.plan.num_kv_heads, "head_dim": mc.head_dim,
+        "weights": checkpoint_identity(model_dir), "weight_formats": formats,
+        # int8 and int4 blocks are this engine's own quantization of the weights
+        "quantizer": QUANTIZER_VERSION if set(formats.values()) & {"int8", "int4"} else None,
     }
 
 
@@ -151,9 +167,11 @@ def weight_formats(model: torch.nn.Module) -> dict[str, str]:
 
 
 class TierIO:
-    """``store``: the disk tier's (None: the host tier's loads only)."""
+    """``store``: the disk tier's (None: the host tier's loads only); ``draft``: a draft
+    model whose KV and record travel with the model's (engine/worker/draft_tiers.py)."""
 
-    def __init__(self, store: DiskStore | None, pool: KVPool, block_tokens: int) -> None:
+    def __init__(self, store: DiskStore | None, pool: KVPool, block_tokens: int,
+                 draft: DraftModel | None = None) -> None:
         self.store, self.pool = store, pool
         self.block_tokens = block_tokens
         self.pages_per_block = block_tokens // pool.page_size
@@ -162,7 +180,10 @@ class TierIO:
         # full layers' only, with sliding pages of their own); a window file's: the same for
         # the sliding layers.
         self.block_shape = (self.pages_per_block, kv.shape[0], kv.shape[1], *kv.shape[3:])
-        self.payload_bytes = int(np.prod(self.block_shape)) * kv.element_size()
+        self.model_bytes = int(np.prod(self.block_shape)) * kv.element_size()
+        # with a draft model, its part of the payload after the model's
+        self.draft = DraftBlocks(draft, self.pages_per_block) if draft is not None else None
+        self.payload_bytes = self.model_bytes + (self.draft.payload_bytes if draft else 0)
         self.window_shape = (self.pages_per_block, swa.shape[0], swa.shape[1], *swa.shape[3:])
         self.window_bytes = int(np.prod(self.window_shape)) * swa.element_size()
         self._cond = threading.Condition()
@@ -183,7 +204,8 @@ class TierIO:
         page writes come after) and queue them for writing."""
         if not saves or self.store is None or not self.store.writing:
             return  # off, or waiting out a full disk: no copy for a write that would not run
-        files = self._copy_out(self.pool.kv, [(s.name, s.pages) for s in saves if s.pages])
+        files = self._copy_out(self.pool.kv, [(s.name, s.pages) for s in saves if s.pages],
+                               self.draft)
         files += self._copy_out(self.pool.swa, [(window_name(s.name), s.swa)
                                                 for s in saves if s.swa])
         with self._cond:
@@ -198,18 +220,20 @@ class TierIO:
                 self._pending_bytes += len(data)
             self._cond.notify()
 
-    def _copy_out(self, pool: torch.Tensor, named: list[tuple[str, bytes]]
-                  ) -> list[tuple[str, memoryview]]:
-        """Each named file's pages of ``pool`` ([L, 2, pages, ...]) as its bytes, in one copy."""
+    def _copy_out(self, pool: torch.Tensor, named: list[tuple[str, bytes]],
+                  draft: DraftBlocks | None = None) -> list[tuple[str, memoryview]]:
+        """Each named file's pages of ``pool`` ([L, 2, pages, ...]) as its bytes, in one copy
+        (then ``draft``'s part of each file after them)."""
         if not named:
             return []
         pages = np.concatenate([unpack_ids(p) for _, p in named]).astype(np.int64)
         index = torch.from_numpy(pages).to(self.pool.device)
         # [pages, L, 2, ...] in one copy (synchronous): each file is a run of its rows
         rows = pool.index_select(2, index).movedim(2, 0).contiguous().cpu().view(torch.uint8)
-        rows, per = rows.numpy(), self.pages_per_block
-        return [(name, memoryview(rows[i * per : (i + 1) * per].reshape(-1)))  # views
-                for i, (name, _) in enumerate(named)]
+        rows = rows.numpy().reshape(len(named), -1)
+        if draft is not None:
+            rows = np.concatenate([rows, draft.copy_out(pages, len(named))], axis=1)
+        return [(name, memoryview(rows[i])) for i, (name, _) in enumerate(named)]  # views
 
     def load(self, loads: list[DiskLoad | HostLoad]) -> None:
         if loads:
@@ -286,7 +310,7 @@ class TierIO:
         pages = unpack_ids(job.pages).astype(np.int64)
         swa = unpack_ids(job.swa).astype(np.int64) if job.swa else None
         per, store = self.pages_per_block, self.store
-        blocks, windows, targets = [], [], []
+        blocks, windows, targets, drafts = [], [], [], []
         for k, name in enumerate(job.names):
             payload = store.read(name, self.block_tokens, self.payload_bytes)
             mine = swa[k * per : (k + 1) * per] if swa is not None else np.empty(0)
@@ -297,8 +321,10 @@ class TierIO:
                     payload = None
             if payload is None:
                 break
-            blocks.append(torch.frombuffer(payload, dtype=self.pool.kv.dtype)
+            model = payload[: self.model_bytes]
+            blocks.append(torch.frombuffer(model, dtype=self.pool.kv.dtype)
                           .view(self.block_shape))
+            drafts.append(payload[self.model_bytes :])
             if window is not None:
                 rows = torch.frombuffer(window, dtype=self.pool.swa.dtype).view(self.window_shape)
                 windows.append(rows[torch.from_numpy(np.flatnonzero(mine >= 0))])
@@ -307,6 +333,8 @@ class TierIO:
         if blocks:
             data = torch.cat(blocks).movedim(0, 2)  # [L, 2, pages, ...]
             event = self._place(self.pool.kv, pages[: len(blocks) * per], data)
+            if self.draft is not None:
+                event = self.draft.place(drafts, pages[: len(blocks) * per], self._place)
         if windows:
             event = self._place(self.pool.swa, np.concatenate(targets),
                                 torch.cat(windows).movedim(0, 2)) or event
@@ -317,8 +345,11 @@ class TierIO:
         """Host-tier pages (locked in the tree while this runs) into the request's own."""
         host = torch.from_numpy(unpack_ids(job.host_pages).astype(np.int64))
         data = self.pool.host.index_select(2, host)
-        self._report(job.load_id, 1, self._place(self.pool.kv,
-                                                 unpack_ids(job.pages).astype(np.int64), data))
+        pages = unpack_ids(job.pages).astype(np.int64)
+        event = self._place(self.pool.kv, pages, data)
+        if self.draft is not None:  # the stream runs in order: its event covers both
+            event = self.draft.from_host(host, pages, self._place)
+        self._report(job.load_id, 1, event)
 
     def _place(self, pool: torch.Tensor, pages: np.ndarray,
                data: torch.Tensor) -> torch.cuda.Event | None:
