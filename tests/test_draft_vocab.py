@@ -30,8 +30,8 @@ def picks(monkeypatch) -> list[tuple[list[int], set[int]]]:
     seen: list[tuple[list[int], set[int]]] = []
     pick = DraftModel._pick
 
-    def watched(self, logits):
-        tokens, sure = pick(self, logits)
+    def watched(self, logits, allowed=None):
+        tokens, sure = pick(self, logits, allowed)
         seen.append((tokens, set(self.vocab.ids().tolist())))
         return tokens, sure
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from engine.checkpoints.demo_model import build_demo_model
 from engine.contracts.sampling_params import SamplingParams
@@ -214,3 +216,56 @@ def test_preemption_with_constrained_drafts_keeps_outputs_and_leaks_nothing(mode
     assert h.sched.num_preemptions > 0
     model = h.sched.speculator.model
     assert 0 < model.accepted_tokens < model.drafted_tokens
+
+
+def test_rejection_sampling_keeps_the_targets_masked_distribution(models, monkeypatch):
+    """Unseeded samples at temperature 1 under a regex, the third token mostly the one after
+    the draft model's accepted draft in a verify step (sampled under the grammar's state after
+    that draft; the draft is the target's weights, its draft the masked argmax) and otherwise
+    from the next step: its distribution, given the most frequent first two, is the target's
+    (transformers' float32 model) restricted to what the grammar allows there and
+    renormalised; chi-square at 99.9%."""
+    import llguidance
+    import llguidance.numpy as llnp
+
+    from engine.contracts.structured import grammar_text, parser_limits
+    from tests.conftest_models import load_reference
+
+    monkeypatch.setattr(DraftModelPolicy, "drafts_for",
+                        lambda self, seq, room, num_running: min(2, room))
+    constraint = StructuredOutputs(regex="([a-z][0-9]){1,8}")  # what follows a token varies
+    prompt = load_tokenizer(models["target"])("the words are")["input_ids"]
+    torch.manual_seed(0)
+    h = Harness(models["target"], page_size=4, num_pages=3000, speculative_config=json.dumps(
+        {"model": models["same"], "num_speculative_tokens": 2, "disable_by_batch_size": 4096}))
+    count = 1500
+    for i in range(count):
+        h.add(f"q{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0,
+                                              structured_outputs=constraint))
+    h.run()
+    model = h.sched.speculator.model
+    assert 0.5 * model.drafted_tokens < model.accepted_tokens < model.drafted_tokens
+    outs = [h.outputs[f"q{i}"][0] for i in range(count)]
+    pairs, counts = np.unique([o[:2] for o in outs if len(o) == 3], axis=0, return_counts=True)
+    t1, t2 = (int(t) for t in pairs[counts.argmax()])
+    third = np.array([o[2] for o in outs if len(o) == 3 and o[:2] == [t1, t2]])
+    assert len(third) > 150
+    grammars = h.worker.grammars
+    matcher = llguidance.LLMatcher(grammars.tokenizer, grammar_text(constraint), log_level=0,
+                                   limits=parser_limits())
+    assert matcher.consume_tokens([t1, t2])
+    bitmask = llnp.allocate_token_bitmask(1, grammars.vocab_size)
+    llnp.fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = grammars.unpack(bitmask, torch.device("cpu"), grammars.vocab_size)[0]
+    with torch.no_grad():
+        logits = load_reference(models["target"])(torch.tensor([prompt + [t1, t2]])).logits[0, -1]
+    p = torch.softmax(logits.double().masked_fill(~allowed, float("-inf")), -1).numpy()
+    expected = len(third) * p
+    seen = np.bincount(third, minlength=len(p))
+    assert seen[~allowed.numpy()].sum() == 0
+    big = expected >= 5  # the rest pooled into one bin
+    observed = np.append(seen[big], seen[~big].sum())
+    wanted = np.append(expected[big], expected[~big].sum())
+    chi2 = ((observed - wanted) ** 2 / np.maximum(wanted, 1e-9)).sum()
+    df = len(observed) - 1  # its 99.9% quantile by Wilson and Hilferty's approximation
+    assert chi2 < df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3
