@@ -1,7 +1,7 @@
 """Time of one model step that extends cached heads: what a wave of follow-up questions costs.
 
     python scripts/bench_extend.py [--model PATH] [--seqs 8] [--head 512] [--question 32]
-        [--decodes 0] [--shared] [--repeats 7] [--profile] [--extra JSON]
+        [--decodes 0] [--shared] [--repeats 7] [--profile] [--unfused] [--extra JSON]
 
 Each of ``--seqs`` sequences holds ``--head`` cached tokens (its own, or with ``--shared`` one
 head every sequence shares, as a wave of questions over one system prompt) and prefills a
@@ -10,16 +10,21 @@ token over ``--head`` cached tokens. The model is the server's (``EngineConfig``
 the default model, its dtype and linear forms, unless ``--model``/``--extra`` say otherwise),
 in process, on ``torch.get_num_threads()`` threads. Prints the median step time over
 ``--repeats`` (after two warm-up steps); ``--profile`` adds torch's profiler table (self CPU
-time by op over the repeats).
+time by op over the repeats). ``--unfused`` times each repeat a second time with the model's
+fused elementwise ops off (SiLU(gate) * up and the residual add with the next RMSNorm as torch
+ops: engine/worker/model/layer_ops.py's ``silu_mul`` and ``add_rms_norm_``), in ABBA order, and
+prints both medians and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.checkpoints.model_source import resolve_model  # noqa: E402
 from engine.contracts.engine_config import EngineConfig  # noqa: E402
 from engine.contracts.step import BatchInput  # noqa: E402
+from engine.worker.model import layer_ops  # noqa: E402
 from engine.worker.runner import ModelRunner  # noqa: E402
+
+
+@contextlib.contextmanager
+def unfused() -> Iterator[None]:
+    """The model's elementwise work as torch ops (its fused CPU ops reported unavailable)."""
+    ops = layer_ops.silu_mul_op, layer_ops.add_rms_norm_op
+    layer_ops.silu_mul_op = layer_ops.add_rms_norm_op = lambda: None
+    try:
+        yield
+    finally:
+        layer_ops.silu_mul_op, layer_ops.add_rms_norm_op = ops
 
 
 def build_batches(runner: ModelRunner, args: argparse.Namespace) -> tuple[BatchInput, BatchInput]:
@@ -71,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shared", action="store_true", help="one head for every sequence")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time every repeat with the fused elementwise ops off (ABBA)")
     parser.add_argument("--extra", default="{}", help="more EngineConfig fields, as JSON")
     args = parser.parse_args(argv)
     config = EngineConfig(model=resolve_model(args.model).path, **json.loads(args.extra))
@@ -81,20 +100,40 @@ def main(argv: list[str] | None = None) -> None:
     runner.forward(prefill)
     for _ in range(2):
         runner.forward(step)
-    times = []
+        if args.unfused:
+            with unfused():
+                runner.forward(step)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        runner.forward(step)
+        return time.perf_counter() - start
+
+    times, baseline = [], []
     profiler = torch.profiler.profile() if args.profile else None
     if profiler is not None:
         profiler.__enter__()
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        runner.forward(step)
-        times.append(time.perf_counter() - start)
+    for repeat in range(args.repeats):
+        if args.unfused and repeat % 2:  # ABBA: the baseline first in every other repeat
+            with unfused():
+                baseline.append(timed())
+        times.append(timed())
+        if args.unfused and not repeat % 2:
+            with unfused():
+                baseline.append(timed())
     c = runner.config
+
+    def summary(samples: list[float]) -> str:
+        return (f"median {statistics.median(samples) * 1e3:.1f} ms (min {min(samples) * 1e3:.1f}"
+                f", max {max(samples) * 1e3:.1f}) over {args.repeats}")
+
     print(f"{c.architecture}, {c.num_layers} layers, {runner.dtype}, "
           f"{torch.get_num_threads()} threads: {args.seqs} x {args.question} tokens over "
           f"{'one shared' if args.shared else 'their own'} {args.head}-token heads, "
-          f"{args.decodes} decodes beside: median {statistics.median(times) * 1e3:.1f} ms "
-          f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}) over {args.repeats}")
+          f"{args.decodes} decodes beside: {summary(times)}")
+    if args.unfused:
+        ratio = statistics.median(times) / statistics.median(baseline)
+        print(f"unfused elementwise ops: {summary(baseline)}; fused / unfused {ratio:.3f}")
     if profiler is not None:
         profiler.__exit__(None, None, None)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

@@ -52,18 +52,18 @@ def test_model_rms_norm_takes_the_op_on_cpu_rows_and_torch_elsewhere(variants, m
                                                                       dtype) -> None:
     """The model's ``rms_norm`` on 2-D rows calls the compiled op; with it unavailable (or on
     3-D per-head inputs) the torch formulation gives the same values."""
-    from engine.worker.model import llama
+    from engine.worker.model import layer_ops
 
     calls = []
     op = cpu_kernels.rms_norm_op()
-    monkeypatch.setattr(llama, "rms_norm_op", lambda: lambda *a: calls.append(1) or op(*a))
+    monkeypatch.setattr(layer_ops, "rms_norm_op", lambda: lambda *a: calls.append(1) or op(*a))
     x = torch.randn(5, 64, dtype=torch.float32)
     weight = (1 + torch.randn(64) / 4).to(dtype)
-    fused = llama.rms_norm(x, weight, 1e-5)
-    llama.rms_norm(x.view(5, 4, 16).to(dtype), weight[:16], 1e-5)  # per head: torch
+    fused = layer_ops.rms_norm(x, weight, 1e-5)
+    layer_ops.rms_norm(x.view(5, 4, 16).to(dtype), weight[:16], 1e-5)  # per head: torch
     assert len(calls) == 1
-    monkeypatch.setattr(llama, "rms_norm_op", lambda: None)
-    plain = llama.rms_norm(x, weight, 1e-5)
+    monkeypatch.setattr(layer_ops, "rms_norm_op", lambda: None)
+    plain = layer_ops.rms_norm(x, weight, 1e-5)
     assert plain.dtype == fused.dtype == dtype
     torch.testing.assert_close(fused.float(), plain.float(), rtol=2 ** -7, atol=1e-6)
 

@@ -24,6 +24,7 @@ from tests.test_cpu_kernels import (
     reference,
     verify_reference,
 )
+from tests.test_cpu_mlp_ops import assert_rounded_once, silu_mul_case, silu_mul_reference
 from tests.test_cpu_norm_rope import rope_case, torch_rms_norm
 from tests.test_lora_kernel import lora_reference
 from tests.test_quant import FORMATS, emulated, random_weight
@@ -155,6 +156,33 @@ def test_rms_norm_at_any_row_count(variants, variant, rows, hidden, dtype, seed)
     # sums in another order: at most a few units in the last place
     tight = {torch.float32: 2e-6, torch.bfloat16: 2**-6, torch.float16: 2**-9}[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tight, atol=tight)
+
+
+@SHAPES
+@given(variant=st.sampled_from(VARIANTS), rows=ROWS, width=st.integers(0, 80),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**16))
+def test_silu_mul_at_any_row_count(variants, variant, rows, width, dtype, seed) -> None:
+    x = silu_mul_case(rows, width, dtype, seed)
+    got = variants[variant].silu_mul(x)
+    assert got.shape == (rows, width) and got.dtype == dtype
+    assert_rounded_once(got, silu_mul_reference(x), dtype)
+
+
+@SHAPES
+@given(variant=st.sampled_from(VARIANTS), rows=ROWS, hidden=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**16))
+def test_add_rms_norm_at_any_row_count(variants, variant, rows, hidden, dtype, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    residual = torch.randn(rows, hidden, generator=gen) * 3
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (1 + torch.randn(hidden, generator=gen) / 4).to(dtype)
+    plain = residual.clone()
+    want = variants[variant].rms_norm(plain.add_(x), weight, 1e-6)
+    got = variants[variant].add_rms_norm(residual, x, weight, 1e-6)
+    assert got.shape == (rows, hidden) and torch.equal(got, want)
+    assert torch.equal(residual, plain)
 
 
 @SHAPES

@@ -3,8 +3,14 @@
 - ``paged_decode_op()``: ``torch.ops.radixserve.paged_decode``, decode attention that reads each
   sequence's keys and values straight from its pages, where the torch path first gathers them
   into a dense copy per layer and step (csrc/paged_decode.cpp says how);
+- ``extend_attention_op()``: ``torch.ops.radixserve.extend_attention``, the same for the many
+  query rows of an extend or prefill in bf16, its two products on oneDNN's brgemm micro-kernel
+  (AMX tiles where the CPU has them; csrc/extend_attention.cpp);
 - ``rms_norm_op()``: ``torch.ops.radixserve.rms_norm``, RMSNorm of rows in one op where torch
-  takes four to six (csrc/rms_norm.cpp);
+  takes four to six (csrc/rms_norm.cpp); ``add_rms_norm_op()``: a projection's rows added into
+  the float32 residual stream and the sum normalised, in one op;
+- ``silu_mul_op()``: ``torch.ops.radixserve.silu_mul``, SiLU(gate) * up of a gated MLP in one
+  pass (csrc/silu_mul.cpp);
 - ``rope_store_op()``: ``torch.ops.radixserve.rope_store``, the rotary embedding of a step's
   queries and keys and the store of its keys and values into the pool, in one op
   (csrc/rope_store.cpp).
@@ -147,6 +153,20 @@ def paged_decode_op(quantized: bool = False) -> Callable[..., tuple[torch.Tensor
     return ops.paged_decode
 
 
+@functools.cache
+def extend_attention_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """None also where the build lacks AVX-512 with BF16 or torch's oneDNN offers no bf16
+    brgemm on this CPU (neither AMX nor AVX-512 BF16): extends then gather pages for SDPA."""
+    ops = _ops()
+    if ops is None:
+        return None
+    if not ops.extend_attention_available():
+        logger.info("bf16 extends gather pages for torch's SDPA: this CPU or build has no bf16 "
+                    "brgemm for the compiled extend kernel")
+        return None
+    return ops.extend_attention
+
+
 def quant_ops() -> object | None:
     """The ops that read quantized weight blocks (``quant_linear``, ``dequantize_weight``,
     ``quant_linear_isa``: which loops this build has), or None without the compiled kernels."""
@@ -156,6 +176,19 @@ def quant_ops() -> object | None:
 def rms_norm_op() -> Callable[..., torch.Tensor] | None:
     ops = _ops()
     return None if ops is None else ops.rms_norm
+
+
+def add_rms_norm_op() -> Callable[..., torch.Tensor] | None:
+    ops = _ops()
+    return None if ops is None else ops.add_rms_norm
+
+
+@functools.cache
+def silu_mul_op() -> Callable[..., torch.Tensor] | None:
+    """None also where the build has no vectorised loops: its plain loop calls expf element by
+    element, slower than torch's two vectorised ops."""
+    ops = _ops()
+    return None if ops is None or not ops.paged_decode_vectorized() else ops.silu_mul
 
 
 def rope_store_op() -> Callable[..., torch.Tensor] | None:

@@ -3,7 +3,11 @@
 // fp16 weight the normalised row is rounded to the weight's dtype first and the product taken
 // there, as transformers' LlamaRMSNorm does (weight * hidden.to(input_dtype)). In torch that is
 // four to six ops of ~10 us each on CPU; here ~1 us for a decode step's rows.
-// Registered as torch.ops.radixserve.rms_norm; built by engine/worker/cpu_kernels.py.
+// add_rms_norm adds a projection's rows (any dtype) into the float32 residual stream in place
+// and returns that sum's RMSNorm: torch's mixed-dtype add_ and this op's norm, in one pass and
+// with the same arithmetic (a float32 sum, then normalize_row), bit for bit.
+// Registered as torch.ops.radixserve.rms_norm and add_rms_norm; built by
+// engine/worker/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
 
@@ -16,27 +20,44 @@ namespace {
 using radixserve::to_float;
 
 template <typename X, typename W>
+inline void normalize_row(const X* xr, const W* weight, W* outr, int64_t hidden, float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t d = 0; d < hidden; ++d) {
+    const float v = to_float(xr[d]);
+    squares += v * v;
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+  for (int64_t d = 0; d < hidden; ++d) {
+    const float normed = to_float(xr[d]) * inv;
+    if constexpr (std::is_same_v<W, float>) {
+      outr[d] = weight[d] * normed;
+    } else {
+      outr[d] = static_cast<W>(to_float(weight[d]) * to_float(static_cast<W>(normed)));
+    }
+  }
+}
+
+template <typename X, typename W>
 void rms_norm_rows(const X* x, int64_t row_stride, const W* weight, W* out, int64_t rows,
                    int64_t hidden, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const X* xr = x + r * row_stride;
-      W* outr = out + r * hidden;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t d = 0; d < hidden; ++d) {
-        const float v = to_float(xr[d]);
-        squares += v * v;
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-      for (int64_t d = 0; d < hidden; ++d) {
-        const float normed = to_float(xr[d]) * inv;
-        if constexpr (std::is_same_v<W, float>) {
-          outr[d] = weight[d] * normed;
-        } else {
-          outr[d] = static_cast<W>(to_float(weight[d]) * to_float(static_cast<W>(normed)));
-        }
-      }
+      normalize_row(x + r * row_stride, weight, out + r * hidden, hidden, eps);
+    }
+  });
+}
+
+template <typename X, typename W>
+void add_rms_norm_rows(float* residual, int64_t residual_stride, const X* x, int64_t x_stride,
+                       const W* weight, W* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = residual + r * residual_stride;
+      const X* xr = x + r * x_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < hidden; ++d) row[d] += to_float(xr[d]);
+      normalize_row(row, weight, out + r * hidden, hidden, eps);
     }
   });
 }
@@ -83,8 +104,65 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+template <typename X, typename W>
+void add_rms_norm_typed(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                        at::Tensor& out, float eps) {
+  add_rms_norm_rows(residual.data_ptr<float>(), residual.stride(0), x.data_ptr<X>(),
+                    x.stride(0), weight.data_ptr<W>(), out.data_ptr<W>(), residual.size(0),
+                    residual.size(1), eps);
+}
+
+template <typename X>
+void add_rms_norm_weight(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                         at::Tensor& out, float eps) {
+  switch (weight.scalar_type()) {
+    case at::kFloat:
+      return add_rms_norm_typed<X, float>(residual, x, weight, out, eps);
+    case at::kBFloat16:
+      return add_rms_norm_typed<X, c10::BFloat16>(residual, x, weight, out, eps);
+    case at::kHalf:
+      return add_rms_norm_typed<X, c10::Half>(residual, x, weight, out, eps);
+    default:
+      TORCH_CHECK(false, "add_rms_norm: unsupported weight dtype ", weight.scalar_type());
+  }
+}
+
+at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.scalar_type() == at::kFloat &&
+                  (residual.stride(1) == 1 || residual.size(1) <= 1),
+              "add_rms_norm: a float32 residual [N, hidden] with contiguous rows expected");
+  TORCH_CHECK(x.sizes() == residual.sizes() && (x.stride(1) == 1 || x.size(1) <= 1),
+              "add_rms_norm: x ", x.sizes(), " must match the residual ", residual.sizes(),
+              " with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
+              "add_rms_norm: weight [hidden] expected");
+  auto out = at::empty(x.sizes(), weight.options());
+  const float eps_f = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      add_rms_norm_weight<float>(residual, x, weight, out, eps_f);
+      break;
+    case at::kBFloat16:
+      add_rms_norm_weight<c10::BFloat16>(residual, x, weight, out, eps_f);
+      break;
+    case at::kHalf:
+      add_rms_norm_weight<c10::Half>(residual, x, weight, out, eps_f);
+      break;
+    default:
+      TORCH_CHECK(false, "add_rms_norm: unsupported input dtype ", x.scalar_type());
+  }
+  return out;
+}
+
 }  // namespace
 
-RADIXSERVE_OPS_FRAGMENT(m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+RADIXSERVE_OPS_FRAGMENT(m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+}
 
-RADIXSERVE_OPS_IMPL(m) { m.impl("rms_norm", &rms_norm); }
+RADIXSERVE_OPS_IMPL(m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}

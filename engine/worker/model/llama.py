@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.worker.attention.base import AttentionBackend
-from engine.worker.cpu_kernels import rms_norm_op
 from engine.worker.lora_pool import LoraStep
 from engine.worker.model.config import ModelConfig
+from engine.worker.model.layer_ops import add_linear_, add_rms_norm_, rms_norm, silu_mul
 from engine.worker.model.parallel import Collectives, ShardPlan, Slice, embed_vocab_parallel
 from engine.worker.model.quant import (
     MixedQuantizedLinear,
@@ -44,28 +44,6 @@ from engine.worker.model.quant import (
 )
 from engine.worker.model.rope import RotaryEmbedding
 from engine.worker.model.row_tiles import DENSE_ROW_TILE, in_row_tiles
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` (float32 residual rows, or activations) in the weight's dtype. Rows on
-    CPU take the compiled op (engine/worker/cpu_kernels.py): the same arithmetic in one call."""
-    if x.dim() == 2 and x.device.type == "cpu" and x.stride(1) == 1:
-        fused = rms_norm_op()
-        if fused is not None:
-            return fused(x, weight, eps)
-    if weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    # Normalise in float32 and scale in the model dtype, as transformers' RMSNorm does.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
-
-
-def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """residual += x @ weight.T (+ bias), in place: one GEMM accumulating into the residual
-    when both share a dtype, else the product (in the weights' dtype) added to it."""
-    if bias is None and residual.dtype == x.dtype:
-        return residual.addmm_(x, weight.t())
-    return residual.add_(F.linear(x, weight, bias))
 
 
 class _Weights(nn.Module):
@@ -230,12 +208,18 @@ class DecoderLayer(_Weights):
         return targets
 
     def forward(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionBackend, lora: LoraStep | None = None) -> torch.Tensor:
+                attention: AttentionBackend, lora: LoraStep | None = None,
+                x: torch.Tensor | None = None, next_norm: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add this layer's attention and MLP outputs to ``hidden`` [T, hidden_size], the
-        residual stream, in place (the model's forward owns it), and return it. ``lora``: the
-        step's adapters, whose updates each projection adds on top of the base weight's."""
+        residual stream, in place (the model's forward owns it), and return it with its
+        ``next_norm`` (the next layer's input norm, None after the last: nothing) RMSNorm,
+        which the last addition computes as it adds (``add_rms_norm_``). ``x``: this layer's
+        input norm of ``hidden`` where the layer before computed it. ``lora``: the step's
+        adapters, whose updates each projection adds on top of the base weight's."""
         num_tokens = hidden.shape[0]
-        x = rms_norm(hidden, self.input_norm, self.eps)
+        if x is None:
+            x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = self._linear("qkv", x, self.qkv_bias)
         if lora is not None:
             lora.add_(index, "qkv", x, qkv)
@@ -248,30 +232,39 @@ class DecoderLayer(_Weights):
                             rms_norm(k, self.k_norm, self.eps)), 1)
         # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
         out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
-        self._add_projection_(index, "o", hidden, out, self.o_bias, lora, self.attn_out_norm)
-        x = rms_norm(hidden, self.mlp_norm, self.eps)
+        x = self._add_projection_(index, "o", hidden, out, self.o_bias, lora, self.attn_out_norm,
+                                  norm=self.mlp_norm)
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
         chunk = self.mlp_chunk_tokens
+        normed = []
         for k, (rows, x_rows) in enumerate(zip(hidden.split(chunk), x.split(chunk),
                                                strict=True)):
             gate_up = self._linear("gate_up", x_rows, self.gate_up_bias)
             if lora is not None:
                 lora.add_(index, "gate_up", x_rows, gate_up, k * chunk)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)
-            self._add_projection_(index, "down", rows, act, self.down_bias, lora,
-                                  self.mlp_out_norm, k * chunk)
-        return hidden
+            if self.gelu:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.gelu(gate, approximate="tanh").mul_(up)
+            else:
+                act = silu_mul(gate_up)
+            normed.append(self._add_projection_(index, "down", rows, act, self.down_bias, lora,
+                                                self.mlp_out_norm, k * chunk, next_norm))
+        if next_norm is None:
+            return hidden, None
+        return hidden, normed[0] if len(normed) == 1 else torch.cat(normed)
 
     def _add_projection_(self, index: int, name: str, residual: torch.Tensor, x: torch.Tensor,
                          bias: torch.Tensor | None, lora: LoraStep | None,
-                         out_norm: torch.Tensor | None, start: int = 0) -> None:
+                         out_norm: torch.Tensor | None, start: int = 0,
+                         norm: torch.Tensor | None = None) -> torch.Tensor | None:
         """residual += x @ W.T (+ bias) and the adapters' updates for the row-parallel
         projections (o, down; ``x`` is tokens [start, start + len(x)) of the step), normalised
         by ``out_norm`` first where the layer has one: under tensor parallel the ranks' partial
         products are summed first, each with its share of the updates, ``B (A_r x_r)``, so
-        that the sum holds every update once."""
+        that the sum holds every update once. Returns the new residual rows' RMSNorm by
+        ``norm`` (None without): where the product stands apart from the residual, the add
+        and the norm are one op."""
         if self.tp is not None or out_norm is not None:
             out = self._linear(name, x)
             if lora is not None:
@@ -280,13 +273,17 @@ class DecoderLayer(_Weights):
                 out = self.tp.all_reduce_(out)
             out = out if bias is None else out.add_(bias)
             residual.add_(out if out_norm is None else rms_norm(out, out_norm, self.eps))
-            return
+            return None if norm is None else rms_norm(residual, norm, self.eps)
         if name in self.packed or name in self.quantized or self.row_tile:
-            residual.add_(self._linear(name, x, bias))
+            product = self._linear(name, x, bias)
+            if norm is not None and lora is None:
+                return add_rms_norm_(residual, product, norm, self.eps)
+            residual.add_(product)
         else:
             add_linear_(residual, x, getattr(self, name), bias)
         if lora is not None:
             lora.add_(index, name, x, residual, start)
+        return None if norm is None else rms_norm(residual, norm, self.eps)
 
 
 class LlamaForCausalLM(_Weights):
@@ -387,9 +384,12 @@ class LlamaForCausalLM(_Weights):
         hidden = self._embed(input_ids)
         rotations = self.rope(positions, self.dtype)
         sliding = self.sliding_rope(positions, self.dtype) if self.sliding_rope else rotations
+        x = None  # each layer's input norm, computed by the layer before as it adds
         for index, layer in enumerate(self.layers):
             cos, sin = sliding if self.config.sliding_windows[index] else rotations
-            hidden = layer(index, hidden, cos, sin, attention, lora)
+            following = index + 1 < len(self.layers)
+            hidden, x = layer(index, hidden, cos, sin, attention, lora, x,
+                              self.layers[index + 1].input_norm if following else None)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         if "lm_head" in self.quantized:
             # float32 logits straight from the kernel's float accumulators: in bf16, close

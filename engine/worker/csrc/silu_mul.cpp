@@ -1,0 +1,191 @@
+// SiLU(gate) * up of a gated MLP's fused gate/up product, one op: out[t, i] =
+// silu(x[t, i]) * x[t, I + i] in float32, rounded once to x's dtype. torch takes two ops (silu,
+// then mul_) of a pass each, and rounds the SiLU to bf16 before the product; this rounds only the
+// result, so it is nearer the exact product, not bit for bit torch's.
+// silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (1 / (1 + e), or e / (1 + e) for g < 0),
+// which neither overflows nor cancels. exp is Cephes' polynomial in the vectorised loops (within
+// 2 ulp of expf; below -87 it is held at 2^-126, where a unit's SiLU is |g| 2^-126 instead of
+// |g| e^g: zero to within 1e-36) and std::exp in the plain one. Each element is computed by the
+// same instructions whatever its row (a row's tail past the last whole vector runs masked in the
+// AVX-512 loop, element by element in the AVX2 one, at the same columns in every row), so a
+// row's result does not depend on the rows beside it (--deterministic).
+// Registered as torch.ops.radixserve.silu_mul; built by engine/worker/cpu_kernels.py.
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "ops.h"
+
+namespace {
+
+using radixserve::to_float;
+
+inline float silu_times(float g, float u) {
+  const float e = std::exp(-std::fabs(g));
+  return g * ((g >= 0.f ? 1.f : e) / (1.f + e)) * u;
+}
+
+template <typename T>
+void silu_mul_row_each(const T* gate, const T* up, T* out, int64_t from, int64_t width) {
+  for (int64_t i = from; i < width; ++i) {
+    out[i] = static_cast<T>(silu_times(to_float(gate[i]), to_float(up[i])));
+  }
+}
+
+#ifdef RADIXSERVE_AVX512
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 silu_times16(__m512 g, __m512 u) {
+  const __m512 e_neg = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 numerator = _mm512_mask_blend_ps(positive, e_neg, _mm512_set1_ps(1.f));
+  const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(e_neg, _mm512_set1_ps(1.f)));
+  return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+}
+
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16_masked(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+inline void store16_masked(__m512 v, float* p, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16_masked(__m512 v, c10::BFloat16* p, __mmask16 m) {
+  // nearest, ties to even, as c10::BFloat16 rounds (a NaN stays a NaN)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+inline void store16_masked(__m512 v, c10::Half* p, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 m = width - i >= 16 ? __mmask16(0xffff)
+                                        : __mmask16((1u << (width - i)) - 1u);
+    store16_masked(silu_times16(load16_masked(gate + i, m), load16_masked(up + i, m)), out + i,
+                   m);
+  }
+}
+#elif defined(RADIXSERVE_AVX2)
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^n as a float's exponent bits: n >= -126 after the clamp, a normal number
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+inline void store8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
+inline void store8(__m256 v, c10::BFloat16* p) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  rounded = _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan));
+  const __m256i high = _mm256_srli_epi32(rounded, 16);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(__m256 v, c10::Half* p) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
+  using radixserve::load8;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t i = 0;
+  for (; i + 8 <= width; i += 8) {
+    const __m256 g = load8(gate + i);
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(g, magnitude)));
+    const __m256 numerator =
+        _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+    const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+    store8(_mm256_mul_ps(_mm256_mul_ps(g, sigmoid), load8(up + i)), out + i);
+  }
+  silu_mul_row_each(gate, up, out, i, width);
+}
+#else
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
+  silu_mul_row_each(gate, up, out, 0, width);
+}
+#endif
+
+template <typename T>
+void run(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), width = out.size(1), stride = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // a grain of rows whose elements fill a few pages: a decode step's rows stay on one thread
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      silu_mul_row(xp + r * stride, xp + r * stride + width, op + r * width, width);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && (x.stride(1) == 1 || x.size(1) <= 1),
+              "silu_mul: rows [N, 2 * width] with contiguous rows expected, got ", x.sizes());
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run<float>(x, out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(x, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(x, out);
+      break;
+    default:
+      TORCH_CHECK(false, "silu_mul: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+RADIXSERVE_OPS_FRAGMENT(m) { m.def("silu_mul(Tensor x) -> Tensor"); }
+
+RADIXSERVE_OPS_IMPL(m) { m.impl("silu_mul", &silu_mul); }
