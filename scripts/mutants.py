@@ -113,6 +113,19 @@ MUTANTS = (
            "KV apart (sliding windows)", "engine/worker/tier_io.py",
            '"sliding_layers": split or None,', '"sliding_layers": None,',
            ("tests/test_sliding_disk.py::test_a_windowed_directory_is_not_read_by_a_full_kv_engine",)),
+    Mutant("disk-fingerprint-draft", "a disk directory is named by the draft model whose KV "
+           "its blocks hold", "engine/worker/tier_io.py",
+           '"draft": (_model_identity(draft.checkpoint, draft.runner)\n'
+           '                  if draft is not None else None),', '"draft": None,',
+           ("tests/test_draft_tiers.py::test_blocks_written_with_another_draft_or_none_are_not_served",)),
+    Mutant("draft-disk-saves-at-release", "with a draft model, blocks go to disk once the "
+           "draft has computed their KV (at release)", "scheduler/kv.py",
+           "if not self.saves_at_release:", "if True:",
+           ("tests/test_draft_tiers.py::test_a_restart_reads_the_drafts_kv_from_disk",)),
+    Mutant("draft-host-copy-refresh", "a host copy made before the draft computed its KV gets "
+           "it once computed", "engine/worker/draft.py", "        if len(stale):",
+           "        if False:",
+           ("tests/test_draft_tiers.py::test_the_drafts_kv_goes_to_the_host_tier_and_comes_back",)),
     # ------------------------------------------- cache keys of converted and quantized weights
     Mutant("quantized-key-size-mtime", "an edited checkpoint is quantized again",
            "engine/checkpoints/quantized.py",

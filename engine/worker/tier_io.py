@@ -134,7 +134,8 @@ def _model_identity(model_dir: str, runner: ModelRunner) -> dict:
     return {
         "architecture": mc.architecture, "num_layers": mc.num_layers,
         "num_kv_heads": runner.model.plan.num_kv_heads, "head_dim": mc.head_dim,
-        "weights": checkpoint_identity(model_dir), "weight_formats": formats,
+        "weights": checkpoint_identity(model_dir),
+        "weight_formats": formats,
         # int8 and int4 blocks are this engine's own quantization of the weights
         "quantizer": QUANTIZER_VERSION if set(formats.values()) & {"int8", "int4"} else None,
     }
