@@ -161,6 +161,13 @@ MUTANTS = (
            "np.minimum.reduceat(np.where(agree, np.repeat(counts, counts), local), offsets)",
            "np.add.reduceat(agree.astype(np.int64), offsets)",
            ("tests/test_speculation_rules.py::test_a_steps_acceptances_in_one_pass_are_those_of_each_verification",)),
+    Mutant("grammar-verify-masks", "a constrained verify row is sampled under its grammar's "
+           "state after the drafts before it", "engine/worker/grammar_drafts.py",
+           "            fill(v.walk.matcher, bitmask, v.index + j)\n            if j:\n"
+           "                v.walk.matcher.rollback(1)\n",
+           "            if j:\n                v.walk.matcher.rollback(1)\n"
+           "            fill(v.walk.matcher, bitmask, v.index + j)\n",
+           ("tests/test_structured_speculation.py::test_cache_drafts_give_the_outputs_of_decoding_without_drafts",)),
     Mutant("check-tree-holders", "the accounting check fails on a reference nobody holds",
            "radix/accounting.py", "assert bad.size == 0, (", "assert bad.size >= 0, (",
            ("tests/test_radix.py::test_check_catches_a_leaked_reference",)),
