@@ -176,6 +176,42 @@ def test_the_drafts_kv_goes_to_the_host_tier_and_comes_back(models, page_size,  
     assert_draft_kv_is_a_fresh_prefills(h, models[draft], least=len(cold[-1]))
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_beside_the_host_tier_with_a_draft(models, mode):  # noqa: F811
+    """Waves of prompts through a pool so small that decoding preempts (swap's host pages come
+    before the tier's, in both models' host tensors) and prompts come back from the host tier,
+    with drafts mostly rejected (rollbacks): outputs are those without a draft, nothing leaks,
+    and the draft's KV wherever its record vouches for it is a fresh prefill's."""
+    page_size = 4
+    options = dict(page_size=page_size, num_pages=48, preemption_mode=mode,
+                   num_host_pages=64 if mode == "swap" else 0, chunked_prefill_size=24,
+                   max_prefill_tokens=48,
+                   host_cache_gb=256 * page_bytes(models["target"], models["near"],
+                                                  page_size=page_size) / 2**30)
+    wave = prompts(5, seed=21, length=30)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    runs = []
+    for config in ({}, {"speculative_config": spec(models["near"], k=5)}):
+        h = Harness(models["target"], **options, **config)
+        for name in "ab":
+            for i, p in enumerate(wave):
+                h.add(f"{name}{i}", p, params)
+            h.run()
+        runs.append(h)
+    base, h = runs
+    assert h.outputs == base.outputs
+    assert h.sched.num_preemptions > 0
+    assert sum(h.finals[f"b{i}"][0].cached_tokens_host for i in range(5)) > 0
+    model = h.sched.speculator.model
+    assert 0 < model.accepted_tokens < model.drafted_tokens
+    assert_draft_kv_is_a_fresh_prefills(h, models["near"], least=30)
+    tree = h.sched.tree
+    tree.reset()
+    for alloc in (tree.allocator, tree.host.allocator):
+        assert alloc.num_free_pages == alloc.num_pages
+    assert len(h.sched.mem.host_free) == options["num_host_pages"]
+
+
 @pytest.mark.parametrize(("page_size", "draft"), [(1, "same"), (4, "same"), (4, "near")])
 def test_a_restart_reads_the_drafts_kv_from_disk(models, tmp_path, page_size, draft):  # noqa: F811
     """A prompt served and written to disk, then served by a second scheduler and worker on
