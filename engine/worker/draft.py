@@ -139,8 +139,9 @@ class DraftSlots:
     A page's host copy may be older than the draft's KV of it (a write-through policy copies a
     prompt down when it is cached, before the sequence drafts): ``host_of`` names, per device
     page, the host page holding a copy of the model's KV there (written down or loaded from),
-    until the model writes the page again or the host page is written over; the draft's KV
-    computed later into such a page goes to its host copy too (``written``)."""
+    until the model writes the page again or the host page is written over (each write-down
+    counts one more ``host_writes`` of its host page); the draft's KV computed later into such
+    a page goes to its host copy too (``written``)."""
 
     def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0) -> None:
         self.page_size = page_size
@@ -149,6 +150,8 @@ class DraftSlots:
         self.host_tokens = np.zeros(num_host_pages * page_size, np.int32)
         self.host_ok = np.zeros(num_host_pages * page_size, bool)
         self.host_of = np.full(num_pages, -1, np.int64)
+        self.host_writes = np.zeros(num_host_pages, np.int64)
+        self._writes_seen = np.zeros(num_pages, np.int64)  # host_writes when host_of was set
 
     def page_slots(self, pages: np.ndarray) -> np.ndarray:
         """Every slot of ``pages``, page after page."""
@@ -161,12 +164,11 @@ class DraftSlots:
         out = np.asarray(step.swap_out).reshape(-1, 2)
         back = np.asarray(step.swap_in).reshape(-1, 2)
         self.copied_down(out)
-        if len(out):
-            self.host_of[np.isin(self.host_of, out[:, 1])] = -1  # host pages written over
-            self.host_of[out[:, 0]] = out[:, 1]
+        self.host_writes[out[:, 1]] += 1  # copies of other device pages there are gone
+        self.copy_on_host(out[:, 0], out[:, 1])
         host, device = self.page_slots(back[:, 0]), self.page_slots(back[:, 1])
         self.tokens[device], self.ok[device] = self.host_tokens[host], self.host_ok[host]
-        self.host_of[back[:, 1]] = back[:, 0]
+        self.copy_on_host(back[:, 1], back[:, 0])
         self.host_of[np.asarray(step.copies).reshape(-1, 3)[:, 1]] = -1
         for src, dst, n in np.asarray(step.copies).tolist():
             self.tokens[dst * size : dst * size + n] = self.tokens[src * size : src * size + n]
@@ -184,6 +186,11 @@ class DraftSlots:
         ok = self.ok[self.slots(pages, 0, cached)]
         return cached if ok.all() else int(ok.argmin())
 
+    def copy_on_host(self, pages: np.ndarray, host: np.ndarray) -> None:
+        """Host pages ``host`` hold copies of device ``pages`` (as they are now)."""
+        self.host_of[pages] = host
+        self._writes_seen[pages] = self.host_writes[host]
+
     def copied_down(self, pairs: np.ndarray) -> None:
         """(device page, host page) rows: the host pages' record is now the device pages'."""
         device, host = self.page_slots(pairs[:, 0]), self.page_slots(pairs[:, 1])
@@ -199,7 +206,8 @@ class DraftSlots:
         self.host_of[slots // self.page_size] = -1  # the model's KV there is newer than a copy
         pages = np.unique(drafted // self.page_size)
         pages = pages[self.host_of[pages] >= 0]
-        return np.stack([pages, self.host_of[pages]], axis=1)
+        pages = pages[self.host_writes[self.host_of[pages]] == self._writes_seen[pages]]
+        return np.stack([pages, self.host_of[pages]], axis=1)  # copies not written over
 
 
 @dataclass

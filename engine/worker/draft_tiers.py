@@ -86,5 +86,5 @@ class DraftBlocks:
         device_slots, host_slots = slots.page_slots(pages), slots.page_slots(host.numpy())
         slots.tokens[device_slots] = slots.host_tokens[host_slots]
         slots.ok[device_slots] = slots.host_ok[host_slots]
-        slots.host_of[pages] = host.numpy()
+        slots.copy_on_host(pages, host.numpy())
         return place(self.pool, pages, self.host.index_select(2, host))
