@@ -38,6 +38,35 @@ inline void normalize_row(const X* xr, const W* weight, W* outr, int64_t hidden,
   }
 }
 
+#if defined(RADIXSERVE_AVX512) && defined(__AVX512BF16__)
+// bf16 weights over float32 rows (the residual stream's norms), 16 lanes at a time: the same
+// sum of squares and the same two roundings to nearest even (vcvtneps2bf16) as the loop above,
+// which runs them element by element.
+template <>
+inline void normalize_row<float, c10::BFloat16>(const float* xr, const c10::BFloat16* weight,
+                                                c10::BFloat16* outr, int64_t hidden,
+                                                float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t d = 0; d < hidden; ++d) squares += xr[d] * xr[d];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  int64_t d = 0;
+  for (; d + 16 <= hidden; d += 16) {
+    const __m256bh normed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(xr + d), inv16));
+    const __m512 widened = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(normed)), 16));
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_mul_ps(radixserve::load16(weight + d), widened));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(outr + d), reinterpret_cast<const __m256i&>(out));
+  }
+  for (; d < hidden; ++d) {
+    const float normed = xr[d] * inv;
+    outr[d] = static_cast<c10::BFloat16>(to_float(weight[d]) *
+                                         to_float(static_cast<c10::BFloat16>(normed)));
+  }
+}
+#endif
+
 template <typename X, typename W>
 void rms_norm_rows(const X* x, int64_t row_stride, const W* weight, W* out, int64_t rows,
                    int64_t hidden, float eps) {

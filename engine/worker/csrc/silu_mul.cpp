@@ -5,10 +5,12 @@
 // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (1 / (1 + e), or e / (1 + e) for g < 0),
 // which neither overflows nor cancels. exp is Cephes' polynomial in the vectorised loops (within
 // 2 ulp of expf; below -87 it is held at 2^-126, where a unit's SiLU is |g| 2^-126 instead of
-// |g| e^g: zero to within 1e-36) and std::exp in the plain one. Each element is computed by the
-// same instructions whatever its row (a row's tail past the last whole vector runs masked in the
-// AVX-512 loop, element by element in the AVX2 one, at the same columns in every row), so a
-// row's result does not depend on the rows beside it (--deterministic).
+// |g| e^g: zero to within 1e-36) and std::exp in the plain one; there the division is a
+// reciprocal estimate refined by Newton steps (vdivps would take most of the loop's time). Each
+// element is computed by the same instructions whatever its row (a row's tail past the last
+// whole vector runs masked in the AVX-512 loop, element by element in the AVX2 one, at the same
+// columns in every row), so a row's result does not depend on the rows beside it
+// (--deterministic).
 // Registered as torch.ops.radixserve.silu_mul; built by engine/worker/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
@@ -33,7 +35,7 @@ void silu_mul_row_each(const T* gate, const T* up, T* out, int64_t from, int64_t
   }
 }
 
-#ifdef RADIXSERVE_AVX512
+#if defined(RADIXSERVE_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
 inline __m512 exp_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -50,11 +52,18 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 1 / d for d in [1, 2]: vrcp14ps and one Newton step (within 2 ulp), where vdivps would take
+// most of the loop's time (one per 16 cycles).
+inline __m512 reciprocal16(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+}
+
 inline __m512 silu_times16(__m512 g, __m512 u) {
   const __m512 e_neg = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
   const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
   const __m512 numerator = _mm512_mask_blend_ps(positive, e_neg, _mm512_set1_ps(1.f));
-  const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(e_neg, _mm512_set1_ps(1.f)));
+  const __m512 sigmoid = _mm512_mul_ps(numerator, reciprocal16(_mm512_add_ps(e_neg, _mm512_set1_ps(1.f))));
   return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
 }
 
@@ -69,6 +78,10 @@ inline __m512 load16_masked(const c10::Half* p, __mmask16 m) {
 
 inline void store16_masked(__m512 v, float* p, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16_masked(__m512 v, c10::BFloat16* p, __mmask16 m) {
+#if defined(__AVX512BF16__)
+  const __m256bh packed = _mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<const __m256i&>(packed));
+#else
   // nearest, ties to even, as c10::BFloat16 rounds (a NaN stays a NaN)
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -76,6 +89,7 @@ inline void store16_masked(__m512 v, c10::BFloat16* p, __mmask16 m) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+#endif
 }
 inline void store16_masked(__m512 v, c10::Half* p, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -110,6 +124,14 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
+// 1 / d for d in [1, 2]: vrcpps (12 bits) and two Newton steps, where vdivps would take most
+// of the loop's time.
+inline __m256 reciprocal8(__m256 d) {
+  __m256 r = _mm256_rcp_ps(d);
+  r = _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+}
+
 inline void store8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
 inline void store8(__m256 v, c10::BFloat16* p) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -138,7 +160,7 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
     const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(g, magnitude)));
     const __m256 numerator =
         _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
-    const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+    const __m256 sigmoid = _mm256_mul_ps(numerator, reciprocal8(_mm256_add_ps(e, _mm256_set1_ps(1.f))));
     store8(_mm256_mul_ps(_mm256_mul_ps(g, sigmoid), load8(up + i)), out + i);
   }
   silu_mul_row_each(gate, up, out, i, width);
