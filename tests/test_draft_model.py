@@ -289,9 +289,14 @@ def test_rejection_sampling_keeps_the_targets_distribution(models, monkeypatch, 
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + [int(t1), int(t2)]])).logits[0, -1]
     p = torch.softmax(logits.double(), -1).numpy()
-    expected = len(third) * p
-    seen = np.bincount(third, minlength=len(p))
-    big = expected >= 5  # the rest pooled into one bin
+    assert_drawn_from(np.bincount(third, minlength=len(p)), p)
+
+
+def assert_drawn_from(seen: np.ndarray, p: np.ndarray) -> None:
+    """``seen`` (how often each token was drawn) is a sample of the distribution ``p``:
+    chi-square at 99.9%, the tokens expected fewer than 5 times pooled into one bin."""
+    expected = seen.sum() * p
+    big = expected >= 5
     observed = np.append(seen[big], seen[~big].sum())
     wanted = np.append(expected[big], expected[~big].sum())
     chi2 = ((observed - wanted) ** 2 / np.maximum(wanted, 1e-9)).sum()

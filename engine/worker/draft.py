@@ -305,8 +305,8 @@ class DraftModel:
         what its grammar allows after its drafts so far; its drafts end at the first one the
         grammar does not keep (proposed, then cut: engine/worker/grammar_drafts.py)."""
         guide = guide or Guide([], 0, None, None)  # no constrained sequence
-        tokens, sure = self._pick(logits, guide.allowed(drafting.seqs, logits.device,
-                                                        logits.shape[-1]))
+        vocab = self.runner.config.vocab_size  # a head in blocks: fewer logits columns
+        tokens, sure = self._pick(logits, guide.allowed(drafting.seqs, logits.device, vocab))
         drafting.drafts = [[t] for t in tokens]  # the first draft: always proposed
         active = [n for n, ok in enumerate(sure) if ok and draft_lens[drafting.seqs[n]] > 1
                   and guide.take(drafting.seqs[n], tokens[n])]
@@ -318,7 +318,7 @@ class DraftModel:
                 builder.add(pages, cached + len(made), made[-1:])
             logits = self._forward(builder.finish(), drafting)
             tokens, sure = self._pick(logits, guide.allowed(
-                [drafting.seqs[n] for n in active], logits.device, logits.shape[-1]))
+                [drafting.seqs[n] for n in active], logits.device, vocab))
             still = []
             for n, token, ok in zip(active, tokens, sure, strict=True):
                 if not ok:
