@@ -13,10 +13,14 @@ A step's sequences split into groups, each served by one call per layer:
   Elsewhere, or without the kernel, q is laid out [B, kv_heads, group, head_dim] so the query
   heads sharing a KV head attend together without repeating K/V, and the mask [B, 1, 1, S]
   broadcasts over them;
-- extend group (the rest): queries padded to [B, max_extend], K/V gathered to
-  [B, max_pages * page_size] and an additive mask [B, 1, max_extend, S] (causal at absolute
-  positions, sliding window where the layer has one); when no sequence of the group has
-  cached tokens, SDPA's built-in causal mask instead.
+- extend group (the rest): in bf16 on a CPU whose torch offers a bf16 brgemm (AMX, AVX-512
+  BF16), the compiled extend kernel (csrc/extend_attention.cpp) reads every sequence's keys
+  straight from its pages, several query rows a sequence, as the decode kernel does, with no
+  gather, padding or mask tensor (faster than gather + SDPA at every extend shape measured:
+  docs/benchmarks.md's "Prefill on AMX"). Elsewhere queries padded to [B, max_extend], K/V
+  gathered to [B, max_pages * page_size] and an additive mask [B, 1, max_extend, S] (causal
+  at absolute positions, sliding window where the layer has one); when no sequence of the
+  group has cached tokens, SDPA's built-in causal mask instead.
 
 Deterministic steps (``--deterministic``) are one group: every sequence's new rows, prefill
 and extend rows as well as decodes, through the compiled kernel, without the cascade. The kernel
@@ -31,6 +35,7 @@ Padded query rows get the position of their sequence's last token so no row is f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +45,7 @@ import torch.nn.functional as F
 from engine.contracts.step import BatchInput
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.cascade import CascadePlan, attend_cascade, plan_cascade
-from engine.worker.cpu_kernels import paged_decode_op, rope_store_op
+from engine.worker.cpu_kernels import extend_attention_op, paged_decode_op, rope_store_op
 from engine.worker.kv_quant import FP8_DTYPES, decode
 from engine.worker.staging import to_device_many
 
@@ -57,6 +62,8 @@ class _Group:
     cascade: CascadePlan | None  # shared leading pages: attended once per group (cascade.py)
     # The compiled decode kernel's int32 page table (indptr, indices) and seq_lens; None: SDPA.
     paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The compiled op that attends ``paged``: the extend kernel's; None: the decode kernel's.
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 # A decode step on the compiled kernel takes the cascade for its shared pages only when that
@@ -108,6 +115,12 @@ class TorchNativeBackend(AttentionBackend):
                               if on_cpu else None)
         self._rope_store = rope_store_op() if on_cpu else None
         self.deterministic = deterministic and self._paged_decode is not None
+        # Longer extends of bf16 pages: the extend kernel, except under --deterministic, whose
+        # rows keep the decode kernel's order of sums.
+        bf16_pages = self.pool.kv_dtype == torch.bfloat16
+        self._extend_attention = (
+            extend_attention_op() if on_cpu and bf16_pages and not deterministic
+            and self.head_dim % 32 == 0 and self.head_dim <= 256 else None)
 
     def forward_rotating(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                          cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -133,15 +146,19 @@ class TorchNativeBackend(AttentionBackend):
         paged = batch.extend_lens <= short
         groups = [np.nonzero(paged)[0]]
         # Extends pad to their group's longest: bucket them by length within a factor of 2, so
-        # a 65-token extend never pads to a 2,000-token prefill's rows.
+        # a 65-token extend never pads to a 2,000-token prefill's rows. The extend kernel pads
+        # nothing: all of them in one call.
         extends = np.nonzero(~paged)[0]
-        extends = extends[np.argsort(batch.extend_lens[extends], kind="stable")]
-        start = 0
-        for i in range(1, len(extends) + 1):
-            if i == len(extends) or (batch.extend_lens[extends[i]]
-                                     > 2 * batch.extend_lens[extends[start]]):
-                groups.append(np.sort(extends[start:i]))
-                start = i
+        if self._extend_attention is not None:
+            groups.append(extends)
+        else:
+            extends = extends[np.argsort(batch.extend_lens[extends], kind="stable")]
+            start = 0
+            for i in range(1, len(extends) + 1):
+                if i == len(extends) or (batch.extend_lens[extends[i]]
+                                         > 2 * batch.extend_lens[extends[start]]):
+                    groups.append(np.sort(extends[start:i]))
+                    start = i
         groups = [g for g in groups if len(g)]
         whole = len(groups) == 1
         self._groups = [self._plan_group(batch, seqs, whole) for seqs in groups]
@@ -154,6 +171,8 @@ class TorchNativeBackend(AttentionBackend):
             paged = self._plan_paged(batch, seqs, whole)
             if paged is not None:
                 return paged
+        if self._extend_attention is not None:
+            return self._plan_paged(batch, seqs, whole, extend_kernel=True)
         num_tokens = int(extend.sum())
         seq_of_token = np.repeat(np.arange(num_seqs), extend)
         offset = np.arange(num_tokens) - np.repeat(np.cumsum(extend) - extend, extend)
@@ -197,11 +216,12 @@ class TorchNativeBackend(AttentionBackend):
                       page_table=staged["page_table"], num_seqs=num_seqs, max_extend=max_extend,
                       kv_len=kv_len, masks=masks, cascade=cascade)
 
-    def _plan_paged(self, batch: BatchInput, seqs: np.ndarray, whole: bool) -> _Group | None:
+    def _plan_paged(self, batch: BatchInput, seqs: np.ndarray, whole: bool,
+                    extend_kernel: bool = False) -> _Group | None:
         """A group for the compiled kernel: its sequences' page lists as int32 CSR and, when
         some sequence adds several tokens (a verify), each one's query rows (``q_indptr``).
         None: a verify group whose shared pages the cascade should attend once (the extend
-        path's plan does)."""
+        path's plan does). ``extend_kernel``: for the extend kernel, which takes no cascade."""
         extend = batch.extend_lens[seqs].astype(np.int64)
         if whole:
             indptr, indices, seq_lens = batch.page_indptr, batch.page_indices, batch.seq_lens
@@ -223,18 +243,20 @@ class TorchNativeBackend(AttentionBackend):
                 + np.arange(int(extend.sum())) - np.repeat(np.cumsum(extend) - extend, extend))
         cascade = None
         # Deterministic plans take no cascade: its merge would sum a shared prefix's part in
-        # another order than the row's own decode.
-        if multi and not self.deterministic:
+        # another order than the row's own decode. Nor do the extend kernel's, which attends a
+        # wave of questions over one shared head faster per sequence than the cascade's SDPA
+        # attends the head once (docs/benchmarks.md's "Prefill on AMX").
+        if multi and not (self.deterministic or extend_kernel):
             # The kernel's cascade attends one query row a sequence: a verify group whose
             # shared prefix would pay for it takes the extend path's cascade instead.
             if self._paged_cascade(batch, seqs, paged[:3]) is not None:
                 return None
-        elif not self.deterministic:
+        elif not (self.deterministic or extend_kernel):
             cascade = self._paged_cascade(batch, seqs, paged)
         return _Group(rows=None if whole else torch.from_numpy(rows),
                       pad_index=None, page_table=paged[1], num_seqs=len(seqs),
                       max_extend=int(extend.max()), kv_len=0, masks={}, cascade=cascade,
-                      paged=paged)
+                      paged=paged, kernel=self._extend_attention if extend_kernel else None)
 
     def _paged_cascade(self, batch: BatchInput, seqs: np.ndarray,
                        paged: tuple[torch.Tensor, ...]) -> CascadePlan | None:
@@ -304,9 +326,9 @@ class TorchNativeBackend(AttentionBackend):
         k_pages, v_pages = self.pool.layer(layer)
         if g.paged is not None and g.cascade is None:
             indptr, indices, seq_lens, *q_indptr = g.paged
-            out, _ = self._paged_decode(q.contiguous(), k_pages, v_pages, indptr, indices,
-                                        seq_lens, self.sliding_windows[layer] or 0, self.scale,
-                                        None, *q_indptr)
+            kernel = g.kernel or self._paged_decode
+            out, _ = kernel(q.contiguous(), k_pages, v_pages, indptr, indices, seq_lens,
+                            self.sliding_windows[layer] or 0, self.scale, None, *q_indptr)
             return out
         if g.pad_index is not None:
             padded = q.new_zeros(g.num_seqs * g.max_extend, *q.shape[1:])

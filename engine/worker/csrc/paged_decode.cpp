@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "paged_args.h"
 
 namespace {
 
@@ -622,70 +623,10 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& seq_lens,
     int64_t window, double scale, const std::optional<at::Tensor>& starts,
     const std::optional<at::Tensor>& q_indptr) {
-  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
-              "paged_decode: q [T, H, D] and pages [N, P, KVH, D] expected");
-  TORCH_CHECK(q.is_contiguous() && k_pages.stride(3) == 1 &&
-                  k_pages.stride(2) == k_pages.size(3) && v_pages.strides() == k_pages.strides(),
-              "paged_decode: q contiguous, pages with contiguous heads expected");
-  const bool quantized = k_pages.scalar_type() == at::kChar;
-  TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() || quantized,
-              "paged_decode: KV pages in q's dtype or int8 expected");
-  TORCH_CHECK(v_pages.scalar_type() == k_pages.scalar_type(), "paged_decode: K and V dtypes differ");
-  TORCH_CHECK(q.size(2) + (quantized ? radixserve::kScaleBytes : 0) == k_pages.size(3) &&
-                  q.size(1) % k_pages.size(2) == 0,
-              "paged_decode: head sizes disagree (int8 rows hold D values and a 2-byte scale)");
-  TORCH_CHECK(!q_indptr.has_value() ||
-                  (q_indptr->scalar_type() == at::kInt && q_indptr->is_contiguous() &&
-                   q_indptr->dim() == 1 && q_indptr->numel() >= 1),
-              "paged_decode: int32 q_indptr [B + 1] expected");
-  // Sequences: one per query row, or as q_indptr says.
-  const int64_t B = q_indptr.has_value() ? q_indptr->numel() - 1 : q.size(0);
-  TORCH_CHECK(indptr.scalar_type() == at::kInt && indices.scalar_type() == at::kInt &&
-                  seq_lens.scalar_type() == at::kInt && indptr.numel() == B + 1 &&
-                  seq_lens.numel() == B && indptr.is_contiguous() &&
-                  indices.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode: int32 indptr [B + 1], indices and seq_lens [B] expected");
-  // Every read the kernel makes is checked here, once: a bad table is an error, never a read
-  // outside the pool.
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* ptr = indptr.data_ptr<int32_t>();
-  const int32_t* pages = indices.data_ptr<int32_t>();
-  const int64_t num_pages = k_pages.size(0), page_size = k_pages.size(1);
-  TORCH_CHECK(ptr[0] == 0 && ptr[B] <= indices.numel(),
-              "paged_decode: indptr must start at 0 and stay within indices");
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && ptr[b + 1] >= ptr[b] &&
-                    (ptr[b + 1] - ptr[b]) * page_size >= lens[b],
-                "paged_decode: sequence ", b, " has ", lens[b], " keys but ",
-                ptr[b + 1] - ptr[b], " pages of ", page_size);
-  for (int64_t i = 0; i < ptr[B]; ++i)
-    TORCH_CHECK(pages[i] >= 0 && pages[i] < num_pages, "paged_decode: page ", pages[i],
-                " is outside the pool of ", num_pages);
-  const int32_t* rows_ptr = nullptr;
-  int64_t max_rows = 1;
-  if (q_indptr.has_value()) {
-    rows_ptr = q_indptr->data_ptr<int32_t>();
-    TORCH_CHECK(rows_ptr[0] == 0 && rows_ptr[B] == q.size(0),
-                "paged_decode: q_indptr must start at 0 and end at q's ", q.size(0), " rows");
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t rows = rows_ptr[b + 1] - rows_ptr[b];
-      TORCH_CHECK(rows >= 1 && rows <= lens[b], "paged_decode: sequence ", b, " has ", rows,
-                  " query rows for ", lens[b], " keys");
-      max_rows = std::max(max_rows, rows);
-    }
-  }
-  const int32_t* start_ptr = nullptr;
-  if (starts.has_value()) {
-    TORCH_CHECK(starts->scalar_type() == at::kInt && starts->numel() == B &&
-                    starts->is_contiguous(),
-                "paged_decode: int32 starts [B] expected");
-    start_ptr = starts->data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t rows = rows_ptr != nullptr ? rows_ptr[b + 1] - rows_ptr[b] : 1;
-      TORCH_CHECK(start_ptr[b] >= 0 && start_ptr[b] <= lens[b] - rows,
-                  "paged_decode: each start must leave its sequence a key to attend");
-    }
-  }
+  const auto limits = radixserve::check_paged_args("paged_decode", q, k_pages, v_pages, indptr,
+                                                   indices, seq_lens, starts, q_indptr);
+  const int64_t B = limits.sequences, max_rows = limits.max_rows;
+  const int32_t *start_ptr = limits.starts, *rows_ptr = limits.q_indptr;
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (B == 0) return {out, lse};  // no sequence: nothing to split among the threads
