@@ -50,8 +50,10 @@ def unfused() -> Iterator[None]:
         layer_ops.silu_mul_op, layer_ops.add_rms_norm_op = ops
 
 
-def build_batches(runner: ModelRunner, args: argparse.Namespace) -> tuple[BatchInput, BatchInput]:
-    """The step that caches the heads, then the measured step over them."""
+def build_batches(runner: ModelRunner, args: argparse.Namespace
+                  ) -> tuple[BatchInput | None, BatchInput]:
+    """The step that caches the heads (None with ``--head 0``: a whole prefill), then the
+    measured step over them."""
     page = runner.page_size
     rng = np.random.default_rng(0)
     vocab = runner.config.vocab_size
@@ -67,7 +69,7 @@ def build_batches(runner: ModelRunner, args: argparse.Namespace) -> tuple[BatchI
     head_ids = rng.integers(0, vocab, (heads, head_pages * page)).astype(np.int32)
     # Heads end on a page boundary here, so each sequence's own pages follow its head's.
     prefill = BatchInput.build([(head_tables[i], 0, head_ids[i, : args.head])
-                                for i in range(heads)], page)
+                                for i in range(heads)], page) if args.head else None
     seqs = []
     for i in range(args.seqs + args.decodes):
         h = 0 if args.shared else i
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the server's default model")
     parser.add_argument("--seqs", type=int, default=8, help="sequences prefilling a question")
-    parser.add_argument("--head", type=int, default=512, help="cached tokens (a page multiple)")
+    parser.add_argument("--head", type=int, default=512, help="cached tokens (a page multiple; 0: a whole prefill)")
     parser.add_argument("--question", type=int, default=32)
     parser.add_argument("--decodes", type=int, default=0, help="sequences decoding beside")
     parser.add_argument("--shared", action="store_true", help="one head for every sequence")
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.head % runner.page_size:
         raise SystemExit(f"--head must be a multiple of the page size ({runner.page_size})")
     prefill, step = build_batches(runner, args)
-    runner.forward(prefill)
+    if prefill is not None:
+        runner.forward(prefill)
     for _ in range(2):
         runner.forward(step)
         if args.unfused:
