@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.contracts.step import BatchInput
-from engine.worker.attention import TorchNativeBackend
+from engine.worker.attention import TorchNativeBackend, torch_native
 from engine.worker.cpu_kernels import extend_attention_op, paged_decode_op
 from tests.test_attention import KV_HEADS, make_pool, random_batch
 from tests.test_cpu_kernels import random_case, variants, verify_reference  # noqa: F401
@@ -114,12 +114,13 @@ def step_inputs(batch: BatchInput, seed: int):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_backend_extends_through_the_kernel(page_size) -> None:
+def test_backend_extends_through_the_kernel(page_size, monkeypatch) -> None:
     """A mixed step (decodes, verify-shaped extends, questions over cached heads, a prefill
-    from position 0): extends past the decode kernel's rows take the extend kernel, decodes
-    and short extends keep the decode kernel, --deterministic keeps every row on the decode
-    kernel; each agrees with the float64 reference on both layers (one windowed), as gather
-    + SDPA does."""
+    from position 0): extends past the decode kernel's rows take the extend kernel, those past
+    ``EXTEND_KERNEL_MAX_ROWS`` (40 here) gather + SDPA, decodes and short extends keep the
+    decode kernel, --deterministic keeps every row on the decode kernel; each agrees with the
+    float64 reference on both layers (one windowed), as gather + SDPA does."""
+    monkeypatch.setattr(torch_native, "EXTEND_KERNEL_MAX_ROWS", 40)
     pool = make_pool(page_size, dtype=torch.bfloat16, head_dim=64)
     shapes = [(30, 1), (0, 7), (128, 32), (40, 20), (0, 64), (60, 17), (16, 18)]
     batch = random_batch(page_size, pool.num_pages, shapes)
@@ -133,8 +134,10 @@ def test_backend_extends_through_the_kernel(page_size) -> None:
             got = attention.forward(layer, q, k, v)
             want = batch_reference(attention, layer, batch, q)
             assert (got.double() - want).abs().max().item() < TOLERANCE, layer
-        kinds = sorted((g.num_seqs, g.kernel is not None) for g in kernel._groups)
-        assert kinds == [(3, False), (4, True)]  # decodes and short extends; the rest
+        kinds = sorted((g.num_seqs, g.kernel is not None, g.paged is None)
+                       for g in kernel._groups)
+        # the 64-row prefill; decodes and short extends; the rest
+        assert kinds == [(1, False, True), (3, False, False), (3, True, False)]
         assert all(g.kernel is None for g in deterministic._groups + sdpa._groups)
     assert paged_decode_op() is not None
 

@@ -16,8 +16,8 @@ A step's sequences split into groups, each served by one call per layer:
 - extend group (the rest): in bf16 on a CPU whose torch offers a bf16 brgemm (AMX, AVX-512
   BF16), the compiled extend kernel (csrc/extend_attention.cpp) reads every sequence's keys
   straight from its pages, several query rows a sequence, as the decode kernel does, with no
-  gather, padding or mask tensor (faster than gather + SDPA at every extend shape measured:
-  docs/benchmarks.md's "Prefill on AMX"). Elsewhere queries padded to [B, max_extend], K/V
+  gather, padding or mask tensor, for extends of up to ``EXTEND_KERNEL_MAX_ROWS`` rows (where
+  it measured faster than gather + SDPA). Elsewhere queries padded to [B, max_extend], K/V
   gathered to [B, max_pages * page_size] and an additive mask [B, 1, max_extend, S] (causal
   at absolute positions, sliding window where the layer has one); when no sequence of the
   group has cached tokens, SDPA's built-in causal mask instead.
@@ -80,6 +80,12 @@ CASCADE_MIN_SAVED_KEYS = 8192
 # token, and short extends. Longer extends pad into SDPA groups, whose flash kernel skips the
 # masked blocks of a long causal extend.
 PAGED_MAX_EXTEND = 17
+
+# Longer extends of up to this many rows attend through the compiled extend kernel (bf16), all
+# in one call: faster than gather + SDPA at every shape measured up to 1,024 rows (0.47-0.85x; a
+# question over a cached head, ~0.5x); about even at 1,536 rows from position 0 (1.01x), slower at
+# 2,048 (1.04x), where SDPA's flash kernel serves (docs/benchmarks.md's "Prefill on AMX").
+EXTEND_KERNEL_MAX_ROWS = 1024
 
 
 def _padded_pages(batch: BatchInput, seqs: np.ndarray,
@@ -150,15 +156,16 @@ class TorchNativeBackend(AttentionBackend):
         # nothing: all of them in one call.
         extends = np.nonzero(~paged)[0]
         if self._extend_attention is not None:
-            groups.append(extends)
-        else:
-            extends = extends[np.argsort(batch.extend_lens[extends], kind="stable")]
-            start = 0
-            for i in range(1, len(extends) + 1):
-                if i == len(extends) or (batch.extend_lens[extends[i]]
-                                         > 2 * batch.extend_lens[extends[start]]):
-                    groups.append(np.sort(extends[start:i]))
-                    start = i
+            kernel = batch.extend_lens[extends] <= EXTEND_KERNEL_MAX_ROWS
+            groups.append(extends[kernel])
+            extends = extends[~kernel]
+        extends = extends[np.argsort(batch.extend_lens[extends], kind="stable")]
+        start = 0
+        for i in range(1, len(extends) + 1):
+            if i == len(extends) or (batch.extend_lens[extends[i]]
+                                     > 2 * batch.extend_lens[extends[start]]):
+                groups.append(np.sort(extends[start:i]))
+                start = i
         groups = [g for g in groups if len(g)]
         whole = len(groups) == 1
         self._groups = [self._plan_group(batch, seqs, whole) for seqs in groups]
@@ -171,7 +178,7 @@ class TorchNativeBackend(AttentionBackend):
             paged = self._plan_paged(batch, seqs, whole)
             if paged is not None:
                 return paged
-        if self._extend_attention is not None:
+        if self._extend_attention is not None and max_extend <= EXTEND_KERNEL_MAX_ROWS:
             return self._plan_paged(batch, seqs, whole, extend_kernel=True)
         num_tokens = int(extend.sum())
         seq_of_token = np.repeat(np.arange(num_seqs), extend)
