@@ -1,7 +1,8 @@
 """Time of one model step that extends cached heads: what a wave of follow-up questions costs.
 
     python scripts/bench_extend.py [--model PATH] [--seqs 8] [--head 512] [--question 32]
-        [--decodes 0] [--shared] [--repeats 7] [--profile] [--unfused] [--extra JSON]
+        [--decodes 0] [--shared] [--repeats 7] [--profile] [--unfused | --sdpa-extends]
+        [--extra JSON]
 
 Each of ``--seqs`` sequences holds ``--head`` cached tokens (its own, or with ``--shared`` one
 head every sequence shares, as a wave of questions over one system prompt) and prefills a
@@ -13,7 +14,9 @@ in process, on ``torch.get_num_threads()`` threads. Prints the median step time 
 time by op over the repeats). ``--unfused`` times each repeat a second time with the model's
 fused elementwise ops off (SiLU(gate) * up and the residual add with the next RMSNorm as torch
 ops: engine/worker/model/layer_ops.py's ``silu_mul`` and ``add_rms_norm_``), in ABBA order, and
-prints both medians and their ratio.
+prints both medians and their ratio. ``--sdpa-extends`` does the same with the compiled extend
+kernel off (extends on gather + SDPA, as on CPUs without a bf16 brgemm:
+engine/worker/attention/torch_native.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,21 @@ def unfused() -> Iterator[None]:
         yield
     finally:
         layer_ops.silu_mul_op, layer_ops.add_rms_norm_op = ops
+
+
+@contextlib.contextmanager
+def sdpa_extends(runner: ModelRunner) -> Iterator[None]:
+    """Extends on gather + SDPA: the torch backend's extend kernel off for the steps planned
+    inside."""
+    attention = runner.attention
+    kernel = getattr(attention, "_extend_attention", None)
+    if kernel is None:
+        raise SystemExit("--sdpa-extends: this runner's extends do not take the extend kernel")
+    attention._extend_attention = None
+    try:
+        yield
+    finally:
+        attention._extend_attention = kernel
 
 
 def build_batches(runner: ModelRunner, args: argparse.Namespace
@@ -92,8 +110,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--unfused", action="store_true",
                         help="also time every repeat with the fused elementwise ops off (ABBA)")
+    parser.add_argument("--sdpa-extends", action="store_true",
+                        help="also time every repeat with the extend kernel off (ABBA)")
     parser.add_argument("--extra", default="{}", help="more EngineConfig fields, as JSON")
     args = parser.parse_args(argv)
+    if args.unfused and args.sdpa_extends:
+        parser.error("--unfused and --sdpa-extends each take the baseline: choose one")
     config = EngineConfig(model=resolve_model(args.model).path, **json.loads(args.extra))
     runner = ModelRunner(config)
     if args.head % runner.page_size:
@@ -101,10 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     prefill, step = build_batches(runner, args)
     if prefill is not None:
         runner.forward(prefill)
+    baseline_mode = (unfused if args.unfused
+                     else (lambda: sdpa_extends(runner)) if args.sdpa_extends else None)
     for _ in range(2):
         runner.forward(step)
-        if args.unfused:
-            with unfused():
+        if baseline_mode is not None:
+            with baseline_mode():
                 runner.forward(step)
 
     def timed() -> float:
@@ -117,12 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     if profiler is not None:
         profiler.__enter__()
     for repeat in range(args.repeats):
-        if args.unfused and repeat % 2:  # ABBA: the baseline first in every other repeat
-            with unfused():
+        if baseline_mode is not None and repeat % 2:  # ABBA: the baseline first every other
+            with baseline_mode():
                 baseline.append(timed())
         times.append(timed())
-        if args.unfused and not repeat % 2:
-            with unfused():
+        if baseline_mode is not None and not repeat % 2:
+            with baseline_mode():
                 baseline.append(timed())
     c = runner.config
 
@@ -137,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.unfused:
         ratio = statistics.median(times) / statistics.median(baseline)
         print(f"unfused elementwise ops: {summary(baseline)}; fused / unfused {ratio:.3f}")
+    if args.sdpa_extends:
+        ratio = statistics.median(times) / statistics.median(baseline)
+        print(f"extends on gather + SDPA: {summary(baseline)}; kernel / SDPA {ratio:.3f}")
     if profiler is not None:
         profiler.__exit__(None, None, None)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
