@@ -39,19 +39,24 @@ inline void normalize_row(const X* xr, const W* weight, W* outr, int64_t hidden,
 }
 
 #if defined(RADIXSERVE_AVX512) && defined(__AVX512BF16__)
-// bf16 weights over float32 rows (the residual stream's norms), 16 lanes at a time: the same
-// sum of squares and the same two roundings to nearest even (vcvtneps2bf16) as the loop above,
-// which runs them element by element.
+// bf16 weights over float32 rows (the residual stream's norms), 16 lanes at a time: the sum of
+// squares in 16 partial sums (the loop above leaves its order to the compiler, which kept it
+// scalar), then the same two roundings to nearest even (vcvtneps2bf16) as the loop above.
 template <>
 inline void normalize_row<float, c10::BFloat16>(const float* xr, const c10::BFloat16* weight,
                                                 c10::BFloat16* outr, int64_t hidden,
                                                 float eps) {
-  float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t d = 0; d < hidden; ++d) squares += xr[d] * xr[d];
+  __m512 squares16 = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= hidden; d += 16) {
+    const __m512 v = _mm512_loadu_ps(xr + d);
+    squares16 = _mm512_fmadd_ps(v, v, squares16);
+  }
+  float squares = _mm512_reduce_add_ps(squares16);
+  for (; d < hidden; ++d) squares += xr[d] * xr[d];
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
   const __m512 inv16 = _mm512_set1_ps(inv);
-  int64_t d = 0;
+  d = 0;
   for (; d + 16 <= hidden; d += 16) {
     const __m256bh normed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(xr + d), inv16));
     const __m512 widened = _mm512_castsi512_ps(
@@ -77,15 +82,24 @@ void rms_norm_rows(const X* x, int64_t row_stride, const W* weight, W* out, int6
   });
 }
 
+template <typename X>
+inline void add_row(float* row, const X* xr, int64_t hidden) {
+  int64_t d = 0;
+#ifdef RADIXSERVE_AVX512
+  for (; d + 16 <= hidden; d += 16) {
+    _mm512_storeu_ps(row + d, _mm512_add_ps(_mm512_loadu_ps(row + d), radixserve::load16(xr + d)));
+  }
+#endif
+  for (; d < hidden; ++d) row[d] += to_float(xr[d]);
+}
+
 template <typename X, typename W>
 void add_rms_norm_rows(float* residual, int64_t residual_stride, const X* x, int64_t x_stride,
                        const W* weight, W* out, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = residual + r * residual_stride;
-      const X* xr = x + r * x_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < hidden; ++d) row[d] += to_float(xr[d]);
+      add_row(row, x + r * x_stride, hidden);
       normalize_row(row, weight, out + r * hidden, hidden, eps);
     }
   });
