@@ -165,7 +165,7 @@ class SchedulerLoop:
         leaves waiting is a backlog, nobody's replacement (scheduler/refill.py)."""
         admit = self._admits()
         batch = self.sched.schedule(admit=admit)
-        if admit:
+        if admit and batch is not None:
             self.refill.admitted(len(self.sched.waiting))
         return batch
 
