@@ -163,3 +163,26 @@ def test_questions_over_one_shared_head_take_no_cascade() -> None:
         assert (group.cascade is not None) == cascade
         want = batch_reference(attention, 0, batch, q)
         assert (got.double() - want).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("window,start", [(50, None), (0, 211)])
+def test_keys_before_every_rows_window_or_start_are_never_read(window, start) -> None:
+    """Pages wholly before the tile's first visible key (a sliding layer's dropped pages, the
+    part before a start) hold NaN here; the kernel reads none of them, also the block's keys
+    between its 32-aligned start and the first visible key."""
+    seq_len, rows, page_size = 300, 40, 16
+    gen = torch.Generator().manual_seed(6)
+    k_pages, v_pages = (torch.randn(32, page_size, 2, 64, generator=gen).bfloat16()
+                        for _ in range(2))
+    first_visible = seq_len - rows - (window - 1 if window else 0) if start is None else start
+    k_pages[: first_visible // page_size] = float("nan")
+    v_pages[: first_visible // page_size] = float("nan")
+    case = (torch.randn(rows, 8, 64, generator=gen).bfloat16(), k_pages, v_pages,
+            torch.tensor([0, 19], dtype=torch.int32), torch.arange(19, dtype=torch.int32),
+            torch.tensor([seq_len], dtype=torch.int32))
+    q_indptr = torch.tensor([0, rows], dtype=torch.int32)
+    starts = None if start is None else torch.tensor([start], dtype=torch.int32)
+    got, _ = extend_attention_op()(*case, window, 0.125, starts, q_indptr)
+    want, _ = verify_reference(*case, q_indptr, window, 0.125, starts)
+    assert not got.isnan().any()
+    assert (got.double() - want).abs().max().item() < TOLERANCE

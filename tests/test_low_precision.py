@@ -220,13 +220,15 @@ def hf_argmax(path: Path, dtype: torch.dtype, rows: Rows) -> np.ndarray:
 
 def run_paths(path: Path, dtype: torch.dtype, page_size: int, compiled: bool = True
               ) -> tuple[dict[str, list[Rows]], Paths]:
-    """Every path's rows, and the ``Paths`` that ran them. ``compiled=False``: decodes take
-    gather + SDPA (and the cascade merge) instead of the compiled CPU kernel."""
+    """Every path's rows, and the ``Paths`` that ran them. ``compiled=False``: decodes and
+    extends take gather + SDPA (and the cascade merge) instead of the compiled CPU kernels."""
     runner = ModelRunner(EngineConfig(model=str(path), page_size=page_size,
                                       num_pages=NUM_SLOTS // page_size, num_host_pages=64,
                                       dtype=str(dtype).removeprefix("torch.")))
     # The decode kernel, also where the engine would not pick it (a CPU with neither AVX-512 nor AVX2).
     runner.attention._paged_decode = torch.ops.radixserve.paged_decode if compiled else None
+    if not compiled:
+        runner.attention._extend_attention = None
     paths = Paths(runner)
     return paths.all(), paths
 

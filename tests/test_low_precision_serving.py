@@ -61,12 +61,15 @@ def run_mix(directory: str, dtype: str, mode: str, compiled: bool = True
     """Greedy requests in groups over 96-token heads, a seeded n=3 request and a 3-beam
     request, in a pool small enough to preempt; returns the harness and the size of each
     cascade the attention backend planned over the run (0 for a decode group it gave the
-    compiled CPU kernel). ``compiled=False``: decodes take gather + SDPA and the cascade."""
+    compiled CPU kernel, or the extends it gave the extend kernel, where that one is built).
+    ``compiled=False``: decodes and extends take gather + SDPA and the cascade."""
     h = Harness(directory, dtype=dtype, num_pages=40, preemption_mode=mode,
                 num_host_pages=64 if mode == "swap" else 0, chunked_prefill_size=48)
     backend = h.worker.runner.attention
     # The decode kernel, also where the engine would not pick it (a CPU with neither AVX-512 nor AVX2).
     backend._paged_decode = torch.ops.radixserve.paged_decode if compiled else None
+    if not compiled:
+        backend._extend_attention = None
     plan, cascade_groups = backend._plan, []
 
     def recording_plan(batch, *args) -> None:

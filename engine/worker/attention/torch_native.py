@@ -178,7 +178,8 @@ class TorchNativeBackend(AttentionBackend):
             paged = self._plan_paged(batch, seqs, whole)
             if paged is not None:
                 return paged
-        if self._extend_attention is not None and max_extend <= EXTEND_KERNEL_MAX_ROWS:
+        if (self._extend_attention is not None
+                and PAGED_MAX_EXTEND < max_extend <= EXTEND_KERNEL_MAX_ROWS):
             return self._plan_paged(batch, seqs, whole, extend_kernel=True)
         num_tokens = int(extend.sum())
         seq_of_token = np.repeat(np.arange(num_seqs), extend)

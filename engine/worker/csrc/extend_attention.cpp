@@ -20,8 +20,9 @@
 //   out = O / sum (bf16, rounded once), lse = max + log(sum)
 //
 // Scores, the softmax's sums and the output accumulate in float32; the weights enter the
-// second product as bf16, as in torch's flash attention. Keys past a block's valid ones are
-// packed as zeros (a masked weight 0 times a stale NaN would poison the sum). Row results
+// second product as bf16, as in torch's flash attention. A block's keys outside the tile's
+// range (before its first row's window or start, past its last row) are packed as zeros, never
+// read (a masked weight 0 times a stale NaN would poison the sum). Row results
 // depend on the block boundaries, so --deterministic never takes this path (paged_decode's
 // 16-key blocks aligned to position 0 are what it builds on).
 
@@ -114,17 +115,18 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// Keys [k0, k0 + n) of KV head kv as brgemm's B operand of Q K^T for N keys (n <= N, N a
-// multiple of 16): [D / 2][N][2], i.e. each key's pairs of bf16 values as one 32-bit word,
-// transposed 16 keys by 16 words at a time; keys past n are zeros.
-void pack_keys(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t n, int64_t N,
-               Bf16* dst) {
+// Keys [k0 + skip, k0 + n) of KV head kv as brgemm's B operand of Q K^T for N keys (n <= N,
+// N a multiple of 16): [D / 2][N][2], i.e. each key's pairs of bf16 values as one 32-bit word,
+// transposed 16 keys by 16 words at a time; the keys before skip (before every row's window or
+// start: never read, a sliding layer's pages there may be gone) and past n are zeros.
+void pack_keys(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t skip, int64_t n,
+               int64_t N, Bf16* dst) {
   const int64_t pairs = pr.head_dim / 2;
   auto* out = reinterpret_cast<uint32_t*>(dst);
   const Bf16* rows[16];
   for (int64_t t0 = 0; t0 < N; t0 += 16) {
     for (int64_t t = 0; t < 16; ++t)
-      rows[t] = t0 + t < n ? key_row(pr, pr.k, b, k0 + t0 + t, kv) : nullptr;
+      rows[t] = t0 + t >= skip && t0 + t < n ? key_row(pr, pr.k, b, k0 + t0 + t, kv) : nullptr;
     for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
       __m512i r[16];
       for (int t = 0; t < 16; ++t)
@@ -135,10 +137,11 @@ void pack_keys(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t n, 
   }
 }
 
-// Values [k0, k0 + n) as B of P V for N keys (n <= N, N even): [N / 2][D][2], the rows of
-// each pair of keys interleaved; rows past n are zeros.
-void pack_values(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t n, int64_t N,
-                 Bf16* dst) {
+// Values [k0 + skip, k0 + n) as B of P V for N keys (n <= N, N even): [N / 2][D][2], the rows
+// of each pair of keys interleaved; rows before skip and past n are zeros (a weight 0 times a
+// stale NaN would poison the sum).
+void pack_values(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t skip, int64_t n,
+                 int64_t N, Bf16* dst) {
   const int64_t D = pr.head_dim;
   // Lanes of one output vector: (x[i], y[i]) pairs from x's first or second 16 values (an
   // index of 32 + i picks y's i).
@@ -150,14 +153,14 @@ void pack_values(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t n
   const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
   for (int64_t t = 0; t < N; t += 2) {
     Bf16* pair = dst + t * D;
-    if (t >= n) {
+    const Bf16* x = t >= skip && t < n ? key_row(pr, pr.v, b, k0 + t, kv) : nullptr;
+    const Bf16* y = t + 1 >= skip && t + 1 < n ? key_row(pr, pr.v, b, k0 + t + 1, kv) : nullptr;
+    if (x == nullptr && y == nullptr) {
       std::memset(pair, 0, 2 * D * sizeof(Bf16));
       continue;
     }
-    const Bf16* x = key_row(pr, pr.v, b, k0 + t, kv);
-    const Bf16* y = t + 1 < n ? key_row(pr, pr.v, b, k0 + t + 1, kv) : nullptr;
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512i xs = _mm512_loadu_si512(x + d);
+      const __m512i xs = x != nullptr ? _mm512_loadu_si512(x + d) : _mm512_setzero_si512();
       const __m512i ys = y != nullptr ? _mm512_loadu_si512(y + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(pair + 2 * d, _mm512_permutex2var_epi16(xs, low, ys));
       _mm512_storeu_si512(pair + 2 * d + 32, _mm512_permutex2var_epi16(xs, high, ys));
@@ -257,7 +260,8 @@ void attend_tile(const Problem& pr, Scratch& w, int64_t b, int64_t kv, int64_t f
   for (int64_t k0 = key_lo / kKeyAlign * kKeyAlign; k0 <= key_hi; k0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, key_hi + 1 - k0);
     const int64_t N = (n + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
-    pack_keys(pr, b, kv, k0, n, N, w.k.data());
+    const int64_t skip = std::max<int64_t>(key_lo - k0, 0);
+    pack_keys(pr, b, kv, k0, skip, n, N, w.k.data());
     at::native::cpublas::brgemm(M, N, D, D, N, N, false, w.q.data(), w.k.data(), w.s.data());
     for (int64_t m = 0; m < M; ++m) {
       const int64_t pos = pos0 + m / group;
@@ -265,7 +269,7 @@ void attend_tile(const Problem& pr, Scratch& w, int64_t b, int64_t kv, int64_t f
       softmax_row(w.s.data() + m * N, k0, N, lo, pos, pr.scale, w.max[m], w.sum[m],
                   w.o.data() + m * D, D, w.p.data() + m * N);
     }
-    pack_values(pr, b, kv, k0, n, N, w.v.data());
+    pack_values(pr, b, kv, k0, skip, n, N, w.v.data());
     at::native::cpublas::brgemm(M, D, N, N, D, D, true, w.p.data(), w.v.data(), w.o.data());
   }
   for (int64_t m = 0; m < M; ++m) {
