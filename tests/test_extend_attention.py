@@ -186,3 +186,42 @@ def test_keys_before_every_rows_window_or_start_are_never_read(window, start) ->
     want, _ = verify_reference(*case, q_indptr, window, 0.125, starts)
     assert not got.isnan().any()
     assert (got.double() - want).abs().max().item() < TOLERANCE
+
+
+def test_sliding_layers_own_pages_through_the_kernel() -> None:
+    """A pool whose windowed layer keeps its KV in pages of its own: the step's sliding view
+    lists page 0 (NaN here) for the pages before every window, which the kernel never reads;
+    the layer's rows match the float64 reference over the sliding pages."""
+    import msgspec
+
+    from engine.worker.kv_pool import KVPool
+
+    page_size, window = 16, 5
+    pool = KVPool(num_layers=2, num_pages=32, page_size=page_size, num_kv_heads=KV_HEADS,
+                  head_dim=64, dtype=torch.bfloat16, device="cpu", sliding_layers=(False, True),
+                  num_sliding_pages=24)
+    pool.kv.normal_()
+    shapes = [(128, 32), (40, 20), (0, 64)]
+    batch = random_batch(page_size, pool.num_pages, shapes)
+    rng = np.random.default_rng(3)
+    free = list(rng.permutation(np.arange(1, 24)))
+    swa_pages = []
+    for (cached, _), count in zip(shapes, np.diff(batch.page_indptr), strict=True):
+        first = max(cached - window + 1, 0) // page_size  # before every row's window
+        swa_pages.append([0] * first + [int(free.pop()) for _ in range(count - first)])
+    k_sliding, _ = pool.layer(1)
+    k_sliding[0] = float("nan")
+    pool.layer(1)[1][0] = float("nan")
+    slots = [swa_pages[b][p // page_size] * page_size + p % page_size
+             for b, (cached, new) in enumerate(shapes) for p in range(cached, cached + new)]
+    batch = msgspec.structs.replace(
+        batch, swa_page_indices=np.concatenate(swa_pages).astype(np.int32),
+        swa_out_slots=np.array(slots, dtype=np.int64))
+    q, k, v = step_inputs(batch, 4)
+    attention = extend_backend(pool)
+    attention.plan(batch)
+    got = attention.forward(1, q, k, v)
+    assert any(g.kernel is not None for g in attention._groups)
+    want = batch_reference(attention, 1, batch.sliding_view(), q)
+    assert not got.isnan().any()
+    assert (got.double() - want).abs().max().item() < TOLERANCE
