@@ -52,9 +52,11 @@ namespace {
 using radixserve::bits_to_float;
 using radixserve::to_float;
 #ifdef RADIXSERVE_AVX2
+using radixserve::exp8;
 using radixserve::load8;
 #endif
 #ifdef RADIXSERVE_AVX512
+using radixserve::exp16;
 using radixserve::load16;
 #endif
 
@@ -64,7 +66,8 @@ constexpr int64_t kKeyBlock = 16;  // keys per block of scores
 constexpr int64_t kRowTile = 32;
 
 // exp(x) over a block, vectorisable: Cephes' expf (range reduction by ln 2, degree-6
-// polynomial, ~1 ulp on the range that matters here). Inputs are <= 0 (scores minus their max).
+// polynomial, ~1 ulp on the range that matters here; ops.h's exp16 and exp8 are the same, 16
+// and 8 lanes at a time). Inputs are <= 0 (scores minus their max).
 inline void exp_block(float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
@@ -81,28 +84,6 @@ inline void exp_block(float* x, int64_t n) {
     x[i] = y * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
   }
 }
-
-#ifdef RADIXSERVE_AVX512
-// The same polynomial as exp_block, 16 lanes at a time.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 fx = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i pow2 = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2));
-}
-#endif
 
 #ifdef RADIXSERVE_AVX512
 // The 16 lane sums of v[0..15] as one vector: out[t] = sum of v[t]'s lanes. A transposing
@@ -163,25 +144,6 @@ inline void add_values_g(const float* p, const T* const* values, int64_t n, int6
 #endif
 
 #ifdef RADIXSERVE_AVX2
-// The same polynomial as exp_block, 8 lanes at a time.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 fx = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i pow2 = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-}
-
 // The 8 lane sums of v[0..7] as one vector (lane_sums16's tree, 21 instructions for 8 keys).
 inline __m256 lane_sums8(const __m256* v) {
   __m256 a[4], b[2];

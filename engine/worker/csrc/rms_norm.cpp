@@ -62,7 +62,8 @@ inline void normalize_row<float, c10::BFloat16>(const float* xr, const c10::BFlo
     const __m512 widened = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(normed)), 16));
     const __m256bh out = _mm512_cvtneps_pbh(_mm512_mul_ps(radixserve::load16(weight + d), widened));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(outr + d), reinterpret_cast<const __m256i&>(out));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(outr + d),
+                        reinterpret_cast<const __m256i&>(out));
   }
   for (; d < hidden; ++d) {
     const float normed = xr[d] * inv;

@@ -3,14 +3,14 @@
 // then mul_) of a pass each, and rounds the SiLU to bf16 before the product; this rounds only the
 // result, so it is nearer the exact product, not bit for bit torch's.
 // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (1 / (1 + e), or e / (1 + e) for g < 0),
-// which neither overflows nor cancels. exp is Cephes' polynomial in the vectorised loops (within
-// 2 ulp of expf; below -87 it is held at 2^-126, where a unit's SiLU is |g| 2^-126 instead of
-// |g| e^g: zero to within 1e-36) and std::exp in the plain one; there the division is a
-// reciprocal estimate refined by Newton steps (vdivps would take most of the loop's time). Each
-// element is computed by the same instructions whatever its row (a row's tail past the last
-// whole vector runs masked in the AVX-512 loop, element by element in the AVX2 one, at the same
-// columns in every row), so a row's result does not depend on the rows beside it
-// (--deterministic).
+// which neither overflows nor cancels. exp is Cephes' polynomial in the vectorised loops (ops.h's
+// exp16 and exp8, ~1 ulp; below -87.3 it is held at about 2^-126, where a unit's SiLU is
+// |g| 2^-126 instead of |g| e^g: zero to within 1e-35) and std::exp in the plain one; there the
+// division is a reciprocal estimate refined by Newton steps (vdivps would take most of the
+// loop's time). Each element is computed by the same instructions whatever its row (a row's
+// tail past the last whole vector runs masked in the AVX-512 loop, element by element in the
+// AVX2 one, at the same columns in every row), so a row's result does not depend on the rows
+// beside it (--deterministic).
 // Registered as torch.ops.radixserve.silu_mul; built by engine/worker/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
@@ -36,22 +36,6 @@ void silu_mul_row_each(const T* gate, const T* up, T* out, int64_t from, int64_t
 }
 
 #if defined(RADIXSERVE_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 1 / d for d in [1, 2]: vrcp14ps and one Newton step (within 2 ulp), where vdivps would take
 // most of the loop's time (one per 16 cycles).
 inline __m512 reciprocal16(__m512 d) {
@@ -60,10 +44,11 @@ inline __m512 reciprocal16(__m512 d) {
 }
 
 inline __m512 silu_times16(__m512 g, __m512 u) {
-  const __m512 e_neg = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 e_neg = radixserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
   const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
   const __m512 numerator = _mm512_mask_blend_ps(positive, e_neg, _mm512_set1_ps(1.f));
-  const __m512 sigmoid = _mm512_mul_ps(numerator, reciprocal16(_mm512_add_ps(e_neg, _mm512_set1_ps(1.f))));
+  const __m512 sigmoid =
+      _mm512_mul_ps(numerator, reciprocal16(_mm512_add_ps(e_neg, _mm512_set1_ps(1.f))));
   return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
 }
 
@@ -105,25 +90,6 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
   }
 }
 #elif defined(RADIXSERVE_AVX2)
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  // 2^n as a float's exponent bits: n >= -126 after the clamp, a normal number
-  const __m256i two_n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 // 1 / d for d in [1, 2]: vrcpps (12 bits) and two Newton steps, where vdivps would take most
 // of the loop's time.
 inline __m256 reciprocal8(__m256 d) {
@@ -157,10 +123,12 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
   int64_t i = 0;
   for (; i + 8 <= width; i += 8) {
     const __m256 g = load8(gate + i);
-    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(g, magnitude)));
+    const __m256 e =
+        radixserve::exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(g, magnitude)));
     const __m256 numerator =
         _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
-    const __m256 sigmoid = _mm256_mul_ps(numerator, reciprocal8(_mm256_add_ps(e, _mm256_set1_ps(1.f))));
+    const __m256 sigmoid =
+        _mm256_mul_ps(numerator, reciprocal8(_mm256_add_ps(e, _mm256_set1_ps(1.f))));
     store8(_mm256_mul_ps(_mm256_mul_ps(g, sigmoid), load8(up + i)), out + i);
   }
   silu_mul_row_each(gate, up, out, i, width);
