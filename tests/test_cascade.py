@@ -130,3 +130,17 @@ def test_math_partials_in_bf16_are_as_accurate_as_plain_attention():
     plain_err = (plain.double() - want).abs().mean()
     merged_err = (merged.double() - want).abs().mean()
     assert merged_err <= 1.5 * plain_err, (float(merged_err), float(plain_err))
+
+
+def test_pages_the_step_writes_are_never_shared():
+    """Two sequences extending over pages they share (a draft model catching up two forks on
+    a prompt it lacks from position 20): the shared run stops before the first query row's
+    page, else those rows would see the later positions of the pages they write."""
+    page_size, start, end = 4, 20, 37
+    table = np.array([[0, 1, 2, 3, 4, 44, 45, 46, 41, 38],
+                      [0, 1, 2, 3, 4, 44, 45, 46, 37, 35]], dtype=np.int64)
+    counts, seq_lens = np.array([10, 10]), np.array([end, end])
+    query_pos = np.tile(np.arange(start, end), (2, 1))
+    plan = plan_cascade(table, counts, seq_lens, query_pos, page_size, torch.device("cpu"),
+                        torch.float32)
+    assert plan is None or (plan.shared_tokens <= start).all()

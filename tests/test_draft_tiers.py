@@ -297,3 +297,20 @@ def test_only_tensor_parallel_is_refused_with_a_draft(models, tmp_path):  # noqa
     EngineConfig(**c, host_cache_gb=1.0, disk_cache_dir=str(tmp_path)).validate()
     with pytest.raises(ValueError, match="--tp-size above 1"):
         EngineConfig(**c, tp_size=2).validate()
+
+
+def test_forks_catching_up_on_a_shared_prompt_get_a_fresh_prefills_kv(models):  # noqa: F811
+    """Two samples of a prompt whose head the draft computed for an earlier request: both
+    catch the draft up on the rest of the prompt in one forward, over pages they share (the
+    torch backend's cascade must not take those as a cached head): its KV there, where its
+    record vouches, is a fresh prefill's."""
+    head = prompts(1, seed=4, length=20)[0]
+    tails = prompts(2, seed=5, length=12)
+    h = Harness(models["target"], page_size=4, num_pages=256,
+                speculative_config=spec(models["near"], k=3))
+    h.add("a", head + tails[0], GREEDY)
+    h.run()
+    h.add("b", head + tails[1], SamplingParams(max_tokens=20, temperature=0.8, seed=1, n=2,
+                                               ignore_eos=True))
+    h.run()
+    assert_draft_kv_is_a_fresh_prefills(h, models["near"], least=32)

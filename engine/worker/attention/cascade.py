@@ -64,8 +64,8 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
 
     ``table``: [B, max_pages] page ids, each row's first ``counts[i]`` valid; ``query_pos``:
     [B, E] the absolute position of each (padded) query row. Shared pages hold only cached
-    tokens (a page two sequences share is written by neither), so every query sees all of
-    them; a sequence's own pages are causal. None when no group shares enough, or when the
+    tokens (the run ends before every member's last page and first query row's page), so
+    every query sees all of them; a sequence's own pages are causal. None when no group shares enough, or when the
     savings are small (one long unshared sequence pads everyone's own part to its length;
     ``ragged_own``: the own parts are attended unpadded, by the compiled CPU kernel), or when
     sharing saves reading fewer than ``min_saved_keys`` keys."""
@@ -80,9 +80,12 @@ def plan_cascade(table: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
         if len(members) < 2:
             continue
         same = (table[members] == table[members[0]]).all(axis=0)
-        # Never share a member's last page: it holds the slot this step writes.
+        # Never share a member's last page: it holds the slot this step writes; nor a page
+        # holding a query row (a draft model catching two forks up on a prompt writes pages
+        # they share).
         run = min(int(np.argmin(same)) if not same.all() else max_pages,
-                  int(counts[members].min()) - 1)
+                  int(counts[members].min()) - 1,
+                  int(query_pos[members].min()) // page_size)
         if run >= MIN_SHARED_PAGES:
             shared[members] = run
             groups.append(members)
