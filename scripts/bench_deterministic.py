@@ -1,7 +1,8 @@
 """Where ``--deterministic``'s prefill time goes: one prompt's prefill (``max_tokens`` 1, nothing
 cached) on three engines side by side, in rotating order over the repeats:
 
-- ``default``: the default path (SDPA prefill, the faster linear form per row count);
+- ``default``: the default path (the extend kernel or SDPA in prefill, the faster linear form
+  per row count);
 - ``blocks``: the default path with ``--linear-form blocks`` (the block kernel at every row
   count, which ``--deterministic`` pins);
 - ``deterministic``: ``--deterministic`` (the above, and prefill attention through the decode
