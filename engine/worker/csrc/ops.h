@@ -107,7 +107,7 @@ inline __m512 load16(const int8_t* p) {
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// exp8, 16 lanes at a time.
+// exp(x) as exp8 above, 16 lanes at a time.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
   const __m512 fx = _mm512_roundscale_ps(
