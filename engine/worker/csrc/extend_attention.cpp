@@ -78,14 +78,23 @@ struct Scratch {
   void fit(int64_t rows, int64_t D) {
     q.resize(rows * D), k.resize(kKeyBlock * D), v.resize(kKeyBlock * D);
     p.resize(rows * kKeyBlock), s.resize(rows * kKeyBlock), o.resize(rows * D);
-    max.resize(rows), sum.resize(rows);
+    max.resize(rows), sum.resize(16 * rows);
   }
 };
 
-inline const Bf16* key_row(const Problem& pr, const Bf16* pool, int64_t b, int64_t key,
-                           int64_t kv) {
-  const int64_t page = pr.indices[pr.indptr[b] + key / pr.page_size];
-  return pool + page * pr.page_stride + (key % pr.page_size) * pr.slot_stride + kv * pr.head_dim;
+// Where keys [k0, k0 + N) of KV head kv sit in the pools (the same offset in K's and V's), -1
+// for those outside [k0 + skip, k0 + n): walked page by page, one division a block.
+void key_offsets(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t skip, int64_t n,
+                 int64_t N, int64_t* offsets) {
+  const int32_t* pages = pr.indices + pr.indptr[b];
+  int64_t t = 0;
+  for (; t < std::min(skip, N); ++t) offsets[t] = -1;
+  int64_t page = (k0 + t) / pr.page_size, slot = (k0 + t) - page * pr.page_size;
+  for (; t < n; ++t) {
+    offsets[t] = pages[page] * pr.page_stride + slot * pr.slot_stride + kv * pr.head_dim;
+    if (++slot == pr.page_size) slot = 0, ++page;
+  }
+  for (; t < N; ++t) offsets[t] = -1;
 }
 
 // A 16 x 16 matrix of 32-bit words, transposed in registers.
@@ -115,33 +124,28 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// Keys [k0 + skip, k0 + n) of KV head kv as brgemm's B operand of Q K^T for N keys (n <= N,
-// N a multiple of 16): [D / 2][N][2], i.e. each key's pairs of bf16 values as one 32-bit word,
-// transposed 16 keys by 16 words at a time; the keys before skip (before every row's window or
-// start: never read, a sliding layer's pages there may be gone) and past n are zeros.
-void pack_keys(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t skip, int64_t n,
-               int64_t N, Bf16* dst) {
+// Keys at `offsets` (N of them, a multiple of 16; -1: a zero key) as brgemm's B operand of
+// Q K^T: [D / 2][N][2], i.e. each key's pairs of bf16 values as one 32-bit word, transposed 16
+// keys by 16 words at a time. The keys before a block's first visible one are zeros, never read
+// (a sliding layer's pages there may be gone).
+void pack_keys(const Problem& pr, const int64_t* offsets, int64_t N, Bf16* dst) {
   const int64_t pairs = pr.head_dim / 2;
   auto* out = reinterpret_cast<uint32_t*>(dst);
-  const Bf16* rows[16];
   for (int64_t t0 = 0; t0 < N; t0 += 16) {
-    for (int64_t t = 0; t < 16; ++t)
-      rows[t] = t0 + t >= skip && t0 + t < n ? key_row(pr, pr.k, b, k0 + t0 + t, kv) : nullptr;
     for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
       __m512i r[16];
       for (int t = 0; t < 16; ++t)
-        r[t] = rows[t] != nullptr ? _mm512_loadu_si512(rows[t] + 2 * j0) : _mm512_setzero_si512();
+        r[t] = offsets[t0 + t] >= 0 ? _mm512_loadu_si512(pr.k + offsets[t0 + t] + 2 * j0)
+                                    : _mm512_setzero_si512();
       transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (j0 + j) * N + t0, r[j]);
     }
   }
 }
 
-// Values [k0 + skip, k0 + n) as B of P V for N keys (n <= N, N even): [N / 2][D][2], the rows
-// of each pair of keys interleaved; rows before skip and past n are zeros (a weight 0 times a
-// stale NaN would poison the sum).
-void pack_values(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t skip, int64_t n,
-                 int64_t N, Bf16* dst) {
+// Values at `offsets` (N of them, N even) as B of P V: [N / 2][D][2], the rows of each pair of
+// keys interleaved; a -1 offset gives zeros (a weight 0 times a stale NaN would poison the sum).
+void pack_values(const Problem& pr, const int64_t* offsets, int64_t N, Bf16* dst) {
   const int64_t D = pr.head_dim;
   // Lanes of one output vector: (x[i], y[i]) pairs from x's first or second 16 values (an
   // index of 32 + i picks y's i).
@@ -153,8 +157,8 @@ void pack_values(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t s
   const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
   for (int64_t t = 0; t < N; t += 2) {
     Bf16* pair = dst + t * D;
-    const Bf16* x = t >= skip && t < n ? key_row(pr, pr.v, b, k0 + t, kv) : nullptr;
-    const Bf16* y = t + 1 >= skip && t + 1 < n ? key_row(pr, pr.v, b, k0 + t + 1, kv) : nullptr;
+    const Bf16* x = offsets[t] >= 0 ? pr.v + offsets[t] : nullptr;
+    const Bf16* y = offsets[t + 1] >= 0 ? pr.v + offsets[t + 1] : nullptr;
     if (x == nullptr && y == nullptr) {
       std::memset(pair, 0, 2 * D * sizeof(Bf16));
       continue;
@@ -168,40 +172,53 @@ void pack_values(const Problem& pr, int64_t b, int64_t kv, int64_t k0, int64_t s
   }
 }
 
-// 2^x for x <= 0, 16 lanes: x = n + f with f in [-0.5, 0.5], 2^f by its Taylor polynomial of
-// degree 5 (relative error below 3e-6, far below the weights' bf16 rounding of 2e-3), scaled
-// by 2^n. Lanes below -150 give 0.
+// 2^x for x <= 0, 16 lanes: x = n + f with f in [-0.5, 0.5], 2^f by a degree-4 polynomial
+// fitted over that range (relative error below 3e-6, far below the weights' bf16 rounding of
+// 2e-3), scaled by 2^n. Lanes below -150 give 0.
 inline __m512 exp2_weights(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(1.3333558e-3f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  __m512 y = _mm512_set1_ps(9.5605105e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5917040e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4024981e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9312197e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9999917e-1f));
   return _mm512_scalef_ps(y, n);
 }
 
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 // The online softmax over one block's scores of a folded row (N of them, a multiple of 32,
 // the block's first key at position k0): keys outside [lo, hi] weigh 0, the rest
-// exp(scale * s - max); the row's running max and sum are updated (the max of scaled scores)
-// and its output rescaled by exp(old max - new max). Writes the row's bf16 weights.
+// exp(scale * s - max); the row's running max and its 16 partial sums are updated (the max of
+// scaled scores) and its output rescaled by exp(old max - new max). Writes the row's bf16
+// weights. A block inside [lo, hi] (all but a tile's last and, under a window or start, first)
+// takes no masks.
 inline void softmax_row(const float* s, int64_t k0, int64_t N, int64_t lo, int64_t hi,
-                        float scale, float& row_max, float& row_sum, float* o, int64_t D,
+                        float scale, float& row_max, float* row_sum, float* o, int64_t D,
                         Bf16* p) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const bool whole = lo <= k0 && k0 + N - 1 <= hi;
   __mmask16 valid[kKeyBlock / 16];
-  __m512 block_max = _mm512_set1_ps(kNegInf);
-  const __m512i first = _mm512_add_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int32_t>(k0)));
-  const __m512i low = _mm512_set1_epi32(static_cast<int32_t>(lo));
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(hi));
-  for (int64_t c = 0; c < N / 16; ++c) {
-    const __m512i pos = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int32_t>(16 * c)));
-    valid[c] = _mm512_cmpge_epi32_mask(pos, low) & _mm512_cmple_epi32_mask(pos, high);
-    block_max = _mm512_mask_max_ps(block_max, valid[c], block_max, _mm512_loadu_ps(s + 16 * c));
+  __m512 block_max;
+  if (whole) {
+    __m512 m[4];
+    for (int i = 0; i < 4; ++i) m[i] = _mm512_loadu_ps(s + 16 * i);
+    for (int64_t c = 4; c < N / 16; c += 4)
+      for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(s + 16 * (c + i)));
+    block_max = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+  } else {
+    block_max = _mm512_set1_ps(kNegInf);
+    const __m512i first = _mm512_add_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(static_cast<int32_t>(k0)));
+    const __m512i low = _mm512_set1_epi32(static_cast<int32_t>(lo));
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(hi));
+    for (int64_t c = 0; c < N / 16; ++c) {
+      const __m512i pos = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int32_t>(16 * c)));
+      valid[c] = _mm512_cmpge_epi32_mask(pos, low) & _mm512_cmple_epi32_mask(pos, high);
+      block_max = _mm512_mask_max_ps(block_max, valid[c], block_max, _mm512_loadu_ps(s + 16 * c));
+    }
   }
   // scale > 0: the max of the scaled scores is the scaled max.
   const float new_max = std::max(row_max, _mm512_reduce_max_ps(block_max) * scale);
@@ -210,32 +227,38 @@ inline void softmax_row(const float* s, int64_t k0, int64_t N, int64_t lo, int64
     return;
   }
   __m512 total = _mm512_setzero_ps();
+  if (row_max != new_max) {
+    // exp(old - new), 0 where nothing was visible (the sums and output are 0 there too)
+    const __m512 alpha = row_max == kNegInf
+        ? _mm512_setzero_ps()
+        : exp2_weights(_mm512_set1_ps((row_max - new_max) * kLog2e));
+    total = _mm512_mul_ps(_mm512_loadu_ps(row_sum), alpha);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), alpha));
+    row_max = new_max;
+  } else {
+    total = _mm512_loadu_ps(row_sum);
+  }
   // exp(scale * s - max) = 2^(scale * log2(e) * s - log2(e) * max)
-  constexpr float kLog2e = 1.44269504088896341f;
   const __m512 factor = _mm512_set1_ps(scale * kLog2e), shift = _mm512_set1_ps(-new_max * kLog2e);
   for (int64_t c = 0; c < N / 16; c += 2) {
-    __m512i packed = _mm512_setzero_si512();
-    if ((valid[c] | valid[c + 1]) != 0) {
-      const __m512 a = _mm512_maskz_mov_ps(
-          valid[c], exp2_weights(_mm512_fmadd_ps(_mm512_loadu_ps(s + 16 * c), factor, shift)));
-      const __m512 b = _mm512_maskz_mov_ps(
-          valid[c + 1],
-          exp2_weights(_mm512_fmadd_ps(_mm512_loadu_ps(s + 16 * c + 16), factor, shift)));
-      total = _mm512_add_ps(total, _mm512_add_ps(a, b));
-      const __m512bh weights = _mm512_cvtne2ps_pbh(b, a);
-      packed = reinterpret_cast<const __m512i&>(weights);
+    const __m512 xa = _mm512_fmadd_ps(_mm512_loadu_ps(s + 16 * c), factor, shift);
+    const __m512 xb = _mm512_fmadd_ps(_mm512_loadu_ps(s + 16 * c + 16), factor, shift);
+    __m512 a, b;
+    if (whole) {
+      a = exp2_weights(xa), b = exp2_weights(xb);
+    } else if ((valid[c] | valid[c + 1]) != 0) {
+      a = _mm512_maskz_mov_ps(valid[c], exp2_weights(xa));
+      b = _mm512_maskz_mov_ps(valid[c + 1], exp2_weights(xb));
+    } else {
+      _mm512_storeu_si512(p + 16 * c, _mm512_setzero_si512());
+      continue;
     }
-    _mm512_storeu_si512(p + 16 * c, packed);
+    total = _mm512_add_ps(total, _mm512_add_ps(a, b));
+    const __m512bh weights = _mm512_cvtne2ps_pbh(b, a);
+    _mm512_storeu_si512(p + 16 * c, reinterpret_cast<const __m512i&>(weights));
   }
-  if (row_max != new_max) {
-    const float alpha = row_max == kNegInf ? 0.f : std::exp(row_max - new_max);
-    row_sum *= alpha;
-    const __m512 rescale = _mm512_set1_ps(alpha);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), rescale));
-    row_max = new_max;
-  }
-  row_sum += _mm512_reduce_add_ps(total);
+  _mm512_storeu_ps(row_sum, total);
 }
 
 // One work item: rows [r0, r0 + R) of sequence b (its rows' first at q row `first`), KV head kv.
@@ -250,7 +273,7 @@ void attend_tile(const Problem& pr, Scratch& w, int64_t b, int64_t kv, int64_t f
                 pr.q + ((first + r0 + r) * pr.heads + kv * group) * D, group * D * sizeof(Bf16));
   std::fill(w.o.begin(), w.o.begin() + M * D, 0.f);
   std::fill(w.max.begin(), w.max.begin() + M, -std::numeric_limits<float>::infinity());
-  std::fill(w.sum.begin(), w.sum.begin() + M, 0.f);
+  std::fill(w.sum.begin(), w.sum.begin() + 16 * M, 0.f);
   // The tile's keys: from its first row's earliest visible one to its last row's position,
   // in blocks that start at multiples of kKeyAlign and hold a multiple of it (few product
   // shapes for oneDNN to generate; the keys outside a row's range weigh 0).
@@ -261,21 +284,24 @@ void attend_tile(const Problem& pr, Scratch& w, int64_t b, int64_t kv, int64_t f
     const int64_t n = std::min(kKeyBlock, key_hi + 1 - k0);
     const int64_t N = (n + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
     const int64_t skip = std::max<int64_t>(key_lo - k0, 0);
-    pack_keys(pr, b, kv, k0, skip, n, N, w.k.data());
+    int64_t offsets[kKeyBlock];
+    key_offsets(pr, b, kv, k0, skip, n, N, offsets);
+    pack_keys(pr, offsets, N, w.k.data());
     at::native::cpublas::brgemm(M, N, D, D, N, N, false, w.q.data(), w.k.data(), w.s.data());
     for (int64_t m = 0; m < M; ++m) {
       const int64_t pos = pos0 + m / group;
       const int64_t lo = pr.window > 0 ? std::max(start, pos - pr.window + 1) : start;
-      softmax_row(w.s.data() + m * N, k0, N, lo, pos, pr.scale, w.max[m], w.sum[m],
+      softmax_row(w.s.data() + m * N, k0, N, lo, pos, pr.scale, w.max[m], &w.sum[16 * m],
                   w.o.data() + m * D, D, w.p.data() + m * N);
     }
-    pack_values(pr, b, kv, k0, skip, n, N, w.v.data());
+    pack_values(pr, offsets, N, w.v.data());
     at::native::cpublas::brgemm(M, D, N, N, D, D, true, w.p.data(), w.v.data(), w.o.data());
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t row = first + r0 + m / group, head = kv * group + m % group;
     // Every row sees at least its own key, so its sum is positive.
-    const __m512 inverse = _mm512_set1_ps(1.f / w.sum[m]);
+    const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(&w.sum[16 * m]));
+    const __m512 inverse = _mm512_set1_ps(1.f / sum);
     Bf16* dst = pr.out + (row * pr.heads + head) * D;
     for (int64_t d = 0; d < D; d += 16) {
       const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(&w.o[m * D + d]),
@@ -283,7 +309,7 @@ void attend_tile(const Problem& pr, Scratch& w, int64_t b, int64_t kv, int64_t f
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
                           reinterpret_cast<const __m256i&>(packed));
     }
-    pr.lse[row * pr.heads + head] = w.max[m] + std::log(w.sum[m]);
+    pr.lse[row * pr.heads + head] = w.max[m] + std::log(sum);
   }
 }
 
