@@ -91,6 +91,8 @@ class KVPool:
                        for s in self.sliding_layers]
         self._slot_views = [tuple((self._swa_slots if s else self._all_slots)[i])
                             for s, (_, i) in zip(self.sliding_layers, self._where, strict=True)]
+        # (K, V) pages of each layer (``layer``): made once, not two selects a layer a step
+        self._layer_views = [(pages[i, 0], pages[i, 1]) for pages, i in self._where]
         # CUDA swaps: a flat pinned buffer and the event after the last copy that used it.
         self._staging = torch.empty(0, dtype=stored)
         self._staging_used = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -106,8 +108,7 @@ class KVPool:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) pages of one layer, each [num_pages, page_size, num_kv_heads, row], in the
         stored form (fp8 as uint8: ``kv_quant.decode``, or ``.view(kv_dtype)``)."""
-        pages, index = self._where[layer]
-        return pages[index, 0], pages[index, 1]
+        return self._layer_views[layer]
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer by slot, each [num_pages * page_size, num_kv_heads, row]:

@@ -131,12 +131,20 @@ def make_resident(layer: object, dtype: torch.dtype) -> None:
         layer.resident = (dense, wide, False)
 
 
+def linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """x @ W.T (+ bias) over ``packed``, W laid out for oneDNN (``_reorder_linear_weight``):
+    the op's overload named, which saves the ~12 us a call that resolving it among the packet's
+    overloads costs (SmolLM2's 120 products a step: ~1.4 ms)."""
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
+
+
 def resident_product(layer: object, x: torch.Tensor) -> torch.Tensor:
     """x @ W.T from ``layer``'s resident copy (``make_resident``), in x's dtype."""
     weight, dtype, packed = layer.resident
     xw = x if x.dtype == dtype else x.to(dtype)
     if packed:
-        out = torch.ops.mkldnn._linear_pointwise(xw, weight, None, "none", [], "")
+        out = linear_pointwise(xw, weight)
     else:
         out = torch.mm(xw, weight.t())
     return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -24,7 +24,6 @@ slices ``weight_sources`` names: engine/worker/model/parallel.py).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -36,105 +35,13 @@ from engine.worker.lora_pool import LoraStep
 from engine.worker.model.config import ModelConfig
 from engine.worker.model.layer_ops import add_linear_, add_rms_norm_, rms_norm, silu_mul
 from engine.worker.model.parallel import Collectives, ShardPlan, Slice, embed_vocab_parallel
-from engine.worker.model.quant import (
-    MixedQuantizedLinear,
-    QuantizedLinear,
-    part_sources,
-    quantized_linear,
-)
+from engine.worker.model.quant import part_sources
 from engine.worker.model.rope import RotaryEmbedding
-from engine.worker.model.row_tiles import DENSE_ROW_TILE, in_row_tiles
+from engine.worker.model.row_tiles import DENSE_ROW_TILE
+from engine.worker.model.weights import Weights, can_prepack
 
 
-class _Weights(nn.Module):
-    """Holds uninitialised, gradient-free parameters; the loader fills every one of them.
-
-    ``prepack`` (CPU, bf16): the matrices named in ``_LINEARS`` are re-laid out once for
-    oneDNN (``torch.ops.mkldnn``, the layout inductor's CPU path uses) and ``_linear`` runs them
-    there: the same bits as ``F.linear``, at half its per-call cost for the few-row GEMMs of a
-    decode step (60 -> 27 us for a batch-8 [576 x 1728] product). The plain copy is freed,
-    unless something else reads it (a tied embedding)."""
-
-    _LINEARS: tuple[str, ...] = ()
-    # Dense products in calls of exactly this many rows (0: one call): ``pin_row_order``.
-    row_tile = 0
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self._factory = dict(device=device, dtype=dtype)
-        self.packed: dict[str, torch.Tensor] = {}
-        self.quantized: dict[str, QuantizedLinear | MixedQuantizedLinear] = {}
-
-    def _new(self, *shape: int) -> nn.Parameter:
-        return nn.Parameter(torch.empty(shape, **self._factory), requires_grad=False)
-
-    def _matrix(self, name: str, rows: Sequence[int], cols: int,
-                formats: Sequence[str] | None) -> None:
-        """Weight ``name``, its parts of ``rows`` rows each stacked (q/k/v, gate/up; one part
-        elsewhere) into [sum(rows), cols]: a dense parameter, or (``formats``, each part's)
-        quantized blocks (engine/worker/model/quant.py), with an empty parameter in its
-        place."""
-        if formats is None:
-            setattr(self, name, self._new(sum(rows), cols))
-            return
-        self.quantized[name] = quantized_linear(formats, rows, cols, self._factory["device"])
-        setattr(self, name, self._new(0))
-
-    def _targets(self, name: str, checkpoint_name: str, rows: slice = slice(None)
-                 ) -> dict[str, torch.Tensor]:
-        """The loader's targets for checkpoint tensor ``checkpoint_name``, rows ``rows`` of
-        weight ``name``: the dense slice, or each quantized part's rows."""
-        quantized = self.quantized.get(name)
-        if quantized is None:
-            return {checkpoint_name: getattr(self, name)[rows]}
-        return {f"{checkpoint_name}.{part}": tensor
-                for part, tensor in quantized.parts(rows).items()}
-
-    def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        quantized = self.quantized.get(name)
-        if quantized is not None:
-            return quantized(x, bias)
-        if self.row_tile and x.shape[0] not in (0, self.row_tile):
-            return in_row_tiles(lambda rows: self._linear(name, rows, bias), x, self.row_tile)
-        packed = self.packed.get(name)
-        if packed is None:
-            return F.linear(x, getattr(self, name), bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    def weight_bytes(self) -> dict[str, int]:
-        """Resident bytes of this module's weights (its submodules' too) by format: the
-        dtype's name for dense ones (oneDNN's prepacked copies included: a tied embedding keeps
-        its plain copy beside the LM head's), the block format's for quantized ones."""
-        found: Counter[str] = Counter()
-        for module in self.modules():
-            if not isinstance(module, _Weights):
-                continue
-            for tensor in [*module.parameters(recurse=False), *module.packed.values()]:
-                found[str(tensor.dtype).removeprefix("torch.")] += (tensor.numel()
-                                                                   * tensor.element_size())
-            for quantized in set(module.quantized.values()):
-                found.update(quantized.bytes_by_format())
-        return {name: size for name, size in found.items() if size}
-
-    def _prepack(self, keep: tuple[torch.Tensor, ...] = ()) -> None:
-        for name in self._LINEARS:
-            if name in self.quantized:
-                continue
-            weight = getattr(self, name)
-            self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            if not any(weight is other for other in keep):
-                weight.data = weight.data.new_empty(0)
-
-
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``prepack`` applies: bf16 on a CPU whose oneDNN runs bf16."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-class DecoderLayer(_Weights):
+class DecoderLayer(Weights):
     """One layer, or (``tp`` given) this rank's share of it: ``plan``'s heads and MLP rows."""
 
     _LINEARS = ("qkv", "o", "gate_up", "down")
@@ -237,22 +144,27 @@ class DecoderLayer(_Weights):
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
         chunk = self.mlp_chunk_tokens
-        normed = []
-        for k, (rows, x_rows) in enumerate(zip(hidden.split(chunk), x.split(chunk),
-                                               strict=True)):
-            gate_up = self._linear("gate_up", x_rows, self.gate_up_bias)
-            if lora is not None:
-                lora.add_(index, "gate_up", x_rows, gate_up, k * chunk)
-            if self.gelu:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.gelu(gate, approximate="tanh").mul_(up)
-            else:
-                act = silu_mul(gate_up)
-            normed.append(self._add_projection_(index, "down", rows, act, self.down_bias, lora,
-                                                self.mlp_out_norm, k * chunk, next_norm))
-        if next_norm is None:
-            return hidden, None
-        return hidden, normed[0] if len(normed) == 1 else torch.cat(normed)
+        if num_tokens <= chunk:
+            return hidden, self._mlp_(index, hidden, x, lora, 0, next_norm)
+        normed = [self._mlp_(index, rows, x_rows, lora, k * chunk, next_norm)
+                  for k, (rows, x_rows) in enumerate(zip(hidden.split(chunk), x.split(chunk),
+                                                         strict=True))]
+        return hidden, None if next_norm is None else torch.cat(normed)
+
+    def _mlp_(self, index: int, residual: torch.Tensor, x: torch.Tensor, lora: LoraStep | None,
+              start: int, next_norm: torch.Tensor | None) -> torch.Tensor | None:
+        """residual += the MLP of ``x`` (tokens [start, start + len(x)) of the step); returns
+        the sum's ``next_norm`` RMSNorm (None without)."""
+        gate_up = self._linear("gate_up", x, self.gate_up_bias)
+        if lora is not None:
+            lora.add_(index, "gate_up", x, gate_up, start)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh").mul_(up)
+        else:
+            act = silu_mul(gate_up)
+        return self._add_projection_(index, "down", residual, act, self.down_bias, lora,
+                                     self.mlp_out_norm, start, next_norm)
 
     def _add_projection_(self, index: int, name: str, residual: torch.Tensor, x: torch.Tensor,
                          bias: torch.Tensor | None, lora: LoraStep | None,
@@ -286,7 +198,7 @@ class DecoderLayer(_Weights):
         return None if norm is None else rms_norm(residual, norm, self.eps)
 
 
-class LlamaForCausalLM(_Weights):
+class LlamaForCausalLM(Weights):
     """Every supported architecture: their differences are flags in ``ModelConfig``. With
     ``tp``, this rank's share of it (engine/worker/model/parallel.py); without, the whole model and
     no collective anywhere."""
@@ -321,6 +233,11 @@ class LlamaForCausalLM(_Weights):
         else:
             self._matrix("lm_head", (rows,), hidden,
                          None if tp else _part_formats(formats, ("lm_head",)))
+        # each layer, the next one's input norm (None after the last) and its sliding window
+        self._layer_steps = [(layer, following.input_norm if following is not None else None,
+                              window) for layer, following, window in
+                             zip(self.layers, [*self.layers[1:], None], config.sliding_windows,
+                                 strict=True)]
         self.rope = RotaryEmbedding(config, device)
         self.sliding_rope = (RotaryEmbedding(config, device, sliding=True)
                              if config.sliding_rope_theta is not None else None)
@@ -330,7 +247,7 @@ class LlamaForCausalLM(_Weights):
             self.lm_head[real_rows:].zero_()
 
     def prepack(self) -> None:
-        """Lay the projection matrices out for oneDNN (see ``_Weights``), once the weights are
+        """Lay the projection matrices out for oneDNN (see ``Weights``), once the weights are
         loaded; only where ``can_prepack`` holds and without tensor parallel. Afterwards
         ``weight_targets`` no longer names loadable tensors."""
         if self.tp is not None or not can_prepack(self.embed.device, self.embed.dtype):
@@ -345,7 +262,7 @@ class LlamaForCausalLM(_Weights):
         over quantized blocks need nothing: the block kernel computes each row alone (the
         runner pins it for every row count)."""
         for module in self.modules():
-            if isinstance(module, _Weights):
+            if isinstance(module, Weights):
                 module.row_tile = DENSE_ROW_TILE
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
@@ -385,11 +302,10 @@ class LlamaForCausalLM(_Weights):
         rotations = self.rope(positions, self.dtype)
         sliding = self.sliding_rope(positions, self.dtype) if self.sliding_rope else rotations
         x = None  # each layer's input norm, computed by the layer before as it adds
-        for index, layer in enumerate(self.layers):
-            cos, sin = sliding if self.config.sliding_windows[index] else rotations
-            following = index + 1 < len(self.layers)
-            hidden, x = layer(index, hidden, cos, sin, attention, lora, x,
-                              self.layers[index + 1].input_norm if following else None)
+        # ``forward`` called straight: nn.Module's call path (hooks) costs ~5 us a layer
+        for index, (layer, next_norm, window) in enumerate(self._layer_steps):
+            cos, sin = sliding if window else rotations
+            hidden, x = layer.forward(index, hidden, cos, sin, attention, lora, x, next_norm)
         hidden = rms_norm(hidden.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         if "lm_head" in self.quantized:
             # float32 logits straight from the kernel's float accumulators: in bf16, close
