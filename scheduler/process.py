@@ -112,15 +112,15 @@ class SchedulerLoop:
                 if self.publisher is not None:
                     self.publisher.close()
                 return
-            result_at = self._receive_results() if self.from_worker in events else 0.0
-            if result_at and sched.inflight:
-                # The worker already has its next batch (overlap): the tokens go out before the
-                # step after it is planned. Without a batch in flight, planning comes first.
+            if self.from_worker in events and (result_at := self._receive_results()):
+                # A step's tokens go out before the next step is planned and sent: with none
+                # in flight, the tokenizer and frontend turn them into replies while the
+                # worker waits for its batch, not while its threads hold every core
+                # (docs/benchmarks.md, "Prefill on AMX").
                 self._flush(result_at)
-                result_at = 0.0
             if len(sched.inflight) <= 1 and not self._hold():
                 self._step()
-            self._flush(result_at)
+            self._flush()
 
     def _receive_requests(self) -> bool:
         """Take every waiting message from the tokenizers; False on Shutdown."""

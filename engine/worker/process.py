@@ -9,7 +9,9 @@ running its own share of the forward, and every LoRA load (once its own succeede
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import time
 
 import numpy as np
 import zmq
@@ -31,6 +33,7 @@ logger = logging.getLogger("radixserve.worker")
 
 LOAD_POLL_SECONDS = 0.01  # a step of page moves only waits this long for a load to end
 FLUSH_ON_EXIT_SECONDS = 4.0  # within the launcher's grace of 5 s
+PREFAULT_ENV = "RADIXSERVE_KV_PREFAULT"  # "0": the CPU KV pool's memory is left to first writes
 
 
 def make_runner(c: EngineConfig, tp: TensorParallel | None = None, draft_page_bytes: int = 0):
@@ -313,6 +316,26 @@ def _prompt_logprobs(result: BatchResult, logits, targets: np.ndarray, top_n: in
         result.prompt_top_logprobs = values.cpu().numpy().tobytes()
 
 
+def prefault_pool(worker: Worker) -> int:
+    """Write the CPU KV pool's pages once, before serving: its memory is calloc'd (resident
+    only once written, engine/worker/kv_pool.py), so a server's steps would otherwise fault it in
+    as their tokens reach pages never written, 2 MiB at a time, 0.3-5 ms each in a VM whose
+    host backs the memory only then (a wave step of 8 x 32 tokens: two such faults, 102-112
+    ms against 87-95 ms prefaulted; docs/benchmarks.md). The bytes written (0 with
+    RADIXSERVE_KV_PREFAULT=0, or on an accelerator)."""
+    if os.environ.get(PREFAULT_ENV, "1") == "0":
+        return 0
+    pools = [worker.runner.pool.kv, worker.runner.pool.swa]
+    if worker.draft is not None:
+        pools += [worker.draft.runner.pool.kv, worker.draft.runner.pool.swa]
+    written = 0
+    for pool in pools:
+        if pool.device.type == "cpu" and pool.numel():
+            pool.zero_()  # already zeros: the values stay what they were
+            written += pool.numel() * pool.element_size()
+    return written
+
+
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     pull = ctx.socket(zmq.PULL)
     pull.bind(spec.endpoints.worker_in)
@@ -320,6 +343,10 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     push.connect(spec.endpoints.worker_out)
     tp = start_tensor_parallel(spec.config, rank=0) if spec.config.tp_size > 1 else None
     worker = Worker(spec.config, tp)
+    began = time.perf_counter()
+    if written := prefault_pool(worker):
+        logger.info("KV pool: %.2f GiB written before serving in %.2f s", written / (1 << 30),
+                    time.perf_counter() - began)
     push.send(encode(WorkerReady(worker.info)))
     worker.grammars.prepare()  # in the background, while the first requests come in
     if worker.io is None or worker.io.store is None:
