@@ -4,6 +4,7 @@ the block kernel's and the resident bf16 copy's, on the step's own activations, 
 quantization included, against the resident form's bf16 GEMM.
 
     python scripts/bench_int8_linear.py [--seqs 8] [--head 512] [--question 32]
+        [--step WEIGHT,... [--repeats 15]]
 
 Each weight is requantized to int8 per output row (symmetric, its largest |w| over 127) from
 dequantize_weight's numbers. The activations, by projection (``SCHEMES``): the inputs of qkv and
@@ -17,6 +18,10 @@ rescaling; beside it, the same probe with one digit a row and no outlier columns
 bar's miss: its error 1.5-2.7x the block kernel's), and oneDNN's ``qlinear_pointwise`` over
 int8 rows alone (its quantization not counted): the int8 GEMM's own time. The step's model is the server's default
 (its forms pinned to blocks, so every projection's input is what a step computes).
+
+``--step gate_up,down``: instead, the whole step of the server's default model (``auto``
+forms) timed with those projections' calls of 65 rows or more in the probe's int8 form against
+the same step without, in one process, ABBA, medians of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -91,8 +96,14 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--head", type=int, default=512)
     parser.add_argument("--question", type=int, default=32)
+    parser.add_argument("--step", default="", help="projections (comma-separated) to time in a "
+                        "whole step in the int8 form (default: none, the per-product table)")
+    parser.add_argument("--repeats", type=int, default=15, help="--step's repeats (default 15)")
     args = parser.parse_args()
     args.decodes, args.shared = 0, False
+    if args.step:
+        step_times(args, args.step.split(","))
+        return
     runner = ModelRunner(EngineConfig(model=resolve_model(None).path, linear_form="blocks"))
     names = {id(layer): name for module in runner.model.modules()
              for name, layer in getattr(module, "quantized", {}).items()}
@@ -157,6 +168,46 @@ def main() -> None:
         cells = " | ".join(f"{t * 1e3:.3f} ms" for t in timings[name])
         print(f"| {name} {layer_shape(layers, names, name)} | {scheme} | {mean[0]:.4f} "
               f"| {mean[1]:.4f} | {mean[2]:.4f} | {worst:.2f}x | {cells} |")
+
+
+def step_times(args: argparse.Namespace, weights: list[str]) -> None:
+    """bench_extend.py's step with ``weights``' products of 65 rows or more in the int8 form,
+    against the same step without, ABBA."""
+    int8_linear = probe_op()
+    runner = ModelRunner(EngineConfig(model=resolve_model(None).path))
+    forms: dict[int, tuple] = {}
+    for module in runner.model.modules():
+        for name, layer in getattr(module, "quantized", {}).items():
+            if name in weights:
+                _, vnni, weight_scales = int8_weight(layer.dense(torch.float32))
+                forms[id(layer)] = (vnni, weight_scales, *SCHEMES[name])
+    call = quant.QuantizedLinear.__call__
+
+    def int8_call(layer: quant.QuantizedLinear, x: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        form = forms.get(id(layer))
+        if form is None or x.shape[0] < 65:
+            return call(layer, x, bias)
+        out = int8_linear(x.contiguous(), *form)
+        return out if bias is None else out.add_(bias)
+
+    prefill, step = build_batches(runner, args)
+    if prefill is not None:
+        runner.forward(prefill)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for repeat in range(args.repeats + 2):
+        for int8 in ((False, True) if repeat % 2 == 0 else (True, False)):
+            quant.QuantizedLinear.__call__ = int8_call if int8 else call
+            start = time.perf_counter()
+            runner.forward(step)
+            if repeat >= 2:  # two warm-up rounds
+                times[int8].append(time.perf_counter() - start)
+    quant.QuantizedLinear.__call__ = call
+    base, int8 = (statistics.median(times[key]) for key in (False, True))
+    print(f"{args.seqs} x {args.question} rows over {args.head}-token heads, "
+          f"{torch.get_num_threads()} threads, medians of {args.repeats}: resident bf16 "
+          f"{base * 1e3:.1f} ms, {'/'.join(weights)} int8 {int8 * 1e3:.1f} ms, "
+          f"ratio {int8 / base:.3f}")
 
 
 def layer_shape(layers: dict, names: dict, name: str) -> str:
