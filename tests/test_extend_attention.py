@@ -188,6 +188,31 @@ def test_keys_before_every_rows_window_or_start_are_never_read(window, start) ->
     assert (got.double() - want).abs().max().item() < TOLERANCE
 
 
+@pytest.mark.parametrize("seq_len,rows", [(32, 32), (96, 40), (160, 160)])
+def test_a_rows_block_max_is_its_own_scores(seq_len, rows) -> None:
+    """A tile's last row sees every key of its last block (32, 96 or 160 keys: a multiple of
+    32, not of 64): its softmax's max is over those keys only, not over the next folded row's
+    scores (here another head's, ~200 above this head's, which underflowed every weight of the
+    row to 0: NaN), and a head's rows do not change with the other head's queries."""
+    gen = torch.Generator().manual_seed(8)
+    page_size, pages = 16, -(-seq_len // 16)
+    k_pages, v_pages = (torch.randn(pages, page_size, 1, 64, generator=gen).bfloat16()
+                        for _ in range(2))
+    q = torch.randn(rows, 2, 64, generator=gen)
+    case = [q.bfloat16(), k_pages, v_pages, torch.tensor([0, pages], dtype=torch.int32),
+            torch.arange(pages, dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32)]
+    q_indptr = torch.tensor([0, rows], dtype=torch.int32)
+    quiet, _ = extend_attention_op()(*case, 0, 0.125, None, q_indptr)
+    q[:, 1] *= 100  # head 1's scores far above head 0's
+    case[0] = q.bfloat16()
+    got, lse = extend_attention_op()(*case, 0, 0.125, None, q_indptr)
+    want, want_lse = verify_reference(*case, q_indptr, 0, 0.125, None)
+    assert not got.isnan().any()
+    assert (got.double() - want).abs().max().item() < TOLERANCE
+    assert (lse.double() - want_lse).abs().max().item() < 1e-3 * want_lse.abs().max().item()
+    assert torch.equal(got[:, 0], quiet[:, 0])
+
+
 def test_sliding_layers_own_pages_through_the_kernel() -> None:
     """A pool whose windowed layer keeps its KV in pages of its own: the step's sliding view
     lists page 0 (NaN here) for the pages before every window, which the kernel never reads;

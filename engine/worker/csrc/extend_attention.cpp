@@ -202,11 +202,13 @@ inline void softmax_row(const float* s, int64_t k0, int64_t N, int64_t lo, int64
   __mmask16 valid[kKeyBlock / 16];
   __m512 block_max;
   if (whole) {
-    __m512 m[4];
-    for (int i = 0; i < 4; ++i) m[i] = _mm512_loadu_ps(s + 16 * i);
-    for (int64_t c = 4; c < N / 16; c += 4)
-      for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(s + 16 * (c + i)));
-    block_max = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+    // two vectors a turn: N is a multiple of 32, not always of 64 (past N: the next row's)
+    __m512 m0 = _mm512_loadu_ps(s), m1 = _mm512_loadu_ps(s + 16);
+    for (int64_t c = 2; c < N / 16; c += 2) {
+      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + 16 * c));
+      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + 16 * c + 16));
+    }
+    block_max = _mm512_max_ps(m0, m1);
   } else {
     block_max = _mm512_set1_ps(kNegInf);
     const __m512i first = _mm512_add_epi32(
