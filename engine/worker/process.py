@@ -331,7 +331,7 @@ def prefault_pool(worker: Worker) -> int:
     written = 0
     for pool in pools:
         if pool.device.type == "cpu" and pool.numel():
-            pool.zero_()  # already zeros: the values stay what they were
+            pool.zero_()  # nothing is cached before serving: zeros, as calloc gave them
             written += pool.numel() * pool.element_size()
     return written
 
