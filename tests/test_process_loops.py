@@ -108,11 +108,11 @@ def test_the_pool_is_written_before_serving(model_dir, monkeypatch):  # noqa: F8
     pages = np.zeros(64 << 20, np.uint8)
     pool.kv = torch.from_numpy(pages).view(torch.float32)
     before = _resident_pages(pages)
-    assert prefault_pool(h.worker) == pool.kv.numel() * 4 + pool.swa.numel() * 4
+    assert prefault_pool(h.worker.runner) == pool.kv.numel() * 4 + pool.swa.numel() * 4
     assert _resident_pages(pages) - before >= 0.99 * len(pages) // 4096
     assert not pool.kv.any()  # written, still zeros
     monkeypatch.setenv(PREFAULT_ENV, "0")
-    assert prefault_pool(h.worker) == 0
+    assert prefault_pool(h.worker.runner) == 0
 
 
 def _resident_pages(buffer: np.ndarray) -> int:
@@ -128,3 +128,30 @@ def _resident_pages(buffer: np.ndarray) -> int:
     if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
         pytest.fail(f"mincore failed: errno {ctypes.get_errno()}")
     return sum(v & 1 for v in vec)
+
+
+def test_a_tensor_parallel_rank_writes_its_pool_before_it_is_ready(monkeypatch) -> None:
+    """Ranks 1..N-1 hold their share of every page too, and rank 0 waits for them at every
+    step's collectives: each writes its CPU pool before it reports ready, as rank 0 does."""
+    from types import SimpleNamespace
+
+    from engine.worker import tp_rank
+
+    pages = np.zeros(16 << 20, np.uint8)
+    pool = SimpleNamespace(kv=torch.from_numpy(pages).view(torch.float32),
+                           swa=torch.zeros(0))
+    resident_at_ready: list[int] = []
+
+    class Control:
+        def connect(self, address: str) -> None:
+            pass
+
+        def send(self, data: bytes) -> None:
+            resident_at_ready.append(_resident_pages(pages))
+
+    monkeypatch.setattr(tp_rank, "start_tensor_parallel", lambda config, rank: None)
+    monkeypatch.setattr(tp_rank, "make_runner", lambda config, tp: SimpleNamespace(pool=pool))
+    monkeypatch.setattr(tp_rank, "follow", lambda runner, tp: None)
+    spec = SimpleNamespace(index=1, config=None, endpoints=SimpleNamespace(control="x"))
+    tp_rank.run(spec, SimpleNamespace(socket=lambda kind: Control()))
+    assert resident_at_ready[0] >= 0.99 * len(pages) // 4096

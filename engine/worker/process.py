@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
@@ -28,6 +29,9 @@ from engine.contracts.protocol import (
 )
 from engine.contracts.worker_messages import BatchResult, ForwardBatch, ModelInfo, WorkerReady
 from engine.worker.distributed import GroupBroken, TensorParallel, start_tensor_parallel
+
+if TYPE_CHECKING:
+    from engine.worker.runner import ModelRunner
 
 logger = logging.getLogger("radixserve.worker")
 
@@ -316,8 +320,9 @@ def _prompt_logprobs(result: BatchResult, logits, targets: np.ndarray, top_n: in
         result.prompt_top_logprobs = values.cpu().numpy().tobytes()
 
 
-def prefault_pool(worker: Worker) -> int:
-    """Write the CPU KV pool's pages once, before serving: its memory is calloc'd (resident
+def prefault_pool(*runners: ModelRunner) -> int:
+    """Write the runners' CPU KV pools' pages once, before serving (every tensor-parallel
+    rank its own: rank 0 waits for the others at each step): their memory is calloc'd (resident
     only once written, engine/worker/kv_pool.py), so a server's steps would otherwise fault it in
     as their tokens reach pages never written, 2 MiB at a time, 0.3-5 ms each in a VM whose
     host backs the memory only then (a wave step of 8 x 32 tokens: two such faults, 102-112
@@ -325,11 +330,8 @@ def prefault_pool(worker: Worker) -> int:
     RADIXSERVE_KV_PREFAULT=0, or on an accelerator)."""
     if os.environ.get(PREFAULT_ENV, "1") == "0":
         return 0
-    pools = [worker.runner.pool.kv, worker.runner.pool.swa]
-    if worker.draft is not None:
-        pools += [worker.draft.runner.pool.kv, worker.draft.runner.pool.swa]
     written = 0
-    for pool in pools:
+    for pool in (tensor for runner in runners for tensor in (runner.pool.kv, runner.pool.swa)):
         if pool.device.type == "cpu" and pool.numel():
             pool.zero_()  # nothing is cached before serving: zeros, as calloc gave them
             written += pool.numel() * pool.element_size()
@@ -344,7 +346,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     tp = start_tensor_parallel(spec.config, rank=0) if spec.config.tp_size > 1 else None
     worker = Worker(spec.config, tp)
     began = time.perf_counter()
-    if written := prefault_pool(worker):
+    if written := prefault_pool(worker.runner, *([worker.draft.runner] if worker.draft else [])):
         logger.info("KV pool: %.2f GiB written before serving in %.2f s", written / (1 << 30),
                     time.perf_counter() - began)
     push.send(encode(WorkerReady(worker.info)))

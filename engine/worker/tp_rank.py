@@ -20,7 +20,7 @@ from engine.contracts.engine_config import LaunchSpec
 from engine.contracts.protocol import LoraUpdate, Ready, Shutdown, decode, encode
 from engine.contracts.worker_messages import ForwardBatch
 from engine.worker.distributed import TensorParallel, start_tensor_parallel
-from engine.worker.process import make_runner
+from engine.worker.process import make_runner, prefault_pool
 
 if TYPE_CHECKING:
     from engine.worker.runner import ModelRunner
@@ -32,6 +32,7 @@ def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
     rank = spec.index
     tp = start_tensor_parallel(spec.config, rank)
     runner = make_runner(spec.config, tp)
+    prefault_pool(runner)
     control = ctx.socket(zmq.PUSH)
     control.connect(spec.endpoints.control)
     control.send(encode(Ready(f"tp-rank-{rank}", os.getpid())))
