@@ -16,7 +16,7 @@ from tests.test_cpu_norm_rope import torch_rms_norm
 # the rounding of one result to each dtype: half a unit in the last place, relative (at most)
 HALF_ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
 # an absolute allowance: a float16 result under 2^-14 is subnormal (its rounding is absolute);
-# the vectorised loops hold e^g at 2^-126 below g = -87 (a SiLU of |g| 2^-126, not |g| e^g)
+# below g = -88.3 the vectorised loops give ~0 (under 4e-37), not g e^g
 TINY = {torch.float32: 1e-33, torch.bfloat16: 1e-33, torch.float16: 2.0**-14}
 
 
@@ -60,6 +60,21 @@ def test_silu_mul_rounds_the_exact_product_once(variants, variant, dtype, rows, 
     got = variants[variant].silu_mul(x)
     assert got.dtype == dtype and got.shape == (rows, width) and got.is_contiguous()
     assert_rounded_once(got, silu_mul_reference(x), dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_of_huge_negative_gates_is_zero(variants, variant, dtype) -> None:
+    """Gates far below -88 (up to the dtype's largest magnitude) have a SiLU of ~0 whatever
+    their size, at a vector's columns and at its tail (40 columns); a NaN gate stays NaN."""
+    gates = torch.tensor([-3e38, -1e38, -1e30, -1e10, -1e4, -100.0, -88.5, float("nan")])
+    gate = gates.repeat(5)
+    x = torch.cat([gate, torch.full_like(gate, 3.0)])[None].to(dtype)
+    got = variants[variant].silu_mul(x)[0].double()
+    want = silu_mul_reference(x)[0]
+    assert got.isnan().equal(gate.isnan())
+    finite = ~gate.isnan()
+    assert (got[finite] - want[finite]).abs().max().item() < 1e-33
 
 
 def test_silu_mul_refuses_what_is_not_gate_up_rows(variants) -> None:

@@ -4,14 +4,15 @@
 // result, so it is nearer the exact product, not bit for bit torch's.
 // silu(g) = g * sigmoid(g). The plain loop takes sigmoid from e = exp(-|g|) (1 / (1 + e), or
 // e / (1 + e) for g < 0) with std::exp. The vectorised loops take g / (1 + exp(-g)), with exp
-// Cephes' polynomial (ops.h's exp16 and exp8, ~1 ulp), whose argument is held at 88.3: where
-// g < -88.3, 1 + e stays finite and a unit's SiLU comes out within |g| 2^-127 of g e^g (zero to
-// within 1e-35), as in exp(-|g|)'s form, in fewer instructions (256 x 1536 bf16 on 2 threads
-// of a Xeon with AMX: 99 -> 79 us); the division is a reciprocal estimate refined by Newton
-// steps (vdivps would take most of the loop's time). Each element is computed by the same instructions whatever its row (a row's
-// tail past the last whole vector runs masked in the AVX-512 loop, element by element in the
-// AVX2 one, at the same columns in every row), so a row's result does not depend on the rows
-// beside it (--deterministic).
+// Cephes' polynomial (ops.h's exp16 and exp8, ~1 ulp), whose argument is held at 88.3, so
+// 1 + e stays finite (256 x 1536 bf16 on 2 threads of a Xeon with AMX: 99 -> 79 us against
+// exp(-|g|)'s form); the division is a reciprocal estimate refined by Newton steps (vdivps
+// would take most of the loop's time). Below g = -88.3 the SiLU is ~0 (under 4e-37): the
+// AVX-512 loop holds g there too (its reciprocal of 1 + e^88.3 is 2^-127, not 0: g 2^-127
+// was -0.45 at g = -1e38), AVX2's vrcpps gives 0 past 2^126. Each element is computed by the
+// same instructions whatever its row (a row's tail past the last whole vector runs masked in
+// the AVX-512 loop, element by element in the AVX2 one, at the same columns in every row), so
+// a row's result does not depend on the rows beside it (--deterministic).
 // Registered as torch.ops.radixserve.silu_mul; built by engine/worker/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
@@ -45,6 +46,9 @@ inline __m512 reciprocal16(__m512 d) {
 }
 
 inline __m512 silu_times16(__m512 g, __m512 u) {
+  // g held at -88.3 (a NaN kept: max_ps returns its second operand then): g / (1 + e^-g) of a
+  // g far below would be g 2^-127, not ~0 (-0.45 at -1e38)
+  g = _mm512_max_ps(_mm512_set1_ps(-88.3f), g);
   const __m512 e = radixserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_mul_ps(
       _mm512_mul_ps(g, reciprocal16(_mm512_add_ps(e, _mm512_set1_ps(1.f)))), u);
