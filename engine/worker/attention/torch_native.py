@@ -82,7 +82,7 @@ CASCADE_MIN_SAVED_KEYS = 8192
 PAGED_MAX_EXTEND = 17
 
 # Longer extends of up to this many rows attend through the compiled extend kernel (bf16), all
-# in one call: faster than gather + SDPA at every shape measured up to 1,536 rows (0.41-0.87x; a
+# in one call: faster than gather + SDPA at every shape measured up to 1,536 rows (0.41-0.91x; a
 # question over a cached head, ~0.5x); 0.90x at 1,792 rows from position 0 and 0.92-1.05x at
 # 2,048, where SDPA's flash kernel serves (docs/benchmarks.md's "Prefill on AMX").
 EXTEND_KERNEL_MAX_ROWS = 1536
