@@ -5,6 +5,7 @@ serving (engine/worker/process.py ``prefault_pool``)."""
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from itertools import pairwise
 
@@ -155,3 +156,30 @@ def test_a_tensor_parallel_rank_writes_its_pool_before_it_is_ready(monkeypatch) 
     spec = SimpleNamespace(index=1, config=None, endpoints=SimpleNamespace(control="x"))
     tp_rank.run(spec, SimpleNamespace(socket=lambda kind: Control()))
     assert resident_at_ready[0] >= 0.99 * len(pages) // 4096
+
+
+def test_a_pool_larger_than_the_memory_left_is_refused_with_a_sentence(monkeypatch) -> None:
+    """Written at start, a pool beyond the memory available would get the worker killed
+    with no word of why: it is refused before a page is written, naming the sizes."""
+    from types import SimpleNamespace
+
+    from engine.worker import process
+
+    pages = np.zeros(8 << 20, np.uint8)
+    runner = SimpleNamespace(pool=SimpleNamespace(kv=torch.from_numpy(pages).view(torch.float32),
+                                                  swa=torch.zeros(0)))
+    monkeypatch.setattr(process, "available_memory", lambda: 4 << 20)
+    before = _resident_pages(pages)
+    with pytest.raises(ValueError, match=r"takes 0\.01 GiB but 0\.00 GiB .* --kv-cache-gb"):
+        prefault_pool(runner)
+    assert _resident_pages(pages) - before < len(pages) // 4096 // 2  # nothing written
+    monkeypatch.setattr(process, "available_memory", lambda: 16 << 20)
+    assert prefault_pool(runner) == len(pages)
+
+
+def test_the_memory_available_is_read_from_the_kernel() -> None:
+    from engine.worker.process import available_memory
+
+    available = available_memory()
+    assert available is not None and 0 < available <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")

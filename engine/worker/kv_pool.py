@@ -209,8 +209,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            pin: bool = False) -> torch.Tensor:
     if device.type != "cpu" or pin or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-    # numpy's zeros is calloc: the OS hands out zero pages on first touch, so a large CPU pool
-    # costs neither start-up time nor resident memory until pages are written.
+    # numpy's zeros is calloc: the OS hands out zero pages on first touch, so a large CPU
+    # buffer costs neither time nor resident memory until written. The served worker writes
+    # its device pool once before it reports ready (process.prefault_pool); the host tier's
+    # pages stay lazy.
     raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
 

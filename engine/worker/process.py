@@ -330,12 +330,40 @@ def prefault_pool(*runners: ModelRunner) -> int:
     RADIXSERVE_KV_PREFAULT=0, or on an accelerator)."""
     if os.environ.get(PREFAULT_ENV, "1") == "0":
         return 0
-    written = 0
-    for pool in (tensor for runner in runners for tensor in (runner.pool.kv, runner.pool.swa)):
-        if pool.device.type == "cpu" and pool.numel():
-            pool.zero_()  # nothing is cached before serving: zeros, as calloc gave them
-            written += pool.numel() * pool.element_size()
-    return written
+    pools = [tensor for runner in runners for tensor in (runner.pool.kv, runner.pool.swa)
+             if tensor.device.type == "cpu" and tensor.numel()]
+    size = sum(pool.numel() * pool.element_size() for pool in pools)
+    available = available_memory()
+    if available is not None and size > available:
+        raise ValueError(
+            f"the CPU KV pool takes {size / 2**30:.2f} GiB but {available / 2**30:.2f} GiB of "
+            "memory is available: give a smaller --kv-cache-gb (or --num-pages), or "
+            f"{PREFAULT_ENV}=0 to leave its pages to be written as they fill")
+    for pool in pools:
+        pool.zero_()  # nothing is cached before serving: zeros, as calloc gave them
+    return size
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the kernel's MemAvailable, bounded by the cgroup's
+    (v2) memory.max less its memory.current where one is set; None where neither is readable."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, \
+                open("/sys/fs/cgroup/memory.current") as current:
+            text = limit.read().strip()
+            if text != "max":
+                found.append(max(int(text) - int(current.read()), 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def run(spec: LaunchSpec, ctx: zmq.Context) -> None:
