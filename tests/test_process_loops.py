@@ -105,8 +105,8 @@ def test_the_pool_is_written_before_serving(model_dir, monkeypatch):  # noqa: F8
     h = Harness(model_dir)
     pool = h.worker.runner.pool
     # A pool the size of the default CPU one would cost the test a second: a fresh one of
-    # 64 MiB stands in for it, calloc'd as the pool's own (engine/worker/kv_pool.py).
-    pages = np.zeros(64 << 20, np.uint8)
+    # 64 MiB stands in for it, never written, as the pool's own (engine/worker/kv_pool.py).
+    pages = _fresh_pages(64 << 20)
     pool.kv = torch.from_numpy(pages).view(torch.float32)
     before = _resident_pages(pages)
     assert prefault_pool(h.worker.runner) == pool.kv.numel() * 4 + pool.swa.numel() * 4
@@ -114,6 +114,14 @@ def test_the_pool_is_written_before_serving(model_dir, monkeypatch):  # noqa: F8
     assert not pool.kv.any()  # written, still zeros
     monkeypatch.setenv(PREFAULT_ENV, "0")
     assert prefault_pool(h.worker.runner) == 0
+
+
+def _fresh_pages(nbytes: int) -> np.ndarray:
+    """Zeros no process has written: an anonymous mapping of its own. (calloc may hand back
+    memory the allocator already holds, resident and cleared, depending on what ran before.)"""
+    import mmap
+
+    return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
 
 
 def _resident_pages(buffer: np.ndarray) -> int:
@@ -138,7 +146,7 @@ def test_a_tensor_parallel_rank_writes_its_pool_before_it_is_ready(monkeypatch) 
 
     from engine.worker import tp_rank
 
-    pages = np.zeros(16 << 20, np.uint8)
+    pages = _fresh_pages(16 << 20)
     pool = SimpleNamespace(kv=torch.from_numpy(pages).view(torch.float32),
                            swa=torch.zeros(0))
     resident_at_ready: list[int] = []
@@ -165,7 +173,7 @@ def test_a_pool_larger_than_the_memory_left_is_refused_with_a_sentence(monkeypat
 
     from engine.worker import process
 
-    pages = np.zeros(8 << 20, np.uint8)
+    pages = _fresh_pages(8 << 20)
     runner = SimpleNamespace(pool=SimpleNamespace(kv=torch.from_numpy(pages).view(torch.float32),
                                                   swa=torch.zeros(0)))
     monkeypatch.setattr(process, "available_memory", lambda: 4 << 20)
