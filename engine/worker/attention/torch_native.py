@@ -112,6 +112,7 @@ class TorchNativeBackend(AttentionBackend):
         without the cascade, so a row's result never depends on the step it is in (below)."""
         super().__init__(*args, **kwargs)
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K, V
+        self._qk_heads = [self.num_heads, self.num_kv_heads]
         # The compiled ops read and write pages in the model's dtype or int8 rows; an fp8
         # pool's steps take the torch paths, which decode the pages a step gathers.
         on_cpu = compiled and self.device.type == "cpu" and self.pool.kv_dtype not in FP8_DTYPES
@@ -135,7 +136,7 @@ class TorchNativeBackend(AttentionBackend):
         if self._rope_store is None:
             return super().forward_rotating(layer, qk, v, cos, signed_sin)
         self._use_kind(layer)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = qk.split_with_sizes(self._qk_heads, 1)  # not Tensor.split: a Python frame
         k_slots, v_slots = self.pool.slots(layer)
         q = self._rope_store(q, k, v, cos, signed_sin, self._out_slots, k_slots, v_slots)
         return self._attend(layer, q)

@@ -17,7 +17,7 @@ from engine.worker.cpu_kernels import add_rms_norm_op, rms_norm_op, silu_mul_op
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` (float32 residual rows, or activations) in the weight's dtype. Rows on
     CPU take the compiled op (engine/worker/cpu_kernels.py): the same arithmetic in one call."""
-    if x.dim() == 2 and x.device.type == "cpu" and x.stride(1) == 1:
+    if x.dim() == 2 and x.is_cpu and x.stride(1) == 1:
         fused = rms_norm_op()
         if fused is not None:
             return fused(x, weight, eps)
@@ -31,7 +31,7 @@ def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
     """residual += x (the float32 stream, in place), then ``rms_norm`` of the sum: on CPU rows
     one compiled op, the same arithmetic as the two (the add in float32, then the norm)."""
-    if (residual.device.type == "cpu" and residual.dtype == torch.float32
+    if (residual.is_cpu and residual.dtype == torch.float32
             and residual.dim() == 2 and residual.stride(1) == 1 and x.stride(1) == 1):
         fused = add_rms_norm_op()
         if fused is not None:
@@ -42,7 +42,7 @@ def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of the fused product's two halves, in its dtype: on CPU one compiled
     pass that rounds once (engine/worker/cpu_kernels.py), else torch's silu and mul_."""
-    if gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+    if gate_up.is_cpu and gate_up.dim() == 2 and gate_up.stride(1) == 1:
         fused = silu_mul_op()
         if fused is not None:
             return fused(gate_up)

@@ -39,11 +39,12 @@ others (tests: any CPU runs them, in float32 where oneDNN has no bf16).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import logging
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -163,6 +164,23 @@ def product(layer: object, x: torch.Tensor, form: str) -> torch.Tensor:
         return widened_product(layer.ops, layer.kernel, layer.bits, layer.rows, layer.cols, x,
                                layer.scratch)
     return layer.ops.quant_linear(x, *layer.kernel, layer.bits, layer.rows, layer.digits)
+
+
+def form_product(layer: object, form: str) -> Callable[[object, torch.Tensor], torch.Tensor]:
+    """``product(layer, x, form)`` as one callable of (layer, x), what a layer's forward calls
+    for each bucket (``QuantizedLinear._bind``): for the resident copy laid out for oneDNN,
+    its product straight where x is in its dtype. It holds no reference to ``layer``."""
+    if form == "resident" and layer.resident is not None and layer.resident[2]:
+        weight, dtype, _ = layer.resident
+        return functools.partial(_resident_packed, weight, dtype)
+    return functools.partial(product, form=form)
+
+
+def _resident_packed(weight: torch.Tensor, dtype: torch.dtype, layer: object, x: torch.Tensor
+                     ) -> torch.Tensor:
+    if x.dtype == dtype:
+        return torch.ops.mkldnn._linear_pointwise.default(x, weight, None, "none", [], "")
+    return resident_product(layer, x)
 
 
 def can_widen(layer: object, dtype: torch.dtype) -> bool:

@@ -79,6 +79,9 @@ class DecoderLayer(Weights):
         # more than the GEMM that fills them; on GPU the bound just caps activation memory.
         budget = (16 << 20) if device.type == "cpu" else (1 << 30)
         self.mlp_chunk_tokens = max(1, budget // (2 * plan.intermediate_size * dtype.itemsize))
+        # read every layer of every step: plain attributes, not nn.Module's parameter lookup
+        self._qk_v_sizes = [self.q_size + self.kv_size, self.kv_size]
+        self._mlp_norm = (self.mlp_norm,)
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
@@ -130,9 +133,9 @@ class DecoderLayer(Weights):
         qkv = self._linear("qkv", x, self.qkv_bias)
         if lora is not None:
             lora.add_(index, "qkv", x, qkv)
-        heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split_with_sizes(self._qk_v_sizes, 1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((rms_norm(q, self.q_norm, self.eps),
@@ -140,7 +143,7 @@ class DecoderLayer(Weights):
         # The backend rotates q and k (on CPU fused with storing K and V, engine/worker/cpu_kernels.py).
         out = attention.forward_rotating(index, qk, v, cos, sin).reshape(num_tokens, self.q_size)
         x = self._add_projection_(index, "o", hidden, out, self.o_bias, lora, self.attn_out_norm,
-                                  norm=self.mlp_norm)
+                                  norm=self._mlp_norm[0])
         # The MLP runs over row chunks so its widest temporary, [tokens, 2 * intermediate],
         # stays bounded however many tokens a prefill step carries.
         chunk = self.mlp_chunk_tokens

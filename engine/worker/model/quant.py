@@ -26,7 +26,7 @@ from engine.checkpoints.quant_formats import (
     weights_per_column,
 )
 from engine.worker.cpu_kernels import quant_ops
-from engine.worker.model.linear_forms import MEASURED_ROWS, Scratch, bucket, product
+from engine.worker.model.linear_forms import MEASURED_ROWS, Scratch, bucket, form_product
 from engine.worker.model.parallel import Slice
 
 # int8 digits of the activations against each weight width: against 8-, 6- and 5-bit weights
@@ -53,6 +53,7 @@ class QuantizedLinear:
         self.digits = DIGITS[bits]
         # the form of each row-count bucket, the widened form's buffer and the resident form's
         # copy: (weight, its dtype, laid out for oneDNN) (linear_forms.py)
+        self._calls: tuple | None = None  # each bucket's product, bound (``_bind``)
         self.forms: tuple[str, ...] = ("blocks",) * len(MEASURED_ROWS)
         self.scratch: Scratch | None = None
         self.resident: tuple[torch.Tensor, torch.dtype, bool] | None = None
@@ -60,6 +61,28 @@ class QuantizedLinear:
         # values, scales, minimums, super-block scales (csrc/quant_linear.cpp)
         self.kernel: tuple[torch.Tensor, ...] | None = None
         self._all_rows = torch.arange(rows, device=device)
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        return self._forms
+
+    @forms.setter
+    def forms(self, value: tuple[str, ...]) -> None:
+        self._forms, self._calls = tuple(value), None
+
+    @property
+    def resident(self) -> tuple[torch.Tensor, torch.dtype, bool] | None:
+        return self._resident
+
+    @resident.setter
+    def resident(self, value: tuple[torch.Tensor, torch.dtype, bool] | None) -> None:
+        self._resident, self._calls = value, None
+
+    def _bind(self) -> tuple:
+        """Each bucket's product as one callable (``form_product``), made once after the
+        forms or the resident copy change rather than chosen again at every call."""
+        self._calls = tuple(form_product(self, form) for form in self.forms)
+        return self._calls
 
     @property
     def nbytes(self) -> int:
@@ -97,14 +120,14 @@ class QuantizedLinear:
         view = copy.copy(self)
         groups = -(-rows // self.kernel[1].shape[-1])  # kRows interleaved rows a group
         view.kernel = tuple(t[:groups] if t.numel() else t for t in self.kernel)
-        view.rows, view.resident = rows, None
+        view.rows, view.resident = rows, None  # clears the copied bound products too
         view.forms = tuple("blocks" if form == "resident" else form for form in self.forms)
         view._all_rows = self._all_rows[:rows]
         return view
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), in x's dtype, in the form chosen for x's row count."""
-        out = product(self, x.contiguous(), self.forms[bucket(x.shape[0])])
+        out = (self._calls or self._bind())[bucket(x.shape[0])](self, x.contiguous())
         return out if bias is None else out.add_(bias)
 
 
