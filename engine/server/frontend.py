@@ -30,6 +30,16 @@ from typing import TYPE_CHECKING
 import uvicorn
 import zmq
 
+try:  # the faster event loop and HTTP parser where installed (pyproject lists both)
+    import uvloop
+except ImportError:
+    uvloop = None
+try:
+    import httptools  # noqa: F401  (only whether it imports)
+    HTTP_PARSER = "httptools"
+except ImportError:
+    HTTP_PARSER = "h11"
+
 from engine.contracts.engine_config import EngineConfig
 from engine.contracts.worker_messages import ModelInfo
 from engine.runtime.client import EngineClient
@@ -166,7 +176,8 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         if code is None:
-            code = asyncio.run(_serve(config, options, launcher, info, doors, relay))
+            run = asyncio.run if uvloop is None else uvloop.run
+            code = run(_serve(config, options, launcher, info, doors, relay))
         return code
     finally:
         launcher.shutdown()
@@ -234,7 +245,8 @@ async def _serve(config: EngineConfig, options: ServeOptions, launcher: Launcher
     drain = _Drain(service, options.shutdown_timeout)
     level = config.log_level.lower()
     server = _Uvicorn(uvicorn.Config(app, log_level=level, access_log=level in ("debug", "info"),
-                                     lifespan="off", timeout_graceful_shutdown=5),
+                                     lifespan="off", timeout_graceful_shutdown=5,
+                                     http=HTTP_PARSER),
                       lambda: print(doors.ready_line(service.model_name), flush=True),
                       lambda: loop.call_soon_threadsafe(drain.signalled))
     drain.server = server
