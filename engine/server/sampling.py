@@ -179,8 +179,9 @@ def native_params(values: dict[str, Any], info: ModelInfo) -> SamplingParams:
 
 
 def _is_ids(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+    # The types' set in C loops (a Python loop over a 512-token prompt took ~60 us); a decoded
+    # body's ints are exact ints, its true/false bools, so bools are not ids.
+    return isinstance(value, list) and bool(value) and {*map(type, value)} == {int}
 
 
 def check_prompt_ids(ids: list[int], info: ModelInfo, max_tokens: int, param: str) -> None:
