@@ -19,13 +19,45 @@ namespace {
 
 using radixserve::to_float;
 
+// A float32 row's sum of squares in one order whatever the row's address or the caller it would
+// be inlined into (one body, no alignment peeling), so that rms_norm over a sum and add_rms_norm
+// agree bit for bit: 16 (AVX-512) or 8 (AVX2) partial sums, a fixed horizontal sum, the tail in
+// order.
+__attribute__((noinline)) float sum_of_squares(const float* xr, int64_t hidden) {
+  int64_t d = 0;
+  float squares = 0.f;
+#if defined(RADIXSERVE_AVX512)
+  __m512 squares16 = _mm512_setzero_ps();
+  for (; d + 16 <= hidden; d += 16) {
+    const __m512 v = _mm512_loadu_ps(xr + d);
+    squares16 = _mm512_fmadd_ps(v, v, squares16);
+  }
+  squares = _mm512_reduce_add_ps(squares16);
+#elif defined(RADIXSERVE_AVX2)
+  __m256 squares8 = _mm256_setzero_ps();
+  for (; d + 8 <= hidden; d += 8) {
+    const __m256 v = _mm256_loadu_ps(xr + d);
+    squares8 = _mm256_fmadd_ps(v, v, squares8);
+  }
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(squares8), _mm256_extractf128_ps(squares8, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  squares = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+#endif
+  for (; d < hidden; ++d) squares += xr[d] * xr[d];
+  return squares;
+}
+
 template <typename X, typename W>
 inline void normalize_row(const X* xr, const W* weight, W* outr, int64_t hidden, float eps) {
   float squares = 0.f;
+  if constexpr (std::is_same_v<X, float>) {
+    squares = sum_of_squares(xr, hidden);
+  } else {
 #pragma omp simd reduction(+ : squares)
-  for (int64_t d = 0; d < hidden; ++d) {
-    const float v = to_float(xr[d]);
-    squares += v * v;
+    for (int64_t d = 0; d < hidden; ++d) {
+      const float v = to_float(xr[d]);
+      squares += v * v;
+    }
   }
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
   for (int64_t d = 0; d < hidden; ++d) {
@@ -39,21 +71,14 @@ inline void normalize_row(const X* xr, const W* weight, W* outr, int64_t hidden,
 }
 
 #if defined(RADIXSERVE_AVX512) && defined(__AVX512BF16__)
-// bf16 weights over float32 rows (the residual stream's norms), 16 lanes at a time: the sum of
-// squares in 16 partial sums (the loop above leaves its order to the compiler, which kept it
-// scalar), then the same two roundings to nearest even (vcvtneps2bf16) as the loop above.
+// bf16 weights over float32 rows (the residual stream's norms), 16 lanes at a time: the same
+// sum of squares and the same two roundings to nearest even (vcvtneps2bf16) as the loop above.
 template <>
 inline void normalize_row<float, c10::BFloat16>(const float* xr, const c10::BFloat16* weight,
                                                 c10::BFloat16* outr, int64_t hidden,
                                                 float eps) {
-  __m512 squares16 = _mm512_setzero_ps();
+  const float squares = sum_of_squares(xr, hidden);
   int64_t d = 0;
-  for (; d + 16 <= hidden; d += 16) {
-    const __m512 v = _mm512_loadu_ps(xr + d);
-    squares16 = _mm512_fmadd_ps(v, v, squares16);
-  }
-  float squares = _mm512_reduce_add_ps(squares16);
-  for (; d < hidden; ++d) squares += xr[d] * xr[d];
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
   const __m512 inv16 = _mm512_set1_ps(inv);
   d = 0;
