@@ -267,6 +267,11 @@ class TierIO:
                     return
                 self._cond.wait(left)
 
+    def flush(self, timeout: float) -> None:
+        """Until every save queued so far is written (or tried) or ``timeout`` seconds pass."""
+        with self._cond:
+            self._cond.wait_for(lambda: not (self._saves or self._busy), timeout)
+
     def close(self, timeout: float = FLUSH_SECONDS) -> None:
         """Write what is queued (for at most ``timeout`` seconds), then stop."""
         with self._cond:
