@@ -179,7 +179,7 @@ def form_product(layer: object, form: str) -> Callable[[object, torch.Tensor], t
 def _resident_packed(weight: torch.Tensor, dtype: torch.dtype, layer: object, x: torch.Tensor
                      ) -> torch.Tensor:
     if x.dtype == dtype:
-        return torch.ops.mkldnn._linear_pointwise.default(x, weight, None, "none", [], "")
+        return linear_pointwise(x, weight)
     return resident_product(layer, x)
 
 
